@@ -1,0 +1,5 @@
+"""LightningDataModules wrapping HuggingFace ``datasets``."""
+
+from datamodules.language_modeling import LanguageModelingDataModule
+
+__all__ = ["LanguageModelingDataModule"]

@@ -1,0 +1,16 @@
+"""Output layers behind one contract (see heads/base.py and DESIGN.md)."""
+
+from heads.base import IGNORE_INDEX, Head, HeadConfigError, HeadOutput
+from heads.mixtape import MixtapeHead
+from heads.mos import MoSHead
+from heads.softmax import SoftmaxHead
+
+__all__ = [
+    "IGNORE_INDEX",
+    "Head",
+    "HeadConfigError",
+    "HeadOutput",
+    "MixtapeHead",
+    "MoSHead",
+    "SoftmaxHead",
+]

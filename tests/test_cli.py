@@ -1,0 +1,151 @@
+"""End to end through cli.py: fit, test, predict, head swapping, errors."""
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.vocab import VocabularyMismatchError
+from cli import console_main, expand_config_bases, main, user_error
+from heads import HeadConfigError, MixtapeHead, MoSHead, SoftmaxHead
+
+SMALL = [
+    "--model.init_args.backbone.init_args.embedding_size", "32",
+    "--model.init_args.backbone.init_args.hidden_size", "32",
+    "--model.init_args.head.init_args.hidden_size", "32",
+    "--trainer.enable_progress_bar", "false",
+]  # fmt: skip
+
+
+# Runs without a logger save their config.yaml in the root dir: keep it out of the repo.
+ROOT = tempfile.mkdtemp(prefix="cli-test-")
+
+
+@pytest.fixture(autouse=True)
+def _no_pytest_argv(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["cli.py"])
+
+
+def run(subcommand: str, config: str, ptb_path: str, *extra: str):
+    args = [subcommand, "--trainer.default_root_dir", ROOT, "--config", f"configs/lm/{config}.yaml",
+            "--data.init_args.path", ptb_path, *SMALL, *extra]  # fmt: skip
+    return main(args)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, ptb_path):
+    logs = tmp_path_factory.mktemp("logs")
+    cli = run("fit", "ptb_softmax", ptb_path,
+              "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "300",
+              "--trainer.limit_val_batches", "20", "--trainer.logger.init_args.save_dir",
+              str(logs))  # fmt: skip
+    return cli, logs
+
+
+def test_fit_writes_checkpoint_and_tensorboard_events(trained):
+    cli, logs = trained
+    assert cli.trainer.global_step == 300
+    assert list(logs.rglob("*.ckpt")), "no checkpoint written"
+    assert list(logs.rglob("events.out.tfevents.*")), "no TensorBoard event file"
+    assert torch.isfinite(cli.trainer.callback_metrics["val/ppl"])
+
+
+def test_test_on_checkpoint_beats_untrained_model(trained, ptb_path):
+    cli, logs = trained
+    ckpt = str(next(logs.rglob("last.ckpt")))
+    common = ["--trainer.limit_test_batches", "50", "--trainer.logger", "false"]
+    trained_ppl = run("test", "ptb_softmax", ptb_path, "--ckpt_path", ckpt, *common)
+    untrained_ppl = run("test", "ptb_softmax", ptb_path, *common)
+    trained_ppl = float(trained_ppl.trainer.callback_metrics["test/ppl"])
+    untrained_ppl = float(untrained_ppl.trainer.callback_metrics["test/ppl"])
+    assert trained_ppl < 0.2 * untrained_ppl, (trained_ppl, untrained_ppl)
+    assert untrained_ppl > 5000  # about uniform over 10k words
+
+
+def test_checkpoint_with_another_vocabulary_is_refused(trained, ptb_path, tmp_path):
+    _, logs = trained
+    for split in ("train", "valid", "test"):
+        (tmp_path / f"tiny.{split}.txt").write_text("a b c d\n" * 200)
+    ckpt = str(next(logs.rglob("last.ckpt")))
+    with pytest.raises(VocabularyMismatchError, match="another vocabulary"):
+        main(["test", "--trainer.default_root_dir", ROOT,
+              "--config", "configs/lm/ptb_softmax.yaml", *SMALL,
+              "--data.init_args.path", str(tmp_path), "--ckpt_path", ckpt,
+              "--trainer.logger", "false"])  # fmt: skip
+
+
+def test_predict_reports_top_k_and_samples(trained, ptb_path, tmp_path):
+    _, logs = trained
+    ckpt = str(next(logs.rglob("last.ckpt")))
+    out = tmp_path / "predictions.jsonl"
+    run("predict", "ptb_softmax", ptb_path, "--ckpt_path", ckpt, "--trainer.logger", "false",
+        "--data.init_args.predict_prompts", '["the company said", "in new york"]',
+        "--model.init_args.predict_top_k", "5", "--model.init_args.generate_tokens", "7",
+        "--trainer.callbacks+=app.callbacks.PredictionWriter",
+        f"--trainer.callbacks.output_file={out}")  # fmt: skip
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["the company said", "in new york"]
+    for row in rows:
+        probs = [c["prob"] for c in row["top_k"]]
+        assert len(probs) == 5 and probs == sorted(probs, reverse=True) and sum(probs) <= 1
+        assert len(row["sample"].split()) == 7
+
+
+@pytest.mark.parametrize("head_class", [SoftmaxHead, MoSHead, MixtapeHead])
+def test_one_line_swaps_the_head_and_bf16_mixed_trains(head_class, ptb_path):
+    cli = run("fit", "ptb_mixtape", ptb_path,
+              "--model.head.class_path", f"heads.{head_class.__name__}",
+              "--model.head.init_args.hidden_size", "32",
+              "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "4",
+              "--trainer.limit_val_batches", "2",
+              "--trainer.precision", "bf16-mixed", "--trainer.logger", "false",
+              "--trainer.enable_checkpointing", "false", "--data.init_args.batch_size", "4",
+              "--trainer.callbacks", "null")  # fmt: skip
+    assert type(cli.model.head) is head_class
+    assert cli.model.head.vocab_size == 10_000  # linked from the data module
+    for key in ("train/loss", "val/loss", "val/ppl"):
+        assert torch.isfinite(cli.trainer.callback_metrics[key]), key
+
+
+def test_unknown_head_class_is_reported(ptb_path, capsys):
+    with pytest.raises(SystemExit):
+        run("fit", "ptb_softmax", ptb_path, "--model.head.class_path", "heads.NoSuchHead")
+    assert "heads.NoSuchHead" in capsys.readouterr().err
+
+
+def test_bad_mixtape_option_is_one_clear_line(ptb_path, capsys):
+    args = ["fit", "--trainer.default_root_dir", ROOT, "--config", "configs/lm/ptb_mixtape.yaml",
+            "--data.init_args.path", ptb_path,
+            "--model.head.init_args.num_components", "3"]  # fmt: skip
+    with pytest.raises(Exception) as raised:
+        main(args)
+    assert isinstance(user_error(raised.value), HeadConfigError)
+    assert console_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        "error: MixtapeHead num_components must be a power of two >= 2 (sigmoid tree, Eq. 3), got 3"
+    )
+
+
+def test_missing_data_is_one_clear_line(tmp_path, capsys):
+    missing = str(tmp_path / "no_such_corpus")
+    code = console_main(["fit", "--trainer.default_root_dir", ROOT,
+                         "--config", "configs/lm/ptb_softmax.yaml",
+                         "--data.init_args.path", missing])  # fmt: skip
+    assert code == 2
+    assert f"error: data path {missing!r} does not exist" in capsys.readouterr().err
+
+
+def test_config_bases_are_applied_first(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text("trainer:\n  max_epochs: 3\n")
+    child = tmp_path / "child.yaml"
+    child.write_text("__base__: base.yaml\nmodel:\n  init_args:\n    tie_weights: false\n")
+    args = expand_config_bases(["fit", "--config", str(child), "--trainer.max_epochs", "1"])
+    assert args[:3] == ["fit", "--config", str(base.resolve())]
+    assert args[3] == "--config" and "__base__" not in args[4] and "tie_weights" in args[4]
+    assert args[-2:] == ["--trainer.max_epochs", "1"]
+    assert Path(args[2]).is_file()
