@@ -1,11 +1,13 @@
 """Output layers behind one contract (see heads/base.py and DESIGN.md)."""
 
+from heads.adaptive import AdaptiveSoftmaxHead
 from heads.base import IGNORE_INDEX, Head, HeadConfigError, HeadOutput
 from heads.mixtape import MixtapeHead
 from heads.mos import MoSHead
 from heads.softmax import SoftmaxHead
 
 __all__ = [
+    "AdaptiveSoftmaxHead",
     "IGNORE_INDEX",
     "Head",
     "HeadConfigError",

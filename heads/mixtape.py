@@ -144,37 +144,54 @@ class MixtapeHead(Head):
             return gate_logits + torch.randn_like(gate_logits) * self.gate_noise
         return gate_logits
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vector-gated logits ``[N, V]`` (Eq. 2 before the softmax)."""
+    def _split_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Vector-gated logits (Eq. 2 before the softmax) of the S frequent tokens ``[N, S]``
+        and of the shared-gate tokens ``[N, V - S]`` (``None`` when S = V)."""
         n, s = hidden.size(0), self.num_frequent
         k, d2 = self.num_components, self.gate_embedding_size
-        contexts = self.context_dropout(torch.tanh(self.context(hidden)).view(n, k, -1))
+        contexts = self.context_dropout(torch.tanh(self.context(hidden)).view(n, k, -1))  # Eq. 5
+        if s < self.vocab_size:
+            w_freq, w_rare = self.weight.split([s, self.vocab_size - s])
+            b_freq, b_rare = self.bias.split([s, self.vocab_size - s])
+        else:
+            w_freq, b_freq = self.weight, self.bias
 
         # Gate pre-activations shared by every token: u_k . g_c  (Eq. 6)
         shared_gate_logits = self.gate_context(hidden)  # [N, K-1]
 
-        # Frequent tokens: own gates (Eq. 4) and per-component logits h_{c,k} . w_x.
-        # Layout [N, K, S] keeps both products plain batched matmuls with no transposes.
+        # Frequent tokens, Eq. 4: v_x . tanh(U_k g_c) + u_k . g_c + b_{x,k}   -> [N, K-1, S]
         gate_hidden = torch.tanh(
             F.linear(hidden, self._gate_projection_weight(), self.gate_projection.bias)
         )
         gate_hidden = self.gate_dropout(gate_hidden).view(n, self.num_gates, d2)
-        frequent_gate_logits = (  # [N, K-1, S]
+        gate_logits = (  # one [N (K-1), d2] x [d2, S] product, then broadcast adds
             torch.matmul(gate_hidden, self.gate_embedding.t())
             + self.gate_bias.t()
             + shared_gate_logits.unsqueeze(-1)
         )
-        frequent_priors = sigmoid_tree_priors(self._noisy(frequent_gate_logits), dim=1)
-        component_logits = F.linear(contexts, self.weight[:s])  # [N, K, S]
-        frequent_logits = (frequent_priors * component_logits).sum(1) + self.bias[:s]
+        gammas = torch.sigmoid(self._noisy(gate_logits))
+        # h_{c,k} . w_x + b_x per component: the bias can go inside since sum_k pi = 1.
+        values = F.linear(contexts, w_freq, b_freq)  # [N, K, S]
+        # Eq. 2-3 without forming the priors: sum_k pi_k z_k over the sigmoid tree is a
+        # nested interpolation, node value = gamma * left + (1 - gamma) * right, bottom up.
+        width = k // 2
+        while width >= 1:
+            level = gammas[:, width - 1 : 2 * width - 1]  # heap nodes of this depth
+            values = torch.lerp(values[:, 1::2], values[:, 0::2], level.to(values.dtype))
+            width //= 2
+        frequent_logits = values.squeeze(1)
         if s == self.vocab_size:
-            return frequent_logits
+            return frequent_logits, None
 
         # Infrequent tokens: one shared prior; mix the contexts first, then one matmul.
         shared_priors = sigmoid_tree_priors(self._noisy(shared_gate_logits))  # [N, K]
-        mixed_context = torch.einsum("nk,nkd->nd", shared_priors, contexts)
-        rare_logits = F.linear(mixed_context, self.weight[s:], self.bias[s:])
-        return torch.cat((frequent_logits, rare_logits), dim=-1)
+        mixed_context = torch.bmm(shared_priors.unsqueeze(1), contexts).squeeze(1)
+        return frequent_logits, F.linear(mixed_context, w_rare, b_rare)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vector-gated logits ``[N, V]`` (Eq. 2 before the softmax)."""
+        frequent, rare = self._split_logits(hidden)
+        return frequent if rare is None else torch.cat((frequent, rare), dim=-1)
 
     def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:
         self.check_inputs(hidden)
@@ -186,6 +203,7 @@ class MixtapeHead(Head):
         self.check_inputs(hidden, target)
         logits = self.logits(hidden)
         with float32_no_autocast(hidden.device):
+            # fused log-softmax + gather: no second [N, V] tensor is kept
             nll = F.cross_entropy(upcast(logits), target, reduction="none")
         return self.output_from_target_log_prob(-nll, target)
 

@@ -149,3 +149,14 @@ def test_config_bases_are_applied_first(tmp_path):
     assert args[3] == "--config" and "__base__" not in args[4] and "tie_weights" in args[4]
     assert args[-2:] == ["--trainer.max_epochs", "1"]
     assert Path(args[2]).is_file()
+
+
+def test_adaptive_config_trains_under_bf16_mixed(ptb_path):
+    cli = run("fit", "ptb_adaptive", ptb_path,
+              "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "4",
+              "--trainer.limit_val_batches", "2", "--trainer.precision", "bf16-mixed",
+              "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
+              "--data.init_args.batch_size", "4", "--trainer.callbacks", "null")  # fmt: skip
+    assert cli.model.head.cutoffs == [2000, 6000, 10_000]
+    for key in ("train/loss", "val/loss", "val/ppl"):
+        assert torch.isfinite(cli.trainer.callback_metrics[key]), key

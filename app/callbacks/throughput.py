@@ -16,8 +16,9 @@ def _tokens(batch: Any) -> int:
 
 
 class TokenThroughputMonitor(ThroughputMonitor):
-    """Logs ``train|items_per_sec`` (tokens/s) and ``train|batches_per_sec`` for BPTT batches
-    ``(input [B, T], target [B, T])``; a rolling mean over ``window_size`` logged steps."""
+    """Logs ``train/device/items_per_sec`` (tokens/s) and ``train/device/batches_per_sec``
+    for BPTT batches ``(input [B, T], target [B, T])``, a rolling mean over ``window_size``
+    logged steps."""
 
     def __init__(self, window_size: int = 20) -> None:
         super().__init__(batch_size_fn=_streams, length_fn=_tokens, window_size=window_size)

@@ -1,0 +1,1 @@
+"""The output-layer benchmark: ``python -m app.bench --help``."""

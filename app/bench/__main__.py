@@ -1,0 +1,3 @@
+from app.bench.run import main
+
+main()

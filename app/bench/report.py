@@ -1,0 +1,47 @@
+"""Table and plot of a benchmark report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def print_table(report: dict) -> None:
+    rows = report["results"]
+    print(f"\n{'head':<15}{'V':>8}{'d':>6}{'tokens':>8}{'ms/batch':>11}{'us/token':>10}"
+          f"{'x softmax':>11}{'peak MiB':>10}")  # fmt: skip
+    for row in rows:
+        softmax = next((r for r in rows if r["head"] == "softmax"
+                        and r["vocab_size"] == row["vocab_size"]
+                        and r["hidden_size"] == row["hidden_size"]), None)  # fmt: skip
+        rel = row["time_per_token_us"] / softmax["time_per_token_us"] if softmax else float("nan")
+        print(f"{row['head']:<15}{row['vocab_size']:>8}{row['hidden_size']:>6}{row['tokens']:>8}"
+              f"{row['time_ms']:>11.2f}{row['time_per_token_us']:>10.3f}{rel:>11.2f}"
+              f"{row['peak_memory_mb']:>10.1f}")  # fmt: skip
+
+
+def save_plot(report: dict, path: Path) -> None:
+    rows = report["results"]
+    heads = list(dict.fromkeys(r["head"] for r in rows))
+    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for head in heads:
+        mine = sorted((r for r in rows if r["head"] == head), key=lambda r: r["vocab_size"])
+        vocab = [r["vocab_size"] for r in mine]
+        ax_time.plot(vocab, [r["time_per_token_us"] for r in mine], marker="o", label=head)
+        ax_mem.plot(vocab, [r["peak_memory_mb"] for r in mine], marker="o", label=head)
+    args = report["args"]
+    for ax, label in ((ax_time, "time per token (us), fwd+bwd"), (ax_mem, "peak memory (MiB)")):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("vocabulary size")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_time.legend()
+    fig.suptitle(f"{args['mode']}, scope={args['scope']}, device={report['machine']['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

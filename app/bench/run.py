@@ -1,0 +1,216 @@
+"""Timing and memory of output layers: ``python -m app.bench --help``.
+
+Forward + backward of the output layer alone (``--scope head``) or of a whole LSTM language
+model around it (``--scope lm``), for every head, vocabulary size, hidden size and batch size
+asked for. Heads are interleaved within each repeat so they share the machine's state, and
+each figure is the median over repeats after warm-up. Two modes, as in the Mixtape paper's
+tables: ``same-batch`` (time per batch at a given batch size) and ``same-memory`` (the largest
+batch that fits a memory budget, and the time per token at that batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from app.bench.memory import peak_memory_bytes
+from app.bench.subjects import HEADS, BenchOptions, WholeLM, build_head, step_fn
+from heads.adaptive_cutoffs import zipf_probabilities
+
+PTB_TRAIN = Path(__file__).resolve().parents[2].parent / "shared/data/ptb/ptb.train.txt"
+
+
+def make_targets(kind: str, vocab: int, count: int, generator: torch.Generator) -> torch.Tensor:
+    """Targets drawn from a Zipf law over ids, or PTB's training stream (ids folded into V)."""
+    if kind == "zipf":
+        probs = torch.from_numpy(zipf_probabilities(vocab))
+        return torch.multinomial(probs, count, replacement=True, generator=generator)
+    if kind == "ptb":
+        from datamodules import LanguageModelingDataModule
+
+        tokens = LanguageModelingDataModule(path=str(PTB_TRAIN.parent)).split_tokens("train")
+        return tokens[:count].remainder(vocab)
+    raise ValueError(f"unknown targets {kind!r}: zipf or ptb")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_once(step, device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    step()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def build_case(name, scope, vocab, hidden, tokens, targets, options, device, bptt):
+    head = build_head(name, hidden, vocab, options)
+    if scope == "lm":
+        module = WholeLM(head, hidden, vocab).to(device)
+        streams = max(1, tokens // bptt)
+        ids = targets[: streams * bptt].view(streams, bptt).to(device)
+        return module, step_fn(module, ids, ids)
+    module = head.to(device)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=gen).to(device).requires_grad_(True)
+    return module, step_fn(module, x, targets[:tokens].to(device))
+
+
+def largest_batch(name, scope, vocab, hidden, budget, targets, options, device, bptt, limit):
+    """Largest token count (a multiple of ``bptt``) whose peak memory fits ``budget`` bytes."""
+
+    def fits(tokens: int) -> bool:
+        _, step = build_case(name, scope, vocab, hidden, tokens, targets, options, device, bptt)
+        step()
+        return peak_memory_bytes(step, device) <= budget
+
+    low, high = 0, bptt
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    high = min(high, limit + bptt)
+    while high - low > bptt:  # binary search between the last fit and the first miss
+        mid = (low + high) // 2 // bptt * bptt
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    options = BenchOptions(
+        mos_components=args.mos_components, mixtape_components=args.mixtape_components,
+        mixtape_ratio=args.mixtape_ratio, cutoffs=args.cutoffs, div_value=args.div_value,
+    )  # fmt: skip
+    results = []
+    configs = [(v, d, b) for v in args.vocab_sizes for d in args.hidden_sizes
+               for b in args.batch_sizes]  # fmt: skip
+    for index, (vocab, hidden, batch) in enumerate(configs, start=1):
+        print(f"[{index}/{len(configs)}] V={vocab} d={hidden} batch={batch}", flush=True)
+        max_tokens = max(batch, args.max_batch)
+        targets = make_targets(args.targets, vocab, max_tokens, torch.Generator().manual_seed(1))
+        tokens = {name: batch for name in args.heads}
+        if args.mode == "same-memory":
+            budget = int(args.memory_budget_mb * 2**20)
+            for name in args.heads:
+                tokens[name] = largest_batch(
+                    name, args.scope, vocab, hidden, budget, targets, options, device,
+                    args.bptt, args.max_batch,
+                )  # fmt: skip
+                print(f"  {name}: {tokens[name]} tokens fit {args.memory_budget_mb} MiB")
+        cases = {}
+        for name in args.heads:
+            if tokens[name] == 0:
+                continue
+            torch.manual_seed(0)
+            cases[name] = build_case(name, args.scope, vocab, hidden, tokens[name], targets,
+                                     options, device, args.bptt)  # fmt: skip
+        for _ in range(args.warmup):
+            for _, step in cases.values():
+                step()
+        times: dict[str, list[float]] = {name: [] for name in cases}
+        for _ in range(args.repeats):  # interleaved: every head sees the same machine state
+            for name, (_, step) in cases.items():
+                times[name].append(time_once(step, device))
+        for name, (module, step) in cases.items():
+            median = statistics.median(times[name])
+            row = {
+                "head": name, "vocab_size": vocab, "hidden_size": hidden,
+                "tokens": tokens[name], "scope": args.scope, "mode": args.mode,
+                "time_ms": median * 1e3, "time_per_token_us": median / tokens[name] * 1e6,
+                "times_ms": [t * 1e3 for t in times[name]],
+                "peak_memory_mb": peak_memory_bytes(step, device) / 2**20,
+                "parameters": sum(p.numel() for p in module.parameters()),
+            }  # fmt: skip
+            if hasattr(module, "cutoffs"):
+                row["cutoffs"] = module.cutoffs
+            results.append(row)
+    return {
+        "args": vars(args), "options": asdict(options), "results": results,
+        "machine": {"platform": platform.platform(), "torch": torch.__version__,
+                    "threads": torch.get_num_threads(), "device": str(device),
+                    "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
+    }  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m app.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--heads", nargs="+", default=list(HEADS), choices=HEADS)
+    parser.add_argument("--vocab-sizes", nargs="+", type=int, default=[10_000, 33_000, 100_000])
+    parser.add_argument("--hidden-sizes", nargs="+", type=int, default=[512])
+    parser.add_argument(
+        "--batch-sizes",
+        nargs="+",
+        type=int,
+        default=[2048],
+        help="tokens per batch (same-batch mode)",
+    )
+    parser.add_argument("--mode", choices=["same-batch", "same-memory"], default="same-batch")
+    parser.add_argument("--memory-budget-mb", type=float, default=1024)
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=65_536,
+        help="largest token count tried in same-memory mode",
+    )
+    parser.add_argument("--scope", choices=["head", "lm"], default="head")
+    parser.add_argument("--bptt", type=int, default=35, help="sequence length for --scope lm")
+    parser.add_argument("--targets", choices=["zipf", "ptb"], default="zipf")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--mos-components", type=int, default=15)
+    parser.add_argument("--mixtape-components", type=int, default=4)
+    parser.add_argument("--mixtape-ratio", type=float, default=0.1)
+    parser.add_argument(
+        "--cutoffs",
+        nargs="+",
+        type=int,
+        default=None,
+        help="adaptive cut-offs (default: the paper's dynamic program)",
+    )
+    parser.add_argument("--div-value", type=float, default=4.0)
+    parser.add_argument("--out", default="bench_results", help="folder for JSON and PNG")
+    parser.add_argument("--name", default=None, help="file stem (default: mode-scope)")
+    args = parser.parse_args(argv)
+    for name in ("repeats", "bptt", "max_batch"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    if min(args.vocab_sizes + args.hidden_sizes + args.batch_sizes) <= 0:
+        parser.error("sizes must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from app.bench.report import print_table, save_plot
+
+    args = parse_args(argv)
+    report = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = args.name or f"{args.mode}-{args.scope}"
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
+    print_table(report)
+    save_plot(report, out / f"{stem}.png")
+    print(f"wrote {out / (stem + '.json')} and {out / (stem + '.png')}")
+    return report
+
+
+def ratio(report: dict, numerator: str, denominator: str, vocab: int, key="time_ms") -> float:
+    """``numerator / denominator`` of one measured figure at one vocabulary size."""
+    rows = {r["head"]: r for r in report["results"] if r["vocab_size"] == vocab}
+    return float(np.float64(rows[numerator][key]) / rows[denominator][key])

@@ -1,0 +1,119 @@
+"""What the benchmark times: heads, the peer and limit rows, and whole language models."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from app.backbones import LSTMBackbone
+from heads import Head, MixtapeHead, MoSHead, SoftmaxHead
+from heads.adaptive import AdaptiveSoftmaxHead
+
+HEADS = ("softmax", "mixtape", "mos", "adaptive", "torch_adaptive", "matmul")
+
+
+@dataclass
+class BenchOptions:
+    mos_components: int = 15
+    mixtape_components: int = 4
+    mixtape_ratio: float = 0.1
+    cutoffs: list[int] | None = None  # adaptive; None: "auto" (the paper's program)
+    div_value: float = 4.0
+
+
+class TorchAdaptive(nn.Module):
+    """``torch.nn.AdaptiveLogSoftmaxWithLoss`` behind ``(hidden, target) -> loss``."""
+
+    def __init__(self, hidden: int, vocab: int, cutoffs: list[int], div_value: float) -> None:
+        super().__init__()
+        self.layer = nn.AdaptiveLogSoftmaxWithLoss(hidden, vocab, cutoffs, div_value=div_value)
+
+    def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.layer(hidden, target).loss
+
+
+class BareMatmul(nn.Module):
+    """The machine's limit: the three products of a full softmax's forward and backward
+    (``h W^T``, ``dL W``, ``dL^T h``) with nothing else."""
+
+    def __init__(self, hidden: int, vocab: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(vocab, hidden) * hidden**-0.5)
+
+    def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return _BareMatmul.apply(hidden, self.weight)
+
+
+class _BareMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight):
+        ctx.save_for_backward(hidden, weight)
+        ctx.logits = hidden @ weight.T  # kept so the backward has a [N, V] gradient to use
+        return ctx.logits.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight = ctx.saved_tensors
+        grad_logits = ctx.logits  # stands in for dL/dlogits: same shape, no extra work
+        return grad_logits @ weight, grad_logits.T @ hidden
+
+
+def loss_of(module: nn.Module, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    out = module(hidden, target)
+    return out.loss if not isinstance(out, torch.Tensor) else out
+
+
+def build_head(name: str, hidden: int, vocab: int, options: BenchOptions) -> nn.Module:
+    if name == "softmax":
+        return SoftmaxHead(hidden, vocab)
+    if name == "mos":
+        return MoSHead(hidden, vocab, num_components=options.mos_components)
+    if name == "mixtape":
+        return MixtapeHead(
+            hidden, vocab, num_components=options.mixtape_components,
+            frequent_ratio=options.mixtape_ratio,
+        )  # fmt: skip
+    if name in ("adaptive", "torch_adaptive"):
+        ours = AdaptiveSoftmaxHead(
+            hidden, vocab, cutoffs=options.cutoffs or "auto", div_value=options.div_value
+        )
+        if name == "adaptive":
+            return ours
+        return TorchAdaptive(hidden, vocab, ours.cutoffs[:-1], options.div_value)
+    if name == "matmul":
+        return BareMatmul(hidden, vocab)
+    raise ValueError(f"unknown head {name!r}; choose from {', '.join(HEADS)}")
+
+
+class WholeLM(nn.Module):
+    """A 2-layer LSTM language model around a head: tokens ``[B, T]`` -> loss."""
+
+    def __init__(self, head: nn.Module, hidden: int, vocab: int) -> None:
+        super().__init__()
+        self.backbone = LSTMBackbone(vocab, hidden, hidden, 2, input_dropout=0.0,
+                                     hidden_dropout=0.0, output_dropout=0.0)  # fmt: skip
+        self.head = head
+
+    def forward(self, tokens: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.backbone(tokens)
+        return loss_of(self.head, hidden.reshape(-1, hidden.size(-1)), target.reshape(-1))
+
+
+def step_fn(module: nn.Module, inputs: torch.Tensor, target: torch.Tensor) -> Callable[[], None]:
+    """One forward + backward (gradients are dropped each time, as zero_grad(None) does)."""
+
+    def step() -> None:
+        for p in module.parameters():
+            p.grad = None
+        if inputs.is_floating_point():
+            inputs.grad = None
+        loss_of(module, inputs, target).backward()
+
+    return step
+
+
+def is_head(module: nn.Module) -> bool:
+    return isinstance(module, Head)

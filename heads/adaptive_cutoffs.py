@@ -1,0 +1,176 @@
+"""Choosing adaptive-softmax cut-offs (Grave et al. 2017, adaptive-softmax.txt, Sec. 4).
+
+Computation-time model of a ``[B, d] x [d, k]`` product (Eq. 7)::
+
+    g(k, B) = max(c + lambda * k0B0, c + lambda * k * B)
+
+Expected cost of a head short-list of ``k_h`` words plus ``J`` tail clusters (Eq. 8)::
+
+    C = g(J + k_h, B) + sum_i g(k_i * d_i / d, p_i * B)
+
+where ``p_i`` is the probability mass of cluster i and ``d_i = d / div^i`` its reduced input
+size (so its product is ``d_i / d`` times cheaper). Words are assigned by decreasing
+probability to clusters of increasing size (Sec. 4.2), so only the cut-off positions are free;
+they are found by dynamic programming over the frequency-sorted vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """``g(k, B) = max(c + lam * k0b0, c + lam * k * B)``; times in milliseconds."""
+
+    c: float
+    lam: float
+    k0b0: float
+
+    def time(self, k: np.ndarray | float, batch: np.ndarray | float) -> np.ndarray | float:
+        return np.maximum(self.c + self.lam * self.k0b0, self.c + self.lam * k * batch)
+
+
+def zipf_probabilities(vocab_size: int, exponent: float = 1.0) -> np.ndarray:
+    """Unigram model for frequency-sorted ids when no counts are given: p(rank) ~ rank^-s."""
+    weights = np.arange(1, vocab_size + 1, dtype=np.float64) ** -exponent
+    return weights / weights.sum()
+
+
+def candidate_positions(vocab_size: int, max_candidates: int = 400) -> np.ndarray:
+    """Cut-off positions the search considers: all of them for small vocabularies, else a
+    geometric grid (relative resolution ~2%), which is what the cost model can resolve."""
+    if vocab_size <= max_candidates:
+        return np.arange(1, vocab_size + 1)
+    grid = np.unique(np.geomspace(1, vocab_size, max_candidates).round().astype(np.int64))
+    return np.union1d(grid, [vocab_size])
+
+
+def expected_cost(
+    cutoffs: list[int], probs: np.ndarray, model: CostModel, batch: float, div: float
+) -> float:
+    """Eq. 8 for a given cut-off list ``[k_h, c_1, ..., V]``."""
+    head, bounds = cutoffs[0], cutoffs
+    num_clusters = len(cutoffs) - 1
+    cumulative = np.concatenate(([0.0], np.cumsum(probs)))
+    cost = float(model.time(num_clusters + head, batch))
+    for i in range(1, len(bounds)):
+        size = bounds[i] - bounds[i - 1]
+        mass = cumulative[bounds[i]] - cumulative[bounds[i - 1]]
+        cost += float(model.time(size / div**i, mass * batch))
+    return cost
+
+
+def optimal_cutoffs(
+    probs: np.ndarray,
+    num_clusters: int,
+    model: CostModel,
+    batch: float,
+    div: float = 4.0,
+    max_candidates: int = 400,
+) -> tuple[list[int], float]:
+    """Dynamic program: cut-offs ``[k_h, c_1, ..., c_J = V]`` minimising Eq. 8 for fixed J.
+
+    ``best[i][p]``: least cost of the head plus the first i tail clusters when cluster i
+    ends at position p. Exact over the candidate positions (all positions when
+    ``V <= max_candidates``).
+    """
+    vocab_size = len(probs)
+    if num_clusters < 1 or num_clusters >= vocab_size:
+        raise ValueError(f"num_clusters must be in [1, {vocab_size - 1}], got {num_clusters}")
+    positions = candidate_positions(vocab_size, max_candidates)
+    cumulative = np.concatenate(([0.0], np.cumsum(probs)))
+    mass_at = cumulative[positions]
+    best = model.time(num_clusters + positions, batch).astype(np.float64)  # head ends at p
+    best[positions >= vocab_size] = np.inf  # the head cannot hold every word
+    back: list[np.ndarray] = []
+    for i in range(1, num_clusters + 1):
+        # cost of a cluster spanning (q, p] for every pair q < p
+        size = positions[None, :] - positions[:, None]
+        mass = mass_at[None, :] - mass_at[:, None]
+        step = model.time(size / div**i, mass * batch)
+        total = best[:, None] + np.where(size > 0, step, np.inf)
+        arg = total.argmin(axis=0)
+        best = total[arg, np.arange(len(positions))]
+        if i < num_clusters:
+            best[positions >= vocab_size] = np.inf  # later clusters still need room
+        back.append(arg)
+    end = len(positions) - 1  # the last cluster ends at V
+    cuts = [int(positions[end])]
+    for arg in reversed(back):
+        end = int(arg[end])
+        cuts.append(int(positions[end]))
+    cuts.reverse()
+    return cuts, float(best[-1])
+
+
+def _time_matmul(rows: int, dim: int, cols: int, device: torch.device, repeats: int) -> float:
+    x = torch.randn(rows, dim, device=device)
+    w = torch.randn(cols, dim, device=device)
+    times = []
+    for _ in range(repeats + 2):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        x @ w.T
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times[2:]) * 1e3)
+
+
+def calibrate(
+    hidden_size: int,
+    device: torch.device | str = "cpu",
+    batch: int = 512,
+    repeats: int = 5,
+    cache_dir: str | os.PathLike | None = None,
+) -> CostModel:
+    """Measure ``c``, ``lambda`` and ``k0B0`` for ``[B, d] x [d, k]`` on this machine.
+
+    Times products over a range of ``k * B`` and fits Eq. 7: the plateau gives ``c + lam k0B0``,
+    a least-squares line through the large products gives ``c`` and ``lam``. The result is
+    cached per device and hidden size (``$ADAPTIVE_SOFTMAX_CACHE`` or ~/.cache/...).
+    """
+    device = torch.device(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    threads = torch.get_num_threads()
+    cache_root = Path(
+        cache_dir
+        or os.environ.get("ADAPTIVE_SOFTMAX_CACHE", Path.home() / ".cache" / "output-heads")
+    )
+    key = f"{name}-t{threads}-d{hidden_size}".replace(" ", "_").replace("/", "_")
+    cache_file = cache_root / f"adaptive_cost_model_{key}.json"
+    if cache_file.is_file():
+        model = CostModel(**json.loads(cache_file.read_text()))
+        log.info("adaptive softmax cost model (cached %s): %s", cache_file, model)
+        return model
+
+    ks = np.unique(np.geomspace(4, 16384, 12).astype(int))
+    rows = [(k, batch, _time_matmul(batch, hidden_size, int(k), device, repeats)) for k in ks]
+    small = [(8, b, _time_matmul(b, hidden_size, 8, device, repeats)) for b in (1, 8, 64)]
+    samples = np.array(rows + small, dtype=np.float64)
+    work, times = samples[:, 0] * samples[:, 1], samples[:, 2]
+    large = work >= np.median(work)
+    lam, c = np.polyfit(work[large], times[large], 1)
+    lam = max(float(lam), 1e-12)
+    plateau = float(np.min(times))
+    # The affine part must not start above the plateau (noise or cache effects can push the
+    # fitted intercept up); then the plateau is reached only at k B = 0.
+    c = min(max(float(c), 0.0), plateau)
+    k0b0 = (plateau - c) / lam
+    model = CostModel(c=float(c), lam=lam, k0b0=k0b0)
+    cache_root.mkdir(parents=True, exist_ok=True)
+    cache_file.write_text(json.dumps(asdict(model)))
+    log.info("adaptive softmax cost model (measured, cached in %s): %s", cache_file, model)
+    return model

@@ -1,0 +1,33 @@
+import json
+
+from app.bench.run import main, ratio
+
+
+def test_benchmark_runs_and_writes_valid_json(tmp_path):
+    argv = ["--heads", "softmax", "mixtape", "mos", "adaptive", "torch_adaptive", "matmul",
+            "--vocab-sizes", "300", "600", "--hidden-sizes", "16", "--batch-sizes", "32",
+            "--repeats", "2", "--warmup", "1", "--cutoffs", "50", "150", "--out", str(tmp_path),
+            "--name", "smoke"]  # fmt: skip
+    main(argv)
+    report = json.loads((tmp_path / "smoke.json").read_text())
+    assert (tmp_path / "smoke.png").stat().st_size > 0
+    rows = report["results"]
+    assert {r["head"] for r in rows} == {"softmax", "mixtape", "mos", "adaptive",
+                                          "torch_adaptive", "matmul"}  # fmt: skip
+    assert len(rows) == 12
+    for row in rows:
+        assert row["time_ms"] > 0 and len(row["times_ms"]) == 2
+        assert row["peak_memory_mb"] > 0
+    # MoS's K softmaxes must take more memory than one softmax (a real measurement)
+    assert ratio(report, "mos", "softmax", 600, key="peak_memory_mb") > 2
+
+
+def test_same_memory_mode_and_lm_scope(tmp_path):
+    argv = ["--heads", "softmax", "mos", "--vocab-sizes", "400", "--hidden-sizes", "16",
+            "--mode", "same-memory", "--memory-budget-mb", "2", "--scope", "lm", "--bptt", "8",
+            "--max-batch", "4096", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path),
+            "--name", "mem"]  # fmt: skip
+    report = main(argv)
+    tokens = {r["head"]: r["tokens"] for r in report["results"]}
+    assert tokens["softmax"] > tokens["mos"] > 0  # MoS fits fewer tokens in the same budget
+    assert all(t % 8 == 0 for t in tokens.values())

@@ -1,0 +1,98 @@
+import pytest
+import torch
+
+from heads import HeadConfigError
+from heads.adaptive import AdaptiveSoftmaxHead
+from tests.heads.contract import ALL_CHECKS, HIDDEN, VOCAB
+
+COST = {"c": 0.05, "lam": 1e-6, "k0b0": 5000.0}
+
+
+@pytest.mark.parametrize("check", ALL_CHECKS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cutoffs", [[5], [4, 11]], ids=["one_cluster", "two_clusters"])
+def test_contract(check, cutoffs):
+    torch.manual_seed(0)
+    check(lambda: AdaptiveSoftmaxHead(HIDDEN, VOCAB, cutoffs=cutoffs, div_value=2.0))
+
+
+def copy_into_torch(ours: AdaptiveSoftmaxHead, div: float) -> torch.nn.AdaptiveLogSoftmaxWithLoss:
+    ref = torch.nn.AdaptiveLogSoftmaxWithLoss(
+        ours.hidden_size, ours.vocab_size, ours.cutoffs[:-1], div_value=div,
+        head_bias=ours.head.bias is not None,
+    ).to(ours.head.weight.dtype)  # fmt: skip
+    with torch.no_grad():
+        ref.head.weight.copy_(ours.head.weight)
+        if ours.head.bias is not None:
+            ref.head.bias.copy_(ours.head.bias)
+        for theirs, mine in zip(ref.tail, ours.tail, strict=True):
+            theirs[0].weight.copy_(mine[0].weight)
+            theirs[1].weight.copy_(mine[1].weight)
+    return ref
+
+
+@pytest.mark.parametrize("head_bias", [False, True])
+def test_equals_torch_adaptive_log_softmax(head_bias):
+    torch.manual_seed(0)
+    ours = AdaptiveSoftmaxHead(32, 300, cutoffs=[20, 90, 200], div_value=2.0,
+                               head_bias=head_bias).double()  # fmt: skip
+    ref = copy_into_torch(ours, 2.0)
+    hidden = torch.randn(64, 32, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 300, (64,))
+    out, expected = ours(hidden, target), ref(hidden, target)
+    torch.testing.assert_close(out.nll, -expected.output)
+    torch.testing.assert_close(out.loss, expected.loss)
+    torch.testing.assert_close(ours.log_prob(hidden), ref.log_prob(hidden))
+    (grad,) = torch.autograd.grad(out.loss, hidden)
+    (ref_grad,) = torch.autograd.grad(expected.loss, hidden)
+    torch.testing.assert_close(grad, ref_grad)
+
+
+def test_tail_projection_sizes_follow_div_value():
+    head = AdaptiveSoftmaxHead(64, 1000, cutoffs=[100, 400], div_value=4.0)
+    assert [t[0].out_features for t in head.tail] == [16, 4]
+    assert [t[1].out_features for t in head.tail] == [300, 600]
+    assert head.head.out_features == 102
+
+
+def test_loss_only_touches_needed_clusters():
+    head = AdaptiveSoftmaxHead(16, 100, cutoffs=[10, 50], div_value=2.0)
+    hidden = torch.randn(8, 16, requires_grad=True)
+    head(hidden, torch.randint(0, 10, (8,))).loss.backward()  # short-list targets only
+    assert all(p.grad is None for p in head.tail.parameters())
+
+
+def test_auto_cutoffs_from_the_cost_model():
+    head = AdaptiveSoftmaxHead(64, 5000, cutoffs="auto", cost_model=COST, num_clusters=2)
+    assert len(head.cutoffs) == 3 and head.cutoffs[-1] == 5000
+    assert 0 < head.cutoffs[0] < head.cutoffs[1] < 5000
+
+
+def test_auto_cutoffs_use_given_counts():
+    counts = [1000] * 50 + [1] * 950  # 50 very frequent words, then a flat tail
+    head = AdaptiveSoftmaxHead(64, 1000, "auto", cost_model=COST, num_clusters=1,
+                               token_counts=counts, calibration_batch=4096)  # fmt: skip
+    assert head.cutoffs[0] == 50
+
+
+@pytest.mark.parametrize(
+    "cutoffs", [[0, 10], [10, 5], [10, 10], [10, 24], [30], [], [2.5]], ids=str
+)
+def test_bad_cutoffs_are_reported(cutoffs):
+    with pytest.raises(HeadConfigError, match="cutoffs must be increasing positive integers"):
+        AdaptiveSoftmaxHead(HIDDEN, VOCAB, cutoffs=cutoffs)
+
+
+def test_too_many_clusters_for_the_hidden_size():
+    with pytest.raises(HeadConfigError, match="0 dimensions"):
+        AdaptiveSoftmaxHead(8, 100, cutoffs=[5, 10, 20], div_value=4.0)
+
+
+def test_a_trailing_vocabulary_size_is_accepted():
+    assert AdaptiveSoftmaxHead(HIDDEN, VOCAB, cutoffs=[10, 23]).cutoffs == [10, 23]
+
+
+def test_checkpoint_with_other_cutoffs_is_refused_clearly():
+    saved = AdaptiveSoftmaxHead(16, 100, cutoffs=[10, 50]).state_dict()
+    AdaptiveSoftmaxHead(16, 100, cutoffs=[10, 50]).load_state_dict(saved)
+    with pytest.raises(HeadConfigError, match=r"pass --model.head.init_args.cutoffs '\[10, 50\]'"):
+        AdaptiveSoftmaxHead(16, 100, cutoffs=[20, 50]).load_state_dict(saved)
