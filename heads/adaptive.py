@@ -41,8 +41,9 @@ class AdaptiveSoftmaxHead(Head):
             ``"auto"``: the paper's dynamic program on the computation-time model.
         div_value: tail cluster i works in ``d // div_value**i`` dimensions.
         head_bias: learn a bias for the head classifier.
-        num_clusters: for ``auto``: the number of tail clusters J, or ``None`` to pick the
-            J in 1..4 with the least modelled cost.
+        num_clusters: for ``auto``: the number of tail clusters J (the paper uses 2 to 5), or
+            ``None`` for the J in 1..4 with the least modelled cost (usually the most: the
+            model charges nothing for the capacity lost in deep clusters).
         cost_model: for ``auto``: ``{c, lam, k0b0}`` of ``g(k, B)`` in ms, or ``None`` to measure
             them on this machine (cached per device and hidden size, and logged).
         calibration_batch: for ``auto``: the batch size B (tokens per step) the cost is for.
@@ -57,7 +58,7 @@ class AdaptiveSoftmaxHead(Head):
         cutoffs: Sequence[int] | Literal["auto"] = "auto",
         div_value: float = 4.0,
         head_bias: bool = False,
-        num_clusters: int | None = None,
+        num_clusters: int | None = 2,
         cost_model: dict[str, float] | None = None,
         calibration_batch: int = 2048,
         token_counts: Sequence[int] | None = None,
@@ -128,7 +129,7 @@ class AdaptiveSoftmaxHead(Head):
         model = CostModel(**cost_model) if cost_model else calibrate(self.hidden_size)
         choices = [num_clusters] if num_clusters else range(1, 5)
         options = [
-            optimal_cutoffs(probs, j, model, float(batch), div_value)
+            optimal_cutoffs(probs, j, model, float(batch))
             for j in choices
             if j < self.vocab_size and self.hidden_size // div_value**j >= 1
         ]

@@ -6,12 +6,14 @@ Computation-time model of a ``[B, d] x [d, k]`` product (Eq. 7)::
 
 Expected cost of a head short-list of ``k_h`` words plus ``J`` tail clusters (Eq. 8)::
 
-    C = g(J + k_h, B) + sum_i g(k_i * d_i / d, p_i * B)
+    C = g(J + k_h, B) + sum_i g(k_i, p_i * B)
 
-where ``p_i`` is the probability mass of cluster i and ``d_i = d / div^i`` its reduced input
-size (so its product is ``d_i / d`` times cheaper). Words are assigned by decreasing
-probability to clusters of increasing size (Sec. 4.2), so only the cut-off positions are free;
-they are found by dynamic programming over the frequency-sorted vocabulary.
+where ``p_i`` is the probability mass of cluster i. As in the paper, the program sizes the
+clusters at full capacity; the reduced tail dimensions (``d / div^i``) are applied afterwards
+and only make the tails cheaper. (Folding ``d_i / d`` into the program drives frequent words
+out of the short-list into low-capacity clusters, trading quality for modelled speed.) Words
+are assigned by decreasing probability to clusters of increasing size (Sec. 4.2), so only the
+cut-off positions are free; they are found by dynamic programming over the sorted vocabulary.
 """
 
 from __future__ import annotations
@@ -56,9 +58,7 @@ def candidate_positions(vocab_size: int, max_candidates: int = 400) -> np.ndarra
     return np.union1d(grid, [vocab_size])
 
 
-def expected_cost(
-    cutoffs: list[int], probs: np.ndarray, model: CostModel, batch: float, div: float
-) -> float:
+def expected_cost(cutoffs: list[int], probs: np.ndarray, model: CostModel, batch: float) -> float:
     """Eq. 8 for a given cut-off list ``[k_h, c_1, ..., V]``."""
     head, bounds = cutoffs[0], cutoffs
     num_clusters = len(cutoffs) - 1
@@ -67,7 +67,7 @@ def expected_cost(
     for i in range(1, len(bounds)):
         size = bounds[i] - bounds[i - 1]
         mass = cumulative[bounds[i]] - cumulative[bounds[i - 1]]
-        cost += float(model.time(size / div**i, mass * batch))
+        cost += float(model.time(size, mass * batch))
     return cost
 
 
@@ -76,7 +76,6 @@ def optimal_cutoffs(
     num_clusters: int,
     model: CostModel,
     batch: float,
-    div: float = 4.0,
     max_candidates: int = 400,
 ) -> tuple[list[int], float]:
     """Dynamic program: cut-offs ``[k_h, c_1, ..., c_J = V]`` minimising Eq. 8 for fixed J.
@@ -98,7 +97,7 @@ def optimal_cutoffs(
         # cost of a cluster spanning (q, p] for every pair q < p
         size = positions[None, :] - positions[:, None]
         mass = mass_at[None, :] - mass_at[:, None]
-        step = model.time(size / div**i, mass * batch)
+        step = model.time(size, mass * batch)
         total = best[:, None] + np.where(size > 0, step, np.inf)
         arg = total.argmin(axis=0)
         best = total[arg, np.arange(len(positions))]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 IGNORE_INDEX = -100
@@ -125,3 +126,33 @@ class Head(nn.Module):
                 f"to the backbone's embedding size ({weight.size(-1)})"
             )
         setattr(self, param_name, weight)
+
+
+class SingleSoftmaxHead(Head):
+    """A head whose distribution is one softmax over ``logits(hidden) [N, V]``.
+
+    Subclasses implement :meth:`logits`; normalisation and loss run here, in float32.
+    Their output embeddings live in ``self.weight`` ``[V, d]`` and can be tied.
+    """
+
+    weight: nn.Parameter
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.check_inputs(hidden)
+        logits = self.logits(hidden)
+        with float32_no_autocast(hidden.device):
+            return upcast(logits).log_softmax(dim=-1)
+
+    def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> HeadOutput:
+        self.check_inputs(hidden, target)
+        logits = self.logits(hidden)
+        with float32_no_autocast(hidden.device):
+            # cross_entropy fuses log-softmax and gather: no second [N, V] tensor is kept
+            nll = F.cross_entropy(upcast(logits), target, reduction="none")
+        return self.output_from_target_log_prob(-nll, target)
+
+    def tie_output_embedding(self, weight: nn.Parameter) -> None:
+        self._tie("weight", weight)

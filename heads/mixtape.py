@@ -19,14 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.base import (
-    Head,
-    HeadConfigError,
-    HeadOutput,
-    check_positive_int,
-    float32_no_autocast,
-    upcast,
-)
+from heads.base import HeadConfigError, SingleSoftmaxHead, check_positive_int
 
 
 def sigmoid_tree_priors(gate_logits: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -49,7 +42,7 @@ def sigmoid_tree_priors(gate_logits: torch.Tensor, dim: int = -1) -> torch.Tenso
     return priors.movedim(-1, dim)
 
 
-class MixtapeHead(Head):
+class MixtapeHead(SingleSoftmaxHead):
     """Mixtape: logit-space vector gating with sigmoid-tree gates and gate sharing.
 
     Args:
@@ -192,20 +185,3 @@ class MixtapeHead(Head):
         """Vector-gated logits ``[N, V]`` (Eq. 2 before the softmax)."""
         frequent, rare = self._split_logits(hidden)
         return frequent if rare is None else torch.cat((frequent, rare), dim=-1)
-
-    def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:
-        self.check_inputs(hidden)
-        logits = self.logits(hidden)
-        with float32_no_autocast(hidden.device):
-            return upcast(logits).log_softmax(dim=-1)
-
-    def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> HeadOutput:
-        self.check_inputs(hidden, target)
-        logits = self.logits(hidden)
-        with float32_no_autocast(hidden.device):
-            # fused log-softmax + gather: no second [N, V] tensor is kept
-            nll = F.cross_entropy(upcast(logits), target, reduction="none")
-        return self.output_from_target_log_prob(-nll, target)
-
-    def tie_output_embedding(self, weight: nn.Parameter) -> None:
-        self._tie("weight", weight)

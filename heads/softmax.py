@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.base import Head, HeadOutput, check_positive_int, float32_no_autocast, upcast
+from heads.base import SingleSoftmaxHead, check_positive_int
 
 
-class SoftmaxHead(Head):
+class SoftmaxHead(SingleSoftmaxHead):
     """Full softmax over the vocabulary.
 
     Args:
@@ -43,20 +43,3 @@ class SoftmaxHead(Head):
         if self.projection is not None:
             hidden = self.projection(hidden)
         return F.linear(hidden, self.weight, self.bias)
-
-    def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:
-        self.check_inputs(hidden)
-        logits = self.logits(hidden)
-        with float32_no_autocast(hidden.device):
-            return upcast(logits).log_softmax(dim=-1)
-
-    def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> HeadOutput:
-        self.check_inputs(hidden, target)
-        logits = self.logits(hidden)
-        with float32_no_autocast(hidden.device):
-            # cross_entropy fuses log-softmax and gather: no second [N, V] tensor is kept.
-            nll = F.cross_entropy(upcast(logits), target, reduction="none")
-        return self.output_from_target_log_prob(-nll, target)
-
-    def tie_output_embedding(self, weight: nn.Parameter) -> None:
-        self._tie("weight", weight)

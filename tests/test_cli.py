@@ -157,6 +157,6 @@ def test_adaptive_config_trains_under_bf16_mixed(ptb_path):
               "--trainer.limit_val_batches", "2", "--trainer.precision", "bf16-mixed",
               "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
               "--data.init_args.batch_size", "4", "--trainer.callbacks", "null")  # fmt: skip
-    assert cli.model.head.cutoffs == [2000, 6000, 10_000]
+    assert cli.model.head.cutoffs == [386, 3011, 10_000]
     for key in ("train/loss", "val/loss", "val/ppl"):
         assert torch.isfinite(cli.trainer.callback_metrics[key]), key

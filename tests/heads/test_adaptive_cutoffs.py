@@ -17,12 +17,12 @@ from heads.adaptive_cutoffs import (
 MODELS = [CostModel(0.2, 1e-5, 2000.0), CostModel(0.01, 3e-6, 0.0), CostModel(1.0, 1e-4, 50.0)]
 
 
-def brute_force(probs, clusters, model, batch, div):
+def brute_force(probs, clusters, model, batch):
     vocab = len(probs)
     best = None
     for cuts in itertools.combinations(range(1, vocab), clusters):
         candidate = [*cuts, vocab]
-        cost = expected_cost(candidate, probs, model, batch, div)
+        cost = expected_cost(candidate, probs, model, batch)
         if best is None or cost < best[1] - 1e-12:
             best = (candidate, cost)
     return best
@@ -37,10 +37,10 @@ def test_dynamic_program_matches_brute_force(model, clusters, probs):
         p = zipf_probabilities(vocab)
     else:
         p = np.sort(np.random.default_rng(clusters).dirichlet(np.ones(vocab)))[::-1]
-    cuts, cost = optimal_cutoffs(p, clusters, model, 1024.0, div=2.0)
-    best_cuts, best_cost = brute_force(p, clusters, model, 1024.0, 2.0)
+    cuts, cost = optimal_cutoffs(p, clusters, model, 1024.0)
+    best_cuts, best_cost = brute_force(p, clusters, model, 1024.0)
     assert cost == pytest.approx(best_cost, rel=1e-12)
-    assert expected_cost(cuts, p, model, 1024.0, 2.0) == pytest.approx(cost, rel=1e-12)
+    assert expected_cost(cuts, p, model, 1024.0) == pytest.approx(cost, rel=1e-12)
     assert cuts[-1] == vocab and all(a < b for a, b in zip(cuts, cuts[1:], strict=False))
 
 
