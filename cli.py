@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> AppCLI:
     warnings.filterwarnings("ignore", ".*IterableDataset.*has `__len__` defined.*")
     warnings.filterwarnings("ignore", ".*infer the batch indices.*")
     warnings.filterwarnings("ignore", ".*LeafSpec.*is deprecated.*")
+    # we pass the expanded argv ourselves (config bases), so sys.argv is not forgotten
+    warnings.filterwarnings("ignore", ".*args parameter is intended to run from within Python.*")
     args = expand_config_bases(sys.argv[1:] if argv is None else argv)
     return AppCLI(
         subclass_mode_model=True,
