@@ -66,14 +66,14 @@ class AdaptiveSoftmaxHead(Head):
         super().__init__(hidden_size, vocab_size)
         if div_value < 1:
             raise HeadConfigError(f"AdaptiveSoftmaxHead div_value must be >= 1, got {div_value}")
-        if cutoffs == "auto":
-            cutoffs = self._auto_cutoffs(
-                num_clusters, cost_model, calibration_batch, token_counts, div_value
-            )
-        self.cutoffs = self._check_cutoffs(list(cutoffs), vocab_size)
         self.div_value = div_value
+        if cutoffs == "auto":
+            cutoffs = self._auto_cutoffs(num_clusters, cost_model, calibration_batch, token_counts)
+        self.cutoffs = self._check_cutoffs(list(cutoffs), vocab_size)
         self.shortlist_size = self.cutoffs[0]
         self.num_clusters = len(self.cutoffs) - 1
+        # cluster starts, for bucketize in forward (moves with the module, not saved)
+        self.register_buffer("cluster_starts", torch.tensor(self.cutoffs[:-1]), persistent=False)
         bounds = self.cutoffs
         self.head = nn.Linear(hidden_size, self.shortlist_size + self.num_clusters, head_bias)
         self.tail = nn.ModuleList()
@@ -115,7 +115,6 @@ class AdaptiveSoftmaxHead(Head):
         cost_model: dict[str, float] | None,
         batch: int,
         token_counts: Sequence[int] | None,
-        div_value: float,
     ) -> list[int]:
         if token_counts is not None:
             if len(token_counts) != self.vocab_size:
@@ -131,13 +130,12 @@ class AdaptiveSoftmaxHead(Head):
         options = [
             optimal_cutoffs(probs, j, model, float(batch))
             for j in choices
-            if j < self.vocab_size and self.hidden_size // div_value**j >= 1
+            if j < self.vocab_size and self.hidden_size // self.div_value**j >= 1
         ]
         if not options:
             raise HeadConfigError("no cut-offs fit this vocabulary and hidden size")
         cuts, cost = min(options, key=lambda option: option[1])
         log.info("adaptive softmax cut-offs %s (modelled %.3f ms/step, %s)", cuts, cost, model)
-        self.cost_model = model
         return cuts
 
     # -- checkpoints: the cut-offs are structure, and "auto" may pick others elsewhere ----
@@ -154,15 +152,11 @@ class AdaptiveSoftmaxHead(Head):
             )
 
     # -- the contract -------------------------------------------------------------------
-    def _cluster_of(self, target: torch.Tensor) -> torch.Tensor:
-        """0 for the short-list, i for tail cluster i."""
-        boundaries = torch.tensor(self.cutoffs[:-1], device=target.device)
-        return torch.bucketize(target, boundaries, right=True)
-
     def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> HeadOutput:
         self.check_inputs(hidden, target)
         keep = target >= 0
-        cluster = torch.where(keep, self._cluster_of(target.clamp_min(0)), -1)
+        # 0 for the short-list, i for tail cluster i, -1 where ignored
+        cluster = torch.where(keep, torch.bucketize(target, self.cluster_starts, right=True), -1)
         # Head: the word itself if in the short-list, else its cluster's entry.
         head_target = torch.where(
             cluster == 0, target, self.shortlist_size + cluster - 1
@@ -178,7 +172,7 @@ class AdaptiveSoftmaxHead(Head):
             relative = target.index_select(0, rows) - self.cutoffs[i - 1]
             with float32_no_autocast(hidden.device):
                 cluster_nll = F.cross_entropy(upcast(logits), relative, reduction="none")
-            nll = nll.index_add(0, rows, cluster_nll.to(nll.dtype))
+            nll.index_add_(0, rows, cluster_nll.to(nll.dtype))
         return self.output_from_target_log_prob(-nll, target)
 
     def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -60,14 +60,11 @@ def candidate_positions(vocab_size: int, max_candidates: int = 400) -> np.ndarra
 
 def expected_cost(cutoffs: list[int], probs: np.ndarray, model: CostModel, batch: float) -> float:
     """Eq. 8 for a given cut-off list ``[k_h, c_1, ..., V]``."""
-    head, bounds = cutoffs[0], cutoffs
-    num_clusters = len(cutoffs) - 1
     cumulative = np.concatenate(([0.0], np.cumsum(probs)))
-    cost = float(model.time(num_clusters + head, batch))
-    for i in range(1, len(bounds)):
-        size = bounds[i] - bounds[i - 1]
-        mass = cumulative[bounds[i]] - cumulative[bounds[i - 1]]
-        cost += float(model.time(size, mass * batch))
+    cost = float(model.time(len(cutoffs) - 1 + cutoffs[0], batch))
+    for start, stop in zip(cutoffs, cutoffs[1:], strict=False):
+        mass = cumulative[stop] - cumulative[start]
+        cost += float(model.time(stop - start, mass * batch))
     return cost
 
 

@@ -22,14 +22,14 @@ from torch import nn
 from heads.base import HeadConfigError, SingleSoftmaxHead, check_positive_int
 
 
-def sigmoid_tree_priors(gate_logits: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Eq. 3 for any power-of-two K: K-1 pre-activations along ``dim`` -> K priors.
+def sigmoid_tree_priors(gate_logits: torch.Tensor) -> torch.Tensor:
+    """Eq. 3 for any power-of-two K: ``[..., K-1]`` pre-activations -> ``[..., K]`` priors.
 
     Internal nodes are in heap order (node j has children 2j+1, 2j+2); leaf k's prior is the
     product of ``gamma`` (left branch) or ``1 - gamma`` (right branch) along its path. For
     K = 4: pi_1 = g1 g2, pi_2 = g1 (1-g2), pi_3 = (1-g1) g3, pi_4 = (1-g1)(1-g3).
     """
-    gammas = torch.sigmoid(gate_logits.movedim(dim, -1))
+    gammas = torch.sigmoid(gate_logits)
     num_nodes = gammas.size(-1)
     priors = torch.ones_like(gammas[..., :1])
     level_start = 0
@@ -39,7 +39,7 @@ def sigmoid_tree_priors(gate_logits: torch.Tensor, dim: int = -1) -> torch.Tenso
         left = priors * gamma
         priors = torch.stack((left, priors - left), dim=-1).flatten(-2)
         level_start += width
-    return priors.movedim(-1, dim)
+    return priors
 
 
 class MixtapeHead(SingleSoftmaxHead):
@@ -137,9 +137,8 @@ class MixtapeHead(SingleSoftmaxHead):
             return gate_logits + torch.randn_like(gate_logits) * self.gate_noise
         return gate_logits
 
-    def _split_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Vector-gated logits (Eq. 2 before the softmax) of the S frequent tokens ``[N, S]``
-        and of the shared-gate tokens ``[N, V - S]`` (``None`` when S = V)."""
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vector-gated logits ``[N, V]`` (Eq. 2 before the softmax)."""
         n, s = hidden.size(0), self.num_frequent
         k, d2 = self.num_components, self.gate_embedding_size
         contexts = self.context_dropout(torch.tanh(self.context(hidden)).view(n, k, -1))  # Eq. 5
@@ -174,14 +173,10 @@ class MixtapeHead(SingleSoftmaxHead):
             width //= 2
         frequent_logits = values.squeeze(1)
         if s == self.vocab_size:
-            return frequent_logits, None
+            return frequent_logits
 
         # Infrequent tokens: one shared prior; mix the contexts first, then one matmul.
         shared_priors = sigmoid_tree_priors(self._noisy(shared_gate_logits))  # [N, K]
         mixed_context = torch.bmm(shared_priors.unsqueeze(1), contexts).squeeze(1)
-        return frequent_logits, F.linear(mixed_context, w_rare, b_rare)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vector-gated logits ``[N, V]`` (Eq. 2 before the softmax)."""
-        frequent, rare = self._split_logits(hidden)
-        return frequent if rare is None else torch.cat((frequent, rare), dim=-1)
+        rare_logits = F.linear(mixed_context, w_rare, b_rare)
+        return torch.cat((frequent_logits, rare_logits), dim=-1)

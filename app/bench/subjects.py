@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from app.backbones import LSTMBackbone
-from heads import Head, MixtapeHead, MoSHead, SoftmaxHead
+from heads import MixtapeHead, MoSHead, SoftmaxHead
 from heads.adaptive import AdaptiveSoftmaxHead
 
 HEADS = ("softmax", "mixtape", "mos", "adaptive", "torch_adaptive", "matmul")
@@ -113,7 +113,3 @@ def step_fn(module: nn.Module, inputs: torch.Tensor, target: torch.Tensor) -> Ca
         loss_of(module, inputs, target).backward()
 
     return step
-
-
-def is_head(module: nn.Module) -> bool:
-    return isinstance(module, Head)
