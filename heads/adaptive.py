@@ -15,7 +15,6 @@ from typing import Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from heads.adaptive_cutoffs import CostModel, calibrate, optimal_cutoffs, zipf_probabilities
@@ -26,6 +25,7 @@ from heads.base import (
     float32_no_autocast,
     upcast,
 )
+from heads.cross_entropy import cross_entropy_nll
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class AdaptiveSoftmaxHead(Head):
         self.cutoffs = self._check_cutoffs(list(cutoffs), vocab_size)
         self.shortlist_size = self.cutoffs[0]
         self.num_clusters = len(self.cutoffs) - 1
-        # cluster starts, for bucketize in forward (moves with the module, not saved)
+        # cluster starts, to find each target's cluster in forward (moves with the module)
         self.register_buffer("cluster_starts", torch.tensor(self.cutoffs[:-1]), persistent=False)
         bounds = self.cutoffs
         self.head = nn.Linear(hidden_size, self.shortlist_size + self.num_clusters, head_bias)
@@ -156,14 +156,16 @@ class AdaptiveSoftmaxHead(Head):
         self.check_inputs(hidden, target)
         keep = target >= 0
         # 0 for the short-list, i for tail cluster i, -1 where ignored
-        cluster = torch.where(keep, torch.bucketize(target, self.cluster_starts, right=True), -1)
+        # (a comparison per cluster start: far cheaper than bucketize for a handful of clusters)
+        in_cluster = (target.unsqueeze(-1) >= self.cluster_starts).sum(-1)
+        cluster = torch.where(keep, in_cluster, -1)
         # Head: the word itself if in the short-list, else its cluster's entry.
         head_target = torch.where(
             cluster == 0, target, self.shortlist_size + cluster - 1
         ).masked_fill(~keep, -100)
         head_logits = self.head(hidden)
         with float32_no_autocast(hidden.device):
-            nll = F.cross_entropy(upcast(head_logits), head_target, reduction="none")
+            nll = cross_entropy_nll(upcast(head_logits), head_target)
         for i, tail in enumerate(self.tail, start=1):
             rows = (cluster == i).nonzero().squeeze(1)
             if rows.numel() == 0:
@@ -171,7 +173,7 @@ class AdaptiveSoftmaxHead(Head):
             logits = tail(hidden.index_select(0, rows))
             relative = target.index_select(0, rows) - self.cutoffs[i - 1]
             with float32_no_autocast(hidden.device):
-                cluster_nll = F.cross_entropy(upcast(logits), relative, reduction="none")
+                cluster_nll = cross_entropy_nll(upcast(logits), relative)
             nll.index_add_(0, rows, cluster_nll.to(nll.dtype))
         return self.output_from_target_log_prob(-nll, target)
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-IGNORE_INDEX = -100
+from heads.cross_entropy import IGNORE_INDEX, cross_entropy_nll
 
 
 @dataclass
@@ -150,8 +149,7 @@ class SingleSoftmaxHead(Head):
         self.check_inputs(hidden, target)
         logits = self.logits(hidden)
         with float32_no_autocast(hidden.device):
-            # cross_entropy fuses log-softmax and gather: no second [N, V] tensor is kept
-            nll = F.cross_entropy(upcast(logits), target, reduction="none")
+            nll = cross_entropy_nll(upcast(logits), target)
         return self.output_from_target_log_prob(-nll, target)
 
     def tie_output_embedding(self, weight: nn.Parameter) -> None:

@@ -169,7 +169,9 @@ class MixtapeHead(SingleSoftmaxHead):
         width = k // 2
         while width >= 1:
             level = gammas[:, width - 1 : 2 * width - 1]  # heap nodes of this depth
-            values = torch.lerp(values[:, 1::2], values[:, 0::2], level.to(values.dtype))
+            # unbind, not strided slices: its backward stacks, slices' would zero-fill [N, K, S]
+            left, right = values.view(n, width, 2, s).unbind(2)
+            values = torch.lerp(right, left, level.to(values.dtype))
             width //= 2
         frequent_logits = values.squeeze(1)
         if s == self.vocab_size:

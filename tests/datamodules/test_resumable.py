@@ -1,0 +1,29 @@
+import torch
+
+from datamodules.bptt import BPTTBatches
+from datamodules.resumable import ResumableLoader
+
+
+def _windows(loader) -> list[torch.Tensor]:
+    return [inputs.clone() for inputs, _ in loader]
+
+
+def test_resumes_after_the_batches_already_served_then_restarts_the_next_epoch():
+    dataset = BPTTBatches(torch.arange(200), batch_size=4, bptt=5)
+    full = _windows(ResumableLoader(dataset))
+
+    interrupted = ResumableLoader(dataset)
+    iterator = iter(interrupted)
+    for _ in range(3):
+        next(iterator)
+    state = interrupted.state_dict()
+    assert state == {"batches_served": 3}
+
+    resumed = ResumableLoader(dataset)
+    resumed.load_state_dict(state)
+    rest = _windows(resumed)
+    assert len(rest) == len(full) - 3
+    assert all(torch.equal(a, b) for a, b in zip(rest, full[3:], strict=True))
+    assert resumed.state_dict() == {"batches_served": len(full)}
+    # the following epoch starts from the first batch again
+    assert torch.equal(_windows(resumed)[0], full[0])

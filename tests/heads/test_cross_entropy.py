@@ -1,0 +1,52 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from heads.cross_entropy import IGNORE_INDEX, cross_entropy_nll
+
+
+def _case(dtype: torch.dtype, rows: int = 11, classes: int = 17):
+    gen = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(rows, classes, generator=gen, dtype=dtype)).requires_grad_()
+    target = torch.randint(0, classes, (rows,), generator=gen)
+    target[[2, 7]] = IGNORE_INDEX
+    return logits, target
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_values_and_gradients_equal_torch_cross_entropy(dtype):
+    logits, target = _case(dtype)
+    weights = torch.rand(target.shape, dtype=dtype)  # a non-uniform incoming gradient
+    ours = cross_entropy_nll(logits, target)
+    (grad_ours,) = torch.autograd.grad((ours * weights).sum(), logits)
+    ref = F.cross_entropy(logits, target, reduction="none")
+    (grad_ref,) = torch.autograd.grad((ref * weights).sum(), logits)
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(grad_ours, grad_ref)
+    assert torch.all(ours[[2, 7]] == 0) and torch.all(grad_ours[[2, 7]] == 0)
+
+
+def test_float64_gradcheck():
+    logits, target = _case(torch.float64, rows=8, classes=6)
+    assert torch.autograd.gradcheck(lambda z: cross_entropy_nll(z, target), (logits,))
+
+
+def test_a_retained_graph_gives_the_same_gradient_twice():
+    logits, target = _case(torch.float32)
+    loss = cross_entropy_nll(logits, target).sum()
+    (first,) = torch.autograd.grad(loss, logits, retain_graph=True)
+    (second,) = torch.autograd.grad(loss, logits)
+    torch.testing.assert_close(first, second)
+
+
+def test_large_logits_stay_finite():
+    logits = torch.tensor([[1e4, -1e4, 0.0]], requires_grad=True)
+    nll = cross_entropy_nll(logits, torch.tensor([1]))
+    nll.backward()
+    assert torch.isfinite(nll).all() and torch.isfinite(logits.grad).all()
+    torch.testing.assert_close(nll, torch.tensor([2e4]))
+
+
+def test_shapes_are_checked():
+    with pytest.raises(ValueError, match=r"logits \[N, C\] and target \[N\]"):
+        cross_entropy_nll(torch.randn(3, 4), torch.zeros(2, dtype=torch.long))
