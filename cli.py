@@ -1,7 +1,9 @@
 """Command-line entry point: ``python cli.py fit|validate|test|predict --config ...``.
 
 A LightningCLI over any LightningModule and LightningDataModule of the app. The data
-module's vocabulary size is linked into the backbone and the head, so no config repeats it.
+module's vocabulary size (the target side's, for translation) is linked into the backbone and
+the head, and a translation data module's ``src_vocab_size`` into the encoder, so no config
+repeats them.
 
 Config files may start with ``__base__: other.yaml`` (a path relative to the file): the
 base is applied first and the file overrides only what differs.
@@ -18,10 +20,17 @@ from lightning.pytorch.cli import LightningCLI
 
 from app.vocab import VocabularyMismatchError
 from datamodules.text_source import DataConfigError, DataPathError
+from datamodules.translation import ParallelDataError
 from heads import HeadConfigError
 
 # Errors that mean "fix your config or data": shown as one line, not a stack trace.
-USER_ERRORS = (HeadConfigError, DataPathError, DataConfigError, VocabularyMismatchError)
+USER_ERRORS = (
+    HeadConfigError,
+    DataPathError,
+    DataConfigError,
+    VocabularyMismatchError,
+    ParallelDataError,
+)
 
 _CONFIG_FLAGS = ("--config", "-c")
 
@@ -67,6 +76,14 @@ class AppCLI(LightningCLI):
             "model.init_args.head.init_args.vocab_size",
         ):
             parser.link_arguments("data.vocab_size", target, apply_on="instantiate")
+        # Translation only: the encoder's vocabulary. jsonargparse skips an instantiation link
+        # whose source object lacks the attribute, so LM data modules (no src_vocab_size)
+        # leave LM backbones (no such argument) untouched.
+        parser.link_arguments(
+            "data.src_vocab_size",
+            "model.init_args.backbone.init_args.src_vocab_size",
+            apply_on="instantiate",
+        )
 
 
 def main(argv: list[str] | None = None) -> AppCLI:

@@ -2,12 +2,14 @@
 
 from heads.adaptive import AdaptiveSoftmaxHead
 from heads.base import IGNORE_INDEX, Head, HeadConfigError, HeadOutput
+from heads.ds_softmax import DSSoftmaxHead
 from heads.mixtape import MixtapeHead
 from heads.mos import MoSHead
 from heads.softmax import SoftmaxHead
 
 __all__ = [
     "AdaptiveSoftmaxHead",
+    "DSSoftmaxHead",
     "IGNORE_INDEX",
     "Head",
     "HeadConfigError",

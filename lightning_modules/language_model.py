@@ -8,10 +8,13 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from torchmetrics import MeanMetric
+from torchmetrics import MeanMetric, SumMetric
 
 from app.backbones import LMBackbone
 from heads import Head
+from lightning_modules.optimization import configure_optimizers
+
+STAGES = ("train", "val", "test")
 
 
 class LanguageModel(L.LightningModule):
@@ -19,7 +22,9 @@ class LanguageModel(L.LightningModule):
 
     Perplexity is ``exp`` of the token-weighted mean NLL over the whole split (torchmetrics
     ``MeanMetric`` weighted by token counts, reduced over DDP ranks), not a mean of batch
-    perplexities.
+    perplexities. When the data module's ids are codes of words (BPE pieces, Hybrid-LightRNN
+    codes: it has a ``word_start_mask``), ``{stage}/word_ppl`` is also logged:
+    ``exp(sum of code NLLs / number of words)``, comparable across vocabularies.
 
     Args:
         backbone: maps ``[B, T]`` ids to ``[B, T, d]`` context vectors.
@@ -31,6 +36,11 @@ class LanguageModel(L.LightningModule):
         predict_top_k: how many next-token candidates ``predict`` reports.
         generate_tokens: if > 0, ``predict`` also samples this many tokens after the prompt.
         temperature: sampling temperature for ``generate_tokens``.
+        pretrained_checkpoint: a checkpoint of a trained LanguageModel whose backbone weights
+            are loaded; its head too when the shapes match, or, for a head with
+            ``init_from_softmax`` (DS-Softmax), through that method from the softmax weight
+            (the pretrain-then-replace recipe, DS-Softmax appendix B).
+        freeze_backbone: train the head only.
     """
 
     def __init__(
@@ -43,6 +53,8 @@ class LanguageModel(L.LightningModule):
         predict_top_k: int = 10,
         generate_tokens: int = 0,
         temperature: float = 1.0,
+        pretrained_checkpoint: str | None = None,
+        freeze_backbone: bool = False,
     ) -> None:
         super().__init__()
         if head.hidden_size != backbone.output_size:
@@ -66,6 +78,7 @@ class LanguageModel(L.LightningModule):
                 "predict_top_k",
                 "generate_tokens",
                 "temperature",
+                "pretrained_checkpoint",
             ]
         )
         self.predict_top_k = predict_top_k
@@ -73,12 +86,21 @@ class LanguageModel(L.LightningModule):
         self.temperature = temperature
         self.backbone = backbone
         self.head = head
+        if pretrained_checkpoint is not None:
+            self.load_pretrained(pretrained_checkpoint)
+        if freeze_backbone:
+            self.backbone.requires_grad_(False)
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self._state: dict[str, Any] = {}
         self.metrics = torch.nn.ModuleDict(
             {stage: MeanMetric() for stage in ("train_nll", "val_nll", "test_nll")}
         )
+        # summed separately: a window may hold code NLLs but no word start
+        self.word_metrics = torch.nn.ModuleDict(
+            {f"{stage}_{part}": SumMetric() for stage in STAGES for part in ("nll", "words")}
+        )
+        self._word_starts: torch.Tensor | None = None
 
     # -- steps -------------------------------------------------------------------------
     def _step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> torch.Tensor:
@@ -90,6 +112,7 @@ class LanguageModel(L.LightningModule):
         tokens = (targets != -100).sum()
         metric = self.metrics[f"{stage}_nll"]
         metric.update(output.loss.detach(), weight=tokens)
+        self._update_word_nll(stage, output.nll.detach(), targets.reshape(-1))
         loss = output.loss + output.aux_loss
         if not torch.isfinite(loss):
             raise FloatingPointError(
@@ -112,7 +135,25 @@ class LanguageModel(L.LightningModule):
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
         self._step(batch, "test")
 
+    def _update_word_nll(self, stage: str, nll: torch.Tensor, targets: torch.Tensor) -> None:
+        if self._word_starts is None:
+            datamodule = getattr(self._trainer, "datamodule", None) if self._trainer else None
+            mask = getattr(datamodule, "word_start_mask", None)
+            if mask is None:
+                return
+            self._word_starts = mask.to(self.device)
+        valid = targets != -100
+        words = (self._word_starts[targets.clamp(min=0)] & valid).sum()
+        self.word_metrics[f"{stage}_nll"].update(nll.sum())
+        self.word_metrics[f"{stage}_words"].update(words)
+
     def _log_split_perplexity(self, stage: str) -> None:
+        if self._word_starts is not None:
+            nll, words = (self.word_metrics[f"{stage}_{part}"] for part in ("nll", "words"))
+            word_nll = nll.compute() / words.compute().clamp(min=1)
+            nll.reset()
+            words.reset()
+            self.log(f"{stage}/word_ppl", word_nll.exp(), prog_bar=True, sync_dist=False)
         metric = self.metrics[f"{stage}_nll"]
         mean_nll = metric.compute()
         metric.reset()
@@ -171,14 +212,34 @@ class LanguageModel(L.LightningModule):
 
     # -- optimisation and checkpoints ------------------------------------------------
     def configure_optimizers(self) -> Any:
-        optimizer = self.optimizer_factory(self.parameters())
-        if self.scheduler_factory is None:
-            return optimizer
-        scheduler = self.scheduler_factory(optimizer)
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "monitor": "val/loss", "interval": "epoch"},
-        }
+        return configure_optimizers(
+            self.parameters(), self.optimizer_factory, self.scheduler_factory
+        )
+
+    def load_pretrained(self, path: str) -> None:
+        """Backbone (and head, see ``pretrained_checkpoint``) weights from a checkpoint."""
+        from pathlib import Path
+
+        from datamodules.text_source import DataPathError
+
+        if not Path(path).is_file():
+            raise DataPathError(f"pretrained_checkpoint {path!r} does not exist")
+        state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+        parts: dict[str, dict[str, torch.Tensor]] = {"backbone": {}, "head": {}}
+        for key, value in state.items():
+            part, _, name = key.partition(".")
+            if part in parts:
+                parts[part][name] = value
+        self.backbone.load_state_dict(parts["backbone"])
+        head_state = parts["head"]
+        shapes_match = all(
+            name in head_state and head_state[name].shape == value.shape
+            for name, value in self.head.state_dict().items()
+        )
+        if shapes_match:
+            self.head.load_state_dict(head_state)
+        elif hasattr(self.head, "init_from_softmax") and "weight" in head_state:
+            self.head.init_from_softmax(head_state["weight"], head_state.get("bias"))
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Check the vocabulary before the weights are loaded, so a mismatch is reported as

@@ -6,6 +6,7 @@ the command line for rank 1, which cannot be pytest's.
 
 import csv
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,7 +39,9 @@ def fit(tmp: Path, ptb_path: str, config: str, *extra: str, devices: int = 1) ->
         "--trainer.accelerator", "cpu", "--trainer.devices", str(devices),
         "--trainer.strategy", "ddp" if devices > 1 else "auto", *extra,
     ]  # fmt: skip
-    done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+    # one thread per process: two ranks with two threads each would oversubscribe 2 cores
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     last: dict[str, float] = {}
     with next(tmp.rglob("metrics.csv")).open() as f:

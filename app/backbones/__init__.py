@@ -2,6 +2,8 @@
 
 from app.backbones.base import LMBackbone
 from app.backbones.lstm import LSTMBackbone
+from app.backbones.mlp import MLPBackbone
+from app.backbones.seq2seq import Seq2SeqTransformer
 from app.backbones.transformer import TransformerBackbone
 
-__all__ = ["LMBackbone", "LSTMBackbone", "TransformerBackbone"]
+__all__ = ["LMBackbone", "LSTMBackbone", "MLPBackbone", "Seq2SeqTransformer", "TransformerBackbone"]

@@ -14,6 +14,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -159,7 +160,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[2048],
         help="tokens per batch (same-batch mode)",
     )
-    parser.add_argument("--mode", choices=["same-batch", "same-memory"], default="same-batch")
+    parser.add_argument(
+        "--mode",
+        choices=["same-batch", "same-memory", "inference"],
+        default="same-batch",
+        help="inference: top-k latency, DS-Softmax vs softmax (own options: --mode inference -h)",
+    )
     parser.add_argument("--memory-budget-mb", type=float, default=1024)
     parser.add_argument(
         "--max-batch",
@@ -196,6 +202,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--mode=inference" in argv or ("--mode", "inference") in zip(argv, argv[1:], strict=False):
+        from app.bench.inference import main as inference_main  # its own options
+
+        return inference_main(argv)
     from app.bench.report import print_table, save_plot
 
     args = parse_args(argv)

@@ -75,6 +75,10 @@ class WordVocab:
     def decode(self, ids: Iterable[int]) -> list[str]:
         return [self.itos[i] for i in ids]
 
+    def detokenize(self, ids: Iterable[int]) -> str:
+        """The text back: words joined by spaces, ``<unk>`` and ``<eos>`` dropped."""
+        return " ".join(self.itos[i] for i in ids if i not in (self.unk_id, self.eos_id))
+
     def fingerprint(self) -> str:
         """Short stable hash of the token list, for error messages and caches."""
         return hashlib.sha1("\n".join(self.itos).encode()).hexdigest()[:12]

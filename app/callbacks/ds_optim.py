@@ -1,0 +1,68 @@
+"""Shared by the DS-Softmax callbacks: find the head, rebuild optimizers after a resize."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch import nn
+
+from heads.base import HeadConfigError
+from heads.ds_softmax import DSSoftmaxHead
+
+
+def find_ds_head(pl_module: L.LightningModule) -> tuple[str, DSSoftmaxHead]:
+    """``(name, head)`` of the module's one :class:`DSSoftmaxHead`."""
+    found = [(n, m) for n, m in pl_module.named_modules() if isinstance(m, DSSoftmaxHead)]
+    if len(found) != 1:
+        raise HeadConfigError(
+            f"DS-Softmax callbacks need exactly one DSSoftmaxHead in the model, found {len(found)}"
+        )
+    return found[0]
+
+
+def rebuild_optimizers(
+    trainer: L.Trainer,
+    pl_module: L.LightningModule,
+    old_parameters: dict[str, nn.Parameter],
+    sources: dict[str, torch.Tensor],
+) -> None:
+    """Rebuild the optimizers through Lightning after parameters were replaced.
+
+    ``old_parameters``: ``named_parameters()`` taken before the change. ``sources[name]``: for a
+    replaced parameter, the old row index of each new row; its per-row optimizer state (e.g.
+    Adam moments) is carried over by those indices. Unchanged parameters keep their state,
+    and the param groups' hyper-parameters (a learning rate a scheduler lowered) and the
+    schedulers' states carry over too.
+    """
+    if not trainer.optimizers:
+        return
+    old_states = [
+        {name: opt.state.get(param) for name, param in old_parameters.items()}
+        for opt in trainer.optimizers
+    ]
+    old_groups = [
+        [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
+        for opt in trainer.optimizers
+    ]
+    old_schedulers = [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]
+    trainer.strategy.setup_optimizers(trainer)
+    new_parameters = dict(pl_module.named_parameters())
+    for opt, states, groups in zip(trainer.optimizers, old_states, old_groups, strict=False):
+        if len(groups) == len(opt.param_groups):
+            for group, old in zip(opt.param_groups, groups, strict=True):
+                group.update(old)
+        for name, param in new_parameters.items():
+            state = states.get(name)
+            if not state:
+                continue
+            if name in sources:
+                rows, old_shape = sources[name], old_parameters[name].shape
+                state = {
+                    key: value[rows].clone()
+                    if isinstance(value, torch.Tensor) and value.shape == old_shape
+                    else value
+                    for key, value in state.items()
+                }
+            opt.state[param] = state
+    for config, old in zip(trainer.lr_scheduler_configs, old_schedulers, strict=False):
+        config.scheduler.load_state_dict(old)

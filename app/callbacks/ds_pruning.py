@@ -1,0 +1,89 @@
+"""Group-lasso pruning of DS-Softmax experts (Algorithm 1, lines 6-11)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from app.callbacks.ds_optim import find_ds_head, rebuild_optimizers
+from heads.base import HeadConfigError
+
+
+class DSPruning(Callback):
+    """Zero and drop expert rows whose norm is below ``gamma`` once the task loss is low.
+
+    Every ``every_n_steps`` training batches, if the mean task loss (``loss_key`` as logged by
+    the module, averaged over those batches and over DDP ranks) is below ``loss_threshold``,
+    the head drops rows with ``||W^(k)_c||_2 < gamma``. The row norms are parameters, identical
+    on every rank after DDP's all-reduce, so all ranks take the same decision.
+
+    Args:
+        loss_threshold: prune only while the task loss is below this (Algorithm 1's ``t``).
+        gamma: row-norm threshold (paper: 0.01).
+        keep_every_class: every class keeps at least one expert (paper default); ``False`` is
+            the paper's ``*`` variant.
+        every_n_steps: how often to check (each structural change rebuilds the optimizer).
+        loss_key: the logged task loss (without the regularisers).
+    """
+
+    def __init__(
+        self,
+        loss_threshold: float = float("inf"),
+        gamma: float = 0.01,
+        keep_every_class: bool = True,
+        every_n_steps: int = 50,
+        loss_key: str = "train/loss",
+    ) -> None:
+        if gamma < 0:
+            raise HeadConfigError(f"gamma must be non-negative, got {gamma}")
+        if every_n_steps <= 0:
+            raise HeadConfigError(f"every_n_steps must be positive, got {every_n_steps}")
+        self.loss_threshold = loss_threshold
+        self.gamma = gamma
+        self.keep_every_class = keep_every_class
+        self.every_n_steps = every_n_steps
+        self.loss_key = loss_key
+        self.pruned_rows = 0
+        self._loss_sum = 0.0
+        self._loss_count = 0
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        loss = trainer.callback_metrics.get(self.loss_key)
+        if loss is not None:
+            self._loss_sum += float(loss)
+            self._loss_count += 1
+        if (trainer.global_step % self.every_n_steps) or not self._loss_count:
+            return
+        mean = torch.tensor(self._loss_sum / self._loss_count, device=pl_module.device)
+        mean = trainer.strategy.reduce(mean, reduce_op="mean")
+        self._loss_sum, self._loss_count = 0.0, 0
+        if float(mean) < self.loss_threshold:
+            self.prune(trainer, pl_module)
+
+    def prune(self, trainer: L.Trainer, pl_module: L.LightningModule) -> int:
+        """Prune now; returns the number of rows dropped."""
+        name, head = find_ds_head(pl_module)
+        old = dict(pl_module.named_parameters())
+        before = head.weight.size(0)
+        kept = head.prune(self.gamma, self.keep_every_class)
+        if kept is None:
+            return 0
+        rows, gate_rows = kept
+        prefix = f"{name}." if name else ""
+        sources = {f"{prefix}weight": rows, f"{prefix}gate": gate_rows}
+        rebuild_optimizers(trainer, pl_module, old, sources)
+        dropped = before - head.weight.size(0)
+        self.pruned_rows += dropped
+        pl_module.log("ds/rows", float(head.weight.size(0)), on_step=True, on_epoch=False)
+        return dropped
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pruned_rows": self.pruned_rows}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.pruned_rows = state_dict["pruned_rows"]

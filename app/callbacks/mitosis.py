@@ -1,0 +1,97 @@
+"""Mitosis training of DS-Softmax (Algorithm 2): start with few experts, double on a schedule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from app.callbacks.ds_optim import find_ds_head, rebuild_optimizers
+from heads.base import HeadConfigError
+
+
+class Mitosis(Callback):
+    """Double the experts every ``every_n_epochs`` epochs until ``max_experts``.
+
+    Each split clones every expert's surviving rows (plus Gaussian noise) and its gate row
+    (see :meth:`heads.ds_softmax.DSSoftmaxHead.split_experts`), then rebuilds the optimizer
+    through Lightning, carrying the Adam moments of the parent rows to both twins. The noise
+    comes from a generator seeded by ``seed`` and the split count, identical on every rank.
+
+    The split count is this callback's checkpoint state, the expert structure the head's: a
+    resumed run neither repeats nor skips a split. ``peak_rows`` records the most expert rows
+    held at once, in units of one softmax layer (``V`` rows), logged as
+    ``ds/peak_memory_softmaxes``.
+
+    Args:
+        max_experts: K to reach.
+        every_n_epochs: epochs between splits (split at epochs N, 2N, ...).
+        noise_std: Gaussian noise added to the clones, relative to each row's RMS.
+        rescale_rows: double the cloned rows so the loss is continuous through a split (see
+            ``DSSoftmaxHead.split_experts``).
+    """
+
+    def __init__(
+        self,
+        max_experts: int = 64,
+        every_n_epochs: int = 15,
+        noise_std: float = 0.01,
+        seed: int = 0,
+        rescale_rows: bool = True,
+    ) -> None:
+        if max_experts < 1 or every_n_epochs < 1:
+            raise HeadConfigError("max_experts and every_n_epochs must be positive")
+        if noise_std < 0:
+            raise HeadConfigError(f"noise_std must be non-negative, got {noise_std}")
+        self.max_experts = max_experts
+        self.every_n_epochs = every_n_epochs
+        self.noise_std = noise_std
+        self.seed = seed
+        self.rescale_rows = rescale_rows
+        self.splits = 0
+        self.peak_rows = 0
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        _, head = find_ds_head(pl_module)
+        due = trainer.current_epoch // self.every_n_epochs
+        while self.splits < due and head.num_experts < self.max_experts:
+            self.split(trainer, pl_module)
+        self._record_peak(head)
+        pl_module.log("ds/num_experts", float(head.num_experts), on_epoch=True, on_step=False)
+        pl_module.log(
+            "ds/peak_memory_softmaxes",
+            self.peak_rows / head.vocab_size,
+            on_epoch=True,
+            on_step=False,
+        )
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        self._record_peak(find_ds_head(pl_module)[1])
+
+    def split(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        name, head = find_ds_head(pl_module)
+        old = dict(pl_module.named_parameters())
+        generator = torch.Generator().manual_seed(self.seed + self.splits)
+        rows, gate_rows = head.split_experts(
+            self.noise_std, self.max_experts, generator, self.rescale_rows
+        )
+        self.splits += 1
+        # parent and children coexist during the split: count both for the peak
+        self.peak_rows = max(self.peak_rows, old[f"{name}.weight" if name else "weight"].size(0)
+                             + head.weight.size(0))  # fmt: skip
+        prefix = f"{name}." if name else ""
+        rebuild_optimizers(
+            trainer, pl_module, old, {f"{prefix}weight": rows, f"{prefix}gate": gate_rows}
+        )
+
+    def _record_peak(self, head) -> None:
+        self.peak_rows = max(self.peak_rows, head.weight.size(0))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"splits": self.splits, "peak_rows": self.peak_rows}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.splits = state_dict["splits"]
+        self.peak_rows = state_dict["peak_rows"]

@@ -1,0 +1,119 @@
+"""The synthetic two-level hierarchy of the DS-Softmax paper (appendix A, Eq. 3-5).
+
+Super-class centroids ``c_i ~ N(0, d^3 I)``, sub-class centroids ``c_j ~ N(c_i, d^2 I)``, points
+``x ~ N(c_j, d I)``; the label of a point is its sub class, and the super class is never shown
+to the model. Sub class ``j`` of super class ``i`` has label ``i * num_sub + j``, so the
+ground-truth hierarchy is ``label // num_sub``.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from datamodules.text_source import DataConfigError
+
+SPLITS = ("train", "valid", "test")
+
+
+def make_hierarchy(
+    num_super: int, num_sub: int, dim: int, points_per_sub: dict[str, int], seed: int
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Points and labels per split, all around the same centroids (Eq. 3-5)."""
+    gen = torch.Generator().manual_seed(seed)
+    supers = torch.randn(num_super, dim, generator=gen) * dim**1.5  # Eq. 3: variance d^3
+    subs = supers.repeat_interleave(num_sub, 0)
+    subs = subs + torch.randn(subs.shape, generator=gen) * dim  # Eq. 4: variance d^2
+    out = {}
+    for split, count in points_per_sub.items():
+        labels = torch.arange(num_super * num_sub).repeat_interleave(count)
+        points = subs[labels] + torch.randn(labels.numel(), dim, generator=gen) * dim**0.5  # Eq. 5
+        out[split] = (points, labels)
+    return out
+
+
+class SyntheticHierarchyDataModule(L.LightningDataModule):
+    """Classification data with a known two-level class hierarchy.
+
+    Args:
+        num_super: number of super classes.
+        num_sub: sub classes per super class; there are ``num_super * num_sub`` labels.
+        dim: input dimension ``d`` (also sets the variances of Eq. 3-5).
+        train_per_sub, val_per_sub, test_per_sub: points per sub class in each split.
+        batch_size: training batch size (evaluation uses ``eval_batch_size``).
+        normalize: divide inputs by their total standard deviation ``sqrt(d^3 + d^2 + d)``,
+            so the network sees unit-scale features.
+        seed: the data are a function of this seed only.
+    """
+
+    def __init__(
+        self,
+        num_super: int = 10,
+        num_sub: int = 10,
+        dim: int = 10,
+        train_per_sub: int = 100,
+        val_per_sub: int = 20,
+        test_per_sub: int = 20,
+        batch_size: int = 128,
+        eval_batch_size: int = 1024,
+        normalize: bool = True,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        for name, value in (
+            ("num_super", num_super), ("num_sub", num_sub), ("dim", dim),
+            ("train_per_sub", train_per_sub), ("val_per_sub", val_per_sub),
+            ("test_per_sub", test_per_sub), ("batch_size", batch_size),
+            ("eval_batch_size", eval_batch_size),
+        ):  # fmt: skip
+            if not isinstance(value, int) or value <= 0:
+                raise DataConfigError(f"{name} must be a positive integer, got {value!r}")
+        self.num_super, self.num_sub, self.dim = num_super, num_sub, dim
+        self.points_per_sub = {"train": train_per_sub, "valid": val_per_sub, "test": test_per_sub}
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
+        self.normalize, self.seed = normalize, seed
+        self._data: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of classes (the CLI links it into the head as ``vocab_size``)."""
+        return self.num_super * self.num_sub
+
+    @property
+    def input_size(self) -> int:
+        return self.dim
+
+    def super_class(self, labels: torch.Tensor) -> torch.Tensor:
+        """Ground-truth super class of each label."""
+        return labels // self.num_sub
+
+    @property
+    def data(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        if self._data is None:
+            data = make_hierarchy(
+                self.num_super, self.num_sub, self.dim, self.points_per_sub, self.seed
+            )
+            if self.normalize:
+                scale = (self.dim**3 + self.dim**2 + self.dim) ** 0.5
+                data = {split: (x / scale, y) for split, (x, y) in data.items()}
+            self._data = data
+        return self._data
+
+    def _loader(self, split: str, batch_size: int, shuffle: bool) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(
+            TensorDataset(*self.data[split]),
+            batch_size=batch_size,
+            shuffle=shuffle,
+            generator=generator if shuffle else None,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("valid", self.eval_batch_size, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", self.eval_batch_size, shuffle=False)

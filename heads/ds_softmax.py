@@ -1,0 +1,522 @@
+"""Doubly Sparse softmax: a sparse mixture of sparse experts (Liao et al.; ds-softmax.txt).
+
+Top-1 gate (Eq. 1)::
+
+    G(h) = softmax(U h),  k* = argmax_k G_k(h),  only G_{k*}(h) is kept
+
+and the selected expert's distribution (Eq. 2) over the classes still alive in it::
+
+    P(c | h) = softmax_c(G_{k*}(h) W^(k*)_c h)
+
+The gradient reaches every gate row through the normalisation of ``G``.
+
+Storage is sparse from the start: all experts' surviving rows are packed in one parameter
+``weight [R, d]``; ``row_class [R]`` names each row's class (ascending within an expert) and
+``expert_offsets [K + 1]`` delimits the experts. Memory and compute therefore follow the
+surviving rows ``R = sum_k |v_k|``, not ``K x V``. Pruning and mitosis
+(``app/callbacks/ds_pruning.py``, ``app/callbacks/mitosis.py``) change this structure; it is
+saved in the state dict and a freshly built head resizes itself to it when loading.
+
+Two distributions, equal while no row has been pruned:
+
+- ``log_prob`` / ``topk``: the sparse inference distribution of the issue, over the alive
+  classes of the selected expert only (``-inf`` elsewhere).
+- ``forward`` (the training loss): Algorithm 1 zeroes a pruned row, ``W^(k)_c = 0``, so the
+  class keeps the logit 0 in the normaliser of Eq. 2. The ``V - |v_k|`` zero logits add the
+  constant ``log(V - |v_k|)`` to a log-sum-exp: the loss stays finite for a target outside the
+  expert, at the cost of a softmax over ``|v_k|`` rows. :meth:`training_log_prob` returns this
+  distribution densely (for tests and analysis).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from heads.base import (
+    Head,
+    HeadConfigError,
+    HeadOutput,
+    check_positive_int,
+    float32_no_autocast,
+    upcast,
+)
+
+
+def _float32(device: torch.device) -> contextlib.AbstractContextManager:
+    """``float32_no_autocast``, skipped when autocast is off: entering an autocast context
+    costs about as much as the whole batch-1 expert softmax."""
+    if torch.is_autocast_enabled(device.type):
+        return float32_no_autocast(device)
+    return contextlib.nullcontext()
+
+
+def _check_non_negative(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or value < 0:
+        raise HeadConfigError(f"{name} must be a non-negative number, got {value!r}")
+
+
+class DSSoftmaxHead(Head):
+    """DS-Softmax with K experts, each starting over the full class space.
+
+    Args:
+        hidden_size: size of the context vectors ``h``.
+        vocab_size: number of classes ``|V|`` (linked from the data module by the CLI).
+        num_experts: K at construction (mitosis starts with 2 and doubles).
+        lambda_lasso: weight of the group lasso over class rows,
+            ``sum_k sum_c ||W^(k)_c||_2``.
+        lambda_expert: weight of the expert-level group lasso,
+            ``sum_k sqrt(sum_c ||W^(k)_c||_2^2)``.
+        lambda_load: weight of the load balance ``CV(sum_h G(h))^2`` (paper: 10).
+        init_std: std of the initial expert rows and gate. Default ``hidden_size ** -0.5``.
+        bias: give every expert row a bias, ``G_k (W^(k)_c h + b^(k)_c)``. Not in Eq. 2, but it
+            lets DS start exactly from a softmax with a bias (pretrain-then-replace). The bias
+            is stored as the row's last column, so it belongs to the row's lasso group and is
+            pruned with it.
+    """
+
+    weight: nn.Parameter
+    gate: nn.Parameter
+    row_class: torch.Tensor
+    expert_offsets: torch.Tensor
+
+    def __init__(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        num_experts: int = 2,
+        lambda_lasso: float = 0.0,
+        lambda_expert: float = 0.0,
+        lambda_load: float = 10.0,
+        init_std: float | None = None,
+        bias: bool = False,
+    ) -> None:
+        super().__init__(hidden_size, vocab_size)
+        check_positive_int("num_experts", num_experts)
+        for name, value in (
+            ("lambda_lasso", lambda_lasso),
+            ("lambda_expert", lambda_expert),
+            ("lambda_load", lambda_load),
+        ):
+            _check_non_negative(name, value)
+        std = hidden_size**-0.5 if init_std is None else init_std
+        if std <= 0:
+            raise HeadConfigError(f"init_std must be positive, got {init_std!r}")
+        self.lambda_lasso = float(lambda_lasso)
+        self.lambda_expert = float(lambda_expert)
+        self.lambda_load = float(lambda_load)
+        self.bias = bool(bias)
+        self.row_size = hidden_size + int(self.bias)
+        # every expert starts over the full class space (paper, Figure 1)
+        self.weight = nn.Parameter(torch.randn(num_experts * vocab_size, self.row_size) * std)
+        if self.bias:
+            with torch.no_grad():
+                self.weight[:, -1] = 0.0
+        self.gate = nn.Parameter(torch.randn(num_experts, hidden_size) * std)
+        self.register_buffer("row_class", torch.arange(vocab_size).repeat(num_experts))
+        self.register_buffer("expert_offsets", torch.arange(num_experts + 1) * vocab_size)
+        self._refresh_structure()
+
+    # -- structure ----------------------------------------------------------------------
+    @property
+    def num_experts(self) -> int:
+        return self.gate.size(0)
+
+    def _refresh_structure(self) -> None:
+        """Python-side copies of the structure: the inference path avoids tensor syncs."""
+        self._offsets: list[int] = self.expert_offsets.tolist()
+        self._views_key: int | None = None
+        self._views: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
+
+    def _split_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(W, b)`` of packed rows (``b`` is ``None`` without ``bias``)."""
+        if self.bias:
+            return rows[:, :-1], rows[:, -1]
+        return rows, None
+
+    def _expert_views(self) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
+        """Per expert ``(rows, class ids)`` views for inference, rebuilt when the storage
+        moves (``.to()``, a new structure): slicing a Parameter per query costs time."""
+        # set_structure and load_state_dict reset the key; .to()/.double() move the storage
+        key = self.weight.data_ptr()
+        if key != self._views_key:
+            with torch.no_grad():
+                bounds = list(zip(self._offsets[:-1], self._offsets[1:], strict=True))
+                self._views = [
+                    (*self._split_rows(self.weight[a:b].detach()), self.row_class[a:b])
+                    for a, b in bounds
+                ]
+            self._views_key = key
+        return self._views
+
+    def expert_sizes(self) -> list[int]:
+        """``|v_k|``: surviving classes per expert."""
+        return [b - a for a, b in zip(self._offsets[:-1], self._offsets[1:], strict=True)]
+
+    def expert_classes(self, k: int) -> torch.Tensor:
+        """Surviving class ids of expert ``k`` (ascending)."""
+        return self.row_class[self._offsets[k] : self._offsets[k + 1]]
+
+    def row_expert(self) -> torch.Tensor:
+        """``[R]`` expert index of every packed row."""
+        sizes = torch.tensor(self.expert_sizes(), device=self.row_class.device)
+        return torch.repeat_interleave(torch.arange(self.num_experts, device=sizes.device), sizes)
+
+    def membership(self) -> torch.Tensor:
+        """``[K, V]`` bool: class c is alive in expert k (the expert x class heatmap)."""
+        out = torch.zeros(self.num_experts, self.vocab_size, dtype=torch.bool)
+        out[self.row_expert().cpu(), self.row_class.cpu()] = True
+        return out
+
+    def classes_without_expert(self) -> torch.Tensor:
+        """Class ids that no expert holds any more (empty unless pruned with the ``*`` variant)."""
+        covered = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.row_class.device)
+        covered[self.row_class] = True
+        return (~covered).nonzero().squeeze(1)
+
+    def set_structure(
+        self,
+        weight: torch.Tensor,
+        row_class: torch.Tensor,
+        expert_sizes: list[int] | torch.Tensor,
+        gate: torch.Tensor,
+    ) -> None:
+        """Replace the experts: new ``weight``/``gate`` Parameters (optimizers must be rebuilt).
+
+        Rows of an expert must be sorted by class id, each class at most once per expert.
+        """
+        sizes = torch.as_tensor(expert_sizes, dtype=torch.long).cpu()
+        if weight.dim() != 2 or weight.size(1) != self.row_size:
+            raise HeadConfigError(f"weight must be [R, {self.row_size}], got {weight.shape}")
+        if gate.shape != (sizes.numel(), self.hidden_size) or sizes.numel() == 0:
+            raise HeadConfigError(
+                f"gate must be [K, {self.hidden_size}] with K = {sizes.numel()} experts (K >= 1)"
+            )
+        if int(sizes.sum()) != weight.size(0) or row_class.shape != weight.shape[:1]:
+            raise HeadConfigError("expert sizes must add up to the rows of weight and row_class")
+        if (sizes <= 0).any():
+            raise HeadConfigError("every expert must keep at least one class")
+        device = self.weight.device
+        self.weight = nn.Parameter(weight.detach().to(device, self.weight.dtype).contiguous())
+        self.gate = nn.Parameter(gate.detach().to(device, self.gate.dtype).contiguous())
+        self.row_class = row_class.detach().to(device, torch.long).contiguous()
+        offsets = torch.zeros(sizes.numel() + 1, dtype=torch.long)
+        offsets[1:] = sizes.cumsum(0)
+        self.expert_offsets = offsets.to(device)
+        self._refresh_structure()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, *args) -> None:
+        # Resize to the saved structure first (pruning/mitosis changed it), then load weights.
+        keys = [prefix + name for name in ("weight", "gate", "row_class", "expert_offsets")]
+        if all(key in state_dict for key in keys):
+            weight, gate, row_class, offsets = (state_dict[key] for key in keys)
+            if weight.shape != self.weight.shape or gate.shape != self.gate.shape:
+                self.set_structure(weight, row_class, offsets.diff(), gate)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, *args)
+        self._refresh_structure()
+
+    # -- gate (Eq. 1) -------------------------------------------------------------------
+    def select(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(expert [N], G_{k*}(h) [N])``: top-1 expert and its normalised gate value (Eq. 1)."""
+        with _float32(hidden.device):
+            gates = (upcast(hidden) @ upcast(self.gate).T).softmax(dim=-1)
+        expert = gates.argmax(dim=-1)
+        return expert, gates.gather(1, expert[:, None]).squeeze(1)
+
+    def _groups(self, expert: torch.Tensor):
+        """Tokens grouped by selected expert: ``(k, token indices)`` for each used expert."""
+        order = torch.argsort(expert, stable=True)
+        counts = torch.bincount(expert, minlength=self.num_experts).tolist()
+        start = 0
+        for k, count in enumerate(counts):
+            if count:
+                yield k, order[start : start + count]
+                start += count
+
+    def _expert_rows(self) -> tuple[torch.Tensor, ...]:
+        """Each expert's rows, differentiable. One ``split`` per step: its backward writes one
+        ``[R, d]`` gradient, where a slice per expert would write K of them."""
+        return self.weight.split(self.expert_sizes())
+
+    def _expert_logits(
+        self, rows: torch.Tensor, hidden: torch.Tensor, gate_value: torch.Tensor
+    ) -> torch.Tensor:
+        """``G_k W^(k) h`` for one expert's tokens (Eq. 2), float32 or float64."""
+        if self.bias:  # [h, 1] against [W_c, b_c]: no column slice of the rows to backpropagate
+            hidden = torch.cat((hidden, hidden.new_ones(hidden.size(0), 1)), dim=1)
+        logits = F.linear(hidden, rows)  # the one matmul of this group (bf16 under autocast)
+        with _float32(hidden.device):
+            return upcast(gate_value)[:, None] * upcast(logits)
+
+    # -- contract -----------------------------------------------------------------------
+    def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> HeadOutput:
+        self.check_inputs(hidden, target)
+        expert, gate_value = self.select(hidden)
+        safe_target = target.clamp_min(0)
+        parts, positions, experts = [], [], self._expert_rows()
+        for k, idx in self._groups(expert):
+            logits = self._expert_logits(experts[k], hidden[idx], gate_value[idx])
+            with _float32(hidden.device):
+                log_norm = logits.logsumexp(dim=-1)
+                pruned = self.vocab_size - logits.size(1)
+                if pruned:  # pruned rows are zero rows: logit 0 each (Algorithm 1, line 9)
+                    log_norm = torch.logaddexp(log_norm, log_norm.new_tensor(math.log(pruned)))
+                classes = self.expert_classes(k)
+                t = safe_target[idx]
+                where = torch.searchsorted(classes, t).clamp_max(classes.numel() - 1)
+                alive = classes[where] == t
+                target_logit = logits.gather(1, where[:, None]).squeeze(1)
+                target_logit = torch.where(alive, target_logit, torch.zeros_like(target_logit))
+                parts.append(target_logit - log_norm)
+            positions.append(idx)
+        values = torch.cat(parts)
+        target_log_prob = values.new_zeros(hidden.size(0)).scatter(0, torch.cat(positions), values)
+        keep = target != -100
+        return self.output_from_target_log_prob(
+            target_log_prob, target, self.aux_loss(expert[keep], gate_value[keep])
+        )
+
+    def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The sparse inference distribution, dense: ``-inf`` outside the selected expert."""
+        return self._dense_log_prob(hidden, pruned_as_zero_logits=False)
+
+    def training_log_prob(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The distribution ``forward`` trains: pruned rows of the selected expert are zero
+        rows (logit 0), as in Algorithm 1. Equal to :meth:`log_prob` before any pruning."""
+        return self._dense_log_prob(hidden, pruned_as_zero_logits=True)
+
+    def _dense_log_prob(self, hidden: torch.Tensor, pruned_as_zero_logits: bool) -> torch.Tensor:
+        self.check_inputs(hidden)
+        expert, gate_value = self.select(hidden)
+        dtype = upcast(hidden).dtype
+        fill = 0.0 if pruned_as_zero_logits else -math.inf
+        logits = torch.full(
+            (hidden.size(0), self.vocab_size), fill, dtype=dtype, device=hidden.device
+        )
+        experts = self._expert_rows()
+        for k, idx in self._groups(expert):
+            logits = logits.index_put(
+                (idx[:, None], self.expert_classes(k)[None, :]),
+                self._expert_logits(experts[k], hidden[idx], gate_value[idx]),
+            )
+        with _float32(hidden.device):
+            return logits.log_softmax(dim=-1)
+
+    @torch.no_grad()
+    def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k inside the selected expert only: a softmax over its ``|v_k|`` rows.
+
+        When the expert holds fewer than ``k`` classes the rest of the answer is classes
+        outside it, with log-probability ``-inf`` (probability 0).
+        """
+        check_positive_int("k", k)
+        if k > self.vocab_size:
+            raise HeadConfigError(f"top-k with k={k} exceeds the vocabulary size {self.vocab_size}")
+        self.check_inputs(hidden)
+        if hidden.size(0) == 1:
+            return self._topk_one(hidden, k)
+        expert, gate_value = self.select(hidden)
+        # one sort, then contiguous slices per expert and a single scatter back
+        order = torch.argsort(expert, stable=True)
+        counts = torch.bincount(expert, minlength=self.num_experts).tolist()
+        sorted_hidden, sorted_gate = hidden[order], gate_value[order]
+        parts_values, parts_classes, start = [], [], 0
+        for e, count in enumerate(counts):
+            if count:
+                rows = slice(start, start + count)
+                top_values, top_classes = self._expert_topk(
+                    e, sorted_hidden[rows], sorted_gate[rows], k
+                )
+                parts_values.append(top_values)
+                parts_classes.append(top_classes)
+                start += count
+        values, classes = torch.cat(parts_values), torch.cat(parts_classes)
+        return (
+            torch.empty_like(values).index_copy_(0, order, values),
+            torch.empty_like(classes).index_copy_(0, order, classes),
+        )
+
+    def _topk_one(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # batch 1 (the latency case): no grouping, no sort, two matrix-vector products
+        if torch.is_autocast_enabled(hidden.device.type) or hidden.dtype != self.weight.dtype:
+            with _float32(hidden.device):
+                gate_value, expert = (upcast(hidden) @ upcast(self.gate).T).softmax(-1).max(-1)
+            return self._expert_topk(int(expert), hidden, gate_value, k)
+        h = hidden[0]
+        gate_logits = torch.mv(self.gate, h)
+        e = int(gate_logits.argmax())
+        rows, bias, classes = self._expert_views()[e]
+        logits = torch.mv(rows, h) if bias is None else torch.addmv(bias, rows, h)
+        # G_{k*} (Eq. 1) scales the expert's logits (Eq. 2)
+        log_probs = torch.log_softmax(logits * gate_logits.softmax(0)[e], 0)
+        return self._top_of_expert(log_probs[None], classes, k)
+
+    def _expert_topk(self, e: int, hidden: torch.Tensor, gate_value: torch.Tensor, k: int):
+        rows, bias, classes = self._expert_views()[e]
+        logits = F.linear(hidden, rows, bias)
+        with _float32(hidden.device):
+            log_probs = (upcast(logits) * upcast(gate_value)[:, None]).log_softmax(dim=-1)
+        return self._top_of_expert(log_probs, classes, k)
+
+    def _top_of_expert(self, log_probs: torch.Tensor, classes: torch.Tensor, k: int):
+        """Top-k of one expert's ``[n, |v_k|]`` log-probabilities, as class ids."""
+        take = min(k, classes.numel())
+        top_values, where = log_probs.topk(take, dim=-1)
+        top_classes = classes.take(where)
+        if take < k:  # fill with classes outside the expert: probability 0
+            outside = torch.ones(self.vocab_size, dtype=torch.bool, device=classes.device)
+            outside[classes] = False
+            extra = outside.nonzero().squeeze(1)[: k - take]
+            rows = log_probs.size(0)
+            top_values = torch.cat(
+                (top_values, top_values.new_full((rows, k - take), -math.inf)), 1
+            )
+            top_classes = torch.cat((top_classes, extra.expand(rows, -1)), 1)
+        return top_values, top_classes
+
+    # -- regularisers -------------------------------------------------------------------
+    def aux_loss(self, expert: torch.Tensor, gate_value: torch.Tensor) -> torch.Tensor:
+        """``lambda_lasso L_lasso + lambda_expert L_expert + lambda_load L_load`` (section 3.3)."""
+        with _float32(self.weight.device):
+            weight = upcast(self.weight)
+            total = weight.new_zeros(())
+            if self.lambda_lasso or self.lambda_expert:
+                # one pass over the [R, d] rows for both lassos: the rest works on [R] norms
+                norms = torch.linalg.vector_norm(weight, dim=1)
+                if self.lambda_lasso:
+                    total = total + self.lambda_lasso * norms.sum()
+                if self.lambda_expert:
+                    squares = norms.new_zeros(self.num_experts).index_add(
+                        0, self.row_expert(), norms.square()
+                    )
+                    total = total + self.lambda_expert * squares.sqrt().sum()
+            if self.lambda_load and self.num_experts > 1 and expert.numel():
+                # importance of expert k: sum over the batch of the sparse gate G_k(h)
+                importance = upcast(gate_value).new_zeros(self.num_experts)
+                importance = importance.index_add(0, expert, upcast(gate_value))
+                # CV^2 = var / mean^2, without a square root (finite gradient when balanced)
+                cv_squared = importance.var(unbiased=False) / importance.mean().square()
+                total = total + self.lambda_load * cv_squared.to(total.dtype)
+            return total
+
+    # -- reported speed-up --------------------------------------------------------------
+    def flops_speedup(self, utilisation: torch.Tensor | list[float]) -> float:
+        """``|V| / (sum_k |v_k| u_k + K)`` (section 3.3), ``u_k`` measured on data."""
+        u = torch.as_tensor(utilisation, dtype=torch.float64)
+        sizes = torch.tensor(self.expert_sizes(), dtype=torch.float64)
+        return float(self.vocab_size / ((sizes * u).sum() + self.num_experts))
+
+    # -- pretrain-then-replace (appendix B) ---------------------------------------------
+    @torch.no_grad()
+    def init_from_softmax(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, noise_std: float = 0.0
+    ) -> None:
+        """Start every expert from a trained softmax's ``W [V, d]`` and, if this head has
+        ``bias``, its ``b [V]`` (otherwise the bias is dropped).
+
+        Rows are scaled by ``1 / mean G`` so that ``G_k W^(k) h`` starts at the softmax's
+        logits ``W h`` while the gate is still near uniform.
+        """
+        if weight.shape != (self.vocab_size, self.hidden_size):
+            raise HeadConfigError(
+                f"cannot initialise DS-Softmax [V={self.vocab_size}, d={self.hidden_size}] "
+                f"from a softmax weight of shape {tuple(weight.shape)}"
+            )
+        self.gate.mul_(1e-3)  # near-uniform gate: G_k ~ 1/K
+        if self.bias:
+            b = weight.new_zeros(self.vocab_size) if bias is None else bias.to(weight)
+            weight = torch.cat((weight, b[:, None]), dim=1)
+        experts = weight.to(self.weight)[self.row_class] * self.num_experts
+        self.weight.copy_(experts + noise_std * torch.randn_like(experts))
+
+    # -- structural changes (used by the pruning and mitosis callbacks) -----------------
+    @torch.no_grad()
+    def prune(
+        self, gamma: float, keep_every_class: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Drop rows with ``||W^(k)_c||_2 < gamma`` (Algorithm 1, lines 6-11).
+
+        ``keep_every_class``: a class whose rows would all go keeps its largest-norm row
+        (the paper's default; ``False`` is its ``*`` variant). An expert left without rows is
+        removed with its gate row. Decided from the parameters only, which are identical on
+        every DDP rank. Returns the old indices of the surviving ``(rows, gate rows)``, or ``None``
+        if nothing changed.
+        """
+        norms = torch.linalg.vector_norm(self.weight.float(), dim=1)
+        keep = norms >= gamma
+        if keep_every_class:
+            # largest-norm row of every class, found as the last row after a stable sort
+            order = torch.argsort(norms, stable=True)
+            best = torch.full((self.vocab_size,), -1, dtype=torch.long, device=norms.device)
+            best[self.row_class[order]] = order  # later (larger-norm) writes win
+            present = best >= 0
+            covered = torch.zeros_like(present)
+            covered[self.row_class[keep]] = True
+            rescue = best[present & ~covered]
+            keep[rescue] = True
+        if bool(keep.all()):
+            return None
+        if not bool(keep.any()):  # nothing left: keep the single largest row
+            keep[norms.argmax()] = True
+        rows = keep.nonzero().squeeze(1)
+        row_expert = self.row_expert()
+        sizes = torch.bincount(row_expert[rows], minlength=self.num_experts)
+        alive_experts = (sizes > 0).nonzero().squeeze(1)
+        self.set_structure(
+            self.weight[rows], self.row_class[rows], sizes[alive_experts], self.gate[alive_experts]
+        )
+        return rows, alive_experts
+
+    @torch.no_grad()
+    def split_experts(
+        self,
+        noise_std: float,
+        max_experts: int | None = None,
+        generator: torch.Generator | None = None,
+        rescale_rows: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mitosis (Algorithm 2, lines 5-7): every expert (up to ``max_experts`` in all) gets a
+        twin holding its surviving rows plus Gaussian noise; the pair's gate rows are copies of
+        the parent's plus noise, so the twins start in the parent's region of ``h``.
+
+        With identical gate rows a twin's ``G`` is half its parent's, so by default
+        (``rescale_rows``) both twins' rows are doubled: ``G W h`` (Eq. 2) stays continuous
+        through the split. Without it the rows keep their norms (less for the group lasso to
+        remove; top-k answers do not depend on ``G``) and the distribution flattens until the
+        gate sharpens again.
+        Returns ``(weight_source_rows [R'], gate_source_rows [K'])``: old indices of every new row.
+        """
+        k_old = self.num_experts
+        k_new = 2 * k_old if max_experts is None else min(2 * k_old, max_experts)
+        parents = torch.arange(k_new - k_old)  # experts that divide
+        offsets = self._offsets
+        device = self.weight.device
+        # children: all old experts (in place), then the twins of the dividing ones
+        twin_rows = [torch.arange(offsets[k], offsets[k + 1]) for k in parents.tolist()]
+        twin_rows = torch.cat(twin_rows) if twin_rows else torch.zeros(0, dtype=torch.long)
+        source = torch.cat((torch.arange(self.weight.size(0)), twin_rows)).to(device)
+        gate_source = torch.cat((torch.arange(k_old), parents)).to(device)
+        divides = torch.zeros(k_old, dtype=torch.bool)
+        divides[parents] = True
+        sizes = self.expert_sizes()
+        scale = torch.repeat_interleave(
+            torch.where(divides & rescale_rows, 2.0, 1.0), torch.tensor(sizes)
+        )  # doubled rows only for experts whose gate mass is now shared by twins
+        twin_scale = 2.0 if rescale_rows else 1.0
+        scale = torch.cat((scale, torch.full((twin_rows.numel(),), twin_scale))).to(self.weight)
+
+        def noise(shape: tuple[int, ...], std: torch.Tensor | float) -> torch.Tensor:
+            return torch.randn(shape, generator=generator).to(self.weight) * std
+
+        weight = self.weight[source] * scale[:, None]
+        row_std = weight.norm(dim=1, keepdim=True) * noise_std / self.row_size**0.5
+        weight = weight + noise(tuple(weight.shape), row_std)
+        gate = self.gate[gate_source]
+        gate = gate + noise(tuple(gate.shape), noise_std * gate.norm(dim=1, keepdim=True).mean())
+        new_sizes = sizes + [sizes[k] for k in parents.tolist()]
+        self.set_structure(weight, self.row_class[source], new_sizes, gate)
+        return source, gate_source

@@ -1,0 +1,105 @@
+"""Classifier: a vector backbone plus any pluggable head (e.g. the synthetic hierarchy)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch import nn
+from torchmetrics import MeanMetric
+
+from heads import Head
+from lightning_modules.optimization import configure_optimizers
+
+
+class Classifier(L.LightningModule):
+    """Classification over any :class:`~heads.Head`.
+
+    Logs ``train/loss`` (task NLL), ``train/aux_loss``, ``{val,test}/loss`` and top-k accuracy
+    ``{val,test}/acc_top{k}``. Accuracy comes from ``head.topk``, the inference path: for
+    DS-Softmax a class outside the selected expert is never retrieved. Hits are averaged with
+    torchmetrics ``MeanMetric`` (reduced over DDP ranks).
+
+    Args:
+        backbone: maps ``[N, input]`` to ``[N, d]``; needs ``output_size``.
+        head: the output layer; ``head.hidden_size`` must equal ``backbone.output_size``.
+        optimizer: optimizer factory (LightningCLI dependency injection).
+        scheduler: optional learning-rate scheduler factory (``ReduceLROnPlateau`` watches
+            ``val/loss``).
+        top_k: accuracies to report.
+    """
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        head: Head,
+        optimizer: OptimizerCallable = torch.optim.Adam,
+        scheduler: LRSchedulerCallable | None = None,
+        top_k: tuple[int, ...] = (1, 5, 10),
+    ) -> None:
+        super().__init__()
+        output_size = getattr(backbone, "output_size", None)
+        if head.hidden_size != output_size:
+            raise ValueError(
+                f"head.hidden_size ({head.hidden_size}) must equal the backbone's output size "
+                f"({output_size})"
+            )
+        top_k = tuple(k for k in top_k if k <= head.vocab_size)
+        if not top_k:
+            raise ValueError("top_k needs at least one k not larger than the number of classes")
+        self.save_hyperparameters(ignore=["backbone", "head", "optimizer", "scheduler"])
+        self.backbone = backbone
+        self.head = head
+        self.top_k = top_k
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
+        self.metrics = nn.ModuleDict(
+            {
+                f"{stage}_{name}": MeanMetric()
+                for stage in ("val", "test")
+                for name in ["loss", *(f"acc_top{k}" for k in top_k)]
+            }
+        )
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
+        inputs, targets = batch
+        output = self.head(self.backbone(inputs), targets)
+        self.log("train/loss", output.loss, prog_bar=True)
+        if output.aux_loss.requires_grad:
+            self.log("train/aux_loss", output.aux_loss)
+        return output.loss + output.aux_loss
+
+    def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> None:
+        inputs, targets = batch
+        hidden = self.backbone(inputs)
+        output = self.head(hidden, targets)
+        self.metrics[f"{stage}_loss"].update(output.loss, weight=targets.numel())
+        _, indices = self.head.topk(hidden, max(self.top_k))
+        hits = indices == targets[:, None]
+        for k in self.top_k:
+            self.metrics[f"{stage}_acc_top{k}"].update(hits[:, :k].any(dim=1).float())
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    def _log_stage(self, stage: str) -> None:
+        for name, metric in self.metrics.items():
+            if name.startswith(f"{stage}_"):
+                self.log(f"{stage}/{name[len(stage) + 1 :]}", metric.compute(), prog_bar=True)
+                metric.reset()
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_stage("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_stage("test")
+
+    def configure_optimizers(self) -> Any:
+        return configure_optimizers(
+            self.parameters(), self.optimizer_factory, self.scheduler_factory
+        )

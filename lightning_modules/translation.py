@@ -1,0 +1,302 @@
+"""Translation: encoder-decoder backbone + pluggable head, teacher forcing, beam search, BLEU."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_info
+from sacrebleu.metrics import BLEU
+from torchmetrics import MeanMetric
+
+from app.backbones.seq2seq import Seq2SeqTransformer
+from heads import IGNORE_INDEX, Head, HeadConfigError
+from lightning_modules.decoding import DecodeConfig, beam_search, greedy_decode
+from lightning_modules.optimization import configure_optimizers
+
+STAGES = ("train", "val", "test")
+
+
+class Translation(L.LightningModule):
+    """Sequence-to-sequence translation over any :class:`~heads.Head`.
+
+    The decoder's context vectors ``[B, T, d]`` are flattened to ``[N, d]`` and given to the
+    head with the next target tokens ``[N]`` (``-100`` at padding), as in the LM task.
+    Validation and test report the token-weighted loss / perplexity of the reference and
+    sacreBLEU of the decoded translations on detokenised text against the raw reference
+    lines; a few sample translations go to TensorBoard as text, and ``test`` writes all
+    translations (line-aligned with the test file) to ``translations_file``.
+
+    Args:
+        backbone: a :class:`~app.backbones.seq2seq.Seq2SeqTransformer`.
+        head: the output layer; ``head.hidden_size`` must equal the backbone's output size.
+        optimizer, scheduler: factories (LightningCLI dependency injection);
+            ``ReduceLROnPlateau`` watches ``val/loss``.
+        label_smoothing: epsilon of uniform label smoothing in training, ``(1 - eps) NLL +
+            eps * mean_x(-log p_x)`` (evaluation reports the plain NLL). It needs the full
+            distribution (``head.log_prob``), so with eps > 0 a head's auxiliary loss
+            (``HeadOutput.aux_loss``) is not used in training.
+        tie_weights: share the head's output embeddings with the decoder's input embedding.
+        beam_size: beam of ``test`` (1 = greedy).
+        val_beam_size: beam for validation BLEU (greedy by default: cheap, every epoch);
+            0 skips decoding in validation.
+        length_penalty: alpha of the GNMT length penalty in beam search.
+        max_length_a, max_length_b: longest translation, ``a * source_length + b`` tokens.
+        num_samples: sample translations logged per validation / test.
+        translations_file: where ``test`` writes translations, one line per test line; default
+            ``<log dir>/translations_test.txt``.
+    """
+
+    def __init__(
+        self,
+        backbone: Seq2SeqTransformer,
+        head: Head,
+        optimizer: OptimizerCallable = torch.optim.Adam,
+        scheduler: LRSchedulerCallable | None = None,
+        label_smoothing: float = 0.0,
+        tie_weights: bool = False,
+        beam_size: int = 4,
+        val_beam_size: int = 1,
+        length_penalty: float = 0.6,
+        max_length_a: float = 1.5,
+        max_length_b: int = 10,
+        num_samples: int = 3,
+        translations_file: str | None = None,
+    ) -> None:
+        super().__init__()
+        if head.hidden_size != backbone.output_size:
+            raise HeadConfigError(
+                f"head.hidden_size ({head.hidden_size}) must equal the backbone's output size "
+                f"({backbone.output_size})"
+            )
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+        if beam_size < 1 or val_beam_size < 0:
+            raise ValueError(
+                f"beam_size must be >= 1 and val_beam_size >= 0, got {beam_size}, {val_beam_size}"
+            )
+        if tie_weights:
+            head.tie_output_embedding(backbone.embedding.weight)
+        # Only structural options go to hparams (see LanguageModel): decoding options must
+        # stay free to change on the command line when testing a checkpoint.
+        self.save_hyperparameters(
+            ignore=[
+                "backbone",
+                "head",
+                "optimizer",
+                "scheduler",
+                "beam_size",
+                "val_beam_size",
+                "length_penalty",
+                "max_length_a",
+                "max_length_b",
+                "num_samples",
+                "translations_file",
+            ]
+        )
+        self.backbone = backbone
+        self.head = head
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
+        self.label_smoothing = label_smoothing
+        self.beam_size = beam_size
+        self.val_beam_size = val_beam_size
+        self.length_penalty = length_penalty
+        self.max_length_a = max_length_a
+        self.max_length_b = max_length_b
+        self.num_samples = num_samples
+        self.translations_file = translations_file
+        self.metrics = torch.nn.ModuleDict({f"{s}_nll": MeanMetric() for s in STAGES})
+        self._translations: dict[int, list[int]] = {}
+        self._decode_seconds = 0.0
+
+    # -- loss --------------------------------------------------------------------------
+    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean NLL of the reference tokens, training loss with smoothing and aux loss)."""
+        hidden = self.backbone(batch["source"], batch["source_padding"], batch["target_input"])
+        hidden = hidden.reshape(-1, hidden.size(-1))
+        target = batch["target_output"].reshape(-1)
+        if self.label_smoothing == 0.0 or not self.training:  # evaluation: the plain NLL
+            output = self.head(hidden, target)
+            return output.loss, output.loss + output.aux_loss
+        log_probs = self.head.log_prob(hidden)  # float32
+        keep = target != IGNORE_INDEX
+        nll = -Head.gather_target(log_probs, target)
+        smooth = -log_probs.mean(dim=-1)
+        eps = self.label_smoothing
+        count = keep.sum().clamp_min(1)
+        mean_nll = (nll * keep).sum() / count
+        return mean_nll, ((1 - eps) * nll + eps * smooth).mul(keep).sum() / count
+
+    def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+        nll, loss = self.loss(batch)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"non-finite {stage} loss at step {self.global_step} with "
+                f"{type(self.head).__name__}: lower the learning rate or check the precision"
+            )
+        tokens = (batch["target_output"] != IGNORE_INDEX).sum()
+        self.metrics[f"{stage}_nll"].update(nll.detach(), weight=tokens)
+        if stage == "train":
+            self.log("train/loss", loss, prog_bar=True)
+            self.log("train/nll", nll)
+        return loss
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "train")
+
+    # -- decoding ----------------------------------------------------------------------
+    def decode_config(self) -> DecodeConfig:
+        data = self.trainer.datamodule
+        return DecodeConfig(
+            bos_id=data.bos_id,
+            eos_id=data.target_vocab.eos_id,
+            max_length_a=self.max_length_a,
+            max_length_b=self.max_length_b,
+            length_penalty=self.length_penalty,
+        )
+
+    def translate(self, batch: dict[str, torch.Tensor], beam_size: int) -> list[list[int]]:
+        """Target ids (without ``<eos>``) for each source sentence of a batch."""
+        args = (self.backbone, self.head, batch["source"], batch["source_padding"])
+        if beam_size == 1:
+            return greedy_decode(*args, self.decode_config())
+        return beam_search(*args, self.decode_config(), beam_size=beam_size)
+
+    def _eval_step(self, batch: dict[str, torch.Tensor], stage: str, beam_size: int) -> None:
+        self._step(batch, stage)
+        if beam_size > 0:
+            start = time.perf_counter()
+            hypotheses = self.translate(batch, beam_size)
+            self._decode_seconds += time.perf_counter() - start
+            for index, ids in zip(batch["index"].tolist(), hypotheses, strict=True):
+                self._translations[index] = ids
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "val", self.val_beam_size)
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "test", self.beam_size)
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> list[dict[str, str]]:
+        """Translations of ``data.predict_sentences`` (with ``beam_size``)."""
+        data = self.trainer.datamodule
+        sources = data.hparams.predict_sentences
+        hypotheses = self.translate(batch, self.beam_size)
+        return [
+            {"source": sources[i], "translation": data.detokenize(ids)}
+            for i, ids in zip(batch["index"].tolist(), hypotheses, strict=True)
+        ]
+
+    # -- epoch ends: perplexity, BLEU, samples, translations file ------------------------
+    def _log_perplexity(self, stage: str) -> None:
+        metric = self.metrics[f"{stage}_nll"]
+        mean_nll = metric.compute()
+        metric.reset()
+        self.log(f"{stage}/loss", mean_nll, prog_bar=stage != "train")
+        self.log(f"{stage}/ppl", mean_nll.exp(), prog_bar=stage != "train")
+
+    def _gathered_translations(self) -> dict[int, list[int]]:
+        translations, self._translations = self._translations, {}
+        if self.trainer.world_size > 1:
+            parts: list[dict[int, list[int]]] = [{} for _ in range(self.trainer.world_size)]
+            torch.distributed.all_gather_object(parts, translations)
+            translations = {k: v for part in parts for k, v in part.items()}
+        return translations
+
+    def _report_translations(self, stage: str, split: str) -> dict[int, str]:
+        translations = self._gathered_translations()
+        if not translations:
+            return {}
+        # wall-clock seconds of search on this rank (head speed at inference)
+        self.log(f"{stage}/decode_s", self._decode_seconds)
+        self._decode_seconds = 0.0
+        data = self.trainer.datamodule
+        indices = sorted(translations)
+        hypotheses = {i: data.detokenize(translations[i]) for i in indices}
+        references = data.references(split)
+        bleu = BLEU()
+        # BLEU of the lines decoded (all of them unless limit_*_batches cuts the split)
+        score = bleu.corpus_score(
+            [hypotheses[i] for i in indices], [[references[i] for i in indices]]
+        )
+        self.log(f"{stage}/bleu", score.score, prog_bar=True)
+        if self.trainer.is_global_zero:
+            rank_zero_info(
+                f"{stage} BLEU {score.score:.2f} on {len(indices)} lines ({bleu.get_signature()})"
+            )
+            self._log_samples(stage, split, indices, hypotheses, references)
+        return hypotheses
+
+    def _log_samples(
+        self,
+        stage: str,
+        split: str,
+        indices: list[int],
+        hypotheses: dict[int, str],
+        references: list[str],
+    ) -> None:
+        if self.num_samples <= 0:
+            return
+        sources = self.trainer.datamodule.sources(split)
+        # the same lines every epoch, spread over the split, so progress is comparable
+        step = max(1, len(indices) // self.num_samples)
+        rows = [
+            f"**source:** {sources[i]}  \n**reference:** {references[i]}  \n"
+            f"**translation:** {hypotheses[i]}"
+            for i in indices[::step][: self.num_samples]
+        ]
+        for logger in self.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_text(
+                    f"{stage}/samples", "\n\n---\n\n".join(rows), self.global_step
+                )
+
+    def on_train_epoch_end(self) -> None:
+        self._log_perplexity("train")
+
+    def on_validation_epoch_start(self) -> None:
+        self._translations, self._decode_seconds = {}, 0.0
+
+    def on_test_epoch_start(self) -> None:
+        self._translations, self._decode_seconds = {}, 0.0
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_perplexity("val")
+        self._report_translations("val", "valid")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_perplexity("test")
+        hypotheses = self._report_translations("test", "test")
+        if hypotheses and self.trainer.is_global_zero:
+            path = self.translations_path()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("".join(hypotheses[i] + "\n" for i in sorted(hypotheses)), "utf-8")
+            total = len(self.trainer.datamodule.references("test"))
+            rank_zero_info(f"wrote {len(hypotheses)} of {total} test translations to {path}")
+
+    def translations_path(self) -> Path:
+        if self.translations_file:
+            return Path(self.translations_file)
+        root = self.trainer.log_dir or self.trainer.default_root_dir
+        return Path(root) / "translations_test.txt"
+
+    # -- optimisation and checkpoints ------------------------------------------------
+    def configure_optimizers(self) -> Any:
+        return configure_optimizers(
+            self.parameters(), self.optimizer_factory, self.scheduler_factory
+        )
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Check the vocabularies before the weights are loaded, so a mismatch is reported as
+        # such rather than as a tensor shape error.
+        trainer = self._trainer
+        datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
+        key = type(datamodule).__qualname__
+        if datamodule is not None and key in checkpoint and hasattr(datamodule, "load_state_dict"):
+            datamodule.load_state_dict(checkpoint[key])

@@ -1,0 +1,95 @@
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from app.backbones import MLPBackbone
+from app.callbacks import Mitosis
+from datamodules import SyntheticHierarchyDataModule
+from heads import DSSoftmaxHead
+from lightning_modules import Classifier
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small tensors: one thread is faster, and the test machine's cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_model(dm, num_experts=2) -> Classifier:
+    return Classifier(
+        MLPBackbone(dm.input_size, 16),
+        DSSoftmaxHead(16, dm.vocab_size, num_experts=num_experts),
+        optimizer=lambda p: torch.optim.Adam(p, lr=1e-2),
+    )
+
+
+def trainer(epochs, callbacks, **options) -> L.Trainer:
+    defaults = dict(
+        accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    return L.Trainer(max_epochs=epochs, callbacks=callbacks, **{**defaults, **options})
+
+
+class RecordSplits(Callback):
+    """Loss of one fixed batch just before and just after each epoch's mitosis."""
+
+    def __init__(self, batch) -> None:
+        self.batch, self.before, self.after, self.experts = batch, [], [], []
+
+    def loss(self, pl_module) -> float:
+        with torch.no_grad():
+            x, y = self.batch
+            return float(pl_module.head(pl_module.backbone(x), y).loss)
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        # runs after Mitosis (callbacks run in list order): record the post-split state
+        self.after.append(self.loss(pl_module))
+        self.experts.append(pl_module.head.num_experts)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self.before.append(self.loss(pl_module))
+
+
+def test_mitosis_doubles_experts_continuously_and_optimizer_follows():
+    torch.manual_seed(0)
+    dm = SyntheticHierarchyDataModule(num_super=2, num_sub=4, train_per_sub=16, batch_size=32)
+    model = make_model(dm)
+    mitosis = Mitosis(max_experts=8, every_n_epochs=1, noise_std=0.01)
+    record = RecordSplits(next(iter(dm.val_dataloader())))
+    t = trainer(4, [mitosis, record])
+    t.fit(model, dm)
+    assert record.experts == [2, 4, 8, 8]
+    assert mitosis.splits == 2
+    # the loss right after a split equals the loss right before it (up to the clone noise)
+    for before, after in zip(record.before[:2], record.after[1:3], strict=True):
+        assert after == pytest.approx(before, abs=0.05)
+    (optimizer,) = t.optimizers
+    assert optimizer.state[model.head.weight]["exp_avg"].shape == model.head.weight.shape
+    assert optimizer.state[model.head.gate]["exp_avg"].shape == (8, 16)
+    # without pruning the peak is the last split: 4 experts' rows plus their 8 children
+    assert mitosis.peak_rows == (4 + 8) * dm.vocab_size
+
+
+def test_resume_continues_the_schedule(tmp_path):
+    torch.manual_seed(0)
+    dm = SyntheticHierarchyDataModule(num_super=2, num_sub=2, train_per_sub=8, batch_size=32)
+    model = make_model(dm)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    t = trainer(2, [Mitosis(8, every_n_epochs=1), checkpoint], enable_checkpointing=True)
+    t.fit(model, dm)
+    assert model.head.num_experts == 4
+    fresh, mitosis = make_model(dm), Mitosis(8, every_n_epochs=1)
+    resumed = trainer(3, [mitosis])
+    resumed.fit(fresh, dm, ckpt_path=str(tmp_path / "last.ckpt"))
+    assert mitosis.splits == 2  # one more split at epoch 2, the first one not repeated
+    assert fresh.head.num_experts == 8
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="positive"):
+        Mitosis(every_n_epochs=0)

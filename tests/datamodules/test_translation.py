@@ -1,0 +1,218 @@
+import lightning as L
+import pytest
+import torch
+from datasets import Dataset, DatasetDict
+
+import datamodules.translation as translation_module
+from app.vocab import EOS, UNK, VocabularyMismatchError, WordVocab
+from datamodules import TranslationDataModule
+from datamodules.text_source import DataConfigError, DataPathError
+from datamodules.translation import (
+    LengthSortedSampler,
+    ParallelDataError,
+    TokenBucketBatchSampler,
+)
+from tests.conftest import REPO
+
+MULTI30K = REPO.parent / "shared" / "data" / "multi30k"
+
+
+@pytest.fixture(scope="module")
+def multi30k():
+    return TranslationDataModule(path=str(MULTI30K), max_vocab_size=6000, max_tokens=1024)
+
+
+def write_corpus(folder, pairs: dict[str, list[tuple[str, str]]]) -> str:
+    for prefix, lines in pairs.items():
+        (folder / f"{prefix}.de").write_text("".join(s + "\n" for s, _ in lines))
+        (folder / f"{prefix}.en").write_text("".join(t + "\n" for _, t in lines))
+    return str(folder)
+
+
+TINY = [("ein Hund", "a dog"), ("eine Katze", "a cat"), ("zwei Hunde .", "two dogs .")] * 4
+
+
+def tiny(tmp_path, **kwargs) -> TranslationDataModule:
+    path = write_corpus(tmp_path, {"train": TINY, "val": TINY[:3], "test_2016_flickr": TINY[:2]})
+    return TranslationDataModule(path=path, **kwargs)
+
+
+def test_multi30k_pairs_and_vocabularies(multi30k):
+    assert [len(multi30k.splits[s]) for s in ("train", "valid", "test")] == [29_000, 1_014, 1_000]
+    first = multi30k.splits["train"][0]
+    assert first["target"] == "Two young, White males are outside near many bushes."
+    assert first["source"].startswith("Zwei junge weiße Männer")
+    assert multi30k.vocab_size == multi30k.src_vocab_size == 6000
+    for vocab in multi30k.vocabs:
+        assert vocab.counts == sorted(vocab.counts, reverse=True)  # Mixtape's gate sharing
+        assert {EOS, UNK} <= set(vocab.itos)
+    assert multi30k.bos_id == multi30k.target_vocab.eos_id
+    # whitespace word tokens: joining them restores the raw text (sacreBLEU's input)
+    ids = multi30k.target_vocab.encode_line(first["target"], add_eos=False)
+    assert multi30k.detokenize(ids) == first["target"]
+
+
+def test_training_batches_cover_every_pair_once_within_the_token_budget(multi30k):
+    loader = multi30k.train_dataloader()
+    seen = []
+    raw = multi30k.splits["train"][:]
+    for n, batch in enumerate(loader):
+        src, pad = batch["source"], batch["source_padding"]
+        tin, tout = batch["target_input"], batch["target_output"]
+        assert src.numel() <= 1024 and tout.numel() <= 1024
+        # padding mask = source lengths; targets: -100 exactly at padding, <eos> last
+        src_len, tgt_len = (~pad).sum(1), (tout != -100).sum(1)
+        assert torch.equal(pad, torch.arange(src.size(1)) >= src_len[:, None])
+        assert (src_len.max(), tgt_len.max()) == (src.size(1), tout.size(1))
+        assert bool((tout.gather(1, tgt_len[:, None] - 1) == multi30k.target_vocab.eos_id).all())
+        # teacher forcing: decoder input = BOS + target shifted right
+        assert bool((tin[:, 0] == multi30k.bos_id).all())
+        real = tout[:, :-1] != -100
+        assert torch.equal(tin[:, 1:][real], tout[:, :-1][real])
+        if n < 3:
+            for row, index in enumerate(batch["index"].tolist()):
+                words = raw["source"][index].split()
+                decoded = multi30k.source_vocab.decode(src[row, : len(words)].tolist())
+                assert [w if w in multi30k.source_vocab.stoi else UNK for w in words] == decoded
+        seen += batch["index"].tolist()
+    assert sorted(seen) == list(range(29_000))
+    # similar lengths are batched together: little padding
+    assert len(loader) < 29_000 * 14 / 1024 * 1.3
+
+
+def test_training_order_changes_each_epoch_evaluation_order_does_not(multi30k):
+    sampler = multi30k.train_dataloader().batch_sampler
+    first = list(sampler)
+    sampler.set_epoch(1)
+    assert list(sampler) != first
+    sampler.set_epoch(0)
+    assert list(sampler) == first
+    valid = [b["index"].tolist() for b in multi30k.val_dataloader()]
+    assert valid == [b["index"].tolist() for b in multi30k.val_dataloader()]
+    assert sorted(i for b in valid for i in b) == list(range(1_014))
+
+
+def test_lightning_sets_the_epoch_of_the_training_order(tmp_path):
+    """Through a real Trainer: each epoch sees every pair once, in another order."""
+    data = tiny(tmp_path, max_tokens=8)
+    seen: list[list[int]] = []
+
+    class Recorder(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(()))
+
+        def on_train_epoch_start(self) -> None:
+            seen.append([])
+
+        def training_step(self, batch, batch_idx):
+            seen[-1].extend(batch["index"].tolist())
+            return self.weight * 0
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(max_epochs=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(Recorder(), datamodule=data)
+    assert [sorted(epoch) for epoch in seen] == [list(range(len(TINY)))] * 3
+    assert len({tuple(epoch) for epoch in seen}) == 3
+
+
+def test_ddp_ranks_get_disjoint_equal_shares():
+    lengths = [3, 5, 2, 8, 4, 4, 6, 1, 7, 2, 3] * 5
+    order = LengthSortedSampler(lengths, lengths, shuffle=True)
+    shards = [list(TokenBucketBatchSampler(order, 16, rank=r, world_size=2)) for r in (0, 1)]
+    assert len(shards[0]) == len(shards[1])
+    flat = [set(i for b in shard for i in b) for shard in shards]
+    assert not flat[0] & flat[1]
+
+
+def test_misaligned_parallel_files_are_refused(tmp_path):
+    path = write_corpus(tmp_path, {"train": TINY, "val": TINY, "test_2016_flickr": TINY})
+    (tmp_path / "val.en").write_text("one line too few\n" * (len(TINY) - 1))
+    with pytest.raises(ParallelDataError, match=r"misaligned parallel valid files: .*val.de' has "
+                       r"12 lines but .*val.en' has 11"):  # fmt: skip
+        _ = TranslationDataModule(path=path).vocab_size
+
+
+def test_missing_files_are_reported(tmp_path):
+    with pytest.raises(DataPathError, match="does not exist"):
+        _ = TranslationDataModule(path=str(tmp_path / "nope")).vocab_size
+    path = write_corpus(tmp_path, {"train": TINY, "val": TINY})
+    with pytest.raises(DataPathError, match="test file .*test_2016_flickr.de' does not exist"):
+        _ = TranslationDataModule(path=path).vocab_size
+
+
+def test_empty_lines_policy(tmp_path):
+    """Empty training pairs are dropped; evaluation keeps every line (aligned output)."""
+    with_empty = TINY + [("", "nothing"), ("nichts", "")]
+    path = write_corpus(
+        tmp_path, {"train": with_empty, "val": with_empty, "test_2016_flickr": TINY}
+    )
+    data = TranslationDataModule(path=path)
+    assert len(data.encoded("train")) == len(TINY)
+    valid = data.encoded("valid")
+    assert len(valid) == len(with_empty)
+    assert valid[len(TINY)]["source_ids"] == [data.source_vocab.eos_id]
+    assert data.references("valid")[-1] == ""
+
+
+def test_joint_vocabulary_and_checkpoint_state(tmp_path):
+    data = tiny(tmp_path, joint_vocab=True)
+    assert data.source_vocab is data.target_vocab
+    # ein Hund eine Katze zwei Hunde . + a dog cat two dogs (. shared) + <eos> + <unk>
+    assert data.vocab_size == data.src_vocab_size == 14
+    state = data.state_dict()
+    tiny(tmp_path, joint_vocab=True).load_state_dict(state)  # same data: accepted
+    with pytest.raises(VocabularyMismatchError, match="another source vocabulary"):
+        tiny(tmp_path, joint_vocab=False).load_state_dict(state)
+    state["target_vocab"] = WordVocab.build(["x y"]).state_dict()
+    with pytest.raises(VocabularyMismatchError, match="another target vocabulary"):
+        data.load_state_dict(state)
+
+
+def test_bpe_vocabularies(tmp_path):
+    data = tiny(tmp_path, vocab="bpe", bpe_vocab_size=30, joint_vocab=True)
+    vocab = data.target_vocab
+    assert type(vocab).__name__ == "BPEVocab" and data.vocab_size == len(vocab) <= 30
+    assert vocab.counts == sorted(vocab.counts, reverse=True)
+    ids = vocab.encode_line("two dogs .", add_eos=False)
+    assert data.detokenize(ids) == "two dogs ."
+    tiny(tmp_path, vocab="bpe", bpe_vocab_size=30, joint_vocab=True).load_state_dict(
+        data.state_dict()
+    )
+    with pytest.raises(VocabularyMismatchError, match="WordVocab"):
+        tiny(tmp_path, joint_vocab=True).load_state_dict(data.state_dict())
+
+
+def test_option_errors(tmp_path):
+    with pytest.raises(DataConfigError, match="data.max_tokens must be a positive integer"):
+        TranslationDataModule(max_tokens=0)
+    with pytest.raises(DataConfigError, match="data.vocab must be 'word' or 'bpe'"):
+        TranslationDataModule(vocab="chars")
+    with pytest.raises(DataConfigError, match=r"data.max_tokens \(2\) must hold the longest"):
+        tiny(tmp_path, max_tokens=2).train_dataloader()
+    with pytest.raises(DataConfigError, match="predict needs sentences"):
+        tiny(tmp_path).predict_dataloader()
+
+
+@pytest.mark.parametrize("layout", ["columns", "translation"])
+def test_hub_datasets_give_the_same_columns(monkeypatch, layout):
+    """A hub name (no network here: load_dataset is replaced) with one column per language or
+    a WMT-style ``translation`` column gives the same source/target splits."""
+
+    def rows(pairs):
+        if layout == "columns":
+            return {"de": [s for s, _ in pairs], "en": [t for _, t in pairs]}
+        return {"translation": [{"de": s, "en": t} for s, t in pairs]}
+
+    hub = DatasetDict(
+        {name: Dataset.from_dict(rows(TINY)) for name in ("train", "validation", "test")}
+    )
+    monkeypatch.setattr(translation_module, "load_dataset", lambda path, config=None: hub)
+    data = TranslationDataModule(path="someone/multi30k")
+    assert data.splits["valid"][0] == {"source": TINY[0][0], "target": TINY[0][1]}
+    assert data.references("test") == [t for _, t in TINY]
+    with pytest.raises(DataPathError, match="has no split"):
+        _ = TranslationDataModule(path="someone/multi30k", hub_splits={"train": "x"}).splits

@@ -1,0 +1,337 @@
+import math
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from heads import HeadConfigError
+from heads.ds_softmax import DSSoftmaxHead
+from heads.softmax import SoftmaxHead
+from tests.heads.contract import ALL_CHECKS, HIDDEN, ROWS, VOCAB, _inputs
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small tensors: one thread is faster, and the test machine's cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_head(**options) -> DSSoftmaxHead:
+    return DSSoftmaxHead(HIDDEN, VOCAB, **options)
+
+
+@pytest.mark.parametrize("check", ALL_CHECKS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"num_experts": 1},
+        {"num_experts": 3, "lambda_lasso": 0.01, "lambda_expert": 0.01},
+        {"num_experts": 2, "bias": True},
+    ],
+    ids=["k1", "k3_lasso", "k2_bias"],
+)
+def test_contract(check, options):
+    torch.manual_seed(0)
+    check(lambda: make_head(**options))
+
+
+def pruned_head(dtype=torch.float64, keep_every_class=True) -> DSSoftmaxHead:
+    """A 4-expert head whose experts hold different subsets of classes (some rows shrunk)."""
+    torch.manual_seed(0)
+    head = make_head(num_experts=4).to(dtype)
+    # expert k keeps the classes c with (c + k) % 3 == 0: every class stays somewhere
+    expert_of_row = torch.arange(4).repeat_interleave(VOCAB)
+    shrink = (head.row_class + expert_of_row) % 3 != 0
+    with torch.no_grad():
+        head.weight[shrink] *= 1e-4
+    assert head.prune(gamma=1e-2, keep_every_class=keep_every_class) is not None
+    assert min(head.expert_sizes()) >= 4  # so top-4 stays inside every expert
+    return head.eval()
+
+
+def reference_logits(head: DSSoftmaxHead, hidden: torch.Tensor, pruned_logit: float):
+    """Eq. 1-2 token by token, with every expert evaluated densely over all V classes."""
+    membership = head.membership()
+    out = torch.empty(hidden.size(0), head.vocab_size, dtype=hidden.dtype)
+    offsets = head.expert_offsets.tolist()
+    for n in range(hidden.size(0)):
+        gates = torch.softmax(head.gate @ hidden[n], dim=0)  # Eq. 1
+        k = int(gates.argmax())
+        dense = torch.zeros(head.vocab_size, head.hidden_size, dtype=hidden.dtype)
+        dense[head.row_class[offsets[k] : offsets[k + 1]]] = head.weight[
+            offsets[k] : offsets[k + 1]
+        ]
+        logits = gates[k] * (dense @ hidden[n])  # Eq. 2
+        out[n] = torch.where(membership[k], logits, torch.full_like(logits, pruned_logit))
+    return out
+
+
+def test_sparse_and_dense_paths_match_reference():
+    head = pruned_head()
+    hidden, target = _inputs()
+    with torch.no_grad():
+        sparse = reference_logits(head, hidden, -math.inf).log_softmax(-1)
+        zeroed = reference_logits(head, hidden, 0.0).log_softmax(-1)
+        torch.testing.assert_close(head.log_prob(hidden), sparse)
+        torch.testing.assert_close(head.training_log_prob(hidden), zeroed)
+        output = head(hidden, target)
+        torch.testing.assert_close(output.nll, -zeroed.gather(1, target[:, None]).squeeze(1))
+    # some targets really fall outside their expert: the loss stays finite there
+    assert torch.isinf(sparse.gather(1, target[:, None])).any()
+    assert torch.isfinite(output.loss)
+
+
+def test_pruned_head_contract_equivalents():
+    """The contract's checks restated for a pruned head, whose sparse ``log_prob`` has -inf
+    outside the selected expert: gradcheck's finite differences of -inf are NaN, and the
+    training nll follows the zero-row distribution of Algorithm 1 (``training_log_prob``)
+    rather than the sparse one, so those two checks are written against the right
+    distribution here. Normalisation and top-k are checked as in the contract."""
+    head = pruned_head()
+    hidden, target = _inputs()
+    log_probs = head.log_prob(hidden)
+    torch.testing.assert_close(log_probs.logsumexp(-1), torch.zeros(ROWS, dtype=torch.float64))
+    values, indices = head.topk(hidden, 4)
+    torch.testing.assert_close(values, log_probs.topk(4).values)
+    torch.testing.assert_close(log_probs.gather(1, indices), values)
+    # batch-1 fast path agrees with the batched one
+    for n in range(ROWS):
+        v1, i1 = head.topk(hidden[n : n + 1], 4)
+        torch.testing.assert_close(v1, values[n : n + 1])
+        torch.testing.assert_close(i1, indices[n : n + 1])
+    output = head(hidden, target)
+    dense = head.training_log_prob(hidden)
+    torch.testing.assert_close(dense.logsumexp(-1), torch.zeros(ROWS, dtype=torch.float64))
+    torch.testing.assert_close(output.loss, -dense.gather(1, target[:, None]).mean())
+    hidden.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda h: head(h, target).loss, (hidden,))
+    # alive columns of the sparse log_prob are differentiable as usual
+    alive = head.membership().all(0).nonzero().squeeze(1)[:3]
+    assert torch.autograd.gradcheck(lambda h: head.log_prob(h)[:, alive], (hidden,))
+
+
+def test_topk_beyond_expert_size_returns_zero_probabilities():
+    head = pruned_head()
+    hidden, _ = _inputs()
+    k = max(head.expert_sizes()) + 2
+    values, indices = head.topk(hidden, k)
+    log_probs = head.log_prob(hidden)
+    torch.testing.assert_close(log_probs.gather(1, indices), values)
+    assert torch.isinf(values[:, -2:]).all()
+    assert all(len(set(row)) == k for row in indices.tolist())  # no repeated class
+
+
+def test_gate_gradient_flows_through_normalisation():
+    head = make_head(num_experts=3).double()
+    hidden, target = _inputs()
+    head(hidden, target).loss.backward()
+    # every gate row gets a gradient, not only the selected ones (Eq. 1)
+    assert (head.gate.grad.abs().sum(1) > 0).all()
+
+
+def test_training_costs_about_one_softmax_per_token():
+    torch.manual_seed(0)
+    vocab, hidden_size, rows, experts = 500, 16, 64, 8
+    head = DSSoftmaxHead(hidden_size, vocab, num_experts=experts)
+    softmax = SoftmaxHead(hidden_size, vocab)
+    hidden, target = torch.randn(rows, hidden_size), torch.randint(0, vocab, (rows,))
+
+    def flops(module) -> int:
+        with FlopCounterMode(display=False) as counter:
+            module(hidden, target).loss.backward()
+        return counter.get_total_flops()
+
+    assert flops(head) < 1.2 * flops(softmax)  # not K = 8 softmaxes
+
+
+def test_aux_loss_matches_reference():
+    torch.manual_seed(0)
+    head = make_head(num_experts=3, lambda_lasso=0.1, lambda_expert=0.2, lambda_load=10.0)
+    head = head.double()
+    hidden, target = _inputs()
+    output = head(hidden, target)
+    w = head.weight.view(3, VOCAB, HIDDEN)
+    lasso = sum(w[k, c].norm() for k in range(3) for c in range(VOCAB))
+    expert = sum(w[k].pow(2).sum().sqrt() for k in range(3))
+    gates = torch.softmax(hidden @ head.gate.T, -1)
+    sparse = torch.where(gates == gates.max(1, keepdim=True).values, gates, 0.0)
+    importance = sparse.sum(0)
+    cv = importance.std(unbiased=False) / importance.mean()
+    expected = 0.1 * lasso + 0.2 * expert + 10.0 * cv**2
+    torch.testing.assert_close(output.aux_loss, expected)
+
+
+def test_prune_keeps_every_class_by_default():
+    torch.manual_seed(0)
+    head = make_head(num_experts=3).double()
+    with torch.no_grad():
+        head.weight[: 2 * VOCAB] *= 1e-4  # experts 0 and 1 below gamma everywhere
+        head.weight[2 * VOCAB : 2 * VOCAB + 5] *= 1e-4  # and 5 classes of expert 2
+    rows, gate_rows = head.prune(gamma=1e-2)
+    assert head.classes_without_expert().numel() == 0
+    # the 5 classes were rescued in their largest-norm expert; empty experts are removed
+    assert sum(head.expert_sizes()) == VOCAB
+    assert gate_rows.tolist() == [1, 2] or gate_rows.tolist() == [0, 1, 2] or len(gate_rows) <= 3
+    assert head.num_experts == len(head.expert_sizes())
+
+
+def test_prune_star_variant_may_drop_classes():
+    torch.manual_seed(0)
+    head = make_head(num_experts=2).double()
+    with torch.no_grad():
+        head.weight[:5] *= 1e-4
+        head.weight[VOCAB : VOCAB + 5] *= 1e-4
+    head.prune(gamma=1e-2, keep_every_class=False)
+    assert head.classes_without_expert().tolist() == [0, 1, 2, 3, 4]
+    assert head.expert_sizes() == [VOCAB - 5, VOCAB - 5]
+    assert head.prune(gamma=1e-2, keep_every_class=False) is None  # nothing left to prune
+
+
+def test_split_doubles_experts_and_keeps_the_loss_continuous():
+    head = pruned_head()
+    hidden, target = _inputs()
+    before = head(hidden, target).loss
+    sizes = head.expert_sizes()
+    classes = [head.expert_classes(k).clone() for k in range(head.num_experts)]
+    head.split_experts(noise_std=0.0)
+    assert head.num_experts == 8
+    assert head.expert_sizes() == sizes + sizes
+    for k in range(4):  # twins hold the parent's surviving classes
+        assert torch.equal(head.expert_classes(k + 4), classes[k])
+    torch.testing.assert_close(head(hidden, target).loss, before)
+    head.split_experts(noise_std=1e-3, generator=torch.Generator().manual_seed(0))
+    assert head.num_experts == 16
+    torch.testing.assert_close(head(hidden, target).loss, before, atol=1e-2, rtol=0)
+    head.split_experts(noise_std=0.0, max_experts=20)
+    assert head.num_experts == 20
+
+
+def test_split_without_rescaling_keeps_rows_and_topk():
+    head = pruned_head()
+    hidden, _ = _inputs()
+    weight, top = head.weight.detach().clone(), head.topk(hidden, 3)
+    head.split_experts(noise_std=0.0, rescale_rows=False)
+    torch.testing.assert_close(head.weight[: weight.size(0)], weight)
+    torch.testing.assert_close(head.weight[weight.size(0) :], weight)
+    # G is halved, so the probabilities flatten, but the retrieved classes do not change
+    assert torch.equal(head.topk(hidden, 3)[1], top[1])
+    assert (head.topk(hidden, 3)[0][:, 0] < top[0][:, 0]).all()
+
+
+def test_state_dict_round_trip_resizes_a_fresh_head():
+    head = pruned_head()
+    head.split_experts(noise_std=1e-2, generator=torch.Generator().manual_seed(0))
+    fresh = make_head(num_experts=2).double().eval()
+    fresh.load_state_dict(head.state_dict())
+    assert fresh.num_experts == head.num_experts
+    assert fresh.expert_sizes() == head.expert_sizes()
+    assert torch.equal(fresh.row_class, head.row_class)
+    hidden, target = _inputs()
+    torch.testing.assert_close(fresh.log_prob(hidden), head.log_prob(hidden))
+    torch.testing.assert_close(fresh.topk(hidden, 3), head.topk(hidden, 3))
+
+
+def test_bias_is_part_of_the_row():
+    """With ``bias`` the packed row is ``[W_c, b_c]``: logits ``G (W h + b)``, one lasso group."""
+    torch.manual_seed(0)
+    head = make_head(num_experts=2, bias=True, lambda_lasso=1.0, lambda_load=0.0).double()
+    with torch.no_grad():
+        head.weight[:, -1].normal_()
+    hidden, target = _inputs()
+    gates = torch.softmax(hidden @ head.gate.T, -1)
+    k = gates.argmax(1)
+    rows = head.weight.view(2, VOCAB, HIDDEN + 1)[k]  # [N, V, d + 1]
+    logits = gates.max(1).values[:, None] * (
+        torch.einsum("nvd,nd->nv", rows[..., :-1], hidden) + rows[..., -1]
+    )
+    torch.testing.assert_close(head.log_prob(hidden), logits.log_softmax(-1))
+    torch.testing.assert_close(head.topk(hidden[:1], 3)[0], logits[:1].log_softmax(-1).topk(3)[0])
+    expected_lasso = head.weight.norm(dim=1).sum()
+    torch.testing.assert_close(head(hidden, target).aux_loss, expected_lasso)
+
+
+def test_init_from_softmax_starts_at_the_softmax_logits():
+    torch.manual_seed(0)
+    softmax = SoftmaxHead(HIDDEN, VOCAB, bias=False).double()
+    head = make_head(num_experts=4).double()
+    head.init_from_softmax(softmax.weight.detach())
+    hidden, _ = _inputs()
+    torch.testing.assert_close(head.log_prob(hidden), softmax.log_prob(hidden), atol=1e-2, rtol=0)
+    with pytest.raises(HeadConfigError, match="cannot initialise"):
+        head.init_from_softmax(torch.zeros(VOCAB + 1, HIDDEN))
+    # with a bias the softmax is matched exactly, bias included
+    softmax = SoftmaxHead(HIDDEN, VOCAB).double()
+    with torch.no_grad():
+        softmax.bias.normal_()
+    head = make_head(num_experts=4, bias=True).double()
+    head.init_from_softmax(softmax.weight.detach(), softmax.bias.detach())
+    torch.testing.assert_close(head.log_prob(hidden), softmax.log_prob(hidden), atol=1e-2, rtol=0)
+
+
+def test_flops_speedup_formula():
+    head = pruned_head()
+    sizes = head.expert_sizes()
+    u = [0.1, 0.2, 0.3, 0.4]
+    expected = VOCAB / (sum(s * x for s, x in zip(sizes, u, strict=True)) + 4)
+    assert head.flops_speedup(u) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"num_experts": 0}, "num_experts"),
+        ({"lambda_load": -1.0}, "lambda_load"),
+        ({"init_std": 0.0}, "init_std"),
+    ],
+)
+def test_bad_options(options, message):
+    with pytest.raises(HeadConfigError, match=message):
+        make_head(**options)
+
+
+def test_bf16_autocast_on_a_pruned_head():
+    head = pruned_head(dtype=torch.float32).train()
+    hidden, target = _inputs(dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        output = head(hidden * 10, target)
+        values, _ = head.topk(hidden, 3)
+    assert output.loss.dtype == torch.float32 and torch.isfinite(output.loss)
+    assert values.dtype == torch.float32
+
+
+def test_language_model_starts_ds_from_a_softmax_checkpoint(tmp_path):
+    """Appendix B's recipe through ``LanguageModel(pretrained_checkpoint=...,
+    freeze_backbone=True)``: same backbone, DS distribution starting at the softmax's."""
+    from app.backbones import LSTMBackbone
+    from datamodules.text_source import DataPathError
+    from lightning_modules import LanguageModel
+
+    torch.manual_seed(0)
+    backbone = LSTMBackbone(VOCAB, embedding_size=HIDDEN, hidden_size=HIDDEN, input_dropout=0.0,
+                            hidden_dropout=0.0, output_dropout=0.0)  # fmt: skip
+    softmax = SoftmaxHead(HIDDEN, VOCAB)
+    with torch.no_grad():
+        softmax.bias.normal_()
+    path = tmp_path / "softmax.ckpt"
+    torch.save({"state_dict": LanguageModel(backbone, softmax).state_dict()}, path)
+    fresh = LSTMBackbone(VOCAB, embedding_size=HIDDEN, hidden_size=HIDDEN, input_dropout=0.0,
+                         hidden_dropout=0.0, output_dropout=0.0)  # fmt: skip
+    model = LanguageModel(
+        fresh,
+        make_head(num_experts=4, bias=True),
+        pretrained_checkpoint=str(path),
+        freeze_backbone=True,
+    )
+    assert not any(p.requires_grad for p in model.backbone.parameters())
+    ids = torch.randint(0, VOCAB, (2, 5))
+    with torch.no_grad():
+        hidden = model.backbone(ids)[0].reshape(-1, HIDDEN)
+        torch.testing.assert_close(hidden, backbone(ids)[0].reshape(-1, HIDDEN))
+        torch.testing.assert_close(
+            model.head.log_prob(hidden), softmax.log_prob(hidden), atol=1e-2, rtol=0
+        )
+    with pytest.raises(DataPathError, match="pretrained_checkpoint"):
+        LanguageModel(fresh, make_head(), pretrained_checkpoint=str(tmp_path / "missing.ckpt"))

@@ -1,0 +1,83 @@
+import lightning as L
+import pytest
+import torch
+
+from app.backbones import MLPBackbone
+from datamodules import SyntheticHierarchyDataModule
+from heads import DSSoftmaxHead, SoftmaxHead
+from lightning_modules import Classifier
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small tensors: one thread is faster, and the test machine's cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def fit(model, dm, epochs=2, **trainer_options) -> L.Trainer:
+    trainer = L.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_options,
+    )
+    trainer.fit(model, dm)
+    return trainer
+
+
+@pytest.mark.parametrize("head_class", [SoftmaxHead, DSSoftmaxHead])
+def test_fits_synthetic_data_with_any_head(head_class):
+    torch.manual_seed(0)
+    dm = SyntheticHierarchyDataModule(num_super=4, num_sub=4, train_per_sub=100)
+    model = Classifier(
+        MLPBackbone(dm.input_size, 32, vocab_size=dm.vocab_size),
+        head_class(32, dm.vocab_size),
+        optimizer=lambda p: torch.optim.Adam(p, lr=1e-2),
+    )
+    trainer = fit(model, dm, epochs=5)
+    metrics = trainer.callback_metrics
+    assert metrics["val/acc_top1"] > 0.8
+    assert metrics["val/acc_top5"] >= metrics["val/acc_top1"]
+    assert metrics["val/acc_top10"] >= metrics["val/acc_top5"]
+    (result,) = trainer.test(model, dm, verbose=False)
+    assert result["test/acc_top1"] > 0.8
+
+
+def test_top_k_accuracy_counts_hits_from_head_topk():
+    dm = SyntheticHierarchyDataModule(num_super=2, num_sub=3)
+    head = SoftmaxHead(4, 6)
+    model = Classifier(MLPBackbone(dm.input_size, 4), head, top_k=(1, 2, 10))
+    assert model.top_k == (1, 2)  # k above the class count is dropped
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.copy_(torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0, 0.0]))
+    model._evaluate((torch.randn(4, dm.input_size), torch.tensor([0, 1, 2, 1])), "val")
+    assert model.metrics["val_acc_top1"].compute() == pytest.approx(0.25)
+    assert model.metrics["val_acc_top2"].compute() == pytest.approx(0.75)
+
+
+def test_hidden_size_mismatch():
+    with pytest.raises(ValueError, match="hidden_size"):
+        Classifier(MLPBackbone(10, 32), SoftmaxHead(16, 10))
+
+
+def test_synthetic_ds_config_runs_through_the_cli(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from cli import main
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    cli = main(["fit", "--config", "configs/ds/synthetic_hierarchy.yaml",
+                "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3",
+                "--trainer.enable_progress_bar", "false",
+                "--trainer.logger.init_args.save_dir", str(tmp_path)])  # fmt: skip
+    assert isinstance(cli.model.head, DSSoftmaxHead)
+    assert cli.model.head.vocab_size == 100  # linked from the data module's vocab_size
+    assert "ds/speedup" in cli.trainer.callback_metrics
+    assert list(tmp_path.rglob("events.out.tfevents*"))

@@ -1,0 +1,137 @@
+import itertools
+
+import pytest
+import torch
+
+from app.backbones import Seq2SeqTransformer
+from heads import SoftmaxHead
+from lightning_modules.decoding import DecodeConfig, beam_search, greedy_decode, length_penalty
+
+D = 16
+
+
+def make(src_vocab: int, tgt_vocab: int, seed: int = 0):
+    torch.manual_seed(seed)
+    backbone = Seq2SeqTransformer(src_vocab, tgt_vocab, model_size=D, num_heads=2,
+                                  encoder_layers=1, decoder_layers=1, feedforward_size=32,
+                                  dropout=0.0)  # fmt: skip
+    head = SoftmaxHead(D, tgt_vocab)
+    with torch.no_grad():  # a random model that does not stop at once
+        head.bias[0] = -1.0
+    return backbone.eval(), head.eval()
+
+
+def sources(vocab: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    source = torch.randint(1, vocab, (5, 6), generator=gen)
+    padding = torch.zeros(5, 6, dtype=torch.bool)
+    for row, length in enumerate([6, 3, 5, 1, 4]):
+        padding[row, length:] = True
+    return source, padding
+
+
+@torch.no_grad()
+def rescore(backbone, head, source, padding, hypothesis: list[int], eos: int, bos: int) -> float:
+    """Plain teacher-forced log P(hypothesis + <eos> | source) of one sentence."""
+    target = torch.tensor([hypothesis + [eos]])
+    decoder_input = torch.tensor([[bos] + hypothesis])
+    hidden = backbone(source[None], padding[None], decoder_input)[0]
+    log_probs = head.log_prob(hidden)
+    return sum(float(log_probs[t, y]) for t, y in enumerate(target[0].tolist()))
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 2.0])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_beam_size_one_is_greedy(alpha, seed):
+    backbone, head = make(9, 7, seed)
+    source, padding = sources(9, seed)
+    config = DecodeConfig(bos_id=0, eos_id=0, max_length_a=1.0, max_length_b=4,
+                          length_penalty=alpha)  # fmt: skip
+    greedy = greedy_decode(backbone, head, source, padding, config)
+    assert greedy == beam_search(backbone, head, source, padding, config, beam_size=1)
+    assert len({len(g) for g in greedy}) > 1  # varied lengths: the check has teeth
+    for hyp, length in zip(greedy, (~padding).sum(1).tolist(), strict=True):
+        assert len(hyp) + 1 <= length + 4  # max length a * |x| + b, <eos> included
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0])
+def test_wide_beam_finds_the_exhaustive_optimum(alpha):
+    """With a beam wider than all prefixes, beam search is exhaustive: compare with a plain
+    enumeration of every hypothesis up to the maximum length."""
+    vocab, eos = 4, 0
+    backbone, head = make(6, vocab, seed=3)
+    source, padding = sources(6, seed=3)
+    config = DecodeConfig(bos_id=eos, eos_id=eos, max_length_a=0.0, max_length_b=3,
+                          length_penalty=alpha)  # fmt: skip
+    found = beam_search(backbone, head, source, padding, config, beam_size=16)
+    for i in range(source.size(0)):
+        candidates = [
+            list(h)
+            for n in range(3)  # up to 2 tokens + <eos> = the maximum length 3
+            for h in itertools.product(range(1, vocab), repeat=n)
+        ]
+        scored = {
+            tuple(h): rescore(backbone, head, source[i], padding[i], h, eos, eos)
+            / length_penalty(len(h) + 1, alpha)
+            for h in candidates
+        }
+        assert tuple(found[i]) == max(scored, key=scored.get)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A tiny model trained briefly to reverse sequences: peaked but imperfect."""
+    vocab = 8
+    backbone, head = make(vocab, vocab, seed=4)
+    backbone.train(), head.train()
+    params = list(backbone.parameters()) + list(head.parameters())
+    optimizer = torch.optim.Adam(params, lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        source = torch.randint(1, vocab, (32, 5), generator=gen)
+        padding = torch.zeros_like(source, dtype=torch.bool)
+        target = torch.cat((source.flip(1), torch.zeros(32, 1, dtype=torch.long)), dim=1)
+        decoder_input = torch.cat((torch.zeros(32, 1, dtype=torch.long), target[:, :-1]), dim=1)
+        hidden = backbone(source, padding, decoder_input)
+        loss = head(hidden.reshape(-1, D), target.reshape(-1)).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return backbone.eval(), head.eval(), vocab
+
+
+def test_beam_finds_a_sequence_at_least_as_likely_as_greedy(trained):
+    backbone, head, vocab = trained
+    gen = torch.Generator().manual_seed(1)
+    source = torch.randint(1, vocab, (12, 5), generator=gen)
+    padding = torch.zeros_like(source, dtype=torch.bool)
+    config = DecodeConfig(bos_id=0, eos_id=0, length_penalty=0.0)
+    greedy = greedy_decode(backbone, head, source, padding, config)
+    beam = beam_search(backbone, head, source, padding, config, beam_size=4)
+    gains = []
+    for i in range(source.size(0)):
+        g = rescore(backbone, head, source[i], padding[i], greedy[i], 0, 0)
+        b = rescore(backbone, head, source[i], padding[i], beam[i], 0, 0)
+        assert b >= g - 1e-5, (i, greedy[i], beam[i], g, b)
+        gains.append(b - g)
+    assert max(gains) > 1e-3  # beam found a strictly better sequence somewhere
+
+
+def test_beam_uses_the_heads_topk_fast_path(trained, monkeypatch):
+    backbone, head, vocab = trained
+    source = torch.randint(1, vocab, (3, 5))
+    padding = torch.zeros_like(source, dtype=torch.bool)
+    calls = {"topk": 0}
+
+    def counting_topk(hidden, k):
+        calls["topk"] += 1
+        return SoftmaxHead.log_prob(head, hidden).topk(k, dim=-1)
+
+    def no_log_prob(hidden):
+        raise AssertionError("log_prob is only for forced <eos> at the maximum length")
+
+    monkeypatch.setattr(head, "topk", counting_topk)
+    monkeypatch.setattr(head, "log_prob", no_log_prob)
+    config = DecodeConfig(bos_id=0, eos_id=0, max_length_b=30)
+    beam_search(backbone, head, source, padding, config, beam_size=3)
+    assert calls["topk"] > 0

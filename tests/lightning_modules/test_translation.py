@@ -1,0 +1,132 @@
+import lightning as L
+import pytest
+import sacrebleu
+import torch
+
+from app.backbones import Seq2SeqTransformer
+from datamodules import TranslationDataModule
+from datamodules.translation import collate_pairs
+from heads import HeadConfigError, MixtapeHead, MoSHead, SoftmaxHead
+from lightning_modules import Translation
+from lightning_modules.decoding import DecodeConfig, greedy_decode
+from tests.datamodules.test_translation import TINY, write_corpus
+
+D = 16
+
+
+@pytest.fixture()
+def data(tmp_path) -> TranslationDataModule:
+    path = write_corpus(tmp_path, {"train": TINY, "val": TINY[:5], "test_2016_flickr": TINY[:4]})
+    return TranslationDataModule(path=path, max_tokens=12)
+
+
+def make(data: TranslationDataModule, head_class=SoftmaxHead, **kwargs) -> Translation:
+    torch.manual_seed(0)
+    backbone = Seq2SeqTransformer(data.src_vocab_size, data.vocab_size, model_size=D,
+                                  num_heads=2, encoder_layers=1, decoder_layers=1,
+                                  feedforward_size=32, dropout=0.0)  # fmt: skip
+    return Translation(backbone, head_class(D, data.vocab_size), **kwargs)
+
+
+@torch.no_grad()
+def reference_nll(model: Translation, batch) -> tuple[float, int, float]:
+    """Sum over real target tokens of -log p, their count, and the sum of mean_x -log p_x."""
+    hidden = model.backbone(batch["source"], batch["source_padding"], batch["target_input"])
+    total, count, uniform = 0.0, 0, 0.0
+    for b in range(hidden.size(0)):
+        for t in range(hidden.size(1)):
+            y = int(batch["target_output"][b, t])
+            if y == -100:
+                continue
+            log_probs = model.head.log_prob(hidden[b, t][None])[0]
+            total -= float(log_probs[y])
+            uniform -= float(log_probs.mean())
+            count += 1
+    return total, count, uniform
+
+
+@pytest.mark.parametrize("head_class", [SoftmaxHead, MoSHead, MixtapeHead])
+def test_teacher_forced_loss_matches_a_plain_reference(data, head_class):
+    model = make(data, head_class).eval()
+    batch = next(iter(data.train_dataloader()))
+    nll, loss = model.loss(batch)
+    total, count, _ = reference_nll(model, batch)
+    assert nll.item() == pytest.approx(total / count, rel=1e-5)
+    assert loss.item() == pytest.approx(total / count, rel=1e-5)
+
+
+def test_label_smoothing_matches_a_plain_reference(data):
+    model = make(data, label_smoothing=0.1).train()  # smoothing is for training only
+    batch = next(iter(data.train_dataloader()))
+    nll, loss = model.loss(batch)
+    total, count, uniform = reference_nll(model, batch)  # (no dropout in this model)
+    assert nll.item() == pytest.approx(total / count, rel=1e-5)
+    assert loss.item() == pytest.approx((0.9 * total + 0.1 * uniform) / count, rel=1e-5)
+    _, eval_loss = model.eval().loss(batch)
+    assert eval_loss.item() == pytest.approx(total / count, rel=1e-5)
+
+
+def test_padding_does_not_change_a_sentences_loss(data):
+    """A pair's NLL is the same alone and padded inside a batch of longer pairs."""
+    model = make(data).eval()
+    items = [data.encoded("train")[i] for i in (0, 2, 5)]  # lengths 2, 3, 2 (+ <eos>)
+    batched = collate_pairs(items, pad_id=data.bos_id, bos_id=data.bos_id)
+    total_batched, count_batched, _ = reference_nll(model, batched)
+    nll, _ = model.loss(batched)
+    separate = [model.loss(collate_pairs([it], data.bos_id, data.bos_id)) for it in items]
+    counts = [len(it["target_ids"]) for it in items]
+    weighted = sum(n.item() * c for (n, _), c in zip(separate, counts, strict=True))
+    assert nll.item() * sum(counts) == pytest.approx(weighted, rel=1e-5)
+    assert count_batched == sum(counts)
+
+
+def test_options_are_checked(data):
+    with pytest.raises(HeadConfigError, match="must equal the backbone's output size"):
+        Translation(make(data).backbone, SoftmaxHead(D + 1, data.vocab_size))
+    with pytest.raises(ValueError, match="label_smoothing"):
+        make(data, label_smoothing=1.0)
+    tied = make(data, tie_weights=True)
+    assert tied.head.weight is tied.backbone.embedding.weight
+
+
+def test_validation_bleu_and_test_translations_file(data, tmp_path):
+    model = make(data, beam_size=2, val_beam_size=1, num_samples=2)
+    out = tmp_path / "out" / "translations.txt"
+    model.translations_file = str(out)
+    trainer = L.Trainer(max_steps=30, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False, default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(model, datamodule=data)
+    (val,) = trainer.validate(model, datamodule=data)
+    # val BLEU = sacreBLEU of the greedy translations against the raw reference lines
+    batch = collate_pairs([data.encoded("valid")[i] for i in range(5)], data.bos_id, data.bos_id)
+    config = DecodeConfig(bos_id=data.bos_id, eos_id=data.target_vocab.eos_id,
+                          length_penalty=model.length_penalty)  # fmt: skip
+    model.eval()
+    hypotheses = [data.detokenize(h) for h in greedy_decode(model.backbone, model.head,
+                  batch["source"], batch["source_padding"], config)]  # fmt: skip
+    expected = sacrebleu.corpus_bleu(hypotheses, [data.references("valid")]).score
+    assert val["val/bleu"] == pytest.approx(expected, abs=1e-4)
+    assert val["val/ppl"] < data.vocab_size  # learnt something in 30 steps
+    assert val["val/decode_s"] > 0
+    (test,) = trainer.test(model, datamodule=data)
+    lines = out.read_text().splitlines()
+    assert len(lines) == 4  # one per test line, in file order
+    assert test["test/bleu"] == pytest.approx(
+        sacrebleu.corpus_bleu(lines, [data.references("test")]).score, abs=1e-4
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_class", [SoftmaxHead, MixtapeHead])
+def test_a_tiny_model_learns_to_translate_the_toy_corpus(data, tmp_path, head_class):
+    model = make(data, head_class, beam_size=3)
+    model.translations_file = str(tmp_path / "translations.txt")
+    trainer = L.Trainer(max_steps=150, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, check_val_every_n_epoch=1000,
+                        default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(model, datamodule=data)
+    trainer.test(model, datamodule=data)
+    # (the toy sentences are too short for 4-gram BLEU: compare the text)
+    assert (tmp_path / "translations.txt").read_text().splitlines() == data.references("test")
