@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -71,9 +73,18 @@ class LSTMBackbone(LMBackbone):
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         x = self.input_dropout(self.embedding(tokens))
         new_state = []
-        for i, layer in enumerate(self.layers):
-            x, layer_state = layer(x, None if state is None else state[i])
-            new_state.append(layer_state)
-            if i < len(self.layers) - 1:
-                x = self.hidden_dropout(x)
+        with _cpu_recurrence_in_float32(x):
+            for i, layer in enumerate(self.layers):
+                x, layer_state = layer(x, None if state is None else state[i])
+                new_state.append(layer_state)
+                if i < len(self.layers) - 1:
+                    x = self.hidden_dropout(x)
         return self.output_dropout(x), new_state
+
+
+def _cpu_recurrence_in_float32(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """oneDNN has no bf16 LSTM kernel without AVX-512, so CPU autocast would crash on most
+    CPUs; the recurrence is cheap next to the output layer, so it runs in float32 there."""
+    if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        return torch.autocast("cpu", enabled=False)
+    return contextlib.nullcontext()
