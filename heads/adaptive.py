@@ -166,15 +166,26 @@ class AdaptiveSoftmaxHead(Head):
         head_logits = self.head(hidden)
         with float32_no_autocast(hidden.device):
             nll = cross_entropy_nll(upcast(head_logits), head_target)
-        for i, tail in enumerate(self.tail, start=1):
-            rows = (cluster == i).nonzero().squeeze(1)
-            if rows.numel() == 0:
+        # One sort groups the rows by cluster (ignored and short-list rows first), so each
+        # tail cluster is a contiguous slice of one gather: one index_select (and one
+        # scatter in its backward) for all tail clusters instead of one per cluster.
+        order = torch.argsort(cluster)
+        sizes = torch.bincount(cluster + 1, minlength=self.num_clusters + 2).tolist()
+        tail_rows = order[sizes[0] + sizes[1] :]
+        if tail_rows.numel() == 0:
+            return self.output_from_target_log_prob(-nll, target)
+        tail_hidden = hidden.index_select(0, tail_rows)
+        tail_target = target.index_select(0, tail_rows)
+        cluster_nll, start = [], 0
+        for i, (tail, size) in enumerate(zip(self.tail, sizes[2:], strict=True), start=1):
+            if size == 0:
                 continue  # the loss only touches the clusters this batch needs
-            logits = tail(hidden.index_select(0, rows))
-            relative = target.index_select(0, rows) - self.cutoffs[i - 1]
+            logits = tail(tail_hidden[start : start + size])
+            relative = tail_target[start : start + size] - self.cutoffs[i - 1]
             with float32_no_autocast(hidden.device):
-                cluster_nll = cross_entropy_nll(upcast(logits), relative)
-            nll.index_add_(0, rows, cluster_nll.to(nll.dtype))
+                cluster_nll.append(cross_entropy_nll(upcast(logits), relative))
+            start += size
+        nll.index_add_(0, tail_rows, torch.cat(cluster_nll).to(nll.dtype))
         return self.output_from_target_log_prob(-nll, target)
 
     def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:

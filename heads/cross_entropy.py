@@ -3,10 +3,11 @@
 ``F.cross_entropy`` backpropagates through two kernels: ``nll_loss`` scatters the incoming
 gradient into a freshly zero-filled ``[N, C]`` tensor, then ``log_softmax``'s backward reads
 that tensor and the saved log-probabilities to write a third ``[N, C]`` tensor. The gradient
-is simply ``g_n * (softmax(z_n) - onehot(t_n))``, so this computes it as one ``exp`` of the
-saved log-probabilities, a row scale and a scatter: one ``[N, C]`` allocation instead of two,
-and no fill. Output layers are memory-bound on a CPU, so this shows in every head that ends
-in a softmax (README, "Output-layer benchmark").
+is simply ``g_n * (softmax(z_n) - onehot(t_n))``, so the forward keeps the softmax itself
+(one kernel, as ``log_softmax`` would be) and the backward is one row scale of it and a
+scatter: one ``[N, C]`` allocation instead of two, no fill, and no second ``exp`` pass.
+Output layers are memory-bound on a CPU, so this shows in every head that ends in a softmax
+(README, "Output-layer benchmark").
 """
 
 from __future__ import annotations
@@ -21,22 +22,30 @@ IGNORE_INDEX = -100
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        log_probs = logits.log_softmax(dim=-1)
+        probs = logits.softmax(dim=-1)
         keep = target != IGNORE_INDEX
         safe_target = target.clamp_min(0).unsqueeze(-1)
-        nll = -log_probs.gather(-1, safe_target).squeeze(-1)
+        target_prob = probs.gather(-1, safe_target).squeeze(-1)
+        nll = -target_prob.log()
+        # Below the smallest normal float the log loses precision (or is -inf): those rare
+        # rows are recomputed in log space, exactly.
+        underflow = target_prob < torch.finfo(probs.dtype).tiny
+        if underflow.any():
+            rows = underflow.nonzero().squeeze(1)
+            exact = logits[rows].log_softmax(-1).gather(-1, safe_target[rows]).squeeze(-1)
+            nll[rows] = -exact
         nll = nll.masked_fill(~keep, 0.0)
-        ctx.save_for_backward(log_probs, safe_target, keep)
+        ctx.save_for_backward(probs, safe_target, keep)
         return nll
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_nll: torch.Tensor) -> tuple[torch.Tensor, None]:
-        log_probs, safe_target, keep = ctx.saved_tensors
+        probs, safe_target, keep = ctx.saved_tensors
         scale = grad_nll.masked_fill(~keep, 0.0).unsqueeze(-1)
-        # out of place: the saved log-probabilities must survive a retained graph
-        grad = log_probs.exp()
-        grad.mul_(scale).scatter_add_(-1, safe_target, -scale)
+        # out of place: the saved probabilities must survive a retained graph
+        grad = probs * scale
+        grad.scatter_add_(-1, safe_target, -scale)
         return grad, None
 
 

@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from heads.base import HeadConfigError, SingleSoftmaxHead, check_positive_int
 
@@ -161,24 +162,102 @@ class MixtapeHead(SingleSoftmaxHead):
             + self.gate_bias.t()
             + shared_gate_logits.unsqueeze(-1)
         )
-        gammas = torch.sigmoid(self._noisy(gate_logits))
-        # h_{c,k} . w_x + b_x per component: the bias can go inside since sum_k pi = 1.
-        values = F.linear(contexts, w_freq, b_freq)  # [N, K, S]
-        # Eq. 2-3 without forming the priors: sum_k pi_k z_k over the sigmoid tree is a
-        # nested interpolation, node value = gamma * left + (1 - gamma) * right, bottom up.
-        width = k // 2
-        while width >= 1:
-            level = gammas[:, width - 1 : 2 * width - 1]  # heap nodes of this depth
-            # unbind, not strided slices: its backward stacks, slices' would zero-fill [N, K, S]
-            left, right = values.view(n, width, 2, s).unbind(2)
-            values = torch.lerp(right, left, level.to(values.dtype))
-            width //= 2
-        frequent_logits = values.squeeze(1)
+        values = F.linear(contexts, w_freq, b_freq)  # [N, K, S]; bias inside as sum_k pi = 1
+        frequent_logits = _SigmoidTreeMix.apply(self._noisy(gate_logits), values)  # Eq. 2-3
         if s == self.vocab_size:
             return frequent_logits
 
         # Infrequent tokens: one shared prior; mix the contexts first, then one matmul.
         shared_priors = sigmoid_tree_priors(self._noisy(shared_gate_logits))  # [N, K]
         mixed_context = torch.bmm(shared_priors.unsqueeze(1), contexts).squeeze(1)
-        rare_logits = F.linear(mixed_context, w_rare, b_rare)
-        return torch.cat((frequent_logits, rare_logits), dim=-1)
+        return _FrequentThenRareLogits.apply(frequent_logits, mixed_context, w_rare, b_rare)
+
+
+class _SigmoidTreeMix(torch.autograd.Function):
+    """``sum_k pi_k v_k`` over the sigmoid tree (Eq. 2-3) without forming the priors.
+
+    Bottom up, a node's value is ``gamma * left + (1 - gamma) * right``. Inputs: gate
+    pre-activations ``[N, K-1, S]`` (heap order) and values ``[N, K, S]``; output ``[N, S]``.
+    The backward is written by hand: autograd's version of the same lerps allocates and
+    stacks a gradient per slice, and the tree on ``[N, K, S]`` is Mixtape's largest cost
+    after the matrix products (README, "Output-layer benchmark").
+    """
+
+    @staticmethod
+    def forward(ctx, gate_logits: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        n, k, s = values.shape
+        gammas = torch.sigmoid(gate_logits.to(values.dtype))
+        levels = [values]  # node values, leaves first: [N, K, S], [N, K/2, S], ..., [N, 1, S]
+        width = k // 2
+        while width >= 1:
+            left, right = levels[-1].view(n, width, 2, s).unbind(2)
+            levels.append(torch.lerp(right, left, gammas[:, width - 1 : 2 * width - 1]))
+            width //= 2
+        ctx.save_for_backward(gammas, *levels[:-1])
+        ctx.gate_dtype = gate_logits.dtype
+        return levels[-1].view(n, s)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gammas, *levels = ctx.saved_tensors
+        n, _, s = levels[0].shape
+        grad_gates = torch.empty_like(gammas)
+        grad = grad_out.reshape(n, 1, s)
+        width = 1
+        for children in reversed(levels):  # top down
+            gamma = gammas[:, width - 1 : 2 * width - 1]
+            left, right = children.view(n, width, 2, s).unbind(2)
+            # d node / d pre-activation = (left - right) * sigmoid' = (left - right) g (1 - g)
+            grad_gate = grad_gates[:, width - 1 : 2 * width - 1]
+            torch.sub(left, right, out=grad_gate)
+            grad_gate.mul_(grad).mul_(gamma).mul_(1 - gamma)
+            grad_children = grad.new_empty(n, width, 2, s)
+            torch.mul(grad, gamma, out=grad_children[:, :, 0])
+            torch.sub(grad, grad_children[:, :, 0], out=grad_children[:, :, 1])
+            grad = grad_children.view(n, 2 * width, s)
+            width *= 2
+        return grad_gates.to(ctx.gate_dtype), grad
+
+
+class _FrequentThenRareLogits(torch.autograd.Function):
+    """``[frequent | mixed W_rare^T + b_rare]`` as one ``[N, V]`` tensor.
+
+    The rare block's product is written straight into its columns of the output, so the
+    ``[N, V]`` logits are not copied again by a ``torch.cat`` (and its backward only views
+    the gradient's two blocks).
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        frequent: torch.Tensor,
+        mixed: torch.Tensor,
+        w_rare: torch.Tensor,
+        b_rare: torch.Tensor,
+    ) -> torch.Tensor:
+        # under autocast, the products run in the dtype the frequent logits came in
+        dtype = frequent.dtype
+        n, s = frequent.shape
+        out = frequent.new_empty(n, s + w_rare.size(0))
+        out[:, :s].copy_(frequent)
+        with torch.autocast(mixed.device.type, enabled=False):
+            torch.addmm(b_rare.to(dtype), mixed.to(dtype), w_rare.to(dtype).t(), out=out[:, s:])
+        ctx.save_for_backward(mixed, w_rare)
+        ctx.num_frequent = s
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        mixed, w_rare = ctx.saved_tensors
+        s = ctx.num_frequent
+        grad_rare = grad[:, s:]
+        grad_mixed = grad_w = grad_b = None
+        if ctx.needs_input_grad[1]:
+            grad_mixed = (grad_rare @ w_rare.to(grad.dtype)).to(mixed.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_w = (grad_rare.t() @ mixed.to(grad.dtype)).to(w_rare.dtype)
+        if ctx.needs_input_grad[3]:
+            grad_b = grad_rare.sum(0).to(w_rare.dtype)
+        return grad[:, :s], grad_mixed, grad_w, grad_b

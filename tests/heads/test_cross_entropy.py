@@ -50,3 +50,12 @@ def test_large_logits_stay_finite():
 def test_shapes_are_checked():
     with pytest.raises(ValueError, match=r"logits \[N, C\] and target \[N\]"):
         cross_entropy_nll(torch.randn(3, 4), torch.zeros(2, dtype=torch.long))
+
+
+def test_an_underflowing_target_probability_is_exact_in_log_space():
+    # softmax(z)[target] = exp(-200) underflows float32; the nll must still be 200, not inf
+    logits = torch.tensor([[200.0, 0.0, 0.0], [0.0, 1.0, 2.0]], requires_grad=True)
+    target = torch.tensor([1, 2])
+    nll = cross_entropy_nll(logits, target)
+    torch.testing.assert_close(nll, F.cross_entropy(logits, target, reduction="none"))
+    assert nll[0].item() == pytest.approx(200.0)
