@@ -60,6 +60,52 @@ def _check_non_negative(name: str, value: float) -> None:
         raise HeadConfigError(f"{name} must be a non-negative number, got {value!r}")
 
 
+class _InferenceCache:
+    """Inference-side copies of a head's structure (see ``DSSoftmaxHead._inference_cache``).
+
+    ``experts[k]``: detached views ``(W^(k) [|v_k|, d], b^(k) [|v_k|] or None, class ids)``.
+    ``padded``: every expert's rows padded to the largest expert, transposed,
+    ``([K, d, S], bias [K, S])``
+    with a ``-inf`` bias on padding, for the batched path; a copy, so it is rebuilt when the
+    parameters change (their version counter), and only built when padding at most doubles the
+    rows.
+    """
+
+    def __init__(self, head: DSSoftmaxHead) -> None:
+        weight, gate = head.weight.detach(), head.gate.detach()
+        self.gate = gate
+        self.dtype = weight.dtype
+        bounds = list(zip(head._offsets[:-1], head._offsets[1:], strict=True))
+        self.experts = [(*head._split_rows(weight[a:b]), head.row_class[a:b]) for a, b in bounds]
+        sizes = head.expert_sizes()
+        self.max_size, self.min_size = max(sizes), min(sizes)
+        self._head = head
+        self._padded_version: tuple[int, int] | None = None
+        self._padded: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.padded_classes: torch.Tensor | None = None
+        self._can_pad = len(sizes) * self.max_size <= 2 * weight.size(0)
+
+    @property
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self._can_pad:
+            return None
+        head = self._head
+        version = (head.weight._version, head.gate._version)
+        if version != self._padded_version:
+            k, s = len(self.experts), self.max_size
+            ref = self.experts[0][0]
+            weight = ref.new_zeros(k, head.hidden_size, s)  # [K, d, S]: see _topk_padded
+            bias = ref.new_full((k, s), -math.inf)
+            classes = torch.zeros(k, s, dtype=torch.long, device=ref.device)
+            for e, (rows, b, c) in enumerate(self.experts):
+                weight[e, :, : rows.size(0)] = rows.T
+                bias[e, : rows.size(0)] = 0.0 if b is None else b
+                classes[e, : rows.size(0)] = c
+            self._padded, self.padded_classes = (weight, bias), classes
+            self._padded_version = version
+        return self._padded
+
+
 class DSSoftmaxHead(Head):
     """DS-Softmax with K experts, each starting over the full class space.
 
@@ -129,29 +175,13 @@ class DSSoftmaxHead(Head):
     def _refresh_structure(self) -> None:
         """Python-side copies of the structure: the inference path avoids tensor syncs."""
         self._offsets: list[int] = self.expert_offsets.tolist()
-        self._views_key: int | None = None
-        self._views: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
+        self._cache: _InferenceCache | None = None
 
     def _split_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(W, b)`` of packed rows (``b`` is ``None`` without ``bias``)."""
         if self.bias:
             return rows[:, :-1], rows[:, -1]
         return rows, None
-
-    def _expert_views(self) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
-        """Per expert ``(rows, class ids)`` views for inference, rebuilt when the storage
-        moves (``.to()``, a new structure): slicing a Parameter per query costs time."""
-        # set_structure and load_state_dict reset the key; .to()/.double() move the storage
-        key = self.weight.data_ptr()
-        if key != self._views_key:
-            with torch.no_grad():
-                bounds = list(zip(self._offsets[:-1], self._offsets[1:], strict=True))
-                self._views = [
-                    (*self._split_rows(self.weight[a:b].detach()), self.row_class[a:b])
-                    for a, b in bounds
-                ]
-            self._views_key = key
-        return self._views
 
     def expert_sizes(self) -> list[int]:
         """``|v_k|``: surviving classes per expert."""
@@ -306,26 +336,88 @@ class DSSoftmaxHead(Head):
         with _float32(hidden.device):
             return logits.log_softmax(dim=-1)
 
-    @torch.no_grad()
     def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k inside the selected expert only: a softmax over its ``|v_k|`` rows.
 
         When the expert holds fewer than ``k`` classes the rest of the answer is classes
         outside it, with log-probability ``-inf`` (probability 0).
         """
+        if (  # batch 1 in float32/64 without autocast or autograd: the latency case
+            type(k) is int
+            and 0 < k <= self.vocab_size
+            and hidden.dim() == 2
+            and hidden.size(0) == 1
+            and hidden.size(1) == self.hidden_size
+            and not hidden.requires_grad
+            and hidden.dtype == self._inference_cache().dtype
+            and not torch.is_autocast_enabled(hidden.device.type)
+        ):
+            return self._topk_one(hidden[0], k)
         check_positive_int("k", k)
         if k > self.vocab_size:
             raise HeadConfigError(f"top-k with k={k} exceeds the vocabulary size {self.vocab_size}")
         self.check_inputs(hidden)
-        if hidden.size(0) == 1:
-            return self._topk_one(hidden, k)
+        with torch.no_grad():
+            if hidden.size(0) == 1:
+                with _float32(hidden.device):
+                    gate_value, expert = (upcast(hidden) @ upcast(self.gate).T).softmax(-1).max(-1)
+                return self._expert_topk(int(expert), hidden, gate_value, k)
+            return self._topk_batched(hidden, k)
+
+    def _inference_cache(self) -> _InferenceCache:
+        """Detached per-expert views of the packed parameters, built once per structure:
+        slicing a Parameter per query costs more than the expert's matrix-vector product.
+        Views share storage, so optimizer steps and ``load_state_dict`` show through; a new
+        structure (``set_structure``, loading) and moving the storage (``_apply``: ``.to()``,
+        ``.double()``) drop the cache."""
+        cache = self._cache
+        if cache is None:
+            cache = self._cache = _InferenceCache(self)
+        return cache
+
+    def _apply(self, fn, *args, **kwargs):
+        self._cache = None  # the parameters may move to new storage
+        return super()._apply(fn, *args, **kwargs)
+
+    def _topk_one(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One query ``h [d]``: gate matvec, one (add)mv over the selected expert, a softmax
+        and top-k over ``|v_k|`` values, then the class ids. No grouping, no grad."""
+        cache = self._inference_cache()
+        gate_value, expert = torch.softmax(torch.mv(cache.gate, h), 0).max(0)  # Eq. 1
+        e, g = int(expert), float(gate_value)
+        rows, bias, classes = cache.experts[e]
+        # G_{k*} (W h + b) (Eq. 2). Scaling after the product: addmv's alpha/beta != 1 takes a
+        # path about 4x slower than the plain one on CPU (torch 2.13)
+        logits = torch.mv(rows, h) if bias is None else torch.addmv(bias, rows, h)
+        logits.mul_(g)
+        if k > classes.numel():
+            return self._top_of_expert(torch.log_softmax(logits, 0)[None], classes, k)
+        values, where = torch.log_softmax(logits, 0).topk(k)
+        return values[None], classes.take(where)[None]  # take: cheaper than advanced indexing
+
+    def _topk_batched(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries grouped by expert with one sort. Where the experts' padded block is cheap
+        enough, all groups go through one batched matmul; otherwise one matmul per group."""
         expert, gate_value = self.select(hidden)
-        # one sort, then contiguous slices per expert and a single scatter back
+        n = hidden.size(0)
         order = torch.argsort(expert, stable=True)
-        counts = torch.bincount(expert, minlength=self.num_experts).tolist()
+        counts = torch.bincount(expert, minlength=self.num_experts)
+        cache = self._inference_cache()
+        if (
+            cache.padded is not None
+            and k <= cache.min_size
+            and not torch.is_autocast_enabled(hidden.device.type)
+            and hidden.dtype == self.weight.dtype
+        ):
+            # the padded matmul computes K x S_max x C_max products, the loop about n x S_max
+            # plus ~5 op calls per used expert: take the padded one when not much dearer
+            padded_cost = self.num_experts * cache.max_size * int(counts.max())
+            if padded_cost <= 4 * n * cache.max_size + self.num_experts * 20_000:
+                return self._topk_padded(hidden, k, expert, gate_value, order, counts)
+        counts_list = counts.tolist()
         sorted_hidden, sorted_gate = hidden[order], gate_value[order]
         parts_values, parts_classes, start = [], [], 0
-        for e, count in enumerate(counts):
+        for e, count in enumerate(counts_list):
             if count:
                 rows = slice(start, start + count)
                 top_values, top_classes = self._expert_topk(
@@ -340,23 +432,30 @@ class DSSoftmaxHead(Head):
             torch.empty_like(classes).index_copy_(0, order, classes),
         )
 
-    def _topk_one(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # batch 1 (the latency case): no grouping, no sort, two matrix-vector products
-        if torch.is_autocast_enabled(hidden.device.type) or hidden.dtype != self.weight.dtype:
-            with _float32(hidden.device):
-                gate_value, expert = (upcast(hidden) @ upcast(self.gate).T).softmax(-1).max(-1)
-            return self._expert_topk(int(expert), hidden, gate_value, k)
-        h = hidden[0]
-        gate_logits = torch.mv(self.gate, h)
-        e = int(gate_logits.argmax())
-        rows, bias, classes = self._expert_views()[e]
-        logits = torch.mv(rows, h) if bias is None else torch.addmv(bias, rows, h)
-        # G_{k*} (Eq. 1) scales the expert's logits (Eq. 2)
-        log_probs = torch.log_softmax(logits * gate_logits.softmax(0)[e], 0)
-        return self._top_of_expert(log_probs[None], classes, k)
+    def _topk_padded(self, hidden, k, expert, gate_value, order, counts):
+        """All groups in one ``baddbmm``: every expert's rows padded to the largest expert
+        ``[K, d, S]`` against its queries padded to the largest group ``[K, C, d]``.
+        Padded rows carry a ``-inf`` bias, so they never reach the softmax or the top-k."""
+        cache = self._inference_cache()
+        weight, bias = cache.padded
+        n = hidden.size(0)
+        sorted_expert = expert[order]
+        # position of each (sorted) query inside its expert's group
+        rank = torch.arange(n, device=hidden.device) - (counts.cumsum(0) - counts)[sorted_expert]
+        queries = hidden.new_zeros(self.num_experts, int(counts.max()), self.hidden_size)
+        queries[sorted_expert, rank] = hidden[order]
+        # [K, C, d] @ [K, d, S]: the long axis last runs about 3x faster than [K, S, d] @ [K, d, C]
+        logits = torch.baddbmm(bias[:, None, :], queries, weight)[sorted_expert, rank]
+        log_probs = (logits * gate_value[order][:, None]).log_softmax(-1)  # Eq. 2, sorted order
+        values, where = log_probs.topk(k, dim=-1)
+        classes = cache.padded_classes[sorted_expert[:, None], where]
+        return (
+            torch.empty_like(values).index_copy_(0, order, values),
+            torch.empty_like(classes).index_copy_(0, order, classes),
+        )
 
     def _expert_topk(self, e: int, hidden: torch.Tensor, gate_value: torch.Tensor, k: int):
-        rows, bias, classes = self._expert_views()[e]
+        rows, bias, classes = self._inference_cache().experts[e]
         logits = F.linear(hidden, rows, bias)
         with _float32(hidden.device):
             log_probs = (upcast(logits) * upcast(gate_value)[:, None]).log_softmax(dim=-1)
@@ -512,9 +611,18 @@ class DSSoftmaxHead(Head):
         def noise(shape: tuple[int, ...], std: torch.Tensor | float) -> torch.Tensor:
             return torch.randn(shape, generator=generator).to(self.weight) * std
 
-        weight = self.weight[source] * scale[:, None]
-        row_std = weight.norm(dim=1, keepdim=True) * noise_std / self.row_size**0.5
-        weight = weight + noise(tuple(weight.shape), row_std)
+        # Built in place: the old rows, the new [R', d] tensor and one chunk of noise are all
+        # that is held at once (the peak that Mitosis counts is R + R').
+        rows_old = self.weight.size(0)
+        weight = torch.empty(source.numel(), self.row_size, dtype=self.weight.dtype, device=device)
+        weight[:rows_old].copy_(self.weight)
+        torch.index_select(self.weight, 0, twin_rows.to(device), out=weight[rows_old:])
+        weight.mul_(scale[:, None])
+        chunk = 4096
+        for start in range(0, weight.size(0), chunk):
+            block = weight[start : start + chunk]
+            row_std = block.norm(dim=1, keepdim=True) * noise_std / self.row_size**0.5
+            block.add_(noise(tuple(block.shape), row_std))
         gate = self.gate[gate_source]
         gate = gate + noise(tuple(gate.shape), noise_std * gate.norm(dim=1, keepdim=True).mean())
         new_sizes = sizes + [sizes[k] for k in parents.tolist()]

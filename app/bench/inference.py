@@ -139,24 +139,36 @@ def time_topk(
     batch_size: int,
     repeats: int,
     warmup: int,
+    block: int = 100,
 ) -> dict[str, dict[str, float]]:
-    """Per-query latency (us) of ``head.topk``: one query at a time, and in batches. Median over
-    repeats, and the minimum, which a machine shared with other jobs disturbs least."""
+    """Per-query latency (us) of ``head.topk``: one query at a time, and in batches.
+
+    The queries are timed in blocks of ``block`` queries (batch 1) or ``block`` batches, the
+    heads interleaved block by block so they share the machine's state. ``*_us_per_query`` is
+    the median over all blocks and repeats; ``*_min`` the fastest block, which a machine
+    shared with other jobs disturbs least (a whole pass rarely escapes preemption)."""
     singles = {name: [] for name in heads}
     batched = {name: [] for name in heads}
+    n = queries.size(0)
     for repeat in range(warmup + repeats):
-        for name, head in heads.items():  # interleaved: same machine state for every head
-            start = time.perf_counter()
-            for i in range(queries.size(0)):
-                head.topk(queries[i : i + 1], k)
-            single = (time.perf_counter() - start) / queries.size(0)
-            start = time.perf_counter()
-            for i in range(0, queries.size(0), batch_size):
-                head.topk(queries[i : i + batch_size], k)
-            batch = (time.perf_counter() - start) / queries.size(0)
-            if repeat >= warmup:
-                singles[name].append(single * 1e6)
-                batched[name].append(batch * 1e6)
+        for start in range(0, n, block):
+            for name, head in heads.items():
+                stop = min(start + block, n)
+                began = time.perf_counter()
+                for i in range(start, stop):
+                    head.topk(queries[i : i + 1], k)
+                single = (time.perf_counter() - began) / (stop - start)
+                if repeat >= warmup:
+                    singles[name].append(single * 1e6)
+        for start in range(0, n, block * batch_size):
+            for name, head in heads.items():
+                stop = min(start + block * batch_size, n)
+                began = time.perf_counter()
+                for i in range(start, stop, batch_size):
+                    head.topk(queries[i : min(i + batch_size, stop)], k)
+                batch = (time.perf_counter() - began) / (stop - start)
+                if repeat >= warmup:
+                    batched[name].append(batch * 1e6)
     return {
         name: {
             "batch1_us_per_query": statistics.median(singles[name]),
@@ -198,7 +210,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for head in heads.values():
         head.eval()
     report["latency"] = time_topk(heads, queries, args.k, args.batch_size, args.repeats,
-                                  args.warmup)  # fmt: skip
+                                  args.warmup, args.block)  # fmt: skip
     soft, ds_times = report["latency"]["softmax"], report["latency"]["ds"]
     report["latency_speedup"] = {key: soft[key] / ds_times[key] for key in soft}
     report["machine"] = {"platform": platform.platform(), "torch": torch.__version__,
@@ -229,11 +241,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=100, help="batched timing")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--block", type=int, default=100,
+                        help="queries (batch 1) or batches timed together; heads interleave "
+                             "block by block")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--out", default="bench_results", help="folder for the JSON")
     parser.add_argument("--name", default="inference", help="file stem")
     args = parser.parse_args(argv)
-    for name in ("k", "queries", "batch_size", "threads", "repeats", "vocab_size",
+    for name in ("k", "queries", "batch_size", "threads", "repeats", "block", "vocab_size",
                  "hidden_size", "experts", "expert_size"):  # fmt: skip
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")

@@ -27,6 +27,9 @@ class DSPruning(Callback):
             the paper's ``*`` variant.
         every_n_steps: how often to check (each structural change rebuilds the optimizer).
         loss_key: the logged task loss (without the regularisers).
+        stop_epoch: from this epoch on, no more pruning and the head's group-lasso weights are
+            0: the structure is fixed and its surviving rows are fine-tuned for the task alone
+            (a last stage after mitosis). ``None``: prune until the end.
     """
 
     def __init__(
@@ -36,6 +39,7 @@ class DSPruning(Callback):
         keep_every_class: bool = True,
         every_n_steps: int = 50,
         loss_key: str = "train/loss",
+        stop_epoch: int | None = None,
     ) -> None:
         if gamma < 0:
             raise HeadConfigError(f"gamma must be non-negative, got {gamma}")
@@ -46,9 +50,19 @@ class DSPruning(Callback):
         self.keep_every_class = keep_every_class
         self.every_n_steps = every_n_steps
         self.loss_key = loss_key
+        self.stop_epoch = stop_epoch
         self.pruned_rows = 0
+        self.peak_rows = 0
         self._loss_sum = 0.0
         self._loss_count = 0
+
+    def _stopped(self, trainer: L.Trainer) -> bool:
+        return self.stop_epoch is not None and trainer.current_epoch >= self.stop_epoch
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._stopped(trainer):  # re-applied on every (resumed) epoch: no state to save
+            _, head = find_ds_head(pl_module)
+            head.lambda_lasso = head.lambda_expert = 0.0
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
@@ -57,7 +71,9 @@ class DSPruning(Callback):
         if loss is not None:
             self._loss_sum += float(loss)
             self._loss_count += 1
-        if (trainer.global_step % self.every_n_steps) or not self._loss_count:
+        if self._stopped(trainer) or (trainer.global_step % self.every_n_steps):
+            return
+        if not self._loss_count:
             return
         mean = torch.tensor(self._loss_sum / self._loss_count, device=pl_module.device)
         mean = trainer.strategy.reduce(mean, reduce_op="mean")
@@ -79,11 +95,20 @@ class DSPruning(Callback):
         rebuild_optimizers(trainer, pl_module, old, sources)
         dropped = before - head.weight.size(0)
         self.pruned_rows += dropped
+        # the surviving rows are copied out while the old tensor still exists: R + R' at once
+        self.peak_rows = max(self.peak_rows, before + head.weight.size(0))
         pl_module.log("ds/rows", float(head.weight.size(0)), on_step=True, on_epoch=False)
+        pl_module.log(
+            "ds/prune_peak_softmaxes",
+            self.peak_rows / head.vocab_size,
+            on_step=True,
+            on_epoch=False,
+        )
         return dropped
 
     def state_dict(self) -> dict[str, Any]:
-        return {"pruned_rows": self.pruned_rows}
+        return {"pruned_rows": self.pruned_rows, "peak_rows": self.peak_rows}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.pruned_rows = state_dict["pruned_rows"]
+        self.peak_rows = state_dict.get("peak_rows", 0)

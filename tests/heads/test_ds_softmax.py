@@ -124,6 +124,36 @@ def test_topk_beyond_expert_size_returns_zero_probabilities():
     assert all(len(set(row)) == k for row in indices.tolist())  # no repeated class
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_topk_paths_agree_with_the_dense_reference(bias):
+    """Batch 1 (cached views, addmv), batched through the padded ``baddbmm`` and batched
+    through the per-expert loop all return the dense sparse distribution's top-k, also
+    after an in-place update of the parameters (what an optimizer step does)."""
+    head = pruned_head()
+    if bias:
+        head = DSSoftmaxHead(HIDDEN, VOCAB, num_experts=1, bias=True).double()
+        torch.manual_seed(1)
+        rows = torch.cat([torch.randperm(VOCAB)[:size].sort().values for size in (5, 9, 14)])
+        head.set_structure(
+            torch.randn(rows.numel(), HIDDEN + 1), rows, [5, 9, 14], torch.randn(3, HIDDEN)
+        )
+    hidden = torch.randn(40, HIDDEN, dtype=torch.float64)
+    for _ in range(2):
+        reference = head.log_prob(hidden).topk(4)
+        padded = head.topk(hidden, 4)
+        assert head._inference_cache().padded is not None  # the padded path was taken
+        head._inference_cache()._can_pad = False
+        looped = head.topk(hidden, 4)
+        head._inference_cache()._can_pad = True
+        single = [head.topk(hidden[n : n + 1], 4) for n in range(hidden.size(0))]
+        for values, indices in (padded, looped, tuple(map(torch.cat, zip(*single, strict=True)))):
+            torch.testing.assert_close(values, reference.values)
+            torch.testing.assert_close(indices, reference.indices)
+        with torch.no_grad():  # an optimizer-like in-place step: caches must follow
+            head.weight.add_(torch.randn_like(head.weight))
+            head.gate.mul_(-1.5)
+
+
 def test_gate_gradient_flows_through_normalisation():
     head = make_head(num_experts=3).double()
     hidden, target = _inputs()

@@ -56,6 +56,7 @@ def test_pruning_rebuilds_the_optimizer_and_keeps_every_class():
     t.fit(model, dm)
     head = model.head
     assert head.weight.size(0) == 4 * 16 // 2 == pruning.pruned_rows
+    assert pruning.peak_rows == 4 * 16 + 4 * 16 // 2  # old and new rows during the prune
     assert head.classes_without_expert().numel() == 0
     # the optimizer works on the new parameters, with state of the surviving rows' shape
     (optimizer,) = t.optimizers
@@ -72,6 +73,16 @@ def test_no_pruning_above_the_loss_threshold():
     t = trainer(1, [ShrinkRows(), DSPruning(loss_threshold=1e-6, every_n_steps=1)])
     t.fit(model, dm)
     assert model.head.weight.size(0) == 4 * 4
+
+
+def test_no_pruning_and_no_lasso_from_stop_epoch():
+    torch.manual_seed(0)
+    dm = SyntheticHierarchyDataModule(num_super=2, num_sub=2, train_per_sub=20, batch_size=20)
+    model = make_model(dm, lambda_lasso=0.1, lambda_expert=0.1)
+    t = trainer(1, [ShrinkRows(), DSPruning(every_n_steps=1, stop_epoch=0)])
+    t.fit(model, dm)
+    assert model.head.weight.size(0) == 4 * 4  # the shrunk rows were not pruned
+    assert model.head.lambda_lasso == model.head.lambda_expert == 0.0
 
 
 def test_rebuild_optimizers_carries_state_by_row():

@@ -93,3 +93,43 @@ def test_resume_continues_the_schedule(tmp_path):
 def test_bad_options():
     with pytest.raises(ValueError, match="positive"):
         Mitosis(every_n_epochs=0)
+
+
+def test_memory_budget_postpones_a_split_until_pruning_made_room():
+    """With ``max_peak_softmaxes`` a due split waits while it would hold more rows than the
+    budget (before + after, counted honestly), and happens once pruning has shrunk the experts;
+    the recorded peak then stays within the budget."""
+    torch.manual_seed(0)
+    dm = SyntheticHierarchyDataModule(num_super=2, num_sub=4, train_per_sub=16, batch_size=32)
+    model = make_model(dm)
+    vocab = dm.vocab_size
+    mitosis = Mitosis(max_experts=4, every_n_epochs=1, max_peak_softmaxes=4.0,
+                      check_every_n_steps=1)  # fmt: skip
+
+    class PruneAtEpoch2(Callback):
+        """Stand-in for DSPruning: keep one expert's full rows and a quarter of the other's."""
+
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            head = pl_module.head
+            if trainer.current_epoch == 2 and head.weight.size(0) == 2 * vocab:
+                with torch.no_grad():
+                    head.weight[vocab:][torch.arange(vocab) % 4 != 0] = 0.0
+                from app.callbacks.ds_optim import rebuild_optimizers
+
+                old = dict(pl_module.named_parameters())
+                rows, gate_rows = head.prune(gamma=1e-6)
+                rebuild_optimizers(trainer, pl_module, old,
+                                   {"head.weight": rows, "head.gate": gate_rows})  # fmt: skip
+
+    experts = []
+
+    class Record(Callback):
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            experts.append(pl_module.head.num_experts)
+
+    t = trainer(4, [PruneAtEpoch2(), mitosis, Record()])
+    t.fit(model, dm)
+    # epochs 0-1: 2V rows, a split would hold 2V + 4V > 4V; after pruning at epoch 2 it fits
+    assert experts == [2, 2, 4, 4]
+    rows = vocab + vocab // 4
+    assert mitosis.peak_rows == 3 * rows <= 4 * vocab
