@@ -22,6 +22,12 @@ from app.vocab import VocabularyMismatchError
 from datamodules.text_source import DataConfigError, DataPathError
 from datamodules.translation import ParallelDataError
 from heads import HeadConfigError
+from lightning_modules.checks import CheckpointMismatchError, ModelConfigError, NonFiniteLossError
+
+
+class CheckpointPathError(FileNotFoundError):
+    """``--ckpt_path`` names no file."""
+
 
 # Errors that mean "fix your config or data": shown as one line, not a stack trace.
 USER_ERRORS = (
@@ -30,6 +36,10 @@ USER_ERRORS = (
     DataConfigError,
     VocabularyMismatchError,
     ParallelDataError,
+    ModelConfigError,
+    CheckpointMismatchError,
+    NonFiniteLossError,
+    CheckpointPathError,
 )
 
 _CONFIG_FLAGS = ("--config", "-c")
@@ -70,6 +80,20 @@ def _config_chain(config: str, seen: tuple[Path, ...] = ()) -> list[str]:
 
 
 class AppCLI(LightningCLI):
+    def _check_ckpt_path(self) -> None:
+        # Lightning would report a missing checkpoint only after building everything, with
+        # a stack trace; "last"/"best"/"hpc" are Lightning's own names, not paths.
+        ckpt = self.config_init[self.subcommand].get("ckpt_path")
+        if not isinstance(ckpt, str) or ckpt in ("last", "best", "hpc"):
+            return
+        if ckpt.startswith("registry") or "://" in ckpt:  # model registry or remote storage
+            return
+        if not Path(ckpt).is_file():
+            raise CheckpointPathError(f"ckpt_path {ckpt!r} does not exist or is not a file")
+
+    # LightningCLI calls before_<subcommand> right before running it
+    before_fit = before_validate = before_test = before_predict = _check_ckpt_path
+
     def add_arguments_to_parser(self, parser) -> None:
         for target in (
             "model.init_args.backbone.init_args.vocab_size",

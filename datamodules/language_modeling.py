@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from app.vocab import BPEVocab, VocabularyMismatchError, WordVocab
 from app.vocab.hybrid_lightrnn import HybridLightRNNVocab
 from datamodules.bptt import BPTTBatches
+from datamodules.resumable import ResumableLoader
 from datamodules.text_source import DataConfigError, load_text_splits
 
 VOCABS = ("word", "bpe", "hybrid_lightrnn")
@@ -31,7 +32,11 @@ class _LiveBPTT(IterableDataset):
         self.args = (batch_size, data.hparams.bptt)
         self.args += (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
         self.data, self.split = data, split
-        self._len = len(BPTTBatches(data.split_tokens(split), *self.args))
+        try:
+            self._len = len(BPTTBatches(data.split_tokens(split), *self.args))
+        except ValueError as exc:  # too few tokens for the streams, or streams vs. ranks
+            option = "data.batch_size" if split == "train" else "data.eval_batch_size"
+            raise DataConfigError(f"{split} split with {option}={batch_size}: {exc}") from exc
 
     def __len__(self) -> int:
         return self._len
@@ -221,7 +226,8 @@ class LanguageModelingDataModule(L.LightningDataModule):
         return DataLoader(_LiveBPTT(self, split, batch_size), batch_size=None)
 
     def train_dataloader(self) -> DataLoader:
-        return self._batches("train", self.hparams.batch_size)
+        # resumable: a mid-epoch checkpoint saves the position, `fit --ckpt_path` continues there
+        return ResumableLoader(_LiveBPTT(self, "train", self.hparams.batch_size))
 
     def val_dataloader(self) -> DataLoader:
         return self._batches("valid", self.hparams.eval_batch_size)

@@ -11,10 +11,27 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchmetrics import MeanMetric, SumMetric
 
 from app.backbones import LMBackbone
+from datamodules.resumable import ResumableLoader
 from heads import Head
-from lightning_modules.optimization import configure_optimizers
+from lightning_modules.checks import (
+    ModelConfigError,
+    check_checkpoint_head,
+    check_finite_loss,
+    check_head_agrees_across_ranks,
+    check_hidden_sizes,
+    save_head_class,
+)
+from lightning_modules.optimization import configure_optimizers, step_schedulers_skipped_by_resume
 
 STAGES = ("train", "val", "test")
+TRAIN_STATE_KEY = "language_model_train_state"
+
+
+def _map_tensors(state: Any, fn: Any) -> Any:
+    """Apply ``fn`` to every tensor of a recurrent state (tensors in lists and tuples)."""
+    if isinstance(state, torch.Tensor):
+        return fn(state)
+    return type(state)(_map_tensors(s, fn) for s in state)
 
 
 class LanguageModel(L.LightningModule):
@@ -57,15 +74,11 @@ class LanguageModel(L.LightningModule):
         freeze_backbone: bool = False,
     ) -> None:
         super().__init__()
-        if head.hidden_size != backbone.output_size:
-            raise ValueError(
-                f"head.hidden_size ({head.hidden_size}) must equal the backbone's output size "
-                f"({backbone.output_size})"
-            )
+        check_hidden_sizes(head, backbone.output_size)
         if tie_weights:
             head.tie_output_embedding(backbone.embedding.weight)
         if temperature <= 0:
-            raise ValueError(f"temperature must be positive, got {temperature}")
+            raise ModelConfigError(f"model.temperature must be positive, got {temperature}")
         # Only structural options go to hparams: LightningCLI re-applies a checkpoint's hparams
         # over the command line, which must stay free to change the predict options. (Modules
         # and factories are described by the config LightningCLI saves beside the logs.)
@@ -101,6 +114,11 @@ class LanguageModel(L.LightningModule):
             {f"{stage}_{part}": SumMetric() for stage in STAGES for part in ("nll", "words")}
         )
         self._word_starts: torch.Tensor | None = None
+        self._resumed_train_state: Any = None
+
+    def setup(self, stage: str) -> None:
+        # under DDP, every rank must have built the same head (before DDP wraps it)
+        check_head_agrees_across_ranks(self._trainer, self.head)
 
     # -- steps -------------------------------------------------------------------------
     def _step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> torch.Tensor:
@@ -114,11 +132,7 @@ class LanguageModel(L.LightningModule):
         metric.update(output.loss.detach(), weight=tokens)
         self._update_word_nll(stage, output.nll.detach(), targets.reshape(-1))
         loss = output.loss + output.aux_loss
-        if not torch.isfinite(loss):
-            raise FloatingPointError(
-                f"non-finite {stage} loss at step {self.global_step} with "
-                f"{type(self.head).__name__}: lower the learning rate or check the precision"
-            )
+        check_finite_loss(loss, stage, self.global_step, self.head)
         if stage == "train":
             self.log("train/loss", output.loss, prog_bar=True)
             self.log("train/ppl_batch", output.loss.exp())
@@ -161,7 +175,27 @@ class LanguageModel(L.LightningModule):
         self.log(f"{stage}/ppl", mean_nll.exp(), prog_bar=True, sync_dist=False)
 
     def on_train_epoch_start(self) -> None:
+        # (Lightning does not call this when it resumes in the middle of an epoch)
         self._state.pop("train", None)
+        self._resumed_train_state = None
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        loader = self.trainer.train_dataloader
+        if not isinstance(loader, ResumableLoader):
+            return
+        # Resumed mid-epoch: continue the recurrent state of the checkpoint (saved with the
+        # data position), so the next windows see the same context as without the stop.
+        saved, self._resumed_train_state = self._resumed_train_state, None
+        if saved is not None and 0 < loader.resumed_from == batch_idx:
+            self._state["train"] = _map_tensors(saved["state"], lambda t: t.to(self.device))
+            for name, metric in self._train_metrics().items():
+                for key, value in saved["metrics"].get(name, {}).items():
+                    setattr(metric, key, value.to(self.device))
+                metric._update_count = max(metric._update_count, 1)  # holds values: no warning
+        # the data position a checkpoint saves: this batch is being trained on; after the
+        # epoch's last batch the next pass starts from the beginning
+        done = batch_idx + 1
+        loader.mark_consumed(0 if done >= self.trainer.num_training_batches else done)
 
     def on_validation_epoch_start(self) -> None:
         self._state.pop("val", None)
@@ -171,6 +205,7 @@ class LanguageModel(L.LightningModule):
 
     def on_train_epoch_end(self) -> None:
         self._log_split_perplexity("train")
+        step_schedulers_skipped_by_resume(self.trainer)
 
     def on_validation_epoch_end(self) -> None:
         self._log_split_perplexity("val")
@@ -241,6 +276,36 @@ class LanguageModel(L.LightningModule):
         elif hasattr(self.head, "init_from_softmax") and "weight" in head_state:
             self.head.init_from_softmax(head_state["weight"], head_state.get("bias"))
 
+    def _train_metrics(self) -> dict[str, Any]:
+        """The metrics that accumulate over a training epoch (train perplexity)."""
+        return {
+            "train_nll": self.metrics["train_nll"],
+            **{f"word_{k}": m for k, m in self.word_metrics.items() if k.startswith("train_")},
+        }
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        save_head_class(checkpoint, self.head)
+        # What a mid-epoch resume needs beyond the weights: the recurrent state carried
+        # between training windows and the epoch's running train-perplexity sums.
+        state = self._state.get("train")
+        if state is None:
+            return
+        metrics = {
+            name: {key: value.detach().clone() for key, value in metric.metric_state.items()}
+            for name, metric in self._train_metrics().items()
+        }
+        world_size = self.trainer.world_size
+        if world_size > 1:  # each rank carries its own streams: keep every rank's
+            state, metrics = self.all_gather((state, metrics))
+        checkpoint[TRAIN_STATE_KEY] = {
+            "world_size": world_size,
+            "state": _map_tensors(state, lambda t: t.detach().cpu()),
+            "metrics": {
+                name: {key: value.cpu() for key, value in values.items()}
+                for name, values in metrics.items()
+            },
+        }
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Check the vocabulary before the weights are loaded, so a mismatch is reported as
         # such rather than as a tensor shape error.
@@ -249,3 +314,16 @@ class LanguageModel(L.LightningModule):
         key = type(datamodule).__qualname__
         if datamodule is not None and key in checkpoint and hasattr(datamodule, "load_state_dict"):
             datamodule.load_state_dict(checkpoint[key])
+        check_checkpoint_head(checkpoint, self.head)
+        saved = checkpoint.get(TRAIN_STATE_KEY)
+        if saved is not None and trainer is not None and saved["world_size"] == trainer.world_size:
+            if saved["world_size"] > 1:
+                rank = trainer.global_rank
+                saved = {
+                    "state": _map_tensors(saved["state"], lambda t: t[rank]),
+                    "metrics": {
+                        name: {key: value[rank] for key, value in values.items()}
+                        for name, values in saved["metrics"].items()
+                    },
+                }
+            self._resumed_train_state = saved

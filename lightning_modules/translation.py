@@ -15,7 +15,15 @@ from sacrebleu.metrics import BLEU
 from torchmetrics import MeanMetric
 
 from app.backbones.seq2seq import Seq2SeqTransformer
-from heads import IGNORE_INDEX, Head, HeadConfigError
+from heads import IGNORE_INDEX, Head
+from lightning_modules.checks import (
+    ModelConfigError,
+    check_checkpoint_head,
+    check_finite_loss,
+    check_head_agrees_across_ranks,
+    check_hidden_sizes,
+    save_head_class,
+)
 from lightning_modules.decoding import DecodeConfig, beam_search, greedy_decode
 from lightning_modules.optimization import configure_optimizers
 
@@ -69,15 +77,13 @@ class Translation(L.LightningModule):
         translations_file: str | None = None,
     ) -> None:
         super().__init__()
-        if head.hidden_size != backbone.output_size:
-            raise HeadConfigError(
-                f"head.hidden_size ({head.hidden_size}) must equal the backbone's output size "
-                f"({backbone.output_size})"
-            )
+        check_hidden_sizes(head, backbone.output_size)
         if not 0.0 <= label_smoothing < 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+            raise ModelConfigError(
+                f"model.label_smoothing must be in [0, 1), got {label_smoothing}"
+            )
         if beam_size < 1 or val_beam_size < 0:
-            raise ValueError(
+            raise ModelConfigError(
                 f"beam_size must be >= 1 and val_beam_size >= 0, got {beam_size}, {val_beam_size}"
             )
         if tie_weights:
@@ -133,13 +139,13 @@ class Translation(L.LightningModule):
         mean_nll = (nll * keep).sum() / count
         return mean_nll, ((1 - eps) * nll + eps * smooth).mul(keep).sum() / count
 
+    def setup(self, stage: str) -> None:
+        # under DDP, every rank must have built the same head (before DDP wraps it)
+        check_head_agrees_across_ranks(self._trainer, self.head)
+
     def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         nll, loss = self.loss(batch)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(
-                f"non-finite {stage} loss at step {self.global_step} with "
-                f"{type(self.head).__name__}: lower the learning rate or check the precision"
-            )
+        check_finite_loss(loss, stage, self.global_step, self.head)
         tokens = (batch["target_output"] != IGNORE_INDEX).sum()
         self.metrics[f"{stage}_nll"].update(nll.detach(), weight=tokens)
         if stage == "train":
@@ -273,8 +279,11 @@ class Translation(L.LightningModule):
     def on_test_epoch_end(self) -> None:
         self._log_perplexity("test")
         hypotheses = self._report_translations("test", "test")
-        if hypotheses and self.trainer.is_global_zero:
-            path = self.translations_path()
+        if not hypotheses:
+            return
+        # every rank: trainer.log_dir is a broadcast under DDP (rank 0 alone would hang)
+        path = self.translations_path()
+        if self.trainer.is_global_zero:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("".join(hypotheses[i] + "\n" for i in sorted(hypotheses)), "utf-8")
             total = len(self.trainer.datamodule.references("test"))
@@ -300,3 +309,7 @@ class Translation(L.LightningModule):
         key = type(datamodule).__qualname__
         if datamodule is not None and key in checkpoint and hasattr(datamodule, "load_state_dict"):
             datamodule.load_state_dict(checkpoint[key])
+        check_checkpoint_head(checkpoint, self.head)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        save_head_class(checkpoint, self.head)

@@ -1,7 +1,13 @@
 """DDP on CPU (gloo) through cli.py: two processes reproduce a single-process run.
 
 Each run is a real ``python cli.py fit`` in a subprocess: Lightning's DDP launcher re-executes
-the command line for rank 1, which cannot be pytest's.
+the command line for rank 1, which cannot be pytest's. ``batch_size`` is global (each rank
+takes its own half of the BPTT streams), so one step of a 2-process run sees the same text as
+one step of a 1-process run and the losses agree up to the all-reduce's rounding.
+
+The default run keeps one fast comparison (softmax); every other head, the DS callbacks that
+change the parameter set (mitosis, pruning), the Hybrid-LightRNN table re-assignment and the
+translation task are ``slow``.
 """
 
 import csv
@@ -12,6 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,24 +33,25 @@ NO_DROPOUT_TINY_LSTM = [
 ]  # fmt: skip
 
 
-def fit(tmp: Path, ptb_path: str, config: str, *extra: str, devices: int = 1) -> dict[str, float]:
-    """Runs a short fit and returns the last logged value of every metric."""
+def run_cli(tmp: Path, args: list[str], devices: int, callbacks: list | None = None) -> None:
     args = [
-        sys.executable, "cli.py", "fit", "--config", f"configs/lm/{config}.yaml",
-        "--data.init_args.path", ptb_path, *NO_DROPOUT_TINY_LSTM,
+        sys.executable, "cli.py", *args,
         "--trainer.default_root_dir", str(tmp),
         "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
         "--trainer.logger.save_dir", str(tmp), "--trainer.logger.name", "csv",
-        "--trainer.callbacks", "null", "--trainer.enable_checkpointing", "false",
-        "--trainer.enable_progress_bar", "false", "--trainer.max_epochs", "1",
-        "--trainer.limit_train_batches", "12", "--trainer.limit_val_batches", "20",
+        "--trainer.callbacks", yaml.safe_dump(callbacks) if callbacks else "null",
+        "--trainer.enable_progress_bar", "false",
         "--trainer.accelerator", "cpu", "--trainer.devices", str(devices),
-        "--trainer.strategy", "ddp" if devices > 1 else "auto", *extra,
+        "--trainer.strategy", "ddp" if devices > 1 else "auto",
     ]  # fmt: skip
     # one thread per process: two ranks with two threads each would oversubscribe 2 cores
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def last_metrics(tmp: Path) -> dict[str, float]:
+    """The last logged value of every metric (rank 0's CSV)."""
     last: dict[str, float] = {}
     with next(tmp.rglob("metrics.csv")).open() as f:
         for row in csv.DictReader(f):
@@ -50,12 +59,196 @@ def fit(tmp: Path, ptb_path: str, config: str, *extra: str, devices: int = 1) ->
     return last
 
 
+def fit(
+    tmp: Path,
+    ptb_path: str,
+    config: str,
+    *extra: str,
+    devices: int = 1,
+    callbacks: list | None = None,
+    steps: int = 12,
+    epochs: int = 1,
+) -> dict[str, float]:
+    """Runs a short LM fit and returns the last logged value of every metric."""
+    args = [
+        "fit", "--config", f"configs/lm/{config}.yaml",
+        "--data.init_args.path", ptb_path, *NO_DROPOUT_TINY_LSTM,
+        "--trainer.enable_checkpointing", "false", "--trainer.max_epochs", str(epochs),
+        "--trainer.limit_train_batches", str(steps), "--trainer.limit_val_batches", "20",
+        *extra,
+    ]  # fmt: skip
+    probe = {"class_path": "tests.ddp_probe.DumpRankState", "init_args": {"folder": str(tmp)}}
+    run_cli(tmp, args, devices, [*(callbacks or []), probe])
+    return last_metrics(tmp)
+
+
+def rank_states(tmp: Path, devices: int) -> list[dict]:
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(devices)]
+
+
+def assert_ranks_agree(tmp: Path) -> dict:
+    """Both ranks ended with identical head parameters, structure and callback state."""
+    rank0, rank1 = rank_states(tmp, 2)
+    assert rank0.keys() == rank1.keys()
+    for name, value in rank0["head"].items():
+        assert same(value, rank1["head"][name]), f"ranks disagree on head.{name}"
+    for key in rank0.keys() - {"head"}:
+        assert same(rank0[key], rank1[key]), f"ranks disagree on {key}"
+    return rank0
+
+
+def same(a, b) -> bool:
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def report(name: str, single: dict[str, float], ddp: dict[str, float]) -> None:
+    """Printed with ``-s``: the figures the README quotes."""
+    print(
+        f"\nDDP-vs-single {name}: val/loss single {single['val/loss']:.6f} "
+        f"ddp {ddp['val/loss']:.6f} (rel diff {abs(ddp['val/loss'] / single['val/loss'] - 1):.1e});"
+        f" train/loss (epoch mean) single {single['train/loss']:.6f} ddp {ddp['train/loss']:.6f}"
+    )
+
+
 def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path, ptb_path):
     # batch_size is global: 20 streams on one process, 10 on each of two ranks. The
     # validation perplexity is reduced over both ranks' halves of the validation streams.
     single = fit(tmp_path / "single", ptb_path, "ptb_softmax")
     ddp = fit(tmp_path / "ddp", ptb_path, "ptb_softmax", devices=2)
+    report("softmax", single, ddp)
     assert single["step"] == ddp["step"] == 11  # 12 steps, logged 0-based
     assert ddp["val/loss"] == pytest.approx(single["val/loss"], rel=1e-4)
     # an untrained model is at log(10k) = 9.21: the 12 steps did train
     assert single["val/loss"] < math.log(10_000) - 0.2
+    assert_ranks_agree(tmp_path / "ddp")
+
+
+HEADS = {
+    "mos": ["--model.init_args.head.init_args.num_components", "3",
+            "--model.init_args.head.init_args.context_dropout", "0"],
+    "mixtape": ["--model.init_args.head.init_args.context_dropout", "0",
+                "--model.init_args.head.init_args.gate_dropout", "0",
+                "--model.init_args.head.init_args.gate_noise", "0",
+                "--model.init_args.head.init_args.gate_embedding_size", "16"],
+    "adaptive": ["--model.init_args.head.init_args.cutoffs", "[386, 3011]"],
+}  # fmt: skip
+CONFIG = {"mos": "ptb_mos", "mixtape": "ptb_mixtape", "adaptive": "ptb_adaptive"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head", sorted(HEADS))
+def test_every_head_under_ddp_matches_one_process(head, tmp_path, ptb_path):
+    extra = HEADS[head]
+    single = fit(tmp_path / "single", ptb_path, CONFIG[head], *extra, steps=6)
+    ddp = fit(tmp_path / "ddp", ptb_path, CONFIG[head], *extra, steps=6, devices=2)
+    report(head, single, ddp)
+    assert ddp["val/loss"] == pytest.approx(single["val/loss"], rel=1e-4)
+    assert single["val/loss"] < math.log(10_000)  # below uniform: the steps trained
+    assert_ranks_agree(tmp_path / "ddp")
+
+
+DS = [
+    "--model.init_args.head", "heads.DSSoftmaxHead",
+    "--model.init_args.head.init_args.hidden_size", "32",
+    "--model.init_args.head.init_args.num_experts", "2",
+    "--model.init_args.head.init_args.lambda_lasso", "0.001",
+    "--model.init_args.tie_weights", "false",
+    "--model.init_args.optimizer.init_args.lr", "0.01",
+]  # fmt: skip
+DS_CALLBACKS = [
+    {"class_path": "app.callbacks.Mitosis",
+     "init_args": {"max_experts": 4, "every_n_epochs": 1, "noise_std": 0.01}},
+    # row norms start near 1 (init std d^-1/2): gamma 0.95 prunes a share of the rows
+    {"class_path": "app.callbacks.DSPruning", "init_args": {"gamma": 0.95, "every_n_steps": 3}},
+    # expert utilisation on the validation tokens, counted on each rank and summed
+    {"class_path": "app.callbacks.DSMonitor"},
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_ds_mitosis_and_pruning_under_ddp_keep_the_ranks_identical(tmp_path, ptb_path):
+    # 2 epochs of 6 steps: pruning at steps 3 and 6, mitosis (2 -> 4 experts) at the second
+    # epoch's start, pruning again at 9 and 12. The DDP wrapper is rebuilt after each change,
+    # so the new parameters' gradients are all-reduced and both ranks stay identical.
+    common = dict(callbacks=DS_CALLBACKS, steps=6, epochs=2)
+    single = fit(tmp_path / "single", ptb_path, "ptb_softmax", *DS, **common)
+    ddp = fit(tmp_path / "ddp", ptb_path, "ptb_softmax", *DS, devices=2, **common)
+    report("DS-Softmax + mitosis + pruning", single, ddp)
+    state = assert_ranks_agree(tmp_path / "ddp")
+    (alone,) = rank_states(tmp_path / "single", 1)
+    assert state["Mitosis.splits"] == alone["Mitosis.splits"] == 1
+    assert len(state["head"]["expert_offsets"]) == 5  # 4 experts
+    assert state["DSPruning.pruned_rows"] > 0
+    # the same decisions as one process: the same rows survive
+    assert torch.equal(state["head"]["row_class"], alone["head"]["row_class"])
+    assert state["DSPruning.pruned_rows"] == alone["DSPruning.pruned_rows"]
+    assert ddp["val/loss"] == pytest.approx(single["val/loss"], rel=1e-3)
+    # utilisation over all validation tokens, not rank 0's half
+    for key in ("ds/speedup", "ds/max_utilisation", "ds/rows"):
+        assert ddp[key] == pytest.approx(single[key], rel=1e-6), key
+
+
+LIGHTRNN = [
+    "--data.init_args.vocab", "hybrid_lightrnn", "--data.init_args.max_vocab_size", "3000",
+    "--data.init_args.lightrnn_frequent", "300",
+]  # fmt: skip
+REASSIGN = [
+    {"class_path": "app.callbacks.LightRNNTableReassignment",
+     "init_args": {"every_n_epochs": 1, "max_batches": 6, "batch_size": 8,
+                   "solver": "separable"}},
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_lightrnn_reassignment_under_ddp_sums_the_costs_of_both_ranks(tmp_path, ptb_path):
+    # Each rank scores its own 4 of the 8 scoring streams; the summed Eq. 6 costs are the
+    # single process's, so both ranks solve the same problem and install the same table.
+    common = dict(callbacks=REASSIGN, steps=4, epochs=2)
+    single = fit(tmp_path / "single", ptb_path, "ptb_softmax", *LIGHTRNN, **common)
+    ddp = fit(tmp_path / "ddp", ptb_path, "ptb_softmax", *LIGHTRNN, devices=2, **common)
+    report("Hybrid-LightRNN + re-assignment", single, ddp)
+    state = assert_ranks_agree(tmp_path / "ddp")
+    (alone,) = rank_states(tmp_path / "single", 1)
+    frequency_order = torch.arange(len(alone["cells"]))
+    assert not torch.equal(alone["cells"], frequency_order)  # the table was re-learnt
+    assert torch.equal(state["cells"], alone["cells"])
+    assert ddp["val/loss"] == pytest.approx(single["val/loss"], rel=1e-3)
+
+
+MT_TINY = [
+    "--config", "configs/mt/multi30k_softmax.yaml",
+    "--model.init_args.backbone.init_args.model_size", "32",
+    "--model.init_args.backbone.init_args.num_heads", "2",
+    "--model.init_args.backbone.init_args.encoder_layers", "1",
+    "--model.init_args.backbone.init_args.decoder_layers", "1",
+    "--model.init_args.backbone.init_args.feedforward_size", "64",
+    "--model.init_args.backbone.init_args.dropout", "0",
+    "--model.init_args.head.init_args.hidden_size", "32",
+    "--data.init_args.max_vocab_size", "2000",
+    "--trainer.limit_val_batches", "4", "--trainer.limit_test_batches", "4",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_translation_under_ddp_trains_and_reduces_validation_over_ranks(tmp_path):
+    # Training: 4 steps on two ranks (each takes every other token bucket), ranks identical.
+    ckpt = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"dirpath": str(tmp_path / "ckpt"), "save_last": True}}  # fmt: skip
+    probe = {"class_path": "tests.ddp_probe.DumpRankState",
+             "init_args": {"folder": str(tmp_path / "ddp")}}  # fmt: skip
+    fit_args = ["fit", *MT_TINY, "--trainer.max_steps", "4", "--model.init_args.val_beam_size", "0"]
+    run_cli(tmp_path / "ddp", fit_args, 2, [ckpt, probe])
+    assert_ranks_agree(tmp_path / "ddp")
+    # Evaluation: the same checkpoint on 1 and on 2 processes gives the same test loss, so
+    # the token-weighted NLL is reduced over both ranks' batches (none dropped or repeated).
+    # Rank r evaluates buckets r, r + 2, ...: 2 batches per rank cover the single run's 4.
+    last = str(tmp_path / "ckpt" / "last.ckpt")
+    results = {}
+    for devices in (1, 2):
+        out = tmp_path / f"test{devices}"
+        run_cli(out, ["test", *MT_TINY, "--ckpt_path", last, "--model.init_args.beam_size", "1",
+                      "--trainer.limit_test_batches", str(4 // devices)], devices)  # fmt: skip
+        results[devices] = last_metrics(out)
+    print(f"\nDDP-vs-single translation test/loss: {results[1]['test/loss']:.6f} (1 process), "
+          f"{results[2]['test/loss']:.6f} (2 processes)")  # fmt: skip
+    assert results[2]["test/loss"] == pytest.approx(results[1]["test/loss"], rel=1e-5)

@@ -1,10 +1,13 @@
-"""Shared by the DS-Softmax callbacks: find the head, rebuild optimizers after a resize."""
+"""Shared by the DS-Softmax callbacks: find the head, rebuild optimizers (and the DDP wrapper)
+after a resize."""
 
 from __future__ import annotations
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from heads.base import HeadConfigError
 from heads.ds_softmax import DSSoftmaxHead
@@ -45,6 +48,7 @@ def rebuild_optimizers(
         for opt in trainer.optimizers
     ]
     old_schedulers = [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]
+    rewrap_distributed_model(trainer)
     trainer.strategy.setup_optimizers(trainer)
     new_parameters = dict(pl_module.named_parameters())
     for opt, states, groups in zip(trainer.optimizers, old_states, old_groups, strict=False):
@@ -66,3 +70,23 @@ def rebuild_optimizers(
             opt.state[param] = state
     for config, old in zip(trainer.lr_scheduler_configs, old_schedulers, strict=False):
         config.scheduler.load_state_dict(old)
+
+
+def rewrap_distributed_model(trainer: L.Trainer) -> None:
+    """Re-wrap the module in a fresh ``DistributedDataParallel`` after its parameters changed.
+
+    DDP's reducer is built for the parameters it wrapped: a replaced parameter (new rows,
+    new experts) would not be all-reduced, and its gradient hooks would point at the old
+    tensor. Lightning's own ``DDPStrategy.configure_ddp`` wraps the bare LightningModule again
+    (with the strategy's DDP options and communication hooks); the new wrapper broadcasts
+    rank 0's parameters and buffers, so every rank continues from identical weights. Every
+    rank must call this at the same point (the DS callbacks decide identically on all ranks).
+    A no-op without DDP.
+    """
+    strategy = trainer.strategy
+    if not isinstance(strategy, DDPStrategy) or not isinstance(
+        strategy.model, DistributedDataParallel
+    ):
+        return
+    strategy.model = strategy.lightning_module
+    strategy.configure_ddp()

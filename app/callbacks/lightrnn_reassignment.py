@@ -57,6 +57,9 @@ def eq6_costs(
     words = word_of_each_code(vocab, codes)
     code_batches = BPTTBatches(codes, batch_size, bptt, rank, world_size)
     word_batches = BPTTBatches(words, batch_size, bptt, rank, world_size)
+    # The distribution the loss trains: for DS-Softmax that is ``training_log_prob`` (finite;
+    # its sparse ``log_prob`` is -inf outside the selected expert, an infeasible cost).
+    log_prob = getattr(model.head, "training_log_prob", model.head.log_prob)
     was_training = model.training
     model.eval()  # no dropout: the costs of the model as it is
     state = None
@@ -73,7 +76,7 @@ def eq6_costs(
             for cost, first, size in ((row_cost, K, d1), (col_cost, K + d1, d2)):
                 where = (targets >= first) & (targets < first + size)
                 if where.any():
-                    log_probs = model.head.log_prob(hidden[where])[:, first : first + size]
+                    log_probs = log_prob(hidden[where])[:, first : first + size]
                     rare = target_words[where.cpu()].to(device) - K
                     cost.index_add_(0, rare, -log_probs.double())
     finally:

@@ -27,3 +27,19 @@ def test_resumes_after_the_batches_already_served_then_restarts_the_next_epoch()
     assert resumed.state_dict() == {"batches_served": len(full)}
     # the following epoch starts from the first batch again
     assert torch.equal(_windows(resumed)[0], full[0])
+
+
+def test_the_position_saved_is_the_batch_being_trained_not_the_read_ahead():
+    # Lightning's fetcher reads one batch ahead: the module marks the batch it trains
+    dataset = BPTTBatches(torch.arange(200), batch_size=4, bptt=5)
+    loader = ResumableLoader(dataset)
+    iterator = iter(loader)
+    next(iterator)
+    next(iterator)  # batch 1 read ahead while batch 0 trains
+    loader.mark_consumed(1)
+    assert loader.state_dict() == {"batches_served": 1}
+    resumed = ResumableLoader(dataset)
+    resumed.load_state_dict(loader.state_dict())
+    first = next(iter(resumed))[0]
+    assert resumed.resumed_from == 1
+    assert torch.equal(first, _windows(ResumableLoader(dataset))[1])

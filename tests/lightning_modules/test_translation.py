@@ -6,8 +6,9 @@ import torch
 from app.backbones import Seq2SeqTransformer
 from datamodules import TranslationDataModule
 from datamodules.translation import collate_pairs
-from heads import HeadConfigError, MixtapeHead, MoSHead, SoftmaxHead
+from heads import MixtapeHead, MoSHead, SoftmaxHead
 from lightning_modules import Translation
+from lightning_modules.checks import ModelConfigError
 from lightning_modules.decoding import DecodeConfig, greedy_decode
 from tests.datamodules.test_translation import TINY, write_corpus
 
@@ -81,7 +82,7 @@ def test_padding_does_not_change_a_sentences_loss(data):
 
 
 def test_options_are_checked(data):
-    with pytest.raises(HeadConfigError, match="must equal the backbone's output size"):
+    with pytest.raises(ModelConfigError, match="must equal the backbone's output size"):
         Translation(make(data).backbone, SoftmaxHead(D + 1, data.vocab_size))
     with pytest.raises(ValueError, match="label_smoothing"):
         make(data, label_smoothing=1.0)
