@@ -31,3 +31,12 @@ def test_same_memory_mode_and_lm_scope(tmp_path):
     tokens = {r["head"]: r["tokens"] for r in report["results"]}
     assert tokens["softmax"] > tokens["mos"] > 0  # MoS fits fewer tokens in the same budget
     assert all(t % 8 == 0 for t in tokens.values())
+
+
+def test_cpu_clock_times_the_process(tmp_path):
+    argv = ["--heads", "softmax", "--vocab-sizes", "300", "--hidden-sizes", "16",
+            "--batch-sizes", "32", "--repeats", "2", "--warmup", "0", "--clock", "cpu",
+            "--out", str(tmp_path), "--name", "cpu"]  # fmt: skip
+    report = main(argv)
+    assert report["args"]["clock"] == "cpu"
+    assert all(t > 0 for t in report["results"][0]["times_ms"])
