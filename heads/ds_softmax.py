@@ -535,15 +535,16 @@ class DSSoftmaxHead(Head):
     # -- structural changes (used by the pruning and mitosis callbacks) -----------------
     @torch.no_grad()
     def prune(
-        self, gamma: float, keep_every_class: bool = True
+        self, gamma: float, keep_every_class: bool = True, max_rows_after: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Drop rows with ``||W^(k)_c||_2 < gamma`` (Algorithm 1, lines 6-11).
 
         ``keep_every_class``: a class whose rows would all go keeps its largest-norm row
         (the paper's default; ``False`` is its ``*`` variant). An expert left without rows is
-        removed with its gate row. Decided from the parameters only, which are identical on
-        every DDP rank. Returns the old indices of the surviving ``(rows, gate rows)``, or ``None``
-        if nothing changed.
+        removed with its gate row. ``max_rows_after``: prune only if at most that many rows
+        survive (the surviving rows are copied while the old ones exist: a memory budget).
+        Decided from the parameters only, which are identical on every DDP rank. Returns the
+        old indices of the surviving ``(rows, gate rows)``, or ``None`` if nothing changed.
         """
         norms = torch.linalg.vector_norm(self.weight.float(), dim=1)
         keep = norms >= gamma
@@ -562,6 +563,8 @@ class DSSoftmaxHead(Head):
         if not bool(keep.any()):  # nothing left: keep the single largest row
             keep[norms.argmax()] = True
         rows = keep.nonzero().squeeze(1)
+        if max_rows_after is not None and rows.numel() > max_rows_after:
+            return None
         row_expert = self.row_expert()
         sizes = torch.bincount(row_expert[rows], minlength=self.num_experts)
         alive_experts = (sizes > 0).nonzero().squeeze(1)

@@ -30,6 +30,9 @@ class DSPruning(Callback):
         stop_epoch: from this epoch on, no more pruning and the head's group-lasso weights are
             0: the structure is fixed and its surviving rows are fine-tuned for the task alone
             (a last stage after mitosis). ``None``: prune until the end.
+        max_peak_softmaxes: memory budget in softmax layers (``V`` rows): a prune copies the
+            surviving rows while the old ones still exist, so it waits until rows before plus
+            rows after fit (right after a mitosis split, until enough rows fell below gamma).
     """
 
     def __init__(
@@ -40,17 +43,21 @@ class DSPruning(Callback):
         every_n_steps: int = 50,
         loss_key: str = "train/loss",
         stop_epoch: int | None = None,
+        max_peak_softmaxes: float | None = None,
     ) -> None:
         if gamma < 0:
             raise HeadConfigError(f"gamma must be non-negative, got {gamma}")
         if every_n_steps <= 0:
             raise HeadConfigError(f"every_n_steps must be positive, got {every_n_steps}")
+        if max_peak_softmaxes is not None and max_peak_softmaxes <= 0:
+            raise HeadConfigError(f"max_peak_softmaxes must be positive, got {max_peak_softmaxes}")
         self.loss_threshold = loss_threshold
         self.gamma = gamma
         self.keep_every_class = keep_every_class
         self.every_n_steps = every_n_steps
         self.loss_key = loss_key
         self.stop_epoch = stop_epoch
+        self.max_peak_softmaxes = max_peak_softmaxes
         self.pruned_rows = 0
         self.peak_rows = 0
         self._loss_sum = 0.0
@@ -86,7 +93,10 @@ class DSPruning(Callback):
         name, head = find_ds_head(pl_module)
         old = dict(pl_module.named_parameters())
         before = head.weight.size(0)
-        kept = head.prune(self.gamma, self.keep_every_class)
+        budget = None
+        if self.max_peak_softmaxes is not None:
+            budget = int(self.max_peak_softmaxes * head.vocab_size) - before
+        kept = head.prune(self.gamma, self.keep_every_class, budget)
         if kept is None:
             return 0
         rows, gate_rows = kept

@@ -208,6 +208,17 @@ def test_prune_keeps_every_class_by_default():
     assert head.num_experts == len(head.expert_sizes())
 
 
+def test_prune_waits_when_the_survivors_exceed_max_rows_after():
+    head = make_head(num_experts=2)
+    with torch.no_grad():
+        head.weight[: VOCAB // 2] *= 1e-4  # half of expert 0's rows fall below gamma
+    rows = head.weight.size(0)
+    assert head.prune(gamma=1e-2, max_rows_after=rows - VOCAB // 2 - 1) is None
+    assert head.weight.size(0) == rows  # nothing changed
+    assert head.prune(gamma=1e-2, max_rows_after=rows - VOCAB // 2) is not None
+    assert head.weight.size(0) == rows - VOCAB // 2
+
+
 def test_prune_star_variant_may_drop_classes():
     torch.manual_seed(0)
     head = make_head(num_experts=2).double()

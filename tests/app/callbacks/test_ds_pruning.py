@@ -85,6 +85,19 @@ def test_no_pruning_and_no_lasso_from_stop_epoch():
     assert model.head.lambda_lasso == model.head.lambda_expert == 0.0
 
 
+def test_memory_budget_makes_pruning_wait():
+    """4 experts x 16 rows; the prune would keep 32 rows: 64 + 32 = 6 softmax layers of 16."""
+    torch.manual_seed(0)
+    dm = SyntheticHierarchyDataModule(num_super=4, num_sub=4, train_per_sub=20, batch_size=32)
+    model = make_model(dm)
+    pruning = DSPruning(gamma=0.01, every_n_steps=3, max_peak_softmaxes=5.9)
+    trainer(1, [ShrinkRows(), pruning]).fit(model, dm)
+    assert model.head.weight.size(0) == 4 * 16 and pruning.pruned_rows == 0
+    pruning = DSPruning(gamma=0.01, every_n_steps=3, max_peak_softmaxes=6.0)
+    trainer(1, [ShrinkRows(), pruning]).fit(model, dm)
+    assert model.head.weight.size(0) == 4 * 16 // 2 and pruning.peak_rows == 6 * 16
+
+
 def test_rebuild_optimizers_carries_state_by_row():
     torch.manual_seed(0)
     dm = SyntheticHierarchyDataModule(num_super=2, num_sub=2, train_per_sub=10, batch_size=10)
