@@ -2,8 +2,9 @@
 
 Forward + backward of the output layer alone (``--scope head``) or of a whole LSTM language
 model around it (``--scope lm``), for every head, vocabulary size, hidden size and batch size
-asked for. Heads are interleaved within each repeat so they share the machine's state, and
-each figure is the median over repeats after warm-up. Two modes, as in the Mixtape paper's
+asked for. Heads are interleaved within each repeat so they share the machine's state (each
+timed step right after an untimed one of the same head, so none inherits another's cold
+allocator), and each figure is the median over repeats after warm-up. Two modes, as in the Mixtape paper's
 tables: ``same-batch`` (time per batch at a given batch size) and ``same-memory`` (the largest
 batch that fits a memory budget, and the time per token at that batch).
 """
@@ -127,6 +128,9 @@ def run(args: argparse.Namespace) -> dict:
         times: dict[str, list[float]] = {name: [] for name in cases}
         for _ in range(args.repeats):  # interleaved: every head sees the same machine state
             for name, (_, step) in cases.items():
+                # an untimed step first: the previous head's allocations (MoS frees GBs) leave
+                # the allocator and caches cold for whichever head comes next
+                step()
                 times[name].append(time_once(step, device, CLOCKS[args.clock]))
         for name, (module, step) in cases.items():
             median = statistics.median(times[name])
