@@ -4,9 +4,10 @@ Forward + backward of the output layer alone (``--scope head``) or of a whole LS
 model around it (``--scope lm``), for every head, vocabulary size, hidden size and batch size
 asked for. Heads are interleaved within each repeat so they share the machine's state (each
 timed step right after an untimed one of the same head, so none inherits another's cold
-allocator), and each figure is the median over repeats after warm-up. Two modes, as in the Mixtape paper's
-tables: ``same-batch`` (time per batch at a given batch size) and ``same-memory`` (the largest
-batch that fits a memory budget, and the time per token at that batch).
+allocator), and each figure is the median over repeats after warm-up. Two modes, as in the
+Mixtape paper's tables: ``same-batch`` (time per batch at a given batch size) and
+``same-memory`` (the largest batch that fits a memory budget, and the time per token at that
+batch).
 """
 
 from __future__ import annotations
