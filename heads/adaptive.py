@@ -25,7 +25,7 @@ from heads.base import (
     float32_no_autocast,
     upcast,
 )
-from heads.cross_entropy import cross_entropy_nll
+from heads.cross_entropy import linear_cross_entropy_nll
 
 log = logging.getLogger(__name__)
 
@@ -163,9 +163,8 @@ class AdaptiveSoftmaxHead(Head):
         head_target = torch.where(
             cluster == 0, target, self.shortlist_size + cluster - 1
         ).masked_fill(~keep, -100)
-        head_logits = self.head(hidden)
-        with float32_no_autocast(hidden.device):
-            nll = cross_entropy_nll(upcast(head_logits), head_target)
+        # product and loss in one function per classifier: no [N, C] gradient in the backward
+        nll = linear_cross_entropy_nll(hidden, self.head.weight, self.head.bias, head_target)
         # One sort groups the rows by cluster (ignored and short-list rows first), so each
         # tail cluster is a contiguous slice of one gather: one index_select (and one
         # scatter in its backward) for all tail clusters instead of one per cluster.
@@ -180,10 +179,9 @@ class AdaptiveSoftmaxHead(Head):
         for i, (tail, size) in enumerate(zip(self.tail, sizes[2:], strict=True), start=1):
             if size == 0:
                 continue  # the loss only touches the clusters this batch needs
-            logits = tail(tail_hidden[start : start + size])
+            projected = tail[0](tail_hidden[start : start + size])  # d -> d / div^i
             relative = tail_target[start : start + size] - self.cutoffs[i - 1]
-            with float32_no_autocast(hidden.device):
-                cluster_nll.append(cross_entropy_nll(upcast(logits), relative))
+            cluster_nll.append(linear_cross_entropy_nll(projected, tail[1].weight, None, relative))
             start += size
         nll.index_add_(0, tail_rows, torch.cat(cluster_nll).to(nll.dtype))
         return self.output_from_target_log_prob(-nll, target)

@@ -19,22 +19,30 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 IGNORE_INDEX = -100
 
 
+def _softmax_nll(
+    logits: torch.Tensor, target: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``softmax(logits)``, the per-row NLL (0 where ignored), the clamped targets ``[N, 1]``
+    and the kept-row mask."""
+    probs = logits.softmax(dim=-1)
+    keep = target != IGNORE_INDEX
+    safe_target = target.clamp_min(0).unsqueeze(-1)
+    target_prob = probs.gather(-1, safe_target).squeeze(-1)
+    nll = -target_prob.log()
+    # Below the smallest normal float the log loses precision (or is -inf): those rare
+    # rows are recomputed in log space, exactly.
+    underflow = target_prob < torch.finfo(probs.dtype).tiny
+    if underflow.any():
+        rows = underflow.nonzero().squeeze(1)
+        exact = logits[rows].log_softmax(-1).gather(-1, safe_target[rows]).squeeze(-1)
+        nll[rows] = -exact
+    return probs, nll.masked_fill(~keep, 0.0), safe_target, keep
+
+
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        probs = logits.softmax(dim=-1)
-        keep = target != IGNORE_INDEX
-        safe_target = target.clamp_min(0).unsqueeze(-1)
-        target_prob = probs.gather(-1, safe_target).squeeze(-1)
-        nll = -target_prob.log()
-        # Below the smallest normal float the log loses precision (or is -inf): those rare
-        # rows are recomputed in log space, exactly.
-        underflow = target_prob < torch.finfo(probs.dtype).tiny
-        if underflow.any():
-            rows = underflow.nonzero().squeeze(1)
-            exact = logits[rows].log_softmax(-1).gather(-1, safe_target[rows]).squeeze(-1)
-            nll[rows] = -exact
-        nll = nll.masked_fill(~keep, 0.0)
+        probs, nll, safe_target, keep = _softmax_nll(logits, target)
         ctx.save_for_backward(probs, safe_target, keep)
         return nll
 
@@ -61,3 +69,74 @@ def cross_entropy_nll(logits: torch.Tensor, target: torch.Tensor) -> torch.Tenso
             f"{tuple(logits.shape)} and {tuple(target.shape)}"
         )
     return _CrossEntropy.apply(logits, target)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """``cross_entropy(hidden W^T + b)`` whose backward never forms the ``[N, C]`` gradient.
+
+    With ``s`` the incoming gradient per row and ``P`` the saved softmax:
+    ``dL/dh = s (P W - W[t])``, ``dL/dW = P^T (s h) - scatter_t(s h)``,
+    ``dL/db = P^T s - scatter_t(s)``: the products read ``P`` as it is, so the scaled
+    ``[N, C]`` copy (a fresh allocation and a full pass) is gone, and the saved softmax is
+    left intact for a retained graph.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        target: torch.Tensor,
+    ) -> torch.Tensor:
+        logits = torch.nn.functional.linear(hidden, weight, bias)
+        probs, nll, safe_target, keep = _softmax_nll(logits, target)
+        ctx.save_for_backward(hidden, weight, probs, safe_target, keep)
+        ctx.has_bias = bias is not None
+        return nll
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad_nll: torch.Tensor):
+        hidden, weight, probs, safe_target, keep = ctx.saved_tensors
+        target = safe_target.squeeze(-1)
+        scale = grad_nll.masked_fill(~keep, 0.0)  # [N]
+        grad_hidden = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = torch.mm(probs, weight).sub_(weight.index_select(0, target))
+            grad_hidden.mul_(scale.unsqueeze(-1))
+        if ctx.needs_input_grad[1]:
+            scaled_hidden = hidden * scale.unsqueeze(-1)  # [N, d]
+            grad_weight = torch.mm(probs.t(), scaled_hidden)
+            grad_weight.index_add_(0, target, scaled_hidden, alpha=-1)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = torch.mv(probs.t(), scale).index_add_(0, target, scale, alpha=-1)
+        return grad_hidden, grad_weight, grad_bias, None
+
+
+def linear_cross_entropy_nll(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+) -> torch.Tensor:
+    """``cross_entropy_nll(F.linear(hidden, weight, bias), target)`` in one function, with a
+    backward that goes straight to the products (see ``_LinearCrossEntropy``).
+
+    Under autocast or with half-precision inputs it takes the two-step path instead: the
+    product in the autocast dtype, then the softmax and loss in float32.
+    """
+    if hidden.dim() != 2 or target.shape != hidden.shape[:1]:
+        raise ValueError(
+            f"linear_cross_entropy_nll expects hidden [N, d] and target [N], got "
+            f"{tuple(hidden.shape)} and {tuple(target.shape)}"
+        )
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device) or hidden.dtype in _HALF or weight.dtype != hidden.dtype:
+        logits = torch.nn.functional.linear(hidden, weight, bias)
+        with torch.autocast(device, enabled=False):
+            return cross_entropy_nll(logits.float() if logits.dtype in _HALF else logits, target)
+    return _LinearCrossEntropy.apply(hidden, weight, bias, target)
+
+
+_HALF = (torch.float16, torch.bfloat16)

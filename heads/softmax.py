@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.base import SingleSoftmaxHead, check_positive_int
+from heads.base import HeadOutput, SingleSoftmaxHead, check_positive_int
+from heads.cross_entropy import linear_cross_entropy_nll
 
 
 class SoftmaxHead(SingleSoftmaxHead):
@@ -43,3 +44,11 @@ class SoftmaxHead(SingleSoftmaxHead):
         if self.projection is not None:
             hidden = self.projection(hidden)
         return F.linear(hidden, self.weight, self.bias)
+
+    def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> HeadOutput:
+        # the product and the loss in one function: its backward skips the [N, V] gradient
+        self.check_inputs(hidden, target)
+        if self.projection is not None:
+            hidden = self.projection(hidden)
+        nll = linear_cross_entropy_nll(hidden, self.weight, self.bias, target)
+        return self.output_from_target_log_prob(-nll, target)

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from heads.cross_entropy import IGNORE_INDEX, cross_entropy_nll
+from heads.cross_entropy import IGNORE_INDEX, cross_entropy_nll, linear_cross_entropy_nll
 
 
 def _case(dtype: torch.dtype, rows: int = 11, classes: int = 17):
@@ -59,3 +59,49 @@ def test_an_underflowing_target_probability_is_exact_in_log_space():
     nll = cross_entropy_nll(logits, target)
     torch.testing.assert_close(nll, F.cross_entropy(logits, target, reduction="none"))
     assert nll[0].item() == pytest.approx(200.0)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_linear_cross_entropy_equals_linear_then_torch_cross_entropy(dtype, bias):
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(11, 5, generator=gen, dtype=dtype).requires_grad_()
+    weight = torch.randn(17, 5, generator=gen, dtype=dtype).requires_grad_()
+    b = torch.randn(17, generator=gen, dtype=dtype).requires_grad_() if bias else None
+    target = torch.randint(0, 17, (11,), generator=gen)
+    target[[2, 7]] = IGNORE_INDEX
+    weights = torch.rand(11, generator=gen, dtype=dtype)  # a non-uniform incoming gradient
+    inputs = [hidden, weight] + ([b] if bias else [])
+    ours = linear_cross_entropy_nll(hidden, weight, b, target)
+    grads_ours = torch.autograd.grad((ours * weights).sum(), inputs)
+    ref = F.cross_entropy(F.linear(hidden, weight, b), target, reduction="none")
+    grads_ref = torch.autograd.grad((ref * weights).sum(), inputs)
+    torch.testing.assert_close(ours, ref)
+    for got, want in zip(grads_ours, grads_ref, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_linear_cross_entropy_gradcheck_and_retained_graph():
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(6, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(7, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(7, generator=gen, dtype=torch.float64, requires_grad=True)
+    target = torch.tensor([0, 3, IGNORE_INDEX, 6, 1, 1])
+    assert torch.autograd.gradcheck(
+        lambda h, w, b: linear_cross_entropy_nll(h, w, b, target), (hidden, weight, bias)
+    )
+    loss = linear_cross_entropy_nll(hidden, weight, bias, target).sum()
+    first = torch.autograd.grad(loss, (hidden, weight), retain_graph=True)
+    second = torch.autograd.grad(loss, (hidden, weight))
+    for a, b in zip(first, second, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_linear_cross_entropy_under_bf16_autocast_is_float32():
+    hidden = torch.randn(4, 3, requires_grad=True)
+    weight = torch.randn(5, 3, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        nll = linear_cross_entropy_nll(hidden, weight, None, torch.tensor([0, 1, 2, 3]))
+    assert nll.dtype == torch.float32
+    nll.sum().backward()
+    assert torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()
