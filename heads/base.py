@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from heads.cross_entropy import IGNORE_INDEX, cross_entropy_nll
+from heads.cross_entropy import HALF_DTYPES, IGNORE_INDEX, cross_entropy_nll
 
 
 @dataclass
@@ -44,7 +44,7 @@ def float32_no_autocast(device: torch.device) -> torch.autocast:
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
     """Half-precision tensors to float32 for reductions; float32/float64 unchanged."""
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    return x.float() if x.dtype in HALF_DTYPES else x
 
 
 class Head(nn.Module):

@@ -17,6 +17,8 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 # the ignore label of the head contract (re-exported by heads.base)
 IGNORE_INDEX = -100
+# dtypes whose normalisations and losses are computed in float32 (DESIGN.md, numerics)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _softmax_nll(
@@ -132,11 +134,11 @@ def linear_cross_entropy_nll(
             f"{tuple(hidden.shape)} and {tuple(target.shape)}"
         )
     device = hidden.device.type
-    if torch.is_autocast_enabled(device) or hidden.dtype in _HALF or weight.dtype != hidden.dtype:
+    half = hidden.dtype in HALF_DTYPES or weight.dtype != hidden.dtype
+    if half or torch.is_autocast_enabled(device):
         logits = torch.nn.functional.linear(hidden, weight, bias)
+        if logits.dtype in HALF_DTYPES:
+            logits = logits.float()
         with torch.autocast(device, enabled=False):
-            return cross_entropy_nll(logits.float() if logits.dtype in _HALF else logits, target)
+            return cross_entropy_nll(logits, target)
     return _LinearCrossEntropy.apply(hidden, weight, bias, target)
-
-
-_HALF = (torch.float16, torch.bfloat16)
