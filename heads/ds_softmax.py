@@ -45,6 +45,7 @@ from heads.base import (
     float32_no_autocast,
     upcast,
 )
+from heads.native import ds_topk_kernel
 
 
 def _float32(device: torch.device) -> contextlib.AbstractContextManager:
@@ -84,6 +85,37 @@ class _InferenceCache:
         self._padded: tuple[torch.Tensor, torch.Tensor] | None = None
         self.padded_classes: torch.Tensor | None = None
         self._can_pad = len(sizes) * self.max_size <= 2 * weight.size(0)
+        self.native = self._native_topk(head, weight, gate)
+
+    def _native_topk(self, head: DSSoftmaxHead, weight: torch.Tensor, gate: torch.Tensor):
+        """The C batch-1 top-k (``heads/native/ds_topk.c``) bound to this structure, or
+        ``None`` (not float32 on CPU, no compiler): ``_topk_one`` then stays in PyTorch."""
+        if not (weight.device.type == "cpu" and weight.dtype == gate.dtype == torch.float32):
+            return None
+        if not (weight.is_contiguous() and gate.is_contiguous()):
+            return None
+        kernel = ds_topk_kernel()
+        if kernel is None:
+            return None
+        offsets = head.expert_offsets.to(torch.int64).contiguous()
+        row_class = head.row_class.to(torch.int64).contiguous()
+        self._native_storage = (weight, gate, offsets, row_class)  # the pointers stay valid
+        gate_ptr, weight_ptr = gate.data_ptr(), weight.data_ptr()
+        num_experts, row_size, bias = gate.size(0), head.row_size, int(head.bias)
+        offsets_ptr, class_ptr = offsets.data_ptr(), row_class.data_ptr()
+        scratch = max(num_experts, self.max_size)
+        d = head.hidden_size
+
+        def topk_one(hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+            values = torch.empty(1, k)
+            classes = torch.empty(1, k, dtype=torch.long)
+            taken = kernel(
+                hidden.data_ptr(), d, gate_ptr, num_experts, weight_ptr, row_size, bias,
+                offsets_ptr, class_ptr, k, scratch, values.data_ptr(), classes.data_ptr(),
+            )  # fmt: skip
+            return (values, classes) if taken == k else None
+
+        return topk_one
 
     @property
     def padded(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -342,17 +374,22 @@ class DSSoftmaxHead(Head):
         When the expert holds fewer than ``k`` classes the rest of the answer is classes
         outside it, with log-probability ``-inf`` (probability 0).
         """
-        if (  # batch 1 in float32/64 without autocast or autograd: the latency case
+        cache = self._inference_cache()
+        if (  # batch 1 in float32/64 without autograd: the latency case
             type(k) is int
             and 0 < k <= self.vocab_size
             and hidden.dim() == 2
             and hidden.size(0) == 1
             and hidden.size(1) == self.hidden_size
             and not hidden.requires_grad
-            and hidden.dtype == self._inference_cache().dtype
-            and not torch.is_autocast_enabled(hidden.device.type)
+            and hidden.dtype == cache.dtype
         ):
-            return self._topk_one(hidden[0], k)
+            if cache.native is not None and hidden.is_cpu and hidden.is_contiguous():
+                answer = cache.native(hidden, k)  # Eq. 1 and 2 in one C call, in float32
+                if answer is not None:  # else the expert holds fewer than k classes
+                    return answer
+            if not torch.is_autocast_enabled(hidden.device.type):
+                return self._topk_one(hidden[0], k)
         check_positive_int("k", k)
         if k > self.vocab_size:
             raise HeadConfigError(f"top-k with k={k} exceeds the vocabulary size {self.vocab_size}")

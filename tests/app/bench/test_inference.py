@@ -3,8 +3,9 @@ import json
 import pytest
 import torch
 
-from app.bench.inference import synthetic_ds_head
+from app.bench.inference import softmax_as_one_expert, synthetic_ds_head
 from app.bench.run import main
+from heads import SoftmaxHead
 
 
 def test_inference_mode_runs_through_app_bench(tmp_path):
@@ -13,11 +14,28 @@ def test_inference_mode_runs_through_app_bench(tmp_path):
             "--warmup", "0", "--out", str(tmp_path), "--name", "smoke"]  # fmt: skip
     report = main(argv)
     saved = json.loads((tmp_path / "smoke.json").read_text())
-    assert saved["latency"].keys() == {"softmax", "ds"}
+    assert saved["latency"].keys() == {"softmax", "softmax_1x", "ds"}
+    assert saved["latency_speedup"].keys() == {"softmax", "softmax_1x"}
     for row in saved["latency"].values():
         assert row["batch1_us_per_query"] > 0 and row["batched_us_per_query"] > 0
     # equal expert sizes: the speed-up is V / (|v| + K) whatever the utilisation
     assert report["quality"]["ds"]["flops_speedup"] == pytest.approx(500 / (80 + 8))
+
+
+@pytest.mark.parametrize("projection", [False, True])
+def test_softmax_as_one_expert_is_the_same_distribution(projection):
+    torch.manual_seed(0)
+    softmax = SoftmaxHead(12, 50, embedding_size=8 if projection else None)
+    with torch.no_grad():
+        softmax.bias.normal_()
+    one = softmax_as_one_expert(softmax)
+    hidden = torch.randn(6, 12)
+    torch.testing.assert_close(one.log_prob(hidden), softmax.log_prob(hidden))
+    for n in range(6):  # batch 1: the C kernel where there is a compiler
+        values, classes = one.topk(hidden[n : n + 1], 5)
+        expected = softmax.topk(hidden[n : n + 1], 5)
+        torch.testing.assert_close(values, expected[0])
+        assert torch.equal(classes, expected[1])
 
 
 def test_synthetic_ds_head_covers_every_class():

@@ -1,0 +1,120 @@
+"""The C batch-1 top-k of DS-Softmax (heads/native/ds_topk.c) against the PyTorch paths."""
+
+import shutil
+
+import pytest
+import torch
+
+from heads.ds_softmax import DSSoftmaxHead
+from heads.native import ds_topk_kernel
+
+needs_compiler = pytest.mark.skipif(
+    not any(shutil.which(c) for c in ("cc", "gcc", "clang")),
+    reason="the native kernel is optional: this machine has no C compiler",
+)
+
+
+@pytest.fixture
+def fresh_kernel(monkeypatch, tmp_path):
+    """An empty build cache and no memoised kernel, restored afterwards."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    ds_topk_kernel.cache_clear()
+    yield tmp_path
+    ds_topk_kernel.cache_clear()
+
+
+def uneven_head(bias: bool, hidden: int = 37, vocab: int = 300, seed: int = 0) -> DSSoftmaxHead:
+    """Experts of uneven sizes (not multiples of the kernel's 4-row blocks), an odd hidden
+    size (not a multiple of the vector width), float32."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [7, 30, 1, 121, 64, 13]
+    rows = torch.cat([torch.randperm(vocab, generator=gen)[:s].sort().values for s in sizes])
+    head = DSSoftmaxHead(hidden, vocab, num_experts=1, bias=bias)
+    weight = torch.randn(rows.numel(), hidden + int(bias), generator=gen)
+    head.set_structure(weight, rows, sizes, torch.randn(len(sizes), hidden, generator=gen))
+    return head.eval()
+
+
+@needs_compiler
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_topk_matches_the_pytorch_path_and_the_dense_reference(bias):
+    head = uneven_head(bias)
+    assert head._inference_cache().native is not None  # the C path is the one under test
+    hidden = torch.randn(200, head.hidden_size)
+    reference = head.log_prob(hidden)
+    chosen = head.select(hidden)[0]
+    assert len(set(chosen.tolist())) >= 4  # several experts are exercised
+    for _ in range(2):
+        with torch.inference_mode():
+            for n in range(hidden.size(0)):
+                query = hidden[n : n + 1]
+                k = min(5, head.expert_sizes()[int(chosen[n])])
+                values, classes = head.topk(query, k)
+                torch_values, torch_classes = head._topk_one(query[0], k)
+                torch.testing.assert_close(values, torch_values, rtol=1e-5, atol=1e-5)
+                assert torch.equal(classes, torch_classes)
+                top = reference[n].topk(k)
+                torch.testing.assert_close(values[0], top.values, rtol=1e-5, atol=1e-5)
+                assert torch.equal(classes[0], top.indices)
+        with torch.no_grad():  # an optimizer-like in-place step: the kernel reads the new values
+            head.weight.mul_(-0.5).add_(0.1)
+            head.gate.mul_(-2.0)
+        reference = head.log_prob(hidden)
+        chosen = head.select(hidden)[0]
+
+
+@needs_compiler
+def test_native_topk_falls_back_when_the_expert_is_smaller_than_k():
+    head = uneven_head(bias=False)
+    hidden = torch.randn(60, head.hidden_size)
+    expert = head.select(hidden)[0]
+    reference = head.log_prob(hidden)
+    for n in range(hidden.size(0)):
+        size = head.expert_sizes()[int(expert[n])]
+        values, classes = head.topk(hidden[n : n + 1], size + 2)
+        torch.testing.assert_close(values[0, :size], reference[n].topk(size).values)
+        assert torch.isinf(values[0, size:]).all()  # classes outside: probability 0
+        assert len(set(classes[0].tolist())) == size + 2
+
+
+@needs_compiler
+def test_native_topk_under_autocast_and_with_a_strided_query():
+    head = uneven_head(bias=True)
+    hidden = torch.randn(head.hidden_size, 3).T  # rows are not contiguous: PyTorch path
+    reference = head.log_prob(hidden.contiguous()).topk(1)
+    for n in range(3):
+        for query in (hidden[n : n + 1], hidden[n : n + 1].contiguous()):
+            with torch.autocast("cpu", dtype=torch.bfloat16):  # the C path stays float32
+                values, classes = head.topk(query, 1)
+            assert classes.item() == reference.indices[n].item()
+            torch.testing.assert_close(values[0], reference.values[n], rtol=1e-2, atol=1e-2)
+
+
+def test_disabled_by_environment(fresh_kernel, monkeypatch):
+    monkeypatch.setenv("LM_HEADS_NATIVE", "0")
+    assert ds_topk_kernel() is None
+    head = uneven_head(bias=False)
+    assert head._inference_cache().native is None
+    hidden = torch.randn(1, head.hidden_size)
+    top = head.log_prob(hidden)[0].topk(1)
+    values, classes = head.topk(hidden, 1)
+    assert classes.item() == top.indices.item()
+    torch.testing.assert_close(values[0], top.values)
+
+
+def test_a_failing_compiler_leaves_the_pytorch_path(fresh_kernel, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "false")  # exists everywhere, always fails
+    assert ds_topk_kernel() is None
+    assert "native top-k not built" in caplog.text
+    assert not list(fresh_kernel.rglob("*.so"))
+
+
+@needs_compiler
+def test_built_once_into_the_user_cache(fresh_kernel):
+    assert ds_topk_kernel() is not None
+    built = list(fresh_kernel.rglob("ds_topk_*.so"))
+    assert len(built) == 1
+    ds_topk_kernel.cache_clear()
+    stamp = built[0].stat().st_mtime_ns
+    assert ds_topk_kernel() is not None  # loaded, not rebuilt
+    assert built[0].stat().st_mtime_ns == stamp
