@@ -9,6 +9,10 @@ with priors from a sigmoid tree (Eq. 3) over gate pre-activations (Eq. 4)
 and the shared ``l_{c,k} = u_k . g_c`` (Eq. 6) for all others. Context embeddings
 ``h_{c,k} = tanh(H_k g_c)`` (Eq. 5). For the shared-gate tokens the K contexts are mixed
 first and multiplied with ``W`` once, so no ``[N, K, V]`` tensor is built.
+
+Training (``forward``) computes the loss with ``_MixtapeCrossEntropy``: the same equations,
+by blocks of the vocabulary, with a hand-written backward and no ``[N, V]`` tensor;
+``logits`` / ``log_prob`` and autocast keep the plain autograd path.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from heads.base import HeadConfigError, SingleSoftmaxHead, check_positive_int
+from heads.base import HeadConfigError, HeadOutput, SingleSoftmaxHead, check_positive_int
+from heads.cross_entropy import HALF_DTYPES, IGNORE_INDEX
 
 
 def sigmoid_tree_priors(gate_logits: torch.Tensor) -> torch.Tensor:
@@ -138,39 +143,81 @@ class MixtapeHead(SingleSoftmaxHead):
             return gate_logits + torch.randn_like(gate_logits) * self.gate_noise
         return gate_logits
 
+    def _pieces(
+        self, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What both paths share: contexts ``[N, K, d]`` (Eq. 5), the two factors of the
+        frequent tokens' gate pre-activations and the shared pre-activations ``[N, K-1]``.
+
+        Eq. 4, ``v_x . tanh(U_k g) + u_k . g + b_{x,k}``, is one product ``A B^T`` with
+        ``A = [tanh(U_k g) | u_k . g | e_k]`` ``[N, K-1, d2 + K]`` and
+        ``B = [v_x | 1 | b_x]`` ``[S, d2 + K]``: the two broadcast adds over ``[N, K-1, S]``
+        happen inside the product's inner dimension (K more multiply-adds per entry).
+        """
+        n, kg = hidden.size(0), self.num_gates
+        contexts = self.context_dropout(torch.tanh(self.context(hidden)).view(n, kg + 1, -1))
+        # Gate pre-activations shared by every token: u_k . g_c  (Eq. 6)
+        shared = self.gate_context(hidden)  # [N, K-1]
+        gate_hidden = torch.tanh(
+            F.linear(hidden, self._gate_projection_weight(), self.gate_projection.bias)
+        )
+        gate_hidden = self.gate_dropout(gate_hidden).view(n, kg, self.gate_embedding_size)
+        dtype = gate_hidden.dtype
+        eye = torch.eye(kg, dtype=dtype, device=hidden.device).expand(n, kg, kg)
+        gate_inputs = torch.cat((gate_hidden, shared.unsqueeze(-1).to(dtype), eye), dim=-1)
+        embedding = self.gate_embedding
+        ones = embedding.new_ones(embedding.size(0), 1)
+        gate_weights = torch.cat((embedding, ones, self.gate_bias.to(embedding.dtype)), dim=-1)
+        return contexts, gate_inputs, gate_weights, shared
+
+    def _mixed_context(self, contexts: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        """Infrequent tokens: one shared prior, so the contexts are mixed first ``[N, d]``."""
+        shared_priors = sigmoid_tree_priors(self._noisy(shared))  # [N, K]
+        return torch.bmm(shared_priors.unsqueeze(1).to(contexts.dtype), contexts).squeeze(1)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vector-gated logits ``[N, V]`` (Eq. 2 before the softmax)."""
-        n, s = hidden.size(0), self.num_frequent
-        k, d2 = self.num_components, self.gate_embedding_size
-        contexts = self.context_dropout(torch.tanh(self.context(hidden)).view(n, k, -1))  # Eq. 5
+        s = self.num_frequent
+        contexts, gate_inputs, gate_weights, shared = self._pieces(hidden)
         if s < self.vocab_size:
             w_freq, w_rare = self.weight.split([s, self.vocab_size - s])
             b_freq, b_rare = self.bias.split([s, self.vocab_size - s])
         else:
             w_freq, b_freq = self.weight, self.bias
-
-        # Gate pre-activations shared by every token: u_k . g_c  (Eq. 6)
-        shared_gate_logits = self.gate_context(hidden)  # [N, K-1]
-
-        # Frequent tokens, Eq. 4: v_x . tanh(U_k g_c) + u_k . g_c + b_{x,k}   -> [N, K-1, S]
-        gate_hidden = torch.tanh(
-            F.linear(hidden, self._gate_projection_weight(), self.gate_projection.bias)
-        )
-        gate_hidden = self.gate_dropout(gate_hidden).view(n, self.num_gates, d2)
-        gate_logits = (  # one [N (K-1), d2] x [d2, S] product, then broadcast adds
-            torch.matmul(gate_hidden, self.gate_embedding.t())
-            + self.gate_bias.t()
-            + shared_gate_logits.unsqueeze(-1)
-        )
-        values = F.linear(contexts, w_freq, b_freq)  # [N, K, S]; bias inside as sum_k pi = 1
+        # Frequent tokens, Eq. 4: one [N (K-1), d2 + K] x [d2 + K, S] product -> [N, K-1, S]
+        gate_logits = torch.matmul(gate_inputs, gate_weights.t())
+        values = F.linear(contexts, w_freq)  # [N, K, S]
         frequent_logits = _SigmoidTreeMix.apply(self._noisy(gate_logits), values)  # Eq. 2-3
+        # the bias after the mix (sum_k pi = 1): one pass over [N, S], not over [N, K, S]
+        frequent_logits = frequent_logits + b_freq.to(frequent_logits.dtype)
         if s == self.vocab_size:
             return frequent_logits
-
-        # Infrequent tokens: one shared prior; mix the contexts first, then one matmul.
-        shared_priors = sigmoid_tree_priors(self._noisy(shared_gate_logits))  # [N, K]
-        mixed_context = torch.bmm(shared_priors.unsqueeze(1), contexts).squeeze(1)
+        mixed_context = self._mixed_context(contexts, shared)
         return _FrequentThenRareLogits.apply(frequent_logits, mixed_context, w_rare, b_rare)
+
+    def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> HeadOutput:
+        """The loss without the ``[N, V]`` logits tensor: see ``_MixtapeCrossEntropy``.
+
+        Under autocast or with mixed dtypes it takes the ``logits`` path instead (products in
+        the autocast dtype, softmax and loss in float32).
+        """
+        device = hidden.device.type
+        if (
+            torch.is_autocast_enabled(device)
+            or hidden.dtype in HALF_DTYPES
+            or any(p.dtype != hidden.dtype for p in self.parameters())
+        ):
+            return super().forward(hidden, target)
+        self.check_inputs(hidden, target)
+        contexts, gate_inputs, gate_weights, shared = self._pieces(hidden)
+        mixed = None
+        if self.num_frequent < self.vocab_size:
+            mixed = self._mixed_context(contexts, shared)
+        noise = self.gate_noise if self.training else 0.0
+        nll = _MixtapeCrossEntropy.apply(
+            gate_inputs, gate_weights, contexts, mixed, self.weight, self.bias, target, noise
+        )
+        return self.output_from_target_log_prob(-nll, target)
 
 
 class _SigmoidTreeMix(torch.autograd.Function):
@@ -261,3 +308,226 @@ class _FrequentThenRareLogits(torch.autograd.Function):
         if ctx.needs_input_grad[3]:
             grad_b = grad_rare.sum(0).to(w_rare.dtype)
         return grad[:, :s], grad_mixed, grad_w, grad_b
+
+
+def _tree_levels(values: torch.Tensor, gammas: torch.Tensor):
+    """The sigmoid tree's levels, bottom up, as views of the ``[N, K, S]`` leaves.
+
+    Yields ``(left, right, gamma)``, each ``[N, nodes, S]``. A node lives in the slot of
+    the rightmost leaf under it, so each level's left and right children are two strided
+    views of the same buffer and the tree runs in place: the left slot keeps
+    ``left - right`` (what the backward needs) and the right slot the node's value.
+    """
+    n, k, s = values.shape
+    span = 1  # leaves under each child
+    while span < k:
+        nodes = k // (2 * span)
+        pairs = values.view(n, nodes, 2, span, s)
+        yield pairs[:, :, 0, -1], pairs[:, :, 1, -1], gammas[:, nodes - 1 : 2 * nodes - 1]
+        span *= 2
+
+
+def _column_blocks(start: int, stop: int, width: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` in blocks of at most ``width`` columns, of (nearly) equal sizes, each
+    but the last a multiple of 16 columns when ``width`` is (MKL's sgemm is markedly slower
+    on output rows whose length is not a multiple of 16 floats)."""
+    count = -(-(stop - start) // width)
+    if count:
+        balanced = -(-(stop - start) // count)
+        width = min(width, -(-balanced // 16) * 16) if width % 16 == 0 else balanced
+    return [(a, min(stop, a + width)) for a in range(start, stop, width)]
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
+    if accumulate:
+        out.addmm_(a, b)
+    else:
+        torch.mm(a, b, out=out)
+
+
+# A block of the vocabulary holds about this many [N, block] (rare) or [N, K, block]
+# (frequent) entries: 16 MiB in float32, under glibc's largest mmap threshold (32 MiB), so
+# the blocks of one step reuse the memory that the step before freed instead of faulting
+# in fresh pages (touching a fresh [2048, 30k] float32 tensor costs ~0.55 ms per MiB here).
+_BLOCK_ELEMENTS = 1 << 22
+_MIN_BLOCK = 128  # columns: keeps each block's products real GEMMs when N is very large
+
+
+def _block_widths(n: int, k: int) -> tuple[int, int]:
+    """Columns per frequent block ``[N, K, block]`` and per rare block ``[N, block]``."""
+    return max(_MIN_BLOCK, _BLOCK_ELEMENTS // (n * k)), max(_MIN_BLOCK, _BLOCK_ELEMENTS // n)
+
+
+class _MixtapeCrossEntropy(torch.autograd.Function):
+    """Mixtape's loss (Eq. 2-6) from its factors, forward and backward written by hand.
+
+    Inputs: ``gate_inputs`` ``[N, K-1, e]`` and ``gate_weights`` ``[S, e]`` whose product is
+    the frequent tokens' gate pre-activations (``MixtapeHead._pieces``), ``contexts``
+    ``[N, K, d]``, ``mixed`` ``[N, d]`` (the contexts under the shared prior; None when
+    S = V), ``weight`` ``[V, d]``, ``bias`` ``[V]``, ``target`` ``[N]``. Output: the
+    per-row NLL, 0 where ignored.
+
+    Beyond the products, the time on a CPU goes to allocating and touching big tensors:
+
+    - the vocabulary is cut into column blocks (the frequent tokens', then the rare ones'),
+      each block's tensors small enough to reuse freed memory (``_BLOCK_ELEMENTS``): no
+      ``[N, V]`` tensor, no copy into one, no ``cat``;
+    - every product is one ``mm`` on contiguous 2-D operands into a contiguous output; the
+      gradients of ``W``, ``b`` and the gate weights are written block by block into their
+      rows;
+    - the sigmoids and the tree run in place on the products' outputs (no priors, no
+      ``[N, K, S]`` copies), and the bias is added after the tree, on ``[N, block]``;
+    - the softmax is ``E = exp(z - M)`` in place, ``M`` the row's maximum over all blocks,
+      so every block shares one normaliser ``Z = sum E``. As in
+      ``heads.cross_entropy._LinearCrossEntropy``, the rare blocks' backward goes straight
+      to the products (``dL/dmixed = (s / Z) sum_b E_b W_b - s W[t]``, ``dL/dW_b =
+      E_b^T (s / Z) mixed - ...``): their gradient is never formed, and the frequent blocks'
+      gradient ``s (E / Z - onehot)`` and tree gradients exist for one block at a time.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        gate_inputs: torch.Tensor,
+        gate_weights: torch.Tensor,
+        contexts: torch.Tensor,
+        mixed: torch.Tensor | None,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        target: torch.Tensor,
+        gate_noise: float,
+    ) -> torch.Tensor:
+        n, k, d = contexts.shape
+        s, v = gate_weights.size(0), weight.size(0)
+        frequent_width, rare_width = _block_widths(n, k)
+        flat_inputs = gate_inputs.reshape(n * (k - 1), -1)
+        flat_contexts = contexts.reshape(n * k, d)
+        keep = target != IGNORE_INDEX
+        safe_target = target.clamp_min(0)
+        target_logit = contexts.new_zeros(n)
+        logit_blocks, tree_blocks, row_max = [], [], []
+
+        def add_logits(logits: torch.Tensor, start: int) -> None:
+            nonlocal target_logit
+            inside = (safe_target >= start) & (safe_target < start + logits.size(1))
+            column = (safe_target - start).clamp(0, logits.size(1) - 1).unsqueeze(1)
+            target_logit = torch.where(inside, logits.gather(1, column).squeeze(1), target_logit)
+            row_max.append(logits.amax(1))
+            logit_blocks.append(logits)
+
+        for start, stop in _column_blocks(0, s, frequent_width):
+            # Eq. 4 then the sigmoids of Eq. 3, in place: [N, K-1, block]
+            gammas = torch.mm(flat_inputs, gate_weights[start:stop].t())
+            gammas = gammas.view(n, k - 1, stop - start)
+            if gate_noise > 0:
+                gammas.add_(torch.randn_like(gammas), alpha=gate_noise)
+            gammas.sigmoid_()
+            # h_{c,k} . w_x: [N, K, block], then the tree (Eq. 2-3) in place
+            values = torch.mm(flat_contexts, weight[start:stop].t()).view(n, k, stop - start)
+            for left, right, gamma in _tree_levels(values, gammas):
+                left.sub_(right)
+                if right.size(1) > 1:
+                    right.addcmul_(gamma, left)
+                else:  # the root: this block's logits, a new [N, block] tensor
+                    logits = torch.addcmul(right, gamma, left).squeeze(1)
+            add_logits(logits.add_(bias[start:stop]), start)
+            tree_blocks += [gammas, values]  # what the backward needs: gammas, left - right
+        if mixed is not None:  # the infrequent tokens: one product per block (Eq. 6)
+            for start, stop in _column_blocks(s, v, rare_width):
+                add_logits(torch.addmm(bias[start:stop], mixed, weight[start:stop].t()), start)
+
+        top = torch.stack(row_max).amax(0)
+        normaliser = torch.zeros_like(top)
+        for logits in logit_blocks:  # E = exp(z - M) in place
+            normaliser += logits.sub_(top.unsqueeze(1)).exp_().sum(1)
+        ctx.save_for_backward(
+            gate_inputs, gate_weights, contexts, mixed, weight, normaliser, safe_target, keep,
+            *logit_blocks, *tree_blocks,
+        )  # fmt: skip
+        ctx.widths = frequent_width, rare_width
+        log_normaliser = top + normaliser.log()
+        return (log_normaliser - target_logit).masked_fill(~keep, 0.0)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_nll: torch.Tensor):
+        gate_inputs, gate_weights, contexts, mixed, weight, normaliser, safe_target, keep = (
+            ctx.saved_tensors[:8]
+        )
+        saved = ctx.saved_tensors[8:]
+        n, k, d = contexts.shape
+        s, v = gate_weights.size(0), weight.size(0)
+        frequent_width, rare_width = ctx.widths
+        frequent = _column_blocks(0, s, frequent_width)
+        rare = _column_blocks(s, v, rare_width) if mixed is not None else []
+        logit_blocks = saved[: len(frequent) + len(rare)]
+        tree_blocks = saved[len(frequent) + len(rare) :]
+        flat_inputs = gate_inputs.reshape(n * (k - 1), -1)
+        flat_contexts = contexts.reshape(n * k, d)
+
+        scale = grad_nll.masked_fill(~keep, 0.0)  # s, per row
+        prob_scale = (scale / normaliser).unsqueeze(1)  # s / Z: E / Z are the probabilities
+        target_rows = scale.unsqueeze(1)
+        grad_weight = weight.new_empty(weight.shape)
+        grad_bias = weight.new_empty(v)
+        grad_contexts = contexts.new_empty(n * k, d)
+        grad_gate_inputs = gate_inputs.new_empty(flat_inputs.shape)
+        grad_gate_weights = gate_weights.new_empty(gate_weights.shape)
+        # one block's gradients at a time, in buffers allocated once
+        grad_buffer = contexts.new_empty(n * min(s, frequent_width))
+        grad_values_buffer = contexts.new_empty(n * k * min(s, frequent_width))
+        grad_gates_buffer = contexts.new_empty(n * (k - 1) * min(s, frequent_width))
+        for index, (start, stop) in enumerate(frequent):
+            width = stop - start
+            probs = logit_blocks[index]
+            gammas, values = tree_blocks[2 * index : 2 * index + 2]
+            torch.mv(probs.t(), prob_scale.squeeze(1), out=grad_bias[start:stop])
+            # s (E / Z - onehot): [N, block]
+            grad = torch.mul(probs, prob_scale, out=grad_buffer[: n * width].view(n, width))
+            inside = ((safe_target >= start) & (safe_target < stop)).unsqueeze(1)
+            column = (safe_target - start).clamp(0, width - 1).unsqueeze(1)
+            grad.scatter_add_(1, column, -target_rows * inside)
+            grad_values = grad_values_buffer[: n * k * width].view(n, k, width)
+            grad_gates = grad_gates_buffer[: n * (k - 1) * width].view(n, k - 1, width)
+            # the tree, top down: a node's gradient sits in its own slot, as its value did
+            for (diff, _, gamma), (grad_left, grad_right, grad_gate) in zip(
+                reversed(list(_tree_levels(values, gammas))),
+                reversed(list(_tree_levels(grad_values, grad_gates))),
+                strict=True,
+            ):
+                grad_node = grad.view(n, 1, width) if grad_right.size(1) == 1 else grad_right
+                torch.mul(grad_node, gamma, out=grad_left)
+                torch.sub(grad_node, grad_left, out=grad_right)
+                # d node / d pre-activation = (left - right) gamma (1 - gamma)
+                torch.mul(grad_right, gamma, out=grad_gate).mul_(diff)
+            flat_values = grad_values.view(n * k, width)
+            flat_gates = grad_gates.view(n * (k - 1), width)
+            _mm_into(grad_contexts, flat_values, weight[start:stop], index > 0)
+            torch.mm(flat_values.t(), flat_contexts, out=grad_weight[start:stop])
+            _mm_into(grad_gate_inputs, flat_gates, gate_weights[start:stop], index > 0)
+            torch.mm(flat_gates.t(), flat_inputs, out=grad_gate_weights[start:stop])
+
+        grad_mixed = None
+        if mixed is not None:
+            # dL/dmixed = (s / Z) sum_b E_b W_b - s W[t],  dL/dW_b = E_b^T (s / Z) mixed - ...
+            grad_mixed = mixed.new_empty(mixed.shape)
+            scaled_mixed = mixed * prob_scale
+            for index, (start, stop) in enumerate(rare):
+                probs = logit_blocks[len(frequent) + index]
+                _mm_into(grad_mixed, probs, weight[start:stop], index > 0)
+                torch.mm(probs.t(), scaled_mixed, out=grad_weight[start:stop])
+                torch.mv(probs.t(), prob_scale.squeeze(1), out=grad_bias[start:stop])
+            rare_rows = target_rows * (safe_target >= s).unsqueeze(1)
+            grad_mixed.mul_(prob_scale).sub_(weight.index_select(0, safe_target) * rare_rows)
+            grad_weight.index_add_(0, safe_target, mixed * rare_rows, alpha=-1)
+        grad_bias.index_add_(0, safe_target, scale, alpha=-1)  # the onehot, every target
+        return (
+            grad_gate_inputs.view(gate_inputs.shape),
+            grad_gate_weights,
+            grad_contexts.view(contexts.shape),
+            grad_mixed,
+            grad_weight,
+            grad_bias,
+            None,
+            None,
+        )

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from heads import HeadConfigError, MixtapeHead
+from heads import IGNORE_INDEX, HeadConfigError, MixtapeHead, mixtape
+from heads.base import SingleSoftmaxHead
 from heads.mixtape import sigmoid_tree_priors
 from tests.heads.contract import ALL_CHECKS, HIDDEN, VOCAB
 
@@ -135,3 +136,116 @@ def test_k_must_be_a_power_of_two(k):
 def test_ratio_must_be_in_unit_interval(ratio):
     with pytest.raises(HeadConfigError, match=r"frequent_ratio r must be in \(0, 1\]"):
         make_head(frequent_ratio=ratio)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Vocabulary blocks of a few columns, so the fused loss runs over several of each kind."""
+    monkeypatch.setattr(mixtape, "_BLOCK_ELEMENTS", 24)
+    monkeypatch.setattr(mixtape, "_MIN_BLOCK", 1)
+
+
+def _nll_and_grads(loss_fn, head: MixtapeHead, g: torch.Tensor):
+    g = g.detach().requires_grad_(True)
+    nll = loss_fn(g)
+    grads = torch.autograd.grad(nll.sum(), [g, *head.parameters()])
+    return nll.detach(), grads
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+@pytest.mark.parametrize("ratio", [1.0, 0.3], ids=["S=V", "shared"])
+def test_fused_loss_equals_plain_reference(small_blocks, k, ratio):
+    """``forward`` (``_MixtapeCrossEntropy``): values and gradients of every input and
+    parameter against the token-by-token reference above, ignored targets included."""
+    torch.manual_seed(k)
+    head = make_head(num_components=k, frequent_ratio=ratio).double().eval()
+    with torch.no_grad():
+        head.gate_bias.normal_()
+        head.bias.normal_()
+    g = torch.randn(4, HIDDEN, dtype=torch.float64)
+    target = torch.tensor([0, VOCAB - 1, IGNORE_INDEX, 5])
+
+    def reference(h):
+        nll = -reference_log_prob(head, h).gather(1, target.clamp_min(0)[:, None]).squeeze(1)
+        return nll.masked_fill(target == IGNORE_INDEX, 0.0)
+
+    nll, grads = _nll_and_grads(lambda h: head(h, target).nll, head, g)
+    expected_nll, expected_grads = _nll_and_grads(reference, head, g)
+    torch.testing.assert_close(nll, expected_nll)
+    for name, grad, expected in zip(
+        ["hidden", *dict(head.named_parameters())], grads, expected_grads, strict=True
+    ):
+        torch.testing.assert_close(grad, expected, msg=name)
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.3, 0.1], ids=["S=V", "shared", "few_frequent"])
+def test_fused_loss_equals_logits_path_with_noise_and_dropout(small_blocks, ratio):
+    """Same loss and gradients as ``logits`` + cross-entropy in training mode, with dropout
+    (the same draws on both paths from the same seed) and weight normalisation."""
+    options = dict(frequent_ratio=ratio, gate_dropout=0.3, context_dropout=0.2)
+    head = make_head(weight_norm_scale=1.5, **options).double().train()
+    g = torch.randn(9, HIDDEN, dtype=torch.float64)
+    target = torch.randint(0, VOCAB, (9,))
+    torch.manual_seed(3)
+    nll, grads = _nll_and_grads(lambda h: head(h, target).nll, head, g)
+    torch.manual_seed(3)
+    expected_nll, expected_grads = _nll_and_grads(
+        lambda h: SingleSoftmaxHead.forward(head, h, target).nll, head, g
+    )
+    torch.testing.assert_close(nll, expected_nll)
+    for grad, expected in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected)
+
+
+def _fused_inputs(k: int, s: int, v: int, n: int = 5, d: int = 3, e: int = 4):
+    gen = torch.Generator().manual_seed(k + s)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_(True)
+
+    mixed = rand(n, d) if s < v else None
+    target = torch.randint(0, v, (n,), generator=gen)
+    target[1] = IGNORE_INDEX
+    return (rand(n, k - 1, e), rand(s, e), rand(n, k, d), mixed, rand(v, d), rand(v)), target
+
+
+@pytest.mark.parametrize("k,s,v", [(2, 3, 7), (4, 5, 5), (4, 2, 9), (8, 4, 6)])
+def test_fused_loss_gradcheck(small_blocks, k, s, v):
+    tensors, target = _fused_inputs(k, s, v)
+
+    def loss(*inputs):
+        return mixtape._MixtapeCrossEntropy.apply(*inputs, target, 0.0)
+
+    assert torch.autograd.gradcheck(loss, tensors)
+
+
+def test_fused_loss_survives_a_retained_graph(small_blocks):
+    """The backward leaves its saved tensors intact: a second backward gives the same."""
+    tensors, target = _fused_inputs(4, 3, 8)
+    leaves = [t for t in tensors if t is not None]
+    loss = mixtape._MixtapeCrossEntropy.apply(*tensors, target, 0.0).sum()
+    first = torch.autograd.grad(loss, leaves, retain_graph=True)
+    second = torch.autograd.grad(loss, leaves)
+    for a, b in zip(first, second, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_fused_loss_blocks_cover_the_vocabulary():
+    assert mixtape._column_blocks(3, 13, 4) == [(3, 7), (7, 11), (11, 13)]
+    assert mixtape._column_blocks(0, 9000, 2048) == [
+        (i, min(9000, i + 1808)) for i in range(0, 9000, 1808)
+    ]
+    for start, stop, width in [(0, 3300, 512), (3300, 33000, 2048), (0, 7, 100), (5, 6, 1)]:
+        blocks = mixtape._column_blocks(start, stop, width)
+        assert blocks[0][0] == start and blocks[-1][1] == stop
+        assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:], strict=False))
+        assert all(0 < b - a <= width for a, b in blocks)
+
+
+def test_fused_loss_gate_noise_only_in_training():
+    head = make_head(gate_noise=1.0)
+    g, target = torch.randn(4, HIDDEN), torch.randint(0, VOCAB, (4,))
+    head.eval()
+    torch.testing.assert_close(head(g, target).nll, head(g, target).nll)
+    head.train()
+    assert not torch.allclose(head(g, target).nll, head(g, target).nll)
