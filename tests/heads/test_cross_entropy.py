@@ -2,7 +2,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from heads.cross_entropy import IGNORE_INDEX, cross_entropy_nll, linear_cross_entropy_nll
+from heads.cross_entropy import (
+    IGNORE_INDEX,
+    _linear_aligned,
+    cross_entropy_nll,
+    linear_cross_entropy_nll,
+)
 
 
 def _case(dtype: torch.dtype, rows: int = 11, classes: int = 17):
@@ -63,14 +68,20 @@ def test_an_underflowing_target_probability_is_exact_in_log_space():
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_linear_cross_entropy_equals_linear_then_torch_cross_entropy(dtype, bias):
+@pytest.mark.parametrize(
+    "rows, classes",
+    [(11, 17), (40, 17), (40, 32)],
+    ids=["few-rows", "padded-to-32", "aligned"],  # see _linear_aligned
+)
+def test_linear_cross_entropy_equals_linear_then_torch_cross_entropy(dtype, bias, rows, classes):
     gen = torch.Generator().manual_seed(1)
-    hidden = torch.randn(11, 5, generator=gen, dtype=dtype).requires_grad_()
-    weight = torch.randn(17, 5, generator=gen, dtype=dtype).requires_grad_()
-    b = torch.randn(17, generator=gen, dtype=dtype).requires_grad_() if bias else None
-    target = torch.randint(0, 17, (11,), generator=gen)
+    hidden = torch.randn(rows, 5, generator=gen, dtype=dtype).requires_grad_()
+    weight = torch.randn(classes, 5, generator=gen, dtype=dtype).requires_grad_()
+    b = torch.randn(classes, generator=gen, dtype=dtype).requires_grad_() if bias else None
+    target = torch.randint(0, classes, (rows,), generator=gen)
     target[[2, 7]] = IGNORE_INDEX
-    weights = torch.rand(11, generator=gen, dtype=dtype)  # a non-uniform incoming gradient
+    target[3] = classes - 1  # the last real class, next to the padding
+    weights = torch.rand(rows, generator=gen, dtype=dtype)  # a non-uniform incoming gradient
     inputs = [hidden, weight] + ([b] if bias else [])
     ours = linear_cross_entropy_nll(hidden, weight, b, target)
     grads_ours = torch.autograd.grad((ours * weights).sum(), inputs)
@@ -81,12 +92,13 @@ def test_linear_cross_entropy_equals_linear_then_torch_cross_entropy(dtype, bias
         torch.testing.assert_close(got, want)
 
 
-def test_linear_cross_entropy_gradcheck_and_retained_graph():
+@pytest.mark.parametrize("rows", [6, 18], ids=["plain", "padded"])
+def test_linear_cross_entropy_gradcheck_and_retained_graph(rows):
     gen = torch.Generator().manual_seed(2)
-    hidden = torch.randn(6, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    hidden = torch.randn(rows, 4, generator=gen, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(7, 4, generator=gen, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(7, generator=gen, dtype=torch.float64, requires_grad=True)
-    target = torch.tensor([0, 3, IGNORE_INDEX, 6, 1, 1])
+    target = torch.tensor([0, 3, IGNORE_INDEX, 6, 1, 1] * 3)[:rows]
     assert torch.autograd.gradcheck(
         lambda h, w, b: linear_cross_entropy_nll(h, w, b, target), (hidden, weight, bias)
     )
@@ -95,6 +107,16 @@ def test_linear_cross_entropy_gradcheck_and_retained_graph():
     second = torch.autograd.grad(loss, (hidden, weight))
     for a, b in zip(first, second, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_aligned_product_pads_with_minus_infinity():
+    hidden, weight, bias = torch.randn(20, 3), torch.randn(7, 3), torch.randn(7)
+    logits = _linear_aligned(hidden, weight, bias)
+    assert logits.shape == (20, 16)
+    torch.testing.assert_close(logits[:, :7], F.linear(hidden, weight, bias))
+    assert torch.isneginf(logits[:, 7:]).all()
+    assert (logits.softmax(-1)[:, 7:] == 0).all()
+    assert _linear_aligned(hidden[:5], weight, bias).shape == (5, 7)  # too few rows to pay
 
 
 def test_linear_cross_entropy_under_bf16_autocast_is_float32():
