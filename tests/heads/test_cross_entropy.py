@@ -109,6 +109,23 @@ def test_linear_cross_entropy_gradcheck_and_retained_graph(rows):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("rows", [6, 40])
+def test_linear_cross_entropy_of_a_peaked_softmax(rows):
+    """Logits spread over thousands: most exps sit below the floor (EXP_FLOOR) and the
+    targets' probabilities underflow float32, yet losses and gradients match torch's."""
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(rows, 8, generator=gen).requires_grad_()
+    weight = (300 * torch.randn(37, 8, generator=gen)).requires_grad_()
+    target = torch.randint(0, 37, (rows,), generator=gen)
+    ours = linear_cross_entropy_nll(hidden, weight, None, target)
+    ref = F.cross_entropy(F.linear(hidden, weight), target, reduction="none")
+    assert ours.max() > 1000  # probabilities far below the smallest float32
+    torch.testing.assert_close(ours, ref)
+    grads = torch.autograd.grad(ours.sum(), (hidden, weight))
+    for got, want in zip(grads, torch.autograd.grad(ref.sum(), (hidden, weight)), strict=True):
+        torch.testing.assert_close(got, want)
+
+
 def test_aligned_product_pads_with_minus_infinity():
     hidden, weight, bias = torch.randn(20, 3), torch.randn(7, 3), torch.randn(7)
     logits = _linear_aligned(hidden, weight, bias)
