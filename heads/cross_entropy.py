@@ -107,10 +107,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
     (``M`` the row maximum) and ``Z = sum E``, with no second ``[N, C]`` allocation (a fresh
     one costs a page fault per 4 KiB on a CPU), and the loss ``log Z + M - z_t`` is exact in
     log space however small the target's probability. With ``s`` the incoming gradient per
-    row and ``P = E / Z``: ``dL/dh = (s / Z) E W - s W[t]``,
-    ``dL/dW = E^T ((s / Z) h) - scatter_t(s h)``, ``dL/db = E^T (s / Z) - scatter_t(s)``:
-    the products read ``E`` as it is (no scaled ``[N, C]`` copy), and it stays intact for a
-    retained graph. The product may be padded to aligned rows (``_linear_aligned``); the
+    row and ``E' = E - Z onehot_t`` (N entries changed in place, then restored):
+    ``dL/dh = (s / Z) E' W``, ``dL/dW = E'^T ((s / Z) h)``, ``dL/db = E'^T (s / Z)``: the
+    products read ``E'`` as it is, with no scaled ``[N, C]`` copy and no separate onehot
+    terms. The product may be padded to aligned rows (``_linear_aligned``); the
     backward reads the first ``C`` columns of ``E`` as a view.
     """
 
@@ -134,27 +134,35 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # uses z_t, so a target's NLL stays exact.
         exps = logits.sub_(top.unsqueeze(-1)).clamp_(min=EXP_FLOOR).exp_()
         normaliser = exps.sum(-1)
-        ctx.save_for_backward(hidden, weight, exps, normaliser, safe_target, keep)
+        ctx.save_for_backward(hidden, weight, normaliser, safe_target, keep)
+        # an intermediate, kept on ctx: the backward edits (and restores) its target entries
+        ctx.exps = exps
         ctx.has_bias = bias is not None
         return (normaliser.log() + top - target_logit).masked_fill(~keep, 0.0)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_nll: torch.Tensor):
-        hidden, weight, exps, normaliser, target, keep = ctx.saved_tensors
-        exps = exps[:, : weight.size(0)]  # without the padding columns (all zero)
+        hidden, weight, normaliser, target, keep = ctx.saved_tensors
+        exps = ctx.exps[:, : weight.size(0)]  # without the padding columns (all zero)
         scale = grad_nll.masked_fill(~keep, 0.0).unsqueeze(-1)  # s, [N, 1]
         prob_scale = scale / normaliser.unsqueeze(-1)  # s / Z
-        grad_hidden = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_hidden = torch.mm(exps, weight).mul_(prob_scale)
-            grad_hidden.sub_(weight.index_select(0, target).mul_(scale))
-        if ctx.needs_input_grad[1]:
-            grad_weight = torch.mm(exps.t(), hidden * prob_scale)
-            grad_weight.index_add_(0, target, hidden * scale, alpha=-1)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = torch.mv(exps.t(), prob_scale.squeeze(-1))
-            grad_bias.index_add_(0, target, scale.squeeze(-1), alpha=-1)
+        # E - Z onehot_t, so that (s / Z) (E - Z onehot_t) = s (P - onehot_t) is the logits'
+        # gradient: the products below then carry the onehot terms too (no W[t] gather, no
+        # scatter of s h), for the cost of writing N entries and restoring them
+        column = target.unsqueeze(-1)
+        target_exps = exps.gather(1, column)
+        exps.scatter_(1, column, target_exps - normaliser.unsqueeze(-1))
+        try:
+            grad_hidden = grad_weight = grad_bias = None
+            if ctx.needs_input_grad[0]:
+                grad_hidden = torch.mm(exps, weight).mul_(prob_scale)
+            if ctx.needs_input_grad[1]:
+                grad_weight = torch.mm(exps.t(), hidden * prob_scale)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_bias = torch.mv(exps.t(), prob_scale.squeeze(-1))
+        finally:  # exactly as the forward left it, for a retained graph
+            exps.scatter_(1, column, target_exps)
         return grad_hidden, grad_weight, grad_bias, None
 
 
