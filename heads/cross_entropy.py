@@ -134,17 +134,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # uses z_t, so a target's NLL stays exact.
         exps = logits.sub_(top.unsqueeze(-1)).clamp_(min=EXP_FLOOR).exp_()
         normaliser = exps.sum(-1)
-        ctx.save_for_backward(hidden, weight, normaliser, safe_target, keep)
-        # an intermediate, kept on ctx: the backward edits (and restores) its target entries
-        ctx.exps = exps
+        ctx.save_for_backward(hidden, weight, exps, normaliser, safe_target, keep)
         ctx.has_bias = bias is not None
         return (normaliser.log() + top - target_logit).masked_fill(~keep, 0.0)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_nll: torch.Tensor):
-        hidden, weight, normaliser, target, keep = ctx.saved_tensors
-        exps = ctx.exps[:, : weight.size(0)]  # without the padding columns (all zero)
+        hidden, weight, exps, normaliser, target, keep = ctx.saved_tensors
+        # .data: the target entries are edited and restored below, which must not count as a
+        # modification of the saved tensor (a retained graph's second backward checks)
+        exps = exps.data[:, : weight.size(0)]  # without the padding columns (all zero)
         scale = grad_nll.masked_fill(~keep, 0.0).unsqueeze(-1)  # s, [N, 1]
         prob_scale = scale / normaliser.unsqueeze(-1)  # s / Z
         # E - Z onehot_t, so that (s / Z) (E - Z onehot_t) = s (P - onehot_t) is the logits'
