@@ -354,8 +354,11 @@ _MIN_BLOCK = 128  # columns: keeps each block's products real GEMMs when N is ve
 
 
 def _block_widths(n: int, k: int) -> tuple[int, int]:
-    """Columns per frequent block ``[N, K, block]`` and per rare block ``[N, block]``."""
-    return max(_MIN_BLOCK, _BLOCK_ELEMENTS // (n * k)), max(_MIN_BLOCK, _BLOCK_ELEMENTS // n)
+    """Columns per frequent block ``[N, K, block]`` and per rare block ``[N, block]``,
+    multiples of 16 so that ``_column_blocks`` keeps the blocks aligned."""
+    frequent = _BLOCK_ELEMENTS // (n * k) // 16 * 16
+    rare = _BLOCK_ELEMENTS // n // 16 * 16
+    return max(_MIN_BLOCK, frequent), max(_MIN_BLOCK, rare)
 
 
 class _MixtapeCrossEntropy(torch.autograd.Function):
