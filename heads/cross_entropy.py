@@ -83,8 +83,9 @@ def _linear_aligned(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``hidden W^T + b`` as ``[N, C']`` with ``C'`` a multiple of ``_ROW_ALIGN``: the extra
-    columns hold ``-inf``, so a softmax over all ``C'`` gives them probability exactly 0 and
-    leaves the first ``C`` unchanged. Without padding to do, plain ``F.linear``."""
+    columns hold ``-inf``, so a softmax over all ``C'`` gives them probability 0 (at most
+    ``exp(EXP_FLOOR)`` each under the floor of ``_LinearCrossEntropy``) and leaves the first
+    ``C`` as they were. Without padding to do, plain ``F.linear``."""
     classes = weight.size(0)
     pad = -classes % _ROW_ALIGN
     if pad == 0 or hidden.device.type != "cpu" or hidden.size(0) < _ROW_ALIGN:
