@@ -70,7 +70,7 @@ def test_an_underflowing_target_probability_is_exact_in_log_space():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(
     "rows, classes",
-    [(11, 17), (40, 17), (40, 32)],
+    [(11, 17), (70, 17), (70, 32)],
     ids=["few-rows", "padded-to-32", "aligned"],  # see _linear_aligned
 )
 def test_linear_cross_entropy_equals_linear_then_torch_cross_entropy(dtype, bias, rows, classes):
@@ -92,13 +92,13 @@ def test_linear_cross_entropy_equals_linear_then_torch_cross_entropy(dtype, bias
         torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("rows", [6, 18], ids=["plain", "padded"])
+@pytest.mark.parametrize("rows", [6, 66], ids=["plain", "padded"])
 def test_linear_cross_entropy_gradcheck_and_retained_graph(rows):
     gen = torch.Generator().manual_seed(2)
     hidden = torch.randn(rows, 4, generator=gen, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(7, 4, generator=gen, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(7, generator=gen, dtype=torch.float64, requires_grad=True)
-    target = torch.tensor([0, 3, IGNORE_INDEX, 6, 1, 1] * 3)[:rows]
+    target = torch.tensor([0, 3, IGNORE_INDEX, 6, 1, 1] * 11)[:rows]
     assert torch.autograd.gradcheck(
         lambda h, w, b: linear_cross_entropy_nll(h, w, b, target), (hidden, weight, bias)
     )
@@ -127,13 +127,13 @@ def test_linear_cross_entropy_of_a_peaked_softmax(rows):
 
 
 def test_aligned_product_pads_with_minus_infinity():
-    hidden, weight, bias = torch.randn(20, 3), torch.randn(7, 3), torch.randn(7)
+    hidden, weight, bias = torch.randn(70, 3), torch.randn(7, 3), torch.randn(7)
     logits = _linear_aligned(hidden, weight, bias)
-    assert logits.shape == (20, 16)
+    assert logits.shape == (70, 16)
     torch.testing.assert_close(logits[:, :7], F.linear(hidden, weight, bias))
     assert torch.isneginf(logits[:, 7:]).all()
     assert (logits.softmax(-1)[:, 7:] == 0).all()
-    assert _linear_aligned(hidden[:5], weight, bias).shape == (5, 7)  # too few rows to pay
+    assert _linear_aligned(hidden[:20], weight, bias).shape == (20, 7)  # too few rows to pay
 
 
 def test_linear_cross_entropy_under_bf16_autocast_is_float32():
