@@ -76,7 +76,7 @@ def cross_entropy_nll(logits: torch.Tensor, target: torch.Tensor) -> torch.Tenso
 # MKL's CPU sgemm runs about 25-35% slower when the output rows' length is not a multiple of
 # 16 floats (measured: [2048, 397] 12.1 ms vs [2048, 400] 9.1 ms, d = 512, one core), and
 # vocabularies and adaptive cut-offs rarely are
-_ROW_ALIGN = 16
+ROW_ALIGN = 16
 # the padded copy of W costs C d against the product's N C d: worth it from this many rows
 _MIN_ROWS_TO_PAD = 64
 
@@ -84,12 +84,12 @@ _MIN_ROWS_TO_PAD = 64
 def _linear_aligned(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """``hidden W^T + b`` as ``[N, C']`` with ``C'`` a multiple of ``_ROW_ALIGN``: the extra
+    """``hidden W^T + b`` as ``[N, C']`` with ``C'`` a multiple of ``ROW_ALIGN``: the extra
     columns hold ``-inf``, so a softmax over all ``C'`` gives them probability 0 (at most
     ``exp(EXP_FLOOR)`` each under the floor of ``_LinearCrossEntropy``) and leaves the first
     ``C`` as they were. Without padding to do, plain ``F.linear``."""
     classes = weight.size(0)
-    pad = -classes % _ROW_ALIGN
+    pad = -classes % ROW_ALIGN
     if pad == 0 or hidden.device.type != "cpu" or hidden.size(0) < _MIN_ROWS_TO_PAD:
         return torch.nn.functional.linear(hidden, weight, bias)
     padded = torch.nn.functional.pad(weight, (0, 0, 0, pad))  # zero rows: C x d, cheap
@@ -147,7 +147,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         hidden, weight, exps, normaliser, target, keep = ctx.saved_tensors
         # .data: the target entries are edited and restored below, which must not count as a
         # modification of the saved tensor (a retained graph's second backward checks)
-        exps = exps.data[:, : weight.size(0)]  # without the padding columns (all zero)
+        exps = exps.data[:, : weight.size(0)]  # without the padding columns
         scale = grad_nll.masked_fill(~keep, 0.0).unsqueeze(-1)  # s, [N, 1]
         prob_scale = scale / normaliser.unsqueeze(-1)  # s / Z
         # E - Z onehot_t, so that (s / Z) (E - Z onehot_t) = s (P - onehot_t) is the logits'

@@ -25,7 +25,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from heads.base import HeadConfigError, HeadOutput, SingleSoftmaxHead, check_positive_int
-from heads.cross_entropy import EXP_FLOOR, HALF_DTYPES, IGNORE_INDEX
+from heads.cross_entropy import EXP_FLOOR, HALF_DTYPES, IGNORE_INDEX, ROW_ALIGN
 
 
 def sigmoid_tree_priors(gate_logits: torch.Tensor) -> torch.Tensor:
@@ -329,12 +329,13 @@ def _tree_levels(values: torch.Tensor, gammas: torch.Tensor):
 
 def _column_blocks(start: int, stop: int, width: int) -> list[tuple[int, int]]:
     """``[start, stop)`` in blocks of at most ``width`` columns, of (nearly) equal sizes, each
-    but the last a multiple of 16 columns when ``width`` is (MKL's sgemm is markedly slower
-    on output rows whose length is not a multiple of 16 floats)."""
+    but the last a multiple of ``ROW_ALIGN`` columns when ``width`` is (MKL's sgemm is markedly
+    slower on unaligned output rows: see ``heads.cross_entropy``)."""
     count = -(-(stop - start) // width)
     if count:
         balanced = -(-(stop - start) // count)
-        width = min(width, -(-balanced // 16) * 16) if width % 16 == 0 else balanced
+        aligned = -(-balanced // ROW_ALIGN) * ROW_ALIGN
+        width = min(width, aligned) if width % ROW_ALIGN == 0 else balanced
     return [(a, min(stop, a + width)) for a in range(start, stop, width)]
 
 
@@ -355,9 +356,9 @@ _MIN_BLOCK = 128  # columns: keeps each block's products real GEMMs when N is ve
 
 def _block_widths(n: int, k: int) -> tuple[int, int]:
     """Columns per frequent block ``[N, K, block]`` and per rare block ``[N, block]``,
-    multiples of 16 so that ``_column_blocks`` keeps the blocks aligned."""
-    frequent = _BLOCK_ELEMENTS // (n * k) // 16 * 16
-    rare = _BLOCK_ELEMENTS // n // 16 * 16
+    multiples of ``ROW_ALIGN`` so that ``_column_blocks`` keeps the blocks aligned."""
+    frequent = _BLOCK_ELEMENTS // (n * k) // ROW_ALIGN * ROW_ALIGN
+    rare = _BLOCK_ELEMENTS // n // ROW_ALIGN * ROW_ALIGN
     return max(_MIN_BLOCK, frequent), max(_MIN_BLOCK, rare)
 
 
