@@ -149,7 +149,7 @@ class SingleSoftmaxHead(Head):
         self.check_inputs(hidden, target)
         logits = self.logits(hidden)
         with float32_no_autocast(hidden.device):
-            nll = cross_entropy_nll(upcast(logits), target)
+            nll = cross_entropy_nll(logits, target)  # float32 inside
         return self.output_from_target_log_prob(-nll, target)
 
     def tie_output_embedding(self, weight: nn.Parameter) -> None:

@@ -63,13 +63,26 @@ def cross_entropy_nll(logits: torch.Tensor, target: torch.Tensor) -> torch.Tenso
     """``-log_softmax(logits)[n, target[n]]`` per row, 0 where ``target == -100``.
 
     Same values and gradients as ``F.cross_entropy(logits, target, reduction="none")``
-    (tested); the caller upcasts half-precision logits first.
+    (tested). Half-precision logits are normalised in float32 and the NLL is float32.
     """
     if logits.dim() != 2 or target.shape != logits.shape[:1]:
         raise ValueError(
             f"cross_entropy_nll expects logits [N, C] and target [N], got "
             f"{tuple(logits.shape)} and {tuple(target.shape)}"
         )
+    if logits.device.type != "cpu":
+        # On a GPU the caching allocator makes the extra [N, C] tensors cheap, kernel launches
+        # and memory passes are what cost, and _softmax_nll's underflow check would stop the
+        # host for the device every step: torch's log_softmax + nll_loss, exact in log space.
+        # dtype=float32 reads half logits as they are (no float32 copy of [N, C]) and its
+        # backward writes the gradient in their dtype (no cast pass); float64 stays float64.
+        dtype = torch.float32 if logits.dtype in HALF_DTYPES else None
+        log_probs = torch.nn.functional.log_softmax(logits, dim=-1, dtype=dtype)
+        return torch.nn.functional.nll_loss(
+            log_probs, target, ignore_index=IGNORE_INDEX, reduction="none"
+        )
+    if logits.dtype in HALF_DTYPES:
+        logits = logits.float()
     return _CrossEntropy.apply(logits, target)
 
 
@@ -178,8 +191,8 @@ def linear_cross_entropy_nll(
     """``cross_entropy_nll(F.linear(hidden, weight, bias), target)`` in one function, with a
     backward that goes straight to the products (see ``_LinearCrossEntropy``).
 
-    Under autocast or with half-precision inputs it takes the two-step path instead: the
-    product in the autocast dtype, then the softmax and loss in float32.
+    Under autocast, with half-precision inputs or off the CPU it takes the two-step path
+    instead: the product (in the autocast dtype), then the softmax and loss in float32.
     """
     if hidden.dim() != 2 or target.shape != hidden.shape[:1]:
         raise ValueError(
@@ -188,10 +201,11 @@ def linear_cross_entropy_nll(
         )
     device = hidden.device.type
     half = hidden.dtype in HALF_DTYPES or weight.dtype != hidden.dtype
-    if half or torch.is_autocast_enabled(device):
+    # The in-place softmax and the aligned rows are for a CPU, where a fresh [N, C] tensor
+    # faults in its pages and MKL wants aligned rows; on a GPU the two-step path launches
+    # fewer kernels, which is what costs there (README, "On a GPU").
+    if half or torch.is_autocast_enabled(device) or device != "cpu":
         logits = torch.nn.functional.linear(hidden, weight, bias)
-        if logits.dtype in HALF_DTYPES:
-            logits = logits.float()
         with torch.autocast(device, enabled=False):
             return cross_entropy_nll(logits, target)
     return _LinearCrossEntropy.apply(hidden, weight, bias, target)

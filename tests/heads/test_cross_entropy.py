@@ -144,3 +144,26 @@ def test_linear_cross_entropy_under_bf16_autocast_is_float32():
     assert nll.dtype == torch.float32
     nll.sum().backward()
     assert torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+)  # fmt: skip
+def test_half_logits_are_normalised_in_float32(device):
+    """bf16 logits: a float32 NLL equal to float32 math on the same (rounded) logits, and a
+    gradient in the logits' dtype (on a GPU without a float32 copy of them)."""
+    gen = torch.Generator().manual_seed(4)
+    logits = (8 * torch.randn(33, 301, generator=gen)).to(torch.bfloat16).to(device)
+    logits.requires_grad_(True)
+    target = torch.randint(0, 301, (33,), generator=gen).to(device)
+    target[5] = IGNORE_INDEX
+    nll = cross_entropy_nll(logits, target)
+    assert nll.dtype == torch.float32
+    ref_logits = logits.detach().float().requires_grad_(True)
+    ref = F.cross_entropy(ref_logits, target, reduction="none")
+    torch.testing.assert_close(nll, ref)
+    weights = torch.rand(33, generator=gen).to(device)
+    (grad,) = torch.autograd.grad((nll * weights).sum(), logits)
+    (ref_grad,) = torch.autograd.grad((ref * weights).sum(), ref_logits)
+    assert grad.dtype == torch.bfloat16
+    torch.testing.assert_close(grad.float(), ref_grad, rtol=1e-2, atol=1e-3)
