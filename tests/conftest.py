@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 PTB = REPO.parent / "shared" / "data" / "ptb"
@@ -17,3 +18,13 @@ def ptb_data(ptb_path):
     from datamodules import LanguageModelingDataModule
 
     return LanguageModelingDataModule(path=ptb_path)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need a CUDA device: skipped (and said so) on machines without one."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run `pytest -m gpu` on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

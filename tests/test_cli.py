@@ -160,3 +160,42 @@ def test_adaptive_config_trains_under_bf16_mixed(ptb_path):
     assert cli.model.head.cutoffs == [386, 3011, 10_000]
     for key in ("train/loss", "val/loss", "val/ppl"):
         assert torch.isfinite(cli.trainer.callback_metrics[key]), key
+
+
+GPU_SHORT_FIT = ["--trainer.accelerator", "gpu", "--trainer.devices", "1",
+                 "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "60",
+                 "--trainer.limit_val_batches", "10", "--trainer.logger", "false",
+                 "--trainer.enable_checkpointing", "false"]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "32-true"])
+@pytest.mark.parametrize("config", ["ptb_softmax", "ptb_mos", "ptb_mixtape", "ptb_adaptive"])
+def test_gpu_fit_learns_under_each_precision(config, precision, ptb_path):
+    cli = run("fit", config, ptb_path, *GPU_SHORT_FIT, "--trainer.precision", precision,
+              "--trainer.callbacks", "null")  # fmt: skip
+    assert cli.trainer.strategy.root_device.type == "cuda"  # (Lightning moves it back after fit)
+    metrics = cli.trainer.callback_metrics
+    for key in ("train/loss", "val/loss", "val/ppl"):
+        assert torch.isfinite(metrics[key]), key
+    assert metrics["val/ppl"] < 2000, metrics["val/ppl"]  # uniform over 10k words is 10000
+
+
+@pytest.mark.gpu
+def test_gpu_ds_recipe_with_mitosis_under_16_mixed(tmp_path, ptb_path):
+    """Softmax LM, then DS-Softmax from it with a split, on CUDA in 16-mixed: the optimizer that
+    mitosis rebuilds must keep working with Lightning's GradScaler."""
+    gpu = ["--trainer.accelerator", "gpu", "--trainer.devices", "1",
+           "--trainer.precision", "16-mixed", "--trainer.logger.init_args.save_dir", str(tmp_path),
+           "--trainer.limit_train_batches", "30", "--trainer.limit_val_batches", "5"]  # fmt: skip
+    run("fit", "ptb_softmax", ptb_path, *gpu, "--trainer.max_epochs", "1")
+    softmax_ckpt = str(next(tmp_path.glob("ptb_softmax/*/checkpoints/last.ckpt")))
+    cli = main(["fit", "--trainer.default_root_dir", ROOT, "--config", "configs/ds/ptb_ds.yaml",
+                "--data.init_args.path", ptb_path, *SMALL, *gpu, "--trainer.max_epochs", "3",
+                "--model.init_args.pretrained_checkpoint", softmax_ckpt])  # fmt: skip
+    head = cli.model.head
+    assert head.num_experts == 4  # split once, at epoch 2
+    assert cli.trainer.strategy.root_device.type == "cuda"
+    metrics = cli.trainer.callback_metrics
+    for key in ("train/loss", "val/loss", "val/acc_top1"):
+        assert torch.isfinite(metrics[key]), key

@@ -132,3 +132,17 @@ def test_misaligned_files_are_one_clear_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: misaligned parallel train files: ")
     assert "has 12 lines but" in err and "has 1" in err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_gpu_fit_and_beam_search_under_mixed_precision(precision):
+    cli = run("fit", "mixtape", "--trainer.accelerator", "gpu", "--trainer.devices", "1",
+              "--trainer.precision", precision, "--trainer.max_epochs", "1",
+              "--trainer.limit_train_batches", "20", "--trainer.limit_val_batches", "2",
+              "--trainer.num_sanity_val_steps", "0", "--model.init_args.val_beam_size", "3",
+              "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
+              "--trainer.callbacks", "null")  # fmt: skip
+    assert cli.trainer.strategy.root_device.type == "cuda"  # (Lightning moves it back after fit)
+    for key in ("train/loss", "val/loss", "val/bleu"):
+        assert torch.isfinite(torch.as_tensor(cli.trainer.callback_metrics[key])), key

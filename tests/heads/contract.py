@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
+import pytest
 import torch
 
 from heads import IGNORE_INDEX, Head
@@ -106,11 +108,95 @@ def check_bf16_autocast(make: Callable[[], Head]) -> None:
     torch.testing.assert_close(log_probs.logsumexp(-1), torch.zeros(ROWS), atol=1e-5, rtol=0)
 
 
-ALL_CHECKS = [
+def check_cuda_matches_cpu(make: Callable[[], Head]) -> None:
+    """The same head on CUDA gives the CPU's losses, gradients, log-probs and top-k (float64).
+
+    In eval mode: dropout and gate noise draw from generators that differ between devices,
+    and the loss takes the same code path either way."""
+    cpu_head = make().double().eval()
+    cuda_head = copy.deepcopy(cpu_head).cuda()
+    hidden, target = _inputs()
+    target[2] = IGNORE_INDEX
+    results = []
+    for head, device in ((cpu_head, "cpu"), (cuda_head, "cuda")):
+        h = hidden.to(device, copy=True).requires_grad_(True)
+        output = head(h, target.to(device))
+        (output.loss + output.aux_loss).backward()
+        with torch.no_grad():
+            log_probs = head.log_prob(h)
+            values, indices = head.topk(h, 4)
+            one_values, one_indices = head.topk(h[:1], 4)  # batch-1 path (DS: C kernel on CPU)
+        grads = [p.grad for p in head.parameters() if p.grad is not None]
+        results.append([output.nll, output.loss, output.aux_loss, h.grad, log_probs, values,
+                        indices, one_values, one_indices, *grads])  # fmt: skip
+    assert results[1][0].is_cuda
+    assert len(results[0]) == len(results[1])
+    for cpu_value, cuda_value in zip(*results, strict=True):
+        torch.testing.assert_close(cuda_value.cpu(), cpu_value, rtol=1e-9, atol=1e-9)
+
+
+def check_cuda_autocast(make: Callable[[], Head], dtype: torch.dtype) -> None:
+    """Lightning's 16-mixed / bf16-mixed on CUDA: float32 losses near the float32 ones, finite
+    gradients through a few steps (fp16 with a GradScaler, as Lightning runs it), normalised
+    float32 log-probs."""
+    torch.manual_seed(0)
+    head = make().cuda().train()
+    hidden, target = (t.cuda() for t in _inputs(dtype=torch.float32))
+    reference = copy.deepcopy(head).eval()
+    head.eval()
+    with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+        mixed = head(hidden, target).loss
+    assert mixed.dtype == torch.float32
+    torch.testing.assert_close(mixed, reference(hidden, target).loss, rtol=2e-2, atol=2e-2)
+    head.train()
+    # float16's range ends at 65504: the 10x stress and a large step (as in the CPU bf16
+    # check) would overflow a growing head's logits, which no loss code can undo
+    stress, lr = (10.0, 0.5) if dtype == torch.bfloat16 else (1.0, 0.1)
+    optimizer = torch.optim.SGD(head.parameters(), lr=lr)
+    # Lightning's 16-mixed GradScaler: it starts at 2^16, so the first steps' float16 gradients
+    # may overflow; it then skips the step and halves the scale. It must settle: the last
+    # steps all finite.
+    scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
+    finite = []
+    for _ in range(16):
+        with torch.autocast("cuda", dtype=dtype):
+            output = head(hidden * stress, target)
+        assert output.loss.dtype == torch.float32 and torch.isfinite(output.loss)
+        optimizer.zero_grad()
+        scaler.scale(output.loss + output.aux_loss).backward()
+        scaler.unscale_(optimizer)
+        grads = [p.grad for p in head.parameters() if p.grad is not None]
+        finite.append(all(bool(torch.isfinite(g).all()) for g in grads))
+        scaler.step(optimizer)
+        scaler.update()
+    assert all(finite[-4:]) and (dtype == torch.float16 or all(finite)), finite
+    assert all(torch.isfinite(p).all() for p in head.parameters())
+    with torch.autocast("cuda", dtype=dtype):
+        log_probs = head.log_prob(hidden)
+    assert log_probs.dtype == torch.float32
+    torch.testing.assert_close(
+        log_probs.logsumexp(-1), torch.zeros(ROWS, device="cuda"), atol=1e-5, rtol=0
+    )
+
+
+def check_cuda_bf16_mixed(make: Callable[[], Head]) -> None:
+    check_cuda_autocast(make, torch.bfloat16)
+
+
+def check_cuda_16_mixed(make: Callable[[], Head]) -> None:
+    check_cuda_autocast(make, torch.float16)
+
+
+CPU_CHECKS = [
     check_log_prob_normalised,
     check_nll_matches_log_prob,
     check_ignored_positions,
     check_gradients,
     check_topk,
     check_bf16_autocast,
+]
+# Skipped (by tests/conftest.py) where no CUDA device is present; run with `pytest -m gpu`.
+CUDA_CHECKS = [check_cuda_matches_cpu, check_cuda_bf16_mixed, check_cuda_16_mixed]
+ALL_CHECKS = CPU_CHECKS + [
+    pytest.param(check, marks=pytest.mark.gpu, id=check.__name__) for check in CUDA_CHECKS
 ]
