@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from app.bench.memory import peak_memory_bytes
-from app.bench.subjects import HEADS, BenchOptions, WholeLM, build_head, step_fn
+from app.bench.subjects import HEADS, PRECISIONS, BenchOptions, WholeLM, build_head, step_fn
 from heads.adaptive_cutoffs import zipf_probabilities
 
 PTB_TRAIN = Path(__file__).resolve().parents[2].parent / "shared/data/ptb/ptb.train.txt"
@@ -62,24 +62,27 @@ def time_once(step, device: torch.device, clock=time.perf_counter) -> float:
     return clock() - start
 
 
-def build_case(name, scope, vocab, hidden, tokens, targets, options, device, bptt):
+def build_case(name, scope, vocab, hidden, tokens, targets, options, device, bptt,
+               precision="32-true"):  # fmt: skip
     head = build_head(name, hidden, vocab, options)
     if scope == "lm":
         module = WholeLM(head, hidden, vocab).to(device)
         streams = max(1, tokens // bptt)
         ids = targets[: streams * bptt].view(streams, bptt).to(device)
-        return module, step_fn(module, ids, ids)
+        return module, step_fn(module, ids, ids, precision)
     module = head.to(device)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, hidden, generator=gen).to(device).requires_grad_(True)
-    return module, step_fn(module, x, targets[:tokens].to(device))
+    return module, step_fn(module, x, targets[:tokens].to(device), precision)
 
 
-def largest_batch(name, scope, vocab, hidden, budget, targets, options, device, bptt, limit):
+def largest_batch(name, scope, vocab, hidden, budget, targets, options, device, bptt, limit,
+                  precision="32-true"):  # fmt: skip
     """Largest token count (a multiple of ``bptt``) whose peak memory fits ``budget`` bytes."""
 
     def fits(tokens: int) -> bool:
-        _, step = build_case(name, scope, vocab, hidden, tokens, targets, options, device, bptt)
+        _, step = build_case(name, scope, vocab, hidden, tokens, targets, options, device, bptt,
+                             precision)  # fmt: skip
         step()
         return peak_memory_bytes(step, device) <= budget
 
@@ -113,7 +116,7 @@ def run(args: argparse.Namespace) -> dict:
             for name in args.heads:
                 tokens[name] = largest_batch(
                     name, args.scope, vocab, hidden, budget, targets, options, device,
-                    args.bptt, args.max_batch,
+                    args.bptt, args.max_batch, args.precision,
                 )  # fmt: skip
                 print(f"  {name}: {tokens[name]} tokens fit {args.memory_budget_mb} MiB")
         cases = {}
@@ -122,7 +125,7 @@ def run(args: argparse.Namespace) -> dict:
                 continue
             torch.manual_seed(0)
             cases[name] = build_case(name, args.scope, vocab, hidden, tokens[name], targets,
-                                     options, device, args.bptt)  # fmt: skip
+                                     options, device, args.bptt, args.precision)  # fmt: skip
         for _ in range(args.warmup):
             for _, step in cases.values():
                 step()
@@ -138,6 +141,7 @@ def run(args: argparse.Namespace) -> dict:
             row = {
                 "head": name, "vocab_size": vocab, "hidden_size": hidden,
                 "tokens": tokens[name], "scope": args.scope, "mode": args.mode,
+                "precision": args.precision,
                 "time_ms": median * 1e3, "time_per_token_us": median / tokens[name] * 1e6,
                 "times_ms": [t * 1e3 for t in times[name]],
                 "peak_memory_mb": peak_memory_bytes(step, device) / 2**20,
@@ -187,6 +191,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bptt", type=int, default=35, help="sequence length for --scope lm")
     parser.add_argument("--targets", choices=["zipf", "ptb"], default="zipf")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--precision",
+        choices=list(PRECISIONS),
+        default="32-true",
+        help="as Lightning's --trainer.precision: the forward under autocast for *-mixed",
+    )
     parser.add_argument(
         "--clock",
         choices=sorted(CLOCKS),

@@ -32,7 +32,13 @@ class TorchAdaptive(nn.Module):
         self.layer = nn.AdaptiveLogSoftmaxWithLoss(hidden, vocab, cutoffs, div_value=div_value)
 
     def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.layer(hidden, target).loss
+        if torch.is_autocast_enabled(hidden.device.type):
+            # CPU autocast keeps log_softmax in the products' dtype (CUDA's makes it float32);
+            # torch's layer then copies bf16 log-probs into a float32 buffer and fails. Handing
+            # it the input in that dtype is what a user would do, and costs nothing measurable.
+            probe = torch.log_softmax(hidden[:1] @ self.layer.head.weight[:1].T, dim=1)
+            hidden = hidden.to(probe.dtype)
+        return self.layer(hidden, target).loss.float()
 
 
 class BareMatmul(nn.Module):
@@ -50,15 +56,19 @@ class BareMatmul(nn.Module):
 class _BareMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight):
-        ctx.save_for_backward(hidden, weight)
-        ctx.logits = hidden @ weight.T  # kept so the backward has a [N, V] gradient to use
-        return ctx.logits.new_zeros(())
+        logits = hidden @ weight.T  # under autocast: in the autocast dtype, as a head's would be
+        # kept in the product's dtype (autocast's linear saves cast copies the same way)
+        ctx.save_for_backward(hidden.to(logits.dtype), weight.to(logits.dtype))
+        ctx.logits = logits  # kept so the backward has a [N, V] gradient to use
+        ctx.dtypes = hidden.dtype, weight.dtype
+        return logits.new_zeros((), dtype=torch.float32)
 
     @staticmethod
     def backward(ctx, grad):
         hidden, weight = ctx.saved_tensors
         grad_logits = ctx.logits  # stands in for dL/dlogits: same shape, no extra work
-        return grad_logits @ weight, grad_logits.T @ hidden
+        hidden_dtype, weight_dtype = ctx.dtypes
+        return (grad_logits @ weight).to(hidden_dtype), (grad_logits.T @ hidden).to(weight_dtype)
 
 
 def loss_of(module: nn.Module, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -102,14 +112,28 @@ class WholeLM(nn.Module):
         return loss_of(self.head, hidden.reshape(-1, hidden.size(-1)), target.reshape(-1))
 
 
-def step_fn(module: nn.Module, inputs: torch.Tensor, target: torch.Tensor) -> Callable[[], None]:
-    """One forward + backward (gradients are dropped each time, as zero_grad(None) does)."""
+# Lightning's precision names -> the autocast dtype of the forward (None: float32 throughout).
+# 16-mixed's GradScaler is left out: it scales one scalar and the gradients, a small cost.
+PRECISIONS: dict[str, torch.dtype | None] = {
+    "32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16,
+}  # fmt: skip
+
+
+def step_fn(
+    module: nn.Module, inputs: torch.Tensor, target: torch.Tensor, precision: str = "32-true"
+) -> Callable[[], None]:
+    """One forward + backward (gradients are dropped each time, as zero_grad(None) does), the
+    forward under autocast for the mixed precisions, as Lightning runs a training step."""
+    autocast_dtype = PRECISIONS[precision]
+    device_type = inputs.device.type
 
     def step() -> None:
         for p in module.parameters():
             p.grad = None
         if inputs.is_floating_point():
             inputs.grad = None
-        loss_of(module, inputs, target).backward()
+        with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            loss = loss_of(module, inputs, target)
+        loss.backward()
 
     return step

@@ -40,3 +40,26 @@ def test_cpu_clock_times_the_process(tmp_path):
     report = main(argv)
     assert report["args"]["clock"] == "cpu"
     assert all(t > 0 for t in report["results"][0]["times_ms"])
+
+
+def test_mixed_precision_times_every_head_under_autocast(tmp_path):
+    argv = ["--heads", "softmax", "mixtape", "mos", "adaptive", "torch_adaptive", "matmul",
+            "--vocab-sizes", "300", "--hidden-sizes", "16", "--batch-sizes", "32",
+            "--repeats", "1", "--warmup", "0", "--cutoffs", "50", "150", "--precision",
+            "bf16-mixed", "--out", str(tmp_path), "--name", "bf16"]  # fmt: skip
+    report = main(argv)
+    assert {r["precision"] for r in report["results"]} == {"bf16-mixed"}
+    assert len(report["results"]) == 6 and all(r["time_ms"] > 0 for r in report["results"])
+
+
+def test_bare_matmul_under_autocast_returns_gradients_in_the_parameters_dtype():
+    import torch
+
+    from app.bench.subjects import BareMatmul, step_fn
+
+    module = BareMatmul(8, 20)
+    x = torch.randn(5, 8, requires_grad=True)
+    step_fn(module, x, torch.zeros(5, dtype=torch.long), "bf16-mixed")()
+    assert module.weight.grad.dtype == x.grad.dtype == torch.float32
+    expected = (x.detach() @ module.weight.detach().T) @ module.weight.detach()
+    torch.testing.assert_close(x.grad, expected, rtol=5e-2, atol=5e-2)  # bf16 products
