@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from heads.native import SoftmaxRowsKernels, softmax_rows_kernels
+
 # the ignore label of the head contract (re-exported by heads.base)
 IGNORE_INDEX = -100
 # dtypes whose normalisations and losses are computed in float32 (DESIGN.md, numerics)
@@ -116,6 +118,60 @@ def _linear_aligned(
 EXP_FLOOR = -60.0
 
 
+def _native_rows(tensor: torch.Tensor) -> SoftmaxRowsKernels | None:
+    """The C softmax passes where they apply: float32 on the CPU, unit column stride."""
+    if tensor.device.type != "cpu" or tensor.dtype != torch.float32 or tensor.dim() != 2:
+        return None
+    if tensor.stride(1) != 1 and tensor.size(1) > 1:
+        return None
+    return softmax_rows_kernels()
+
+
+def exp_shifted_rows_(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """In place, ``E = exp(max(z - M, EXP_FLOOR))`` with ``M`` the row maximum; returns
+    ``(E, M, Z = sum E)``. One C pass per row where it applies (``heads/native``), else torch.
+    """
+    kernels = _native_rows(logits)
+    if kernels is None or logits.size(0) == 0:
+        top = logits.amax(-1)
+        exps = logits.sub_(top.unsqueeze(-1)).clamp_(min=EXP_FLOOR).exp_()
+        return exps, top, exps.sum(-1)
+    n, c = logits.shape
+    top, normaliser = logits.new_empty(n), logits.new_empty(n)
+    kernels.softmax_rows(
+        logits.data_ptr(),
+        n,
+        c,
+        logits.stride(0),
+        EXP_FLOOR,
+        top.data_ptr(),
+        normaliser.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return logits, top, normaliser
+
+
+def add_exp_sums_(logits: torch.Tensor, top: torch.Tensor, normaliser: torch.Tensor) -> None:
+    """In place, ``E = exp(max(z - top, EXP_FLOOR))`` for a block of columns whose rows'
+    maximum over all blocks is ``top``; adds each row's ``sum E`` to ``normaliser``."""
+    kernels = _native_rows(logits)
+    if kernels is None or logits.size(0) == 0 or not top.is_contiguous():
+        normaliser += logits.sub_(top.unsqueeze(1)).clamp_(min=EXP_FLOOR).exp_().sum(1)
+        return
+    n, c = logits.shape
+    kernels.exp_shifted_rows(
+        logits.data_ptr(),
+        n,
+        c,
+        logits.stride(0),
+        top.data_ptr(),
+        EXP_FLOOR,
+        normaliser.data_ptr(),
+        1,
+        torch.get_num_threads(),
+    )
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """``cross_entropy(hidden W^T + b)`` whose backward never forms the ``[N, C]`` gradient.
 
@@ -142,14 +198,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         keep = target != IGNORE_INDEX
         safe_target = target.clamp_min(0)
         target_logit = logits.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)
-        top = logits.amax(-1)
         # exp of an argument below about -87 costs 20-40x a normal one on this CPU (subnormal
         # results), and a peaked softmax has many; the backward's products would meet
         # subnormals too. Below EXP_FLOOR a class counts as exp(-60) = 9e-27 in Z >= 1:
         # 1e-21 relative at 100k classes, far below float32 rounding. The loss itself
         # uses z_t, so a target's NLL stays exact.
-        exps = logits.sub_(top.unsqueeze(-1)).clamp_(min=EXP_FLOOR).exp_()
-        normaliser = exps.sum(-1)
+        exps, top, normaliser = exp_shifted_rows_(logits)
         ctx.save_for_backward(hidden, weight, exps, normaliser, safe_target, keep)
         ctx.has_bias = bias is not None
         return (normaliser.log() + top - target_logit).masked_fill(~keep, 0.0)

@@ -25,7 +25,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from heads.base import HeadConfigError, HeadOutput, SingleSoftmaxHead, check_positive_int
-from heads.cross_entropy import EXP_FLOOR, HALF_DTYPES, IGNORE_INDEX, ROW_ALIGN
+from heads.cross_entropy import HALF_DTYPES, IGNORE_INDEX, ROW_ALIGN, add_exp_sums_
 
 
 def sigmoid_tree_priors(gate_logits: torch.Tensor) -> torch.Tensor:
@@ -449,7 +449,7 @@ class _MixtapeCrossEntropy(torch.autograd.Function):
         normaliser = torch.zeros_like(top)
         for logits in logit_blocks:  # E = exp(z - M) in place
             # floored as in _LinearCrossEntropy: no subnormal exps
-            normaliser += logits.sub_(top.unsqueeze(1)).clamp_(min=EXP_FLOOR).exp_().sum(1)
+            add_exp_sums_(logits, top, normaliser)
         ctx.save_for_backward(
             gate_inputs, gate_weights, contexts, mixed, weight, normaliser, safe_target, keep,
             *logit_blocks, *tree_blocks,

@@ -1,13 +1,17 @@
-"""Small C kernels for the latency-bound inference paths, compiled at first use.
+"""Small C kernels for the paths where eager PyTorch's overhead, not arithmetic, sets the time.
 
-Only the batch-1 DS-Softmax top-k lives here (``ds_topk.c``): at batch 1 its arithmetic takes
-a few microseconds and eager PyTorch's per-call overhead dominates. The shared library is
-built with the system C compiler (``$CC``, else ``cc``/``gcc``) into a per-user cache keyed by
-the source, the flags and the CPU, and loaded with ctypes, so no PyTorch headers are compiled.
+- ``ds_topk.c``: the batch-1 DS-Softmax top-k. Its arithmetic takes a few microseconds, and
+  eager PyTorch's per-call overhead dominates.
+- ``softmax_rows.c``: the in-place softmax passes of the CPU training losses, one read and
+  one write per row instead of five passes over ``[N, C]``.
 
-Everything here is optional: without a compiler, on a build error, or with
-``LM_HEADS_NATIVE=0`` in the environment, :func:`ds_topk_kernel` returns ``None`` and the
-caller keeps its PyTorch path (same results, tested to agree).
+Each shared library is built with the system C compiler (``$CC``, else ``cc``/``gcc``) into a
+per-user cache keyed by the source, the flags and the CPU, and loaded with ctypes, so no
+PyTorch headers are compiled.
+
+Everything here is optional. Without a compiler, on a build error, or with
+``LM_HEADS_NATIVE=0`` in the environment, the functions below return ``None`` and the callers
+keep their PyTorch paths (same results, tested to agree).
 """
 
 from __future__ import annotations
@@ -20,14 +24,15 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("ds_topk.c")
-# Re-association lets the dot products vectorise; no -ffast-math, so -inf and NaN keep their
-# meaning (the kernel starts its running maximum at -inf).
+_HERE = Path(__file__).parent
+# Re-association lets the reductions vectorise; no -ffast-math, so -inf and NaN keep their
+# meaning (the kernels start their running maxima at -inf and pass NaN on).
 _FLAGS = [
     "-O3",
     "-march=native",
@@ -55,13 +60,13 @@ def _cache_dir() -> Path:
     return Path(root) / "lm_heads" / "native"
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, flags: list[str], source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     # build beside the target, then rename: several processes (DDP ranks) may race here
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         subprocess.run(
-            [compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"],
+            [compiler, *flags, str(source), "-o", str(built), "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -70,31 +75,64 @@ def _build(compiler: str, target: Path) -> None:
         os.replace(built, target)
 
 
-@cache
-def ds_topk_kernel() -> ctypes._CFuncPtr | None:
-    """``ds_topk_one`` from ``ds_topk.c`` (signature there), or ``None`` when unavailable."""
+def _library(stem: str, extra_flags: tuple[str, ...], what: str) -> ctypes.CDLL | None:
+    """``<stem>.c`` built (once per source, flags and CPU) and loaded, or ``None``."""
     if os.environ.get("LM_HEADS_NATIVE", "1") == "0":
         return None
     compiler = next(
         (c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None
     )
     if compiler is None:
-        log.info("no C compiler found: DS-Softmax batch-1 top-k stays in PyTorch")
+        log.info("no C compiler found: %s stays in PyTorch", what)
         return None
+    source, flags = _HERE / f"{stem}.c", [*_FLAGS, *extra_flags]
     key = hashlib.sha256(
-        "\0".join([_SOURCE.read_text(), compiler, *_FLAGS, _cpu_id()]).encode()
+        "\0".join([source.read_text(), compiler, *flags, _cpu_id()]).encode()
     ).hexdigest()[:16]
-    target = _cache_dir() / f"ds_topk_{key}.so"
+    target = _cache_dir() / f"{stem}_{key}.so"
     try:
         if not target.exists():
-            _build(compiler, target)
-        library = ctypes.CDLL(str(target))
+            _build(compiler, flags, source, target)
+        return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", "") or error
-        log.warning("DS-Softmax native top-k not built (%s); using PyTorch", detail)
+        log.warning("%s: native kernel not built (%s); using PyTorch", what, detail)
+        return None
+
+
+@cache
+def ds_topk_kernel() -> ctypes._CFuncPtr | None:
+    """``ds_topk_one`` from ``ds_topk.c`` (signature there), or ``None`` when unavailable."""
+    library = _library("ds_topk", (), "DS-Softmax batch-1 top-k")
+    if library is None:
         return None
     kernel = library.ds_topk_one
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     kernel.argtypes = [ptr, i64, ptr, i64, ptr, i64, ctypes.c_int32, ptr, ptr, i64, i64, ptr, ptr]
     kernel.restype = i64
     return kernel
+
+
+@dataclass(frozen=True)
+class SoftmaxRowsKernels:
+    """``softmax_rows`` and ``exp_shifted_rows`` from ``softmax_rows.c`` (signatures there)."""
+
+    softmax_rows: ctypes._CFuncPtr
+    exp_shifted_rows: ctypes._CFuncPtr
+
+
+@cache
+def softmax_rows_kernels() -> SoftmaxRowsKernels | None:
+    """The softmax-pass kernels, or ``None`` when unavailable. OpenMP: PyTorch has loaded
+    its ``libgomp.so.1`` already, so the library shares that runtime and its threads."""
+    library = _library("softmax_rows", ("-fopenmp",), "the losses' softmax passes")
+    if library is None:
+        return None
+    i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_float
+    softmax = library.softmax_rows
+    softmax.argtypes = [ptr, i64, i64, i64, f32, ptr, ptr, i32]
+    softmax.restype = None
+    shifted = library.exp_shifted_rows
+    shifted.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, i32, i32]
+    shifted.restype = None
+    return SoftmaxRowsKernels(softmax, shifted)
