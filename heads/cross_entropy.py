@@ -105,7 +105,7 @@ def _linear_aligned(
     ``C`` as they were. Without padding to do, plain ``F.linear``."""
     classes = weight.size(0)
     pad = -classes % ROW_ALIGN
-    if pad == 0 or hidden.device.type != "cpu" or hidden.size(0) < _MIN_ROWS_TO_PAD:
+    if pad == 0 or hidden.size(0) < _MIN_ROWS_TO_PAD:
         return torch.nn.functional.linear(hidden, weight, bias)
     padded = torch.nn.functional.pad(weight, (0, 0, 0, pad))  # zero rows: C x d, cheap
     logits = torch.nn.functional.linear(
