@@ -125,7 +125,7 @@ def check_cuda_matches_cpu(make: Callable[[], Head]) -> None:
         with torch.no_grad():
             log_probs = head.log_prob(h)
             values, indices = head.topk(h, 4)
-            one_values, one_indices = head.topk(h[:1], 4)  # batch-1 path (DS: C kernel on CPU)
+            one_values, one_indices = head.topk(h[:1], 4)  # DS-Softmax has a batch-1 path
         grads = [p.grad for p in head.parameters() if p.grad is not None]
         results.append([output.nll, output.loss, output.aux_loss, h.grad, log_probs, values,
                         indices, one_values, one_indices, *grads])  # fmt: skip
