@@ -71,8 +71,10 @@ def build_case(name, scope, vocab, hidden, tokens, targets, options, device, bpt
         ids = targets[: streams * bptt].view(streams, bptt).to(device)
         return module, step_fn(module, ids, ids, precision)
     module = head.to(device)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(tokens, hidden, generator=gen).to(device).requires_grad_(True)
+    # drawn where it is used: same-memory mode builds many cases of up to ~10^5 rows, and a
+    # CPU draw then copy took seconds each before a GPU step of milliseconds
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=gen, device=device).requires_grad_(True)
     return module, step_fn(module, x, targets[:tokens].to(device), precision)
 
 
