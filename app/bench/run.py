@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from app.allocator import tune_glibc_malloc
 from app.bench.memory import peak_memory_bytes
 from app.bench.subjects import HEADS, PRECISIONS, BenchOptions, WholeLM, build_head, step_fn
 from heads.adaptive_cutoffs import zipf_probabilities
@@ -240,6 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
     from app.bench.report import print_table, save_plot
 
     args = parse_args(argv)
+    tune_glibc_malloc()  # as cli.py does for training (app/allocator.py)
     report = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
