@@ -127,6 +127,11 @@ def _native_rows(tensor: torch.Tensor) -> SoftmaxRowsKernels | None:
     return softmax_rows_kernels()
 
 
+def _exps_by_torch_(logits: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """The PyTorch path of the two functions below: ``exp(max(z - top, EXP_FLOOR))`` in place."""
+    return logits.sub_(top.unsqueeze(-1)).clamp_(min=EXP_FLOOR).exp_()
+
+
 def exp_shifted_rows_(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """In place, ``E = exp(max(z - M, EXP_FLOOR))`` with ``M`` the row maximum; returns
     ``(E, M, Z = sum E)``. One C pass per row where it applies (``heads/native``), else torch.
@@ -134,7 +139,7 @@ def exp_shifted_rows_(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     kernels = _native_rows(logits)
     if kernels is None or logits.size(0) == 0:
         top = logits.amax(-1)
-        exps = logits.sub_(top.unsqueeze(-1)).clamp_(min=EXP_FLOOR).exp_()
+        exps = _exps_by_torch_(logits, top)
         return exps, top, exps.sum(-1)
     n, c = logits.shape
     top, normaliser = logits.new_empty(n), logits.new_empty(n)
@@ -156,7 +161,7 @@ def add_exp_sums_(logits: torch.Tensor, top: torch.Tensor, normaliser: torch.Ten
     maximum over all blocks is ``top``; adds each row's ``sum E`` to ``normaliser``."""
     kernels = _native_rows(logits)
     if kernels is None or logits.size(0) == 0 or not top.is_contiguous():
-        normaliser += logits.sub_(top.unsqueeze(1)).clamp_(min=EXP_FLOOR).exp_().sum(1)
+        normaliser += _exps_by_torch_(logits, top).sum(-1)
         return
     n, c = logits.shape
     kernels.exp_shifted_rows(
