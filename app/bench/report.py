@@ -10,17 +10,26 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def _peer(rows: list[dict], row: dict, head: str) -> dict | None:
+    """The ``head`` row measured at the same vocabulary and hidden size as ``row``."""
+    return next((r for r in rows if r["head"] == head and r["vocab_size"] == row["vocab_size"]
+                 and r["hidden_size"] == row["hidden_size"]), None)  # fmt: skip
+
+
 def print_table(report: dict) -> None:
+    """One line per row. ``x softmax``: time per token over the softmax's; ``GFLOP``: the
+    step's matrix products; ``% matmul``: their rate over the bare matmul row's."""
     rows = report["results"]
+    nan = float("nan")
     print(f"\n{'head':<15}{'V':>8}{'d':>6}{'tokens':>8}{'ms/batch':>11}{'us/token':>10}"
-          f"{'x softmax':>11}{'peak MiB':>10}")  # fmt: skip
+          f"{'x softmax':>11}{'GFLOP':>9}{'% matmul':>10}{'peak MiB':>10}")  # fmt: skip
     for row in rows:
-        softmax = next((r for r in rows if r["head"] == "softmax"
-                        and r["vocab_size"] == row["vocab_size"]
-                        and r["hidden_size"] == row["hidden_size"]), None)  # fmt: skip
-        rel = row["time_per_token_us"] / softmax["time_per_token_us"] if softmax else float("nan")
+        softmax, matmul = _peer(rows, row, "softmax"), _peer(rows, row, "matmul")
+        rel = row["time_per_token_us"] / softmax["time_per_token_us"] if softmax else nan
+        rate = row["matmul_gflop_per_s"] / matmul["matmul_gflop_per_s"] * 100 if matmul else nan
         print(f"{row['head']:<15}{row['vocab_size']:>8}{row['hidden_size']:>6}{row['tokens']:>8}"
               f"{row['time_ms']:>11.2f}{row['time_per_token_us']:>10.3f}{rel:>11.2f}"
+              f"{row['matmul_gflop']:>9.1f}{rate:>10.0f}"
               f"{row['peak_memory_mb']:>10.1f}")  # fmt: skip
 
 

@@ -8,6 +8,10 @@ allocator), and each figure is the median over repeats after warm-up. Two modes,
 Mixtape paper's tables: ``same-batch`` (time per batch at a given batch size) and
 ``same-memory`` (the largest batch that fits a memory budget, and the time per token at that
 batch).
+Each row also gives the FLOPs of the matrix products its step ran (counted from the
+operators, ``app/bench/flops.py``) and the rate it ran them at: next to the ``matmul`` row,
+this says how far a head is from the machine's limit, and how much of a time ratio between
+two heads is owed to the work each one does.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import numpy as np
 import torch
 
 from app.allocator import tune_glibc_malloc
+from app.bench.flops import matmul_flops
 from app.bench.memory import peak_memory_bytes
 from app.bench.subjects import HEADS, PRECISIONS, BenchOptions, WholeLM, build_head, step_fn
 from heads.adaptive_cutoffs import zipf_probabilities
@@ -84,19 +89,28 @@ def largest_batch(name, scope, vocab, hidden, budget, targets, options, device, 
     """Largest token count (a multiple of ``bptt``) whose peak memory fits ``budget`` bytes."""
 
     def fits(tokens: int) -> bool:
+        start = time.perf_counter()
         _, step = build_case(name, scope, vocab, hidden, tokens, targets, options, device, bptt,
                              precision)  # fmt: skip
         step()
-        return peak_memory_bytes(step, device) <= budget
+        peak = peak_memory_bytes(step, device)
+        # one line per probe: the search can take minutes on big vocabularies
+        print(f"    {name}: {tokens} tokens, peak {peak / 2**20:.0f} MiB "
+              f"({time.perf_counter() - start:.1f} s)", flush=True)  # fmt: skip
+        return peak <= budget
 
-    low, high = 0, bptt
-    while high <= limit and fits(high):
+    # in units of bptt: ``low`` fits (or is 0), ``high`` misses or is past the limit. Counting
+    # in tokens let the search stall for ever once ``high`` was the limit and not a multiple
+    # of bptt (the midpoint rounded down onto ``low``).
+    most = limit // bptt
+    low, high = 0, 1
+    while high <= most and fits(high * bptt):
         low, high = high, high * 2
-    high = min(high, limit + bptt)
-    while high - low > bptt:  # binary search between the last fit and the first miss
-        mid = (low + high) // 2 // bptt * bptt
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low
+    high = min(high, most + 1)
+    while high - low > 1:  # binary search between the last fit and the first miss
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid * bptt) else (low, mid)
+    return low * bptt
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -141,12 +155,14 @@ def run(args: argparse.Namespace) -> dict:
                 times[name].append(time_once(step, device, CLOCKS[args.clock]))
         for name, (module, step) in cases.items():
             median = statistics.median(times[name])
+            flops = matmul_flops(step)  # counted once, untimed: the counter slows the step
             row = {
                 "head": name, "vocab_size": vocab, "hidden_size": hidden,
                 "tokens": tokens[name], "scope": args.scope, "mode": args.mode,
                 "precision": args.precision,
                 "time_ms": median * 1e3, "time_per_token_us": median / tokens[name] * 1e6,
                 "times_ms": [t * 1e3 for t in times[name]],
+                "matmul_gflop": flops / 1e9, "matmul_gflop_per_s": flops / median / 1e9,
                 "peak_memory_mb": peak_memory_bytes(step, device) / 2**20,
                 "parameters": sum(p.numel() for p in module.parameters()),
             }  # fmt: skip

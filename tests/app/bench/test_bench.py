@@ -18,6 +18,9 @@ def test_benchmark_runs_and_writes_valid_json(tmp_path):
     for row in rows:
         assert row["time_ms"] > 0 and len(row["times_ms"]) == 2
         assert row["peak_memory_mb"] > 0
+        assert row["matmul_gflop"] > 0 and row["matmul_gflop_per_s"] > 0
+    # the bare matmul row does the softmax's products (which add only the bias gradient)
+    assert 1 < ratio(report, "softmax", "matmul", 600, key="matmul_gflop") < 1.1
     # MoS's K softmaxes must take more memory than one softmax (a real measurement)
     assert ratio(report, "mos", "softmax", 600, key="peak_memory_mb") > 2
 
@@ -63,3 +66,20 @@ def test_bare_matmul_under_autocast_returns_gradients_in_the_parameters_dtype():
     assert module.weight.grad.dtype == x.grad.dtype == torch.float32
     expected = (x.detach() @ module.weight.detach().T) @ module.weight.detach()
     torch.testing.assert_close(x.grad, expected, rtol=5e-2, atol=5e-2)  # bf16 products
+
+
+def test_same_memory_search_stops_at_the_limit_when_everything_fits():
+    """A head that fits any batch: the search must end at the largest multiple of bptt
+    under --max-batch (it used to loop for ever when the limit was not a power-of-two
+    multiple of bptt), and find nothing when even one sequence is over budget."""
+    import torch
+
+    from app.bench.run import largest_batch
+    from app.bench.subjects import BenchOptions
+
+    targets = torch.zeros(200, dtype=torch.long)
+    args = ("softmax", "head", 50, 8)
+    common = dict(targets=targets, options=BenchOptions(), device=torch.device("cpu"), bptt=7)
+    assert largest_batch(*args, budget=2**40, limit=100, **common) == 98
+    assert largest_batch(*args, budget=2**40, limit=6, **common) == 0
+    assert largest_batch(*args, budget=0, limit=100, **common) == 0

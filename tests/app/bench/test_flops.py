@@ -1,0 +1,55 @@
+import torch
+
+from app.bench.flops import matmul_flops
+from app.bench.subjects import BenchOptions, build_head, step_fn
+from heads.cross_entropy import ROW_ALIGN
+
+
+def test_counts_the_in_place_and_vector_products_the_registry_lacks():
+    a, b, out = torch.randn(6, 5), torch.randn(5, 7), torch.zeros(6, 7)
+    vector, batch = torch.randn(5), torch.randn(3, 6, 5)
+
+    def products():
+        torch.mm(a, b, out=out)  # 2*6*5*7 = 420
+        out.addmm_(a, b)  # 420
+        torch.mv(a, vector)  # 2*6*5 = 60
+        torch.addmv(torch.zeros(6), a, vector)  # 60
+        torch.bmm(batch, b.expand(3, 5, 7))  # 3*420 = 1260
+        torch.zeros(3, 6, 7).baddbmm_(batch, b.expand(3, 5, 7))  # 1260
+        torch.tanh(out)  # elementwise: not counted
+
+    assert matmul_flops(products) == 420 + 420 + 60 + 60 + 1260 + 1260
+
+
+def _step(name, hidden, vocab, tokens, **options):
+    torch.manual_seed(0)
+    head = build_head(name, hidden, vocab, BenchOptions(**options))
+    x = torch.randn(tokens, hidden, requires_grad=True)
+    return step_fn(head, x, torch.randint(0, vocab, (tokens,)))
+
+
+def test_softmax_step_counts_its_three_products_and_the_bias_gradient():
+    n, d, v = 64, 16, 300
+    padded = -(-v // ROW_ALIGN) * ROW_ALIGN  # the forward's logits rows are kept aligned
+    # forward h W^T, backward dL W and dL^T h; the bias gradient is a [V, N] x [N] product
+    expected = 2 * n * padded * d + 2 * 2 * n * v * d + 2 * n * v
+    assert matmul_flops(_step("softmax", d, v, n)) == expected
+
+
+def test_mixtape_step_counts_every_product_of_its_hand_written_backward():
+    n, d, v, k, ratio, d2 = 64, 16, 300, 4, 0.1, 64
+    s = 30  # ceil(r V) frequent tokens
+    forward = (
+        n * d * k * d  # contexts, Eq. 5
+        + n * d * (k - 1) * d2  # tanh(U_k g), Eq. 4
+        + n * d * (k - 1)  # u_k . g, Eq. 4 and 6
+        + n * (k - 1) * (d2 + 1 + k - 1) * s  # [tanh(U g) | u.g | e_k] [v_x | 1 | b_x]^T
+        + n * k * d * s  # h_k . w_x, frequent tokens
+        + n * k * d  # contexts mixed by the shared prior
+        + n * d * (v - s)  # mixed . w_x, the rest
+    )
+    bias_gradient = n * v
+    # every product is run three times (forward, and the gradient of each operand)
+    expected = 2 * (3 * forward + bias_gradient)
+    options = {"mixtape_components": k, "mixtape_ratio": ratio}
+    assert matmul_flops(_step("mixtape", d, v, n, **options)) == expected
