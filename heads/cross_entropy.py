@@ -172,7 +172,6 @@ def add_exp_sums_(logits: torch.Tensor, top: torch.Tensor, normaliser: torch.Ten
         top.data_ptr(),
         EXP_FLOOR,
         normaliser.data_ptr(),
-        1,
         torch.get_num_threads(),
     )
 

@@ -133,6 +133,6 @@ def softmax_rows_kernels() -> SoftmaxRowsKernels | None:
     softmax.argtypes = [ptr, i64, i64, i64, f32, ptr, ptr, i32]
     softmax.restype = None
     shifted = library.exp_shifted_rows
-    shifted.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, i32, i32]
+    shifted.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, i32]
     shifted.restype = None
     return SoftmaxRowsKernels(softmax, shifted)

@@ -71,13 +71,10 @@ void softmax_rows(float *z, int64_t n, int64_t c, int64_t ld, float floor_, floa
     }
 }
 
-/* The same exps with a given shift per row (the maximum over several column blocks);
- * row_sum[i] is set, or added to when accumulate is non-zero. */
+/* The same exps with a given shift per row (the maximum over several column blocks); each
+ * row's sum is added to row_sum[i], which gathers the blocks' sums. */
 void exp_shifted_rows(float *z, int64_t n, int64_t c, int64_t ld, const float *shift,
-                      float floor_, float *row_sum, int32_t accumulate, int32_t threads) {
+                      float floor_, float *row_sum, int32_t threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n * c >= 65536)
-    for (int64_t i = 0; i < n; ++i) {
-        const float sum = (float)exp_row(z + i * ld, c, shift[i], floor_);
-        row_sum[i] = accumulate ? row_sum[i] + sum : sum;
-    }
+    for (int64_t i = 0; i < n; ++i) row_sum[i] += (float)exp_row(z + i * ld, c, shift[i], floor_);
 }
