@@ -10,11 +10,12 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from app.vocab import BPEVocab, VocabularyMismatchError, WordVocab
-from app.vocab.hybrid_lightrnn import HybridLightRNNVocab
 from datamodules.bptt import BPTTBatches
+from datamodules.errors import DataConfigError, VocabularyMismatchError
 from datamodules.resumable import ResumableLoader
-from datamodules.text_source import DataConfigError, load_text_splits
+from datamodules.text_source import load_text_splits
+from datamodules.vocab import BPEVocab, WordVocab
+from datamodules.vocab.hybrid_lightrnn import HybridLightRNNVocab
 
 VOCABS = ("word", "bpe", "hybrid_lightrnn")
 Vocab = WordVocab | BPEVocab | HybridLightRNNVocab

@@ -12,7 +12,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from datamodules.text_source import DataConfigError
+from datamodules.errors import DataConfigError
 
 SPLITS = ("train", "valid", "test")
 

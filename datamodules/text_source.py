@@ -12,17 +12,11 @@ from pathlib import Path
 
 from datasets import DatasetDict, load_dataset
 
+from datamodules.errors import DataPathError
+
 SPLITS = ("train", "valid", "test")
 # File-name fragments that identify each split in a local folder.
 _SPLIT_PATTERNS = {"train": ("train",), "valid": ("valid", "val", "dev"), "test": ("test",)}
-
-
-class DataPathError(FileNotFoundError):
-    """The configured data cannot be found or is empty."""
-
-
-class DataConfigError(ValueError):
-    """A data option that cannot work (sizes, splits...)."""
 
 
 def _name_parts(name: str) -> list[str]:

@@ -19,8 +19,14 @@ import torch
 from datasets import Dataset, DatasetDict, concatenate_datasets, load_dataset
 from torch.utils.data import DataLoader, Sampler
 
-from app.vocab import BPEVocab, VocabularyMismatchError, WordVocab
-from datamodules.text_source import DataConfigError, DataPathError, looks_local
+from datamodules.errors import (
+    DataConfigError,
+    DataPathError,
+    ParallelDataError,
+    VocabularyMismatchError,
+)
+from datamodules.text_source import looks_local
+from datamodules.vocab import BPEVocab, WordVocab
 from heads import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -28,10 +34,6 @@ log = logging.getLogger(__name__)
 SPLITS = ("train", "valid", "test")
 # Multi30k's file prefixes (task 1): train.de, val.de, test_2016_flickr.de ...
 DEFAULT_FILES = {"train": "train", "valid": "val", "test": "test_2016_flickr"}
-
-
-class ParallelDataError(ValueError):
-    """Parallel files that do not line up (different line counts) or lack a language."""
 
 
 def _count_lines(path: Path) -> int:

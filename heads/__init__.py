@@ -1,8 +1,9 @@
 """Output layers behind one contract (see heads/base.py and DESIGN.md)."""
 
 from heads.adaptive import AdaptiveSoftmaxHead
-from heads.base import IGNORE_INDEX, Head, HeadConfigError, HeadOutput
+from heads.base import IGNORE_INDEX, Head, HeadOutput
 from heads.ds_softmax import DSSoftmaxHead
+from heads.errors import HeadConfigError, UserError
 from heads.mixtape import MixtapeHead
 from heads.mos import MoSHead
 from heads.softmax import SoftmaxHead
@@ -17,4 +18,5 @@ __all__ = [
     "MixtapeHead",
     "MoSHead",
     "SoftmaxHead",
+    "UserError",
 ]

@@ -20,12 +20,12 @@ from torch import nn
 from heads.adaptive_cutoffs import CostModel, calibrate, optimal_cutoffs, zipf_probabilities
 from heads.base import (
     Head,
-    HeadConfigError,
     HeadOutput,
     float32_no_autocast,
     upcast,
 )
 from heads.cross_entropy import linear_cross_entropy_nll
+from heads.errors import HeadConfigError
 
 log = logging.getLogger(__name__)
 

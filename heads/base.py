@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from heads.cross_entropy import HALF_DTYPES, IGNORE_INDEX, cross_entropy_nll
+from heads.errors import HeadConfigError
 
 
 @dataclass
@@ -26,10 +27,6 @@ class HeadOutput:
     loss: torch.Tensor
     nll: torch.Tensor
     aux_loss: torch.Tensor
-
-
-class HeadConfigError(ValueError):
-    """A head option that cannot work (bad K, ratio, sizes...)."""
 
 
 def check_positive_int(name: str, value: int) -> None:

@@ -39,12 +39,12 @@ from torch import nn
 
 from heads.base import (
     Head,
-    HeadConfigError,
     HeadOutput,
     check_positive_int,
     float32_no_autocast,
     upcast,
 )
+from heads.errors import HeadConfigError
 from heads.native import ds_topk_kernel
 
 

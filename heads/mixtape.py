@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from heads.base import HeadConfigError, HeadOutput, SingleSoftmaxHead, check_positive_int
+from heads.base import HeadOutput, SingleSoftmaxHead, check_positive_int
 from heads.cross_entropy import HALF_DTYPES, IGNORE_INDEX, ROW_ALIGN, add_exp_sums_
+from heads.errors import HeadConfigError
 
 
 def sigmoid_tree_priors(gate_logits: torch.Tensor) -> torch.Tensor:

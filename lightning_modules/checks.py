@@ -6,18 +6,7 @@ from typing import Any
 
 import torch
 
-
-class ModelConfigError(ValueError):
-    """A model option that cannot work (sizes that do not fit, values out of range)."""
-
-
-class CheckpointMismatchError(ValueError):
-    """A checkpoint trained with another head (or head structure) than the one configured."""
-
-
-class NonFiniteLossError(FloatingPointError):
-    """The loss became NaN or infinite: training stops instead of continuing silently."""
-
+from lightning_modules.errors import CheckpointMismatchError, ModelConfigError, NonFiniteLossError
 
 HEAD_KEY = "head_class"
 
@@ -34,7 +23,8 @@ def check_hidden_sizes(head: Any, backbone_output_size: int | None) -> None:
     if head.hidden_size != backbone_output_size:
         raise ModelConfigError(
             f"head.hidden_size ({head.hidden_size}) must equal the backbone's output size "
-            f"({backbone_output_size}): set model.head.init_args.hidden_size"
+            f"({backbone_output_size}): build the head with hidden_size={backbone_output_size} "
+            f"(the CLI links it from the backbone)"
         )
 
 

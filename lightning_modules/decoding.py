@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from app.backbones.seq2seq import Seq2SeqTransformer
 from heads import Head
+from lightning_modules.backbones.seq2seq import Seq2SeqTransformer
 
 
 @dataclass

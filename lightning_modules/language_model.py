@@ -10,9 +10,9 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchmetrics import MeanMetric, SumMetric
 
-from app.backbones import LMBackbone
 from datamodules.resumable import ResumableLoader
 from heads import Head
+from lightning_modules.backbones import LMBackbone
 from lightning_modules.checks import (
     ModelConfigError,
     check_checkpoint_head,
@@ -21,6 +21,7 @@ from lightning_modules.checks import (
     check_hidden_sizes,
     save_head_class,
 )
+from lightning_modules.errors import CheckpointPathError
 from lightning_modules.optimization import configure_optimizers, step_schedulers_skipped_by_resume
 
 STAGES = ("train", "val", "test")
@@ -255,10 +256,8 @@ class LanguageModel(L.LightningModule):
         """Backbone (and head, see ``pretrained_checkpoint``) weights from a checkpoint."""
         from pathlib import Path
 
-        from datamodules.text_source import DataPathError
-
         if not Path(path).is_file():
-            raise DataPathError(f"pretrained_checkpoint {path!r} does not exist")
+            raise CheckpointPathError(f"pretrained_checkpoint {path!r} does not exist")
         state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
         parts: dict[str, dict[str, torch.Tensor]] = {"backbone": {}, "head": {}}
         for key, value in state.items():

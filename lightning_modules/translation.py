@@ -14,8 +14,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from sacrebleu.metrics import BLEU
 from torchmetrics import MeanMetric
 
-from app.backbones.seq2seq import Seq2SeqTransformer
 from heads import IGNORE_INDEX, Head
+from lightning_modules.backbones.seq2seq import Seq2SeqTransformer
 from lightning_modules.checks import (
     ModelConfigError,
     check_checkpoint_head,
@@ -41,7 +41,7 @@ class Translation(L.LightningModule):
     translations (line-aligned with the test file) to ``translations_file``.
 
     Args:
-        backbone: a :class:`~app.backbones.seq2seq.Seq2SeqTransformer`.
+        backbone: a :class:`~lightning_modules.backbones.seq2seq.Seq2SeqTransformer`.
         head: the output layer; ``head.hidden_size`` must equal the backbone's output size.
         optimizer, scheduler: factories (LightningCLI dependency injection);
             ``ReduceLROnPlateau`` watches ``val/loss``.

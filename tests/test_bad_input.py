@@ -25,7 +25,6 @@ QUIET = [
 SMALL_LM = [
     "--model.init_args.backbone.init_args.embedding_size", "16",
     "--model.init_args.backbone.init_args.hidden_size", "16",
-    "--model.init_args.head.init_args.hidden_size", "16",
     "--data.init_args.batch_size", "4", "--data.init_args.eval_batch_size", "2",
     "--data.init_args.bptt", "5",
 ]  # fmt: skip
@@ -196,11 +195,17 @@ def test_adaptive_cutoffs_beyond_the_vocabulary(corpus, capsys):
     )
 
 
-def test_head_hidden_size_differs_from_the_backbone(corpus, capsys):
-    code = lm("fit", corpus, "--model.init_args.head.init_args.hidden_size", "24")
-    assert error_line(capsys, code) == (
-        "error: head.hidden_size (24) must equal the backbone's output size (16): "
-        "set model.head.init_args.hidden_size"
+def test_head_hidden_size_differs_from_the_backbone_in_python():
+    from heads import SoftmaxHead
+    from lightning_modules import LanguageModel
+    from lightning_modules.backbones import LSTMBackbone
+    from lightning_modules.errors import ModelConfigError
+
+    with pytest.raises(ModelConfigError) as raised:
+        LanguageModel(LSTMBackbone(30, 16, 16), SoftmaxHead(24, 30))
+    assert str(raised.value) == (
+        "head.hidden_size (24) must equal the backbone's output size (16): build the head with "
+        "hidden_size=16 (the CLI links it from the backbone)"
     )
 
 

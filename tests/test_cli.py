@@ -3,19 +3,18 @@
 import json
 import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
-from app.vocab import VocabularyMismatchError
-from cli import console_main, expand_config_bases, main, user_error
+from app.lightning_cli import build
+from cli import console_main, main, user_error
+from datamodules.errors import VocabularyMismatchError
 from heads import HeadConfigError, MixtapeHead, MoSHead, SoftmaxHead
 
 SMALL = [
     "--model.init_args.backbone.init_args.embedding_size", "32",
     "--model.init_args.backbone.init_args.hidden_size", "32",
-    "--model.init_args.head.init_args.hidden_size", "32",
     "--trainer.enable_progress_bar", "false",
 ]  # fmt: skip
 
@@ -98,7 +97,6 @@ def test_predict_reports_top_k_and_samples(trained, ptb_path, tmp_path):
 def test_one_line_swaps_the_head_and_bf16_mixed_trains(head_class, ptb_path):
     cli = run("fit", "ptb_mixtape", ptb_path,
               "--model.head.class_path", f"heads.{head_class.__name__}",
-              "--model.head.init_args.hidden_size", "32",
               "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "4",
               "--trainer.limit_val_batches", "2",
               "--trainer.precision", "bf16-mixed", "--trainer.logger", "false",
@@ -139,16 +137,17 @@ def test_missing_data_is_one_clear_line(tmp_path, capsys):
     assert f"error: data path {missing!r} does not exist" in capsys.readouterr().err
 
 
-def test_config_bases_are_applied_first(tmp_path):
-    base = tmp_path / "base.yaml"
-    base.write_text("trainer:\n  max_epochs: 3\n")
-    child = tmp_path / "child.yaml"
-    child.write_text("__base__: base.yaml\nmodel:\n  init_args:\n    tie_weights: false\n")
-    args = expand_config_bases(["fit", "--config", str(child), "--trainer.max_epochs", "1"])
-    assert args[:3] == ["fit", "--config", str(base.resolve())]
-    assert args[3] == "--config" and "__base__" not in args[4] and "tie_weights" in args[4]
-    assert args[-2:] == ["--trainer.max_epochs", "1"]
-    assert Path(args[2]).is_file()
+def test_sizes_are_linked_and_a_head_fragment_swaps_the_head(ptb_path):
+    # the backbone's output size goes into head.hidden_size, the vocabulary's size into both
+    cli = build(["configs/lm/ptb_softmax.yaml"], [
+        "--data.init_args.path", ptb_path, "--model.init_args.tie_weights", "false",
+        "--model.init_args.backbone.init_args.output_size", "12",
+        "--model.init_args.head", "configs/heads/mos.yaml",
+    ])  # fmt: skip
+    head = cli.model.head
+    assert type(head) is MoSHead and head.num_components == 15  # the fragment's options
+    assert head.hidden_size == 12 == cli.model.backbone.output_size
+    assert head.vocab_size == 10_000 == cli.model.backbone.embedding.num_embeddings
 
 
 def test_adaptive_config_trains_under_bf16_mixed(ptb_path):

@@ -8,8 +8,8 @@ import pytest
 import sacrebleu
 import torch
 
-from app.vocab import VocabularyMismatchError
 from cli import console_main, main
+from datamodules.errors import VocabularyMismatchError
 from heads import MixtapeHead, MoSHead, SoftmaxHead
 from tests.datamodules.test_translation import MULTI30K, TINY, write_corpus
 
@@ -18,7 +18,6 @@ SMALL = [
     "--model.init_args.backbone.init_args.feedforward_size", "64",
     "--model.init_args.backbone.init_args.encoder_layers", "1",
     "--model.init_args.backbone.init_args.decoder_layers", "1",
-    "--model.init_args.head.init_args.hidden_size", "32",
     "--data.init_args.max_vocab_size", "2000",
     "--data.init_args.max_tokens", "400",
     "--data.init_args.eval_max_tokens", "400",

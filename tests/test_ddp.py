@@ -29,7 +29,6 @@ NO_DROPOUT_TINY_LSTM = [
     "--model.init_args.backbone.init_args.input_dropout", "0",
     "--model.init_args.backbone.init_args.hidden_dropout", "0",
     "--model.init_args.backbone.init_args.output_dropout", "0",
-    "--model.init_args.head.init_args.hidden_size", "32",
 ]  # fmt: skip
 
 
@@ -149,7 +148,6 @@ def test_every_head_under_ddp_matches_one_process(head, tmp_path, ptb_path):
 
 DS = [
     "--model.init_args.head", "heads.DSSoftmaxHead",
-    "--model.init_args.head.init_args.hidden_size", "32",
     "--model.init_args.head.init_args.num_experts", "2",
     "--model.init_args.head.init_args.lambda_lasso", "0.001",
     "--model.init_args.tie_weights", "false",
@@ -223,7 +221,6 @@ MT_TINY = [
     "--model.init_args.backbone.init_args.decoder_layers", "1",
     "--model.init_args.backbone.init_args.feedforward_size", "64",
     "--model.init_args.backbone.init_args.dropout", "0",
-    "--model.init_args.head.init_args.hidden_size", "32",
     "--data.init_args.max_vocab_size", "2000",
     "--trainer.limit_val_batches", "4", "--trainer.limit_test_batches", "4",
 ]  # fmt: skip

@@ -48,7 +48,7 @@ def fit(tmp: Path, ptb_path: str, *extra_callbacks: dict, ckpt_path: str | None 
         *extra_callbacks,
     ]  # fmt: skip
     args = [
-        "fit", "--config", "configs/lm/ptb_base.yaml", "--trainer.default_root_dir", ROOT,
+        "fit", "--config", "configs/lm/ptb_softmax.yaml", "--trainer.default_root_dir", ROOT,
         "--data.init_args.path", ptb_path, "--data.init_args.vocab", "hybrid_lightrnn",
         "--data.init_args.max_vocab_size", "2000", "--data.init_args.lightrnn_frequent", "200",
         "--data.init_args.batch_size", "4", "--data.init_args.eval_batch_size", "4",
@@ -61,7 +61,6 @@ def fit(tmp: Path, ptb_path: str, *extra_callbacks: dict, ckpt_path: str | None 
         "--model.init_args.backbone.init_args.hidden_dropout", "0",
         "--model.init_args.backbone.init_args.output_dropout", "0",
         "--model.init_args.head", "heads.DSSoftmaxHead",
-        "--model.init_args.head.init_args.hidden_size", "16",
         "--model.init_args.head.init_args.lambda_lasso", "0.01",
         "--trainer.max_epochs", "3", "--trainer.limit_train_batches", str(EPOCH),
         "--trainer.limit_val_batches", "2", "--trainer.num_sanity_val_steps", "0",

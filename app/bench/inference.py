@@ -27,13 +27,13 @@ import json
 import platform
 import statistics
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from app.lightning_cli import build
 from heads import DSSoftmaxHead, SoftmaxHead
 from heads.native import ds_topk_kernel
 
@@ -86,20 +86,7 @@ def softmax_as_one_expert(softmax: SoftmaxHead) -> DSSoftmaxHead:
 def load_lm(config: str, checkpoint: str):
     """Model and data module as ``cli.py`` builds them from ``config``, weights from
     ``checkpoint``."""
-    import yaml
-
-    from cli import AppCLI, expand_config_bases
-
-    args = expand_config_bases(["--config", config])
-    for i, arg in enumerate(args):
-        if arg != "--config" and Path(arg).is_file():
-            # a config saved by ``fit`` has subcommand options (ckpt_path...): keep the parts
-            content = yaml.safe_load(Path(arg).read_text()) or {}
-            keep = ("seed_everything", "trainer", "model", "data")
-            args[i] = yaml.safe_dump({k: v for k, v in content.items() if k in keep})
-    with warnings.catch_warnings():  # args given on purpose, beside the bench's own argv
-        warnings.filterwarnings("ignore", ".*args parameter is intended.*")
-        cli = AppCLI(subclass_mode_model=True, subclass_mode_data=True, args=args, run=False)
+    cli = build([config])
     state = torch.load(checkpoint, map_location="cpu", weights_only=False)
     cli.model.load_state_dict(state["state_dict"])
     datamodule = cli.datamodule

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from app.backbones import LSTMBackbone
 from heads import MixtapeHead, MoSHead, SoftmaxHead
 from heads.adaptive import AdaptiveSoftmaxHead
+from lightning_modules.backbones import LSTMBackbone
 
 HEADS = ("softmax", "mixtape", "mos", "adaptive", "torch_adaptive", "matmul")
 

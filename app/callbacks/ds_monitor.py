@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from torchmetrics import MeanMetric
 
 from app.callbacks.ds_optim import find_ds_head
-from heads.base import HeadConfigError
+from heads.errors import HeadConfigError
 
 
 class DSMonitor(Callback):

@@ -9,8 +9,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from heads.base import HeadConfigError
 from heads.ds_softmax import DSSoftmaxHead
+from heads.errors import HeadConfigError
 
 
 def find_ds_head(pl_module: L.LightningModule) -> tuple[str, DSSoftmaxHead]:

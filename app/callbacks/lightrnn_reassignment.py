@@ -9,11 +9,11 @@ import lightning as L
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from app.backbones import LMBackbone
-from app.vocab.hybrid_lightrnn import HybridLightRNNVocab
-from app.vocab.table_assignment import reassign
 from datamodules.bptt import BPTTBatches
-from datamodules.text_source import DataConfigError
+from datamodules.errors import DataConfigError
+from datamodules.vocab.hybrid_lightrnn import HybridLightRNNVocab
+from datamodules.vocab.table_assignment import reassign
+from lightning_modules.backbones import LMBackbone
 
 
 def word_of_each_code(vocab: HybridLightRNNVocab, codes: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from app.callbacks.ds_optim import find_ds_head, rebuild_optimizers
-from heads.base import HeadConfigError
+from heads.errors import HeadConfigError
 
 
 class Mitosis(Callback):

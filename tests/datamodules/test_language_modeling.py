@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from app.vocab import EOS, UNK, VocabularyMismatchError, WordVocab
-from app.vocab.hybrid_lightrnn import HybridLightRNNVocab
 from datamodules import LanguageModelingDataModule
-from datamodules.text_source import DataConfigError, DataPathError
+from datamodules.errors import DataConfigError, DataPathError, VocabularyMismatchError
+from datamodules.vocab import EOS, UNK, WordVocab
+from datamodules.vocab.hybrid_lightrnn import HybridLightRNNVocab
 
 
 def test_ptb_vocabulary_and_token_counts(ptb_data):

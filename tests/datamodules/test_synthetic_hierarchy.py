@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from datamodules import SyntheticHierarchyDataModule
+from datamodules.errors import DataConfigError
 from datamodules.synthetic_hierarchy import make_hierarchy
-from datamodules.text_source import DataConfigError
 
 
 def test_shapes_labels_and_vocab_size():

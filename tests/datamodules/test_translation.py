@@ -4,14 +4,14 @@ import torch
 from datasets import Dataset, DatasetDict
 
 import datamodules.translation as translation_module
-from app.vocab import EOS, UNK, VocabularyMismatchError, WordVocab
 from datamodules import TranslationDataModule
-from datamodules.text_source import DataConfigError, DataPathError
+from datamodules.errors import DataConfigError, DataPathError, VocabularyMismatchError
 from datamodules.translation import (
     LengthSortedSampler,
     ParallelDataError,
     TokenBucketBatchSampler,
 )
+from datamodules.vocab import EOS, UNK, WordVocab
 from tests.conftest import REPO
 
 MULTI30K = REPO.parent / "shared" / "data" / "multi30k"

@@ -346,9 +346,9 @@ def test_bf16_autocast_on_a_pruned_head():
 def test_language_model_starts_ds_from_a_softmax_checkpoint(tmp_path):
     """Appendix B's recipe through ``LanguageModel(pretrained_checkpoint=...,
     freeze_backbone=True)``: same backbone, DS distribution starting at the softmax's."""
-    from app.backbones import LSTMBackbone
-    from datamodules.text_source import DataPathError
     from lightning_modules import LanguageModel
+    from lightning_modules.backbones import LSTMBackbone
+    from lightning_modules.errors import CheckpointPathError
 
     torch.manual_seed(0)
     backbone = LSTMBackbone(VOCAB, embedding_size=HIDDEN, hidden_size=HIDDEN, input_dropout=0.0,
@@ -374,5 +374,5 @@ def test_language_model_starts_ds_from_a_softmax_checkpoint(tmp_path):
         torch.testing.assert_close(
             model.head.log_prob(hidden), softmax.log_prob(hidden), atol=1e-2, rtol=0
         )
-    with pytest.raises(DataPathError, match="pretrained_checkpoint"):
+    with pytest.raises(CheckpointPathError, match="pretrained_checkpoint"):
         LanguageModel(fresh, make_head(), pretrained_checkpoint=str(tmp_path / "missing.ckpt"))

@@ -2,10 +2,10 @@ import lightning as L
 import pytest
 import torch
 
-from app.backbones import MLPBackbone
 from datamodules import SyntheticHierarchyDataModule
 from heads import DSSoftmaxHead, SoftmaxHead
 from lightning_modules import Classifier
+from lightning_modules.backbones import MLPBackbone
 
 
 @pytest.fixture(autouse=True)

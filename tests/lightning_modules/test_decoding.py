@@ -3,8 +3,8 @@ import itertools
 import pytest
 import torch
 
-from app.backbones import Seq2SeqTransformer
 from heads import SoftmaxHead
+from lightning_modules.backbones import Seq2SeqTransformer
 from lightning_modules.decoding import DecodeConfig, beam_search, greedy_decode, length_penalty
 
 D = 16

@@ -5,10 +5,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from app.backbones import LSTMBackbone
 from datamodules.bptt import BPTTBatches
 from heads import SoftmaxHead
 from lightning_modules import LanguageModel
+from lightning_modules.backbones import LSTMBackbone
 
 VOCAB = 40
 

@@ -3,13 +3,13 @@ import pytest
 import sacrebleu
 import torch
 
-from app.backbones import Seq2SeqTransformer
 from datamodules import TranslationDataModule
 from datamodules.translation import collate_pairs
 from heads import MixtapeHead, MoSHead, SoftmaxHead
 from lightning_modules import Translation
-from lightning_modules.checks import ModelConfigError
+from lightning_modules.backbones import Seq2SeqTransformer
 from lightning_modules.decoding import DecodeConfig, greedy_decode
+from lightning_modules.errors import ModelConfigError
 from tests.datamodules.test_translation import TINY, write_corpus
 
 D = 16

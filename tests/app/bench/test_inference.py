@@ -52,7 +52,6 @@ def test_synthetic_ds_head_covers_every_class():
 TINY = [
     "--model.init_args.backbone.init_args.embedding_size", "16",
     "--model.init_args.backbone.init_args.hidden_size", "16",
-    "--model.init_args.head.init_args.hidden_size", "16",
     "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2",
     "--trainer.enable_progress_bar", "false",
 ]  # fmt: skip

@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from app.backbones import LSTMBackbone
 from app.callbacks import LightRNNTableReassignment
 from app.callbacks.lightrnn_reassignment import eq6_costs, word_of_each_code
-from app.vocab.hybrid_lightrnn import HybridLightRNNVocab
-from app.vocab.table_assignment import objective
 from datamodules import LanguageModelingDataModule
 from datamodules.bptt import BPTTBatches
+from datamodules.vocab.hybrid_lightrnn import HybridLightRNNVocab
+from datamodules.vocab.table_assignment import objective
 from heads import SoftmaxHead
 from lightning_modules import LanguageModel
+from lightning_modules.backbones import LSTMBackbone
 
 K, ROWS, COLS = 6, 6, 6
 
@@ -215,7 +215,6 @@ def test_cli_fit_then_test_restores_the_learnt_table(ptb_path, tmp_path, monkeyp
               ptb_path, "--trainer.default_root_dir", str(tmp_path),
               "--model.init_args.backbone.init_args.embedding_size", "16",
               "--model.init_args.backbone.init_args.hidden_size", "16",
-              "--model.init_args.head.init_args.hidden_size", "16",
               "--trainer.enable_progress_bar", "false"]  # fmt: skip
     fit = main(["fit", *common, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "5",
                 "--trainer.limit_val_batches", "3", "--trainer.callbacks.max_batches", "3",

@@ -3,11 +3,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from app.backbones import MLPBackbone
 from app.callbacks import Mitosis
 from datamodules import SyntheticHierarchyDataModule
 from heads import DSSoftmaxHead
 from lightning_modules import Classifier
+from lightning_modules.backbones import MLPBackbone
 
 
 @pytest.fixture(autouse=True)

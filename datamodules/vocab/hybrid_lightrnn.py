@@ -1,0 +1,268 @@
+"""Hybrid-LightRNN vocabulary: frequent words own a code, the others a (row, column) cell.
+
+The encoding table of the paper (section "Increasing the Capacity for Frequent Words") is
+
+    A = [ D    UNK ]
+        [ UNK  L   ]
+
+``D`` is diagonal: the K most frequent words are written as one exclusive code each. ``L`` is
+a dense d1 x d2 table: every other word owns one cell (r, c) and is written as the two codes
+(row r, column c). The off-diagonal blocks are the invalid code pairs; they decode to
+``<unk>``. Rows and columns get distinct codes, so the output layer has
+``K + d1 + d2`` classes:
+
+    codes 0 .. K-1               the K most frequent words, by decreasing frequency
+    codes K .. K+d1-1            the rows of L (first code of a rare word)
+    codes K+d1 .. K+d1+d2-1      the columns of L (second code of a rare word)
+
+The table (which cell each rare word owns) is re-learnt during training by
+:mod:`datamodules.vocab.table_assignment`; it is part of the state dict, so a resumed run continues
+with the table it had.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from datamodules.vocab.word import EOS, WordVocab
+
+
+class HybridLightRNNVocab:
+    """Words -> code sequences (1 code for frequent words, 2 for the others) and back.
+
+    Args:
+        words: the word vocabulary (ids sorted by decreasing frequency).
+        num_frequent: K, the words with an exclusive code (ids ``0 .. K-1`` of ``words``).
+        rows, cols: d1 x d2, the size of the shared table; ``K + d1 * d2 >= len(words)``.
+        cells: for each rare word ``K + i``, its cell ``r * cols + c`` (default: frequency
+            order, row by row).
+    """
+
+    def __init__(
+        self,
+        words: WordVocab,
+        num_frequent: int,
+        rows: int,
+        cols: int,
+        cells: Sequence[int] | torch.Tensor | None = None,
+    ) -> None:
+        for name, value in (("num_frequent", num_frequent), ("rows", rows), ("cols", cols)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"Hybrid-LightRNN {name} must be a positive integer, got {value!r}"
+                )
+        if num_frequent + rows * cols < len(words):
+            raise ValueError(
+                f"Hybrid-LightRNN table too small: K + d1*d2 = {num_frequent} + {rows}*{cols} = "
+                f"{num_frequent + rows * cols} < {len(words)} words; raise K (frequent), d1 (rows) "
+                f"or d2 (cols)"
+            )
+        if words.eos_id >= num_frequent:
+            raise ValueError(
+                f"{EOS} is word {words.eos_id} by frequency: num_frequent (K = {num_frequent}) "
+                f"must be larger so that it keeps an exclusive code"
+            )
+        self.words = words
+        self.num_frequent = num_frequent
+        self.rows = rows
+        self.cols = cols
+        self.num_rare = max(len(words) - num_frequent, 0)
+        self.eos_id = words.eos_id  # a frequent word: its code id is its word id
+        self.unk_id = words.unk_id  # a word id: what invalid code sequences decode to
+        self.itos = (
+            words.itos[:num_frequent]
+            + [f"<row{r}>" for r in range(rows)]
+            + [f"<col{c}>" for c in range(cols)]
+        )
+        self.set_cells(torch.arange(self.num_rare) if cells is None else cells)
+
+    # -- construction --------------------------------------------------------------------
+    @classmethod
+    def build(
+        cls,
+        lines: Iterable[str],
+        num_frequent: int,
+        rows: int | None = None,
+        cols: int | None = None,
+        init: str = "frequency",
+        seed: int = 0,
+        max_size: int | None = None,
+    ) -> HybridLightRNNVocab:
+        """Word vocabulary from ``lines``, then the table. Missing sides fit the n rare words:
+        ``rows = ceil(sqrt(n))`` and ``cols = ceil(n / rows)`` (nearly square, the fewest codes)."""
+        words = WordVocab.build(lines, max_size)
+        rare = max(len(words) - num_frequent, 1)
+        if rows is None and cols is None:
+            rows = math.ceil(math.sqrt(rare))
+        if cols is None:
+            cols = math.ceil(rare / rows) if isinstance(rows, int) and rows > 0 else rows
+        if rows is None:
+            rows = math.ceil(rare / cols) if isinstance(cols, int) and cols > 0 else cols
+        return cls(words, num_frequent, rows, cols, cls.initial_cells(rare, rows, cols, init, seed))
+
+    @staticmethod
+    def initial_cells(num_rare: int, rows: int, cols: int, init: str, seed: int) -> torch.Tensor:
+        """``frequency``: rare words fill the table row by row in frequency order;
+        ``random``: a random injective placement (seeded)."""
+        if init == "frequency":
+            return torch.arange(num_rare)
+        if init == "random":
+            generator = torch.Generator().manual_seed(seed)
+            return torch.randperm(rows * cols, generator=generator)[:num_rare]
+        raise ValueError(f"Hybrid-LightRNN init must be 'frequency' or 'random', got {init!r}")
+
+    def set_cells(self, cells: Sequence[int] | torch.Tensor) -> None:
+        """Install a new table (cell of each rare word); it must be injective."""
+        cells = torch.as_tensor(cells, dtype=torch.long).flatten().clone()
+        if cells.numel() != self.num_rare:
+            raise ValueError(f"expected a cell for each of {self.num_rare} rare words")
+        size = self.rows * self.cols
+        if cells.numel() and (cells.min() < 0 or cells.max() >= size):
+            raise ValueError(f"cells must lie in [0, {size})")
+        if torch.unique(cells).numel() != cells.numel():
+            raise ValueError("two words share a table cell: the table must be a bijection")
+        self.cells = cells
+        # cell -> word id (-1: unused cell, decodes to <unk>)
+        self.word_at = torch.full((size,), -1, dtype=torch.long)
+        self.word_at[cells] = torch.arange(self.num_rare) + self.num_frequent
+        # word id -> its codes; second code -1 for frequent words
+        K, n = self.num_frequent, len(self.words)
+        codes = torch.full((n, 2), -1, dtype=torch.long)
+        codes[: min(K, n), 0] = torch.arange(min(K, n))
+        codes[K:, 0] = K + cells // self.cols
+        codes[K:, 1] = K + self.rows + cells % self.cols
+        self.word_codes = codes
+
+    # -- sizes and code kinds ----------------------------------------------------------
+    def __len__(self) -> int:
+        """Number of codes: the output layer's vocabulary size."""
+        return self.num_frequent + self.rows + self.cols
+
+    @property
+    def num_codes(self) -> int:
+        return len(self)
+
+    @property
+    def row_codes(self) -> range:
+        return range(self.num_frequent, self.num_frequent + self.rows)
+
+    @property
+    def col_codes(self) -> range:
+        return range(self.num_frequent + self.rows, len(self))
+
+    @property
+    def word_start_mask(self) -> torch.Tensor:
+        """``[num_codes]`` bool: codes that begin a word (frequent codes and rows), so the
+        number of words in a stretch of codes is the number of these."""
+        mask = torch.ones(len(self), dtype=torch.bool)
+        mask[self.num_frequent + self.rows :] = False
+        return mask
+
+    def table(self) -> torch.Tensor:
+        """``[rows, cols]`` word ids of the L table (-1 where unused)."""
+        return self.word_at.view(self.rows, self.cols)
+
+    # -- encoding ------------------------------------------------------------------------
+    def encode_word_ids(self, word_ids: torch.Tensor) -> torch.Tensor:
+        """Word-id stream -> code stream (one code per frequent word, two per rare word)."""
+        codes = self.word_codes[word_ids]  # [n, 2]
+        return codes[codes >= 0]  # row-major: keeps (row, col) order, drops the -1 padding
+
+    def encode_line(self, line: str, add_eos: bool = True) -> list[int]:
+        word_ids = torch.tensor(self.words.encode_line(line, add_eos), dtype=torch.long)
+        return self.encode_word_ids(word_ids).tolist()
+
+    # -- decoding (generated sequences may be invalid) -------------------------------------
+    def decode_word_ids(self, codes: Iterable[int]) -> list[int]:
+        """Code sequence -> word ids. Invalid pieces become ``<unk>``: a column code without a
+        row before it, a row code not followed by a column code (also at the end), an unused
+        cell."""
+        K, R = self.num_frequent, self.rows
+        out: list[int] = []
+        pending_row: int | None = None
+        for code in codes:
+            code = int(code)
+            if not 0 <= code < len(self):
+                raise ValueError(f"code {code} is outside [0, {len(self)})")
+            if code >= K + R:  # a column
+                if pending_row is None:
+                    out.append(self.unk_id)
+                else:
+                    word = int(self.word_at[pending_row * self.cols + code - K - R])
+                    out.append(word if word >= 0 else self.unk_id)
+                pending_row = None
+                continue
+            if pending_row is not None:  # row without its column
+                out.append(self.unk_id)
+                pending_row = None
+            if code >= K:
+                pending_row = code - K
+            else:
+                out.append(code)
+        if pending_row is not None:
+            out.append(self.unk_id)
+        return out
+
+    def decode(self, ids: Iterable[int]) -> list[str]:
+        """Code sequence -> words (like ``WordVocab.decode`` on the word ids)."""
+        return self.words.decode(self.decode_word_ids(ids))
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        """The text back, ``<unk>`` and ``<eos>`` dropped."""
+        return self.words.detokenize(self.decode_word_ids(ids))
+
+    # -- identity and state ----------------------------------------------------------------
+    def same_structure(self, other: HybridLightRNNVocab) -> bool:
+        """Same words and same table shape (the table itself may differ)."""
+        return self.words == other.words and (self.num_frequent, self.rows, self.cols) == (
+            other.num_frequent,
+            other.rows,
+            other.cols,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, HybridLightRNNVocab)
+            and self.same_structure(other)
+            and torch.equal(self.cells, other.cells)
+        )
+
+    def fingerprint(self) -> str:
+        text = f"{self.words.fingerprint()} {self.num_frequent} {self.rows} {self.cols} "
+        text += ",".join(map(str, self.cells.tolist()))
+        return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+    def state_dict(self) -> dict:
+        return {
+            "type": "hybrid_lightrnn",
+            "words": self.words.state_dict(),
+            "num_frequent": self.num_frequent,
+            "rows": self.rows,
+            "cols": self.cols,
+            "cells": self.cells.tolist(),
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> HybridLightRNNVocab:
+        if state.get("type") != "hybrid_lightrnn":
+            raise ValueError(f"not a Hybrid-LightRNN vocabulary state (type {state.get('type')!r})")
+        return cls(
+            WordVocab.from_state_dict(state["words"]),
+            state["num_frequent"],
+            state["rows"],
+            state["cols"],
+            state["cells"],
+        )
+
+    def table_text(self, max_rows: int = 10, max_words: int = 12) -> str:
+        """Some rows of L with their words, as Table 6 of the paper (for TensorBoard)."""
+        lines = []
+        table = self.table()
+        for r in range(min(self.rows, max_rows)):
+            words = [self.words.itos[w] for w in table[r].tolist() if w >= 0][:max_words]
+            lines.append(f"row {r}: " + " ".join(words))
+        return "\n".join(lines)

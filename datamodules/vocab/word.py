@@ -1,0 +1,90 @@
+"""Word-level vocabulary: whitespace tokens, ids sorted by decreasing training frequency."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Iterable
+
+UNK = "<unk>"
+EOS = "<eos>"
+
+
+class WordVocab:
+    """Maps words to ids and back.
+
+    Ids are sorted by decreasing training frequency (ties by first occurrence), id 0 upward,
+    so that frequency-dependent heads (Mixtape gate sharing, adaptive softmax cut-offs) can
+    rely on it. The two special tokens ``<eos>`` (appended at each line end) and ``<unk>``
+    (any word not in the vocabulary) are ordinary entries placed by their own frequency;
+    ``<unk>`` is always present, with count 0 if the corpus never uses it.
+    """
+
+    def __init__(self, tokens: list[str], counts: list[int]) -> None:
+        if len(tokens) != len(set(tokens)):
+            raise ValueError("vocabulary tokens must be unique")
+        if UNK not in tokens or EOS not in tokens:
+            raise ValueError(f"vocabulary must contain {UNK} and {EOS}")
+        self.itos = list(tokens)
+        self.counts = list(counts)
+        self.stoi = {token: i for i, token in enumerate(self.itos)}
+        self.unk_id = self.stoi[UNK]
+        self.eos_id = self.stoi[EOS]
+
+    @classmethod
+    def build(cls, lines: Iterable[str], max_size: int | None = None) -> WordVocab:
+        """Count words (plus one ``<eos>`` per line) and keep the ``max_size`` most frequent."""
+        counter: Counter[str] = Counter()
+        for line in lines:
+            counter.update(line.split())
+            counter[EOS] += 1
+        if not counter or counter[EOS] == 0:
+            raise ValueError("cannot build a vocabulary from an empty corpus")
+        counter.setdefault(UNK, 0)
+        if max_size is not None and len(counter) > max_size:
+            if max_size < 3:
+                raise ValueError(f"max_size must leave room for {EOS}, {UNK} and a word")
+            specials = (EOS, UNK)
+            words = [t for t, _ in counter.most_common() if t not in specials][: max_size - 2]
+            kept = Counter({t: counter[t] for t in words})
+            kept[EOS] = counter[EOS]
+            # every dropped word becomes <unk>
+            kept[UNK] = sum(counter.values()) - sum(kept.values())
+            counter = kept
+        # most_common is a stable sort: ties keep first-occurrence order.
+        ranked = counter.most_common()
+        return cls([t for t, _ in ranked], [c for _, c in ranked])
+
+    def __len__(self) -> int:
+        return len(self.itos)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, WordVocab) and self.itos == other.itos
+
+    def encode_line(self, line: str, add_eos: bool = True) -> list[int]:
+        ids = [self.stoi.get(word, self.unk_id) for word in line.split()]
+        if add_eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: Iterable[int]) -> list[str]:
+        return [self.itos[i] for i in ids]
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        """The text back: words joined by spaces, ``<unk>`` and ``<eos>`` dropped."""
+        return " ".join(self.itos[i] for i in ids if i not in (self.unk_id, self.eos_id))
+
+    def fingerprint(self) -> str:
+        """Short stable hash of the token list, for error messages and caches."""
+        return hashlib.sha1("\n".join(self.itos).encode()).hexdigest()[:12]
+
+    def state_dict(self) -> dict:
+        return {"type": "word", "tokens": self.itos, "counts": self.counts}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> WordVocab:
+        return cls(state["tokens"], state["counts"])
+
+    def to_json(self) -> str:
+        return json.dumps(self.state_dict())

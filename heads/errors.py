@@ -1,0 +1,15 @@
+"""The project's user errors: every one derives from :class:`UserError`.
+
+A ``UserError`` means "fix your config, data or command line": ``cli.py`` prints its message as
+one line (exit status 2) instead of a stack trace. Each layer defines its own subclasses
+(``datamodules/errors.py``, ``lightning_modules/errors.py``); the base lives here, in the lowest
+layer, so that every layer can derive from it.
+"""
+
+
+class UserError(Exception):
+    """An error the user fixes in their config, data or command line; its message names what."""
+
+
+class HeadConfigError(UserError, ValueError):
+    """A head option that cannot work (bad K, ratio, sizes...)."""

@@ -1,0 +1,96 @@
+"""Multi-layer LSTM language-model backbone with the usual (locked) dropouts."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_modules.backbones.base import LMBackbone
+
+
+class LockedDropout(nn.Module):
+    """Variational dropout: one mask per sequence, shared over time (Gal & Ghahramani)."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {p}")
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, T, D]
+        if not self.training or self.p == 0.0:
+            return x
+        mask = x.new_empty(x.size(0), 1, x.size(2)).bernoulli_(1 - self.p) / (1 - self.p)
+        return x * mask
+
+
+class LSTMBackbone(LMBackbone):
+    """Embedding -> ``num_layers`` LSTMs -> context vectors.
+
+    Args:
+        vocab_size: linked from the data module by the CLI.
+        embedding_size: input embedding size (equal to the head's ``embedding_size`` for tying).
+        hidden_size: size of every LSTM layer but the last.
+        num_layers: number of stacked LSTM layers.
+        output_size: size of the last layer, i.e. of the context vectors given to the head.
+            Default: ``hidden_size``.
+        input_dropout: locked dropout on the embedded inputs.
+        hidden_dropout: locked dropout between LSTM layers.
+        output_dropout: locked dropout on the last layer's output.
+    """
+
+    carries_state = True
+
+    @classmethod
+    def output_size_from(cls, init_args: Mapping[str, Any]) -> int:
+        return init_args.get("output_size") or init_args.get("hidden_size", 200)
+
+    def __init__(
+        self,
+        vocab_size: int,
+        embedding_size: int = 200,
+        hidden_size: int = 200,
+        num_layers: int = 2,
+        output_size: int | None = None,
+        input_dropout: float = 0.2,
+        hidden_dropout: float = 0.2,
+        output_dropout: float = 0.2,
+    ) -> None:
+        super().__init__()
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be at least 1, got {num_layers}")
+        self.output_size = hidden_size if output_size is None else output_size
+        self.embedding = nn.Embedding(vocab_size, embedding_size)
+        nn.init.uniform_(self.embedding.weight, -0.1, 0.1)
+        sizes = [embedding_size] + [hidden_size] * (num_layers - 1) + [self.output_size]
+        self.layers = nn.ModuleList(
+            nn.LSTM(sizes[i], sizes[i + 1], batch_first=True) for i in range(num_layers)
+        )
+        self.input_dropout = LockedDropout(input_dropout)
+        self.hidden_dropout = LockedDropout(hidden_dropout)
+        self.output_dropout = LockedDropout(output_dropout)
+
+    def forward(
+        self, tokens: torch.Tensor, state: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        x = self.input_dropout(self.embedding(tokens))
+        new_state = []
+        with _cpu_recurrence_in_float32(x):
+            for i, layer in enumerate(self.layers):
+                x, layer_state = layer(x, None if state is None else state[i])
+                new_state.append(layer_state)
+                if i < len(self.layers) - 1:
+                    x = self.hidden_dropout(x)
+        return self.output_dropout(x), new_state
+
+
+def _cpu_recurrence_in_float32(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """oneDNN has no bf16 LSTM kernel without AVX-512, so CPU autocast would crash on most
+    CPUs; the recurrence is cheap next to the output layer, so it runs in float32 there."""
+    if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        return torch.autocast("cpu", enabled=False)
+    return contextlib.nullcontext()

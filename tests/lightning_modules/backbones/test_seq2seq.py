@@ -1,0 +1,91 @@
+import pytest
+import torch
+
+from lightning_modules.backbones import Seq2SeqTransformer
+from lightning_modules.backbones.seq2seq import sinusoidal_positions
+
+SRC_V, TGT_V, D = 23, 17, 16
+
+
+def make(**kwargs) -> Seq2SeqTransformer:
+    torch.manual_seed(0)
+    return Seq2SeqTransformer(SRC_V, TGT_V, model_size=D, num_heads=2, encoder_layers=2,
+                              decoder_layers=2, feedforward_size=32, **kwargs).eval()  # fmt: skip
+
+
+def batch(pad_value: int = 0):
+    source = torch.randint(0, SRC_V, (3, 7))
+    padding = torch.zeros(3, 7, dtype=torch.bool)
+    padding[0, 4:] = True
+    padding[2, 6:] = True
+    source[padding] = pad_value
+    target = torch.randint(0, TGT_V, (3, 5))
+    return source, padding, target
+
+
+def test_shapes_and_positions():
+    model = make()
+    source, padding, target = batch()
+    assert model(source, padding, target).shape == (3, 5, D)
+    table = sinusoidal_positions(10, 8)
+    assert torch.allclose(table[3, 0], torch.tensor(3.0).sin())
+    assert torch.allclose(table[3, 1], torch.tensor(3.0).cos())
+    with pytest.raises(ValueError, match="exceeds max_length 4"):
+        Seq2SeqTransformer(SRC_V, TGT_V, model_size=D, num_heads=2, max_length=4)(
+            source, padding, target
+        )
+
+
+def test_no_attention_to_source_padding():
+    """Other ids, or more padding, at padded source positions leave every output unchanged."""
+    model = make()
+    torch.manual_seed(1)
+    source, padding, target = batch(pad_value=0)
+    reference = model(source, padding, target)
+    other = source.clone()
+    other[padding] = torch.randint(1, SRC_V, (int(padding.sum()),))
+    torch.testing.assert_close(model(other, padding, target), reference)
+    longer = torch.cat((source, torch.randint(0, SRC_V, (3, 4))), dim=1)
+    longer_padding = torch.cat((padding, torch.ones(3, 4, dtype=torch.bool)), dim=1)
+    torch.testing.assert_close(model(longer, longer_padding, target), reference)
+    # the encoder's real positions do not depend on the padding either
+    memory = model.encode(other, padding)
+    torch.testing.assert_close(memory[~padding], model.encode(source, padding)[~padding])
+    # and a real source token does matter (the check above can fail)
+    changed = source.clone()
+    changed[0, 0] = (changed[0, 0] + 1) % SRC_V
+    assert not torch.allclose(model(changed, padding, target)[0], reference[0])
+
+
+def test_decoder_is_causal():
+    """Changing target tokens after position t leaves outputs up to t unchanged."""
+    model = make()
+    source, padding, target = batch()
+    reference = model(source, padding, target)
+    for t in range(target.size(1) - 1):
+        changed = target.clone()
+        changed[:, t + 1 :] = (changed[:, t + 1 :] + 1) % TGT_V
+        out = model(source, padding, changed)
+        torch.testing.assert_close(out[:, : t + 1], reference[:, : t + 1])
+        assert not torch.allclose(out[:, t + 1 :], reference[:, t + 1 :])
+
+
+def test_shared_embeddings():
+    model = Seq2SeqTransformer(20, 20, model_size=D, num_heads=2, share_embeddings=True)
+    assert model.source_embedding is model.embedding
+    assert sum(p.numel() for p in model.parameters() if p.dim() == 2 and p.size(0) == 20) == 20 * D
+    assert make().source_embedding is not make().embedding
+    with pytest.raises(ValueError, match="data.joint_vocab"):
+        Seq2SeqTransformer(20, 21, model_size=D, num_heads=2, share_embeddings=True)
+
+
+def test_incremental_decoding_equals_the_full_decoder():
+    model = make()
+    source, padding, target = batch()
+    memory = model.encode(source, padding)
+    full = model.decode(target, memory, padding)
+    cache = None
+    for t in range(target.size(1)):
+        last, cache = model.decode_step(target[:, : t + 1], memory, padding, cache)
+        torch.testing.assert_close(last, full[:, t], rtol=1e-5, atol=1e-5)
+        assert [c.size(1) for c in cache] == [t + 1] * 2

@@ -1,0 +1,23 @@
+import pytest
+import torch
+
+from lightning_modules.backbones import TransformerBackbone
+
+
+def test_is_causal():
+    torch.manual_seed(0)
+    model = TransformerBackbone(30, embedding_size=16, num_heads=2, num_layers=2).eval()
+    tokens = torch.randint(0, 30, (2, 9))
+    out, state = model(tokens)
+    assert out.shape == (2, 9, 16) and state is None
+    changed = tokens.clone()
+    changed[:, 6:] = (changed[:, 6:] + 1) % 30
+    out_changed, _ = model(changed)
+    torch.testing.assert_close(out_changed[:, :6], out[:, :6])  # the past ignores the future
+    assert not torch.allclose(out_changed[:, 6:], out[:, 6:])
+
+
+def test_rejects_too_long_sequences():
+    model = TransformerBackbone(30, embedding_size=8, num_heads=2, max_length=4)
+    with pytest.raises(ValueError, match="max_length"):
+        model(torch.zeros(1, 5, dtype=torch.long))
