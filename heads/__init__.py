@@ -1,7 +1,7 @@
 """Output layers behind one contract (see heads/base.py and DESIGN.md)."""
 
 from heads.adaptive import AdaptiveSoftmaxHead
-from heads.base import IGNORE_INDEX, Head, HeadOutput
+from heads.base import IGNORE_INDEX, Head, HeadOutput, HeadSetup
 from heads.ds_softmax import DSSoftmaxHead
 from heads.errors import HeadConfigError, UserError
 from heads.mixtape import MixtapeHead
@@ -15,6 +15,7 @@ __all__ = [
     "Head",
     "HeadConfigError",
     "HeadOutput",
+    "HeadSetup",
     "MixtapeHead",
     "MoSHead",
     "SoftmaxHead",

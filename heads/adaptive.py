@@ -5,13 +5,18 @@ cluster i projects the hidden state to ``d / div^i`` before its own classifier (
 "Adapting the classifier capacity"). ``log P(w) = log P_head(cluster(w)) + log P_i(w)``
 (Eq. 3 of the two-level model), and the loss evaluates only the clusters the batch's targets
 fall in.
+
+``cutoffs="auto"`` chooses the cut-offs by the paper's dynamic program (Eq. 8) on a cost model
+of the device the model trains on: at construction a fixed reference model (the same on every
+process, no timing), then in :meth:`setup` the model timed on the training device by rank 0
+and shared with every rank; a checkpoint's cut-offs are adopted when it is loaded.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -21,13 +26,24 @@ from heads.adaptive_cutoffs import CostModel, calibrate, optimal_cutoffs, zipf_p
 from heads.base import (
     Head,
     HeadOutput,
+    HeadSetup,
+    check_label_smoothing,
     float32_no_autocast,
     upcast,
 )
-from heads.cross_entropy import linear_cross_entropy_nll
-from heads.errors import HeadConfigError
+from heads.cross_entropy import linear_cross_entropy_nll, linear_log_normaliser
+from heads.errors import CheckpointMismatchError, HeadConfigError
 
 log = logging.getLogger(__name__)
+
+_EXTRA_STATE = "_extra_state"
+
+
+def reference_cost_model(hidden_size: int) -> CostModel:
+    """The cost model ``auto`` uses before :meth:`AdaptiveSoftmaxHead.setup` times the real
+    device: 0.05 ms per product, 10^12 multiply-adds per second, no saving below 2^15 output
+    entries. Deterministic, so every process builds the same head."""
+    return CostModel(c=0.05, lam=hidden_size / 1e9, k0b0=float(2**15))
 
 
 class AdaptiveSoftmaxHead(Head):
@@ -42,13 +58,13 @@ class AdaptiveSoftmaxHead(Head):
         div_value: tail cluster i works in ``d // div_value**i`` dimensions.
         head_bias: learn a bias for the head classifier.
         num_clusters: for ``auto``: the number of tail clusters J (the paper uses 2 to 5), or
-            ``None`` for the J in 1..4 with the least modelled cost (usually the most: the
-            model charges nothing for the capacity lost in deep clusters).
-        cost_model: for ``auto``: ``{c, lam, k0b0}`` of ``g(k, B)`` in ms, or ``None`` to measure
-            them on this machine (cached per device and hidden size, and logged).
+            ``None`` for the J in 1..4 with the least modelled cost. Where the vocabulary or
+            ``d / div^J`` is too small for J clusters, fewer are used (with a warning).
+        cost_model: for ``auto``: ``{c, lam, k0b0}`` of ``g(k, B)`` in ms, or ``None`` to time
+            the training device in :meth:`setup` (cached per device and hidden size).
         calibration_batch: for ``auto``: the batch size B (tokens per step) the cost is for.
-        token_counts: for ``auto``: training counts per id; default a Zipf law over the
-            frequency-sorted ids.
+        token_counts: for ``auto``: training counts per id; default the counts the data
+            module reports in :meth:`setup`, else a Zipf law over the frequency-sorted ids.
     """
 
     def __init__(
@@ -66,19 +82,37 @@ class AdaptiveSoftmaxHead(Head):
         super().__init__(hidden_size, vocab_size)
         if div_value < 1:
             raise HeadConfigError(f"AdaptiveSoftmaxHead div_value must be >= 1, got {div_value}")
+        if token_counts is not None and len(token_counts) != vocab_size:
+            raise HeadConfigError(
+                f"token_counts has {len(token_counts)} entries for {vocab_size} classes"
+            )
         self.div_value = div_value
-        if cutoffs == "auto":
-            cutoffs = self._auto_cutoffs(num_clusters, cost_model, calibration_batch, token_counts)
-        self.cutoffs = self._check_cutoffs(list(cutoffs), vocab_size)
-        self.shortlist_size = self.cutoffs[0]
-        self.num_clusters = len(self.cutoffs) - 1
+        self.head_bias = head_bias
+        self.auto = cutoffs == "auto"
+        self.num_clusters_wanted = num_clusters
+        self.cost_model = CostModel(**cost_model) if cost_model else None
+        self.calibration_batch = calibration_batch
+        self.token_counts = None if token_counts is None else list(token_counts)
+        if self.auto:
+            model = self.cost_model or reference_cost_model(hidden_size)
+            cutoffs = self._choose_cutoffs(model, self._probabilities(self.token_counts))
+        self._build(self._check_cutoffs(list(cutoffs), vocab_size))
+
+    def _build(self, cutoffs: list[int], like: torch.Tensor | None = None) -> None:
+        """(Re)create the classifiers for ``cutoffs`` (ending in ``vocab_size``), on the device
+        and dtype of ``like`` when given."""
+        self.cutoffs = cutoffs
+        self.shortlist_size = cutoffs[0]
+        self.num_clusters = len(cutoffs) - 1
+        factory = {} if like is None else {"device": like.device, "dtype": like.dtype}
         # cluster starts, to find each target's cluster in forward (moves with the module)
-        self.register_buffer("cluster_starts", torch.tensor(self.cutoffs[:-1]), persistent=False)
-        bounds = self.cutoffs
-        self.head = nn.Linear(hidden_size, self.shortlist_size + self.num_clusters, head_bias)
+        starts = torch.tensor(cutoffs[:-1], device=factory.get("device"))
+        self.register_buffer("cluster_starts", starts, persistent=False)
+        d = self.hidden_size
+        self.head = nn.Linear(d, self.shortlist_size + self.num_clusters, self.head_bias, **factory)
         self.tail = nn.ModuleList()
         for i in range(1, self.num_clusters + 1):
-            reduced = int(hidden_size // div_value**i)
+            reduced = int(d // self.div_value**i)
             if reduced < 1:
                 raise HeadConfigError(
                     f"AdaptiveSoftmaxHead tail cluster {i} would have hidden_size // div_value^{i}"
@@ -86,8 +120,8 @@ class AdaptiveSoftmaxHead(Head):
                 )
             self.tail.append(
                 nn.Sequential(
-                    nn.Linear(hidden_size, reduced, bias=False),
-                    nn.Linear(reduced, bounds[i] - bounds[i - 1], bias=False),
+                    nn.Linear(d, reduced, bias=False, **factory),
+                    nn.Linear(reduced, cutoffs[i] - cutoffs[i - 1], bias=False, **factory),
                 )
             )
 
@@ -109,51 +143,109 @@ class AdaptiveSoftmaxHead(Head):
             )
         return [*cutoffs, vocab_size]
 
-    def _auto_cutoffs(
-        self,
-        num_clusters: int | None,
-        cost_model: dict[str, float] | None,
-        batch: int,
-        token_counts: Sequence[int] | None,
-    ) -> list[int]:
-        if token_counts is not None:
-            if len(token_counts) != self.vocab_size:
-                raise HeadConfigError(
-                    f"token_counts has {len(token_counts)} entries for {self.vocab_size} classes"
-                )
-            probs = np.asarray(token_counts, dtype=np.float64) + 1e-12
-            probs /= probs.sum()
-        else:
-            probs = zipf_probabilities(self.vocab_size)
-        model = CostModel(**cost_model) if cost_model else calibrate(self.hidden_size)
-        choices = [num_clusters] if num_clusters else range(1, 5)
-        options = [
-            optimal_cutoffs(probs, j, model, float(batch))
-            for j in choices
-            if j < self.vocab_size and self.hidden_size // self.div_value**j >= 1
+    # -- "auto": the dynamic program on a cost model ---------------------------------------
+    def _probabilities(self, counts: Sequence[int] | np.ndarray | None) -> np.ndarray:
+        if counts is None:
+            return zipf_probabilities(self.vocab_size)
+        probs = np.asarray(counts, dtype=np.float64) + 1e-12
+        return probs / probs.sum()
+
+    def _choose_cutoffs(self, model: CostModel, probs: np.ndarray) -> list[int]:
+        """Eq. 8's least-cost cut-offs for the wanted number of clusters, or for fewer where
+        the vocabulary or the reduced tail dimensions leave no room for that many."""
+        feasible = [
+            j
+            for j in range(
+                1, 5 if self.num_clusters_wanted is None else self.num_clusters_wanted + 1
+            )
+            if j < self.vocab_size - 1 and self.hidden_size // self.div_value**j >= 1
         ]
-        if not options:
-            raise HeadConfigError("no cut-offs fit this vocabulary and hidden size")
+        if not feasible:
+            raise HeadConfigError(
+                f"AdaptiveSoftmaxHead has no room for a tail cluster: vocab_size "
+                f"{self.vocab_size} and hidden_size {self.hidden_size} // div_value "
+                f"{self.div_value} must both be at least 2; use SoftmaxHead"
+            )
+        wanted = self.num_clusters_wanted
+        if wanted is not None and wanted not in feasible:
+            log.warning(
+                "adaptive softmax: %d tail clusters do not fit vocab_size %d and hidden_size %d "
+                "(div_value %s); using %d",
+                wanted, self.vocab_size, self.hidden_size, self.div_value, max(feasible),
+            )  # fmt: skip
+            feasible = [max(feasible)]
+        elif wanted is not None:
+            feasible = [wanted]
+        batch = float(self.calibration_batch)
+        options = [optimal_cutoffs(probs, j, model, batch) for j in feasible]
         cuts, cost = min(options, key=lambda option: option[1])
         log.info("adaptive softmax cut-offs %s (modelled %.3f ms/step, %s)", cuts, cost, model)
         return cuts
 
-    # -- checkpoints: the cut-offs are structure, and "auto" may pick others elsewhere ----
+    def setup(self, context: HeadSetup) -> None:
+        """``auto``: the cut-offs for the training device (timed there by rank 0 only, unless a
+        ``cost_model`` is given) and the data's token counts; rebuilt if they differ from the
+        provisional ones. Given cut-offs: nothing."""
+        if not self.auto:
+            return
+        counts = self.token_counts if self.token_counts is not None else context.token_counts
+        if counts is not None and len(counts) != self.vocab_size:
+            counts = None  # counts of another vocabulary (e.g. words under codes): Zipf
+
+        def decide() -> list[int]:
+            model = self.cost_model or calibrate(self.hidden_size, context.device)
+            return self._choose_cutoffs(model, self._probabilities(counts))
+
+        cutoffs = [int(c) for c in context.decide_once(decide)]
+        if cutoffs != self.cutoffs:
+            self._build(cutoffs, like=self.head.weight)
+
+    # -- checkpoints: the cut-offs are structure ---------------------------------------------
     def get_extra_state(self) -> dict:
         return {"cutoffs": self.cutoffs, "div_value": self.div_value}
 
     def set_extra_state(self, state: dict) -> None:
         if list(state["cutoffs"]) != self.cutoffs or state["div_value"] != self.div_value:
-            raise HeadConfigError(
-                f"the checkpoint's AdaptiveSoftmaxHead has cutoffs {state['cutoffs'][:-1]} and "
-                f"div_value {state['div_value']}, this one {self.cutoffs[:-1]} and "
-                f"{self.div_value}: pass --model.head.init_args.cutoffs "
-                f"'{state['cutoffs'][:-1]}' (and the same div_value)"
-            )
+            raise CheckpointMismatchError(self._mismatch(state))
+
+    def _mismatch(self, state: Mapping[str, Any]) -> str:
+        return (
+            f"the checkpoint's AdaptiveSoftmaxHead has cutoffs {list(state['cutoffs'])[:-1]} and "
+            f"div_value {state['div_value']}, this one {self.cutoffs[:-1]} and {self.div_value}: "
+            f"pass --model.head.init_args.cutoffs '{list(state['cutoffs'])[:-1]}' (or auto) and "
+            f"the same div_value"
+        )
+
+    def _adopt(self, state: Mapping[str, Any] | None) -> None:
+        """``auto`` takes a checkpoint's cut-offs: it may have been decided on another device."""
+        if state is None or not self.auto or state["div_value"] != self.div_value:
+            return
+        if list(state["cutoffs"]) != self.cutoffs:
+            self._build(self._check_cutoffs(list(state["cutoffs"]), self.vocab_size),
+                        like=self.head.weight)  # fmt: skip
+
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        extra = state.get(_EXTRA_STATE)
+        if extra is not None and (
+            list(extra["cutoffs"]) != self.cutoffs or extra["div_value"] != self.div_value
+        ):
+            if not self.auto or extra["div_value"] != self.div_value:
+                raise CheckpointMismatchError(self._mismatch(extra))
+            return  # auto adopts them when loading
+        super().check_state_dict(state)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # adopt the saved cut-offs before the classifiers' weights are loaded (children load
+        # after their parent)
+        self._adopt(state_dict.get(prefix + _EXTRA_STATE))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # -- the contract -------------------------------------------------------------------
-    def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> HeadOutput:
+    def forward(
+        self, hidden: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0
+    ) -> HeadOutput:
         self.check_inputs(hidden, target)
+        check_label_smoothing(label_smoothing)
         keep = target >= 0
         # 0 for the short-list, i for tail cluster i, -1 where ignored
         # (a comparison per cluster start: far cheaper than bucketize for a handful of clusters)
@@ -165,26 +257,62 @@ class AdaptiveSoftmaxHead(Head):
         ).masked_fill(~keep, -100)
         # product and loss in one function per classifier: no [N, C] gradient in the backward
         nll = linear_cross_entropy_nll(hidden, self.head.weight, self.head.bias, head_target)
+        smoothing = None
+        if label_smoothing:
+            smoothing = self._smoothing(hidden, nll, head_target)
         # One sort groups the rows by cluster (ignored and short-list rows first), so each
         # tail cluster is a contiguous slice of one gather: one index_select (and one
         # scatter in its backward) for all tail clusters instead of one per cluster.
         order = torch.argsort(cluster)
         sizes = torch.bincount(cluster + 1, minlength=self.num_clusters + 2).tolist()
         tail_rows = order[sizes[0] + sizes[1] :]
-        if tail_rows.numel() == 0:
-            return self.output_from_target_log_prob(-nll, target)
-        tail_hidden = hidden.index_select(0, tail_rows)
-        tail_target = target.index_select(0, tail_rows)
-        cluster_nll, start = [], 0
-        for i, (tail, size) in enumerate(zip(self.tail, sizes[2:], strict=True), start=1):
-            if size == 0:
-                continue  # the loss only touches the clusters this batch needs
-            projected = tail[0](tail_hidden[start : start + size])  # d -> d / div^i
-            relative = tail_target[start : start + size] - self.cutoffs[i - 1]
-            cluster_nll.append(linear_cross_entropy_nll(projected, tail[1].weight, None, relative))
-            start += size
-        nll.index_add_(0, tail_rows, torch.cat(cluster_nll).to(nll.dtype))
-        return self.output_from_target_log_prob(-nll, target)
+        if tail_rows.numel():
+            tail_hidden = hidden.index_select(0, tail_rows)
+            tail_target = target.index_select(0, tail_rows)
+            cluster_nll, start = [], 0
+            for i, (tail, size) in enumerate(zip(self.tail, sizes[2:], strict=True), start=1):
+                if size == 0:
+                    continue  # the loss only touches the clusters this batch needs
+                projected = tail[0](tail_hidden[start : start + size])  # d -> d / div^i
+                relative = tail_target[start : start + size] - self.cutoffs[i - 1]
+                cluster_nll.append(
+                    linear_cross_entropy_nll(projected, tail[1].weight, None, relative)
+                )
+                start += size
+            nll = nll.index_add(0, tail_rows, torch.cat(cluster_nll).to(nll.dtype))
+        return self.output(nll, target, smoothing=smoothing, label_smoothing=label_smoothing)
+
+    def _smoothing(
+        self, hidden: torch.Tensor, head_nll: torch.Tensor, head_target: torch.Tensor
+    ) -> torch.Tensor:
+        """``mean_x(-log P(x))`` per row, every cluster for every row but no ``[N, V]``:
+        ``sum_x log P(x) = sum_{x in head} z_x + sum_i |C_i| z_{c_i} - V log Z_head
+        + sum_i (sum_{x in C_i} y_{i,x} - |C_i| log Z_i)``; logits are linear, so each sum of
+        logits is one product with a weighted sum of weight rows."""
+        head = self.head
+        sizes = [stop - start for start, stop in zip(self.cutoffs, self.cutoffs[1:], strict=False)]
+        with float32_no_autocast(hidden.device):
+            dtype = head_nll.dtype
+            h, w = hidden.to(dtype), head.weight.to(dtype)
+            # how often each head row counts in sum_x log P(x): once per short-list word, |C_i|
+            # times for cluster i's entry
+            counts = h.new_tensor([1.0] * self.shortlist_size + sizes)
+            rows = head_target.clamp_min(0)
+            head_log_normaliser = head_nll + (h * w.index_select(0, rows)).sum(-1)
+            total = h @ (counts @ w)
+            if head.bias is not None:
+                bias = head.bias.to(dtype)
+                head_log_normaliser = head_log_normaliser + bias.index_select(0, rows)
+                total = total + counts @ bias
+            total = total - self.vocab_size * head_log_normaliser
+            for tail, size in zip(self.tail, sizes, strict=True):
+                projected = tail[0](hidden)
+                weight = tail[1].weight
+                log_normaliser = linear_log_normaliser(projected, weight, None).to(dtype)
+                total = (
+                    total + projected.to(dtype) @ weight.to(dtype).sum(0) - size * log_normaliser
+                )
+        return -total / self.vocab_size
 
     def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:
         self.check_inputs(hidden)

@@ -2,25 +2,46 @@
 
 A head maps context vectors ``hidden [N, hidden_size]`` to a distribution over
 ``vocab_size`` class ids. It never assumes a backbone, a task or a vocabulary type.
+
+Beyond ``forward`` / ``log_prob`` / ``topk``, a task asks a head everything head-specific
+through the hooks below, which have defaults here; it never tests a head's type:
+
+- ``setup(context)``: once the training device is known (rank 0 decides what must be equal on
+  every DDP rank, e.g. adaptive cut-offs timed on that device);
+- ``check_state_dict(state)``: can this checkpoint's head state be loaded here (names the
+  option to fix when not);
+- ``load_pretrained(state)``: start from another trained head's weights where that makes sense;
+- ``training_log_prob(hidden)``: the distribution the loss trains, when it differs from the
+  inference one (DS-Softmax);
+- ``forward(..., label_smoothing=eps)``: the smoothed training loss, computed by each head
+  without a ``[N, V]`` tensor where it can; auxiliary losses stay in ``aux_loss``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from torch import nn
 
 from heads.cross_entropy import HALF_DTYPES, IGNORE_INDEX, cross_entropy_nll
-from heads.errors import HeadConfigError
+from heads.errors import CheckpointMismatchError, HeadConfigError
+
+T = TypeVar("T")
 
 
 @dataclass
 class HeadOutput:
     """What ``Head.forward`` returns.
 
-    loss: mean negative log-likelihood over the positions that are not ignored.
-    nll: ``[N]`` per-position negative log-likelihood, 0 where the target is ignored.
+    loss: the training loss, averaged over the positions that are not ignored: the mean
+        negative log-likelihood, or with label smoothing ``eps`` the mean of
+        ``(1 - eps) nll + eps * mean_x(-log p_x)`` (Szegedy et al. 2016).
+    nll: ``[N]`` per-position negative log-likelihood (never smoothed), 0 where ignored:
+        what perplexity and other metrics are computed from.
     aux_loss: scalar regulariser to add to the training loss (0 when the head has none).
     """
 
@@ -29,9 +50,34 @@ class HeadOutput:
     aux_loss: torch.Tensor
 
 
+def _run_here(decide: Callable[[], T]) -> T:
+    return decide()
+
+
+@dataclass
+class HeadSetup:
+    """What a head may need to know about the run it trains in (see :meth:`Head.setup`).
+
+    device: where the model trains.
+    decide_once: runs a function once (on rank 0 under DDP) and returns its result on every
+        rank, so that whatever a head decides from timings or other local facts is the same
+        everywhere. Outside DDP it simply calls the function.
+    token_counts: training count of every class id (``[vocab_size]``), when the data knows it.
+    """
+
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    decide_once: Callable[[Callable[[], Any]], Any] = _run_here
+    token_counts: np.ndarray | None = None
+
+
 def check_positive_int(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise HeadConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_label_smoothing(value: float) -> None:
+    if not 0.0 <= value < 1.0:
+        raise HeadConfigError(f"label_smoothing must be in [0, 1), got {value!r}")
 
 
 def float32_no_autocast(device: torch.device) -> torch.autocast:
@@ -64,10 +110,17 @@ class Head(nn.Module):
         """Exact normalised log-probabilities ``[N, vocab_size]`` in float32."""
         raise NotImplementedError
 
-    def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> HeadOutput:
+    def forward(
+        self, hidden: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0
+    ) -> HeadOutput:
+        """Loss of ``target`` (``-100`` ignored) from the full distribution; heads built for
+        speed override this."""
         self.check_inputs(hidden, target)
-        log_probs = self.log_prob(hidden)
-        return self.output_from_target_log_prob(self.gather_target(log_probs, target), target)
+        check_label_smoothing(label_smoothing)
+        log_probs = self.training_log_prob(hidden)
+        smoothing = -log_probs.mean(-1) if label_smoothing else None
+        nll = -self.gather_target(log_probs, target)
+        return self.output(nll, target, smoothing=smoothing, label_smoothing=label_smoothing)
 
     @torch.no_grad()
     def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +134,59 @@ class Head(nn.Module):
         """Share the output token embeddings with an input embedding ``[vocab_size, d]``."""
         raise HeadConfigError(f"{type(self).__name__} does not support weight tying")
 
+    # -- hooks a task calls; the defaults fit a head with a fixed structure ----------------
+    def setup(self, context: HeadSetup) -> None:
+        """Called by the task once the training device is known, before the optimizer and
+        the DDP wrapper are built and before a checkpoint is loaded. A head may change its
+        structure here (decided through ``context.decide_once``). Default: nothing."""
+
+    def training_log_prob(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The distribution the loss trains, ``[N, vocab_size]``; equals :meth:`log_prob`
+        unless the head infers from another one (DS-Softmax's sparse inference)."""
+        return self.log_prob(hidden)
+
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Refuse, with a message naming what to configure, a checkpoint's head state (keys
+        without the ``head.`` prefix) that :meth:`load_state_dict` could not load.
+        Default: the same names and shapes."""
+        expected = self.state_dict()
+        if set(state) != set(expected):
+            raise CheckpointMismatchError(
+                f"the checkpoint's head has other parameters than this {type(self).__name__} "
+                f"(missing {sorted(set(expected) - set(state))[:3]}, unexpected "
+                f"{sorted(set(state) - set(expected))[:3]}): configure the head it was trained with"
+            )
+        for name, value in expected.items():
+            saved = state[name]
+            if isinstance(saved, torch.Tensor) and saved.shape != value.shape:
+                raise CheckpointMismatchError(
+                    f"the checkpoint's {type(self).__name__} has {name} of shape "
+                    f"{tuple(saved.shape)}, this one {tuple(value.shape)}: set the head "
+                    f"options (sizes, components, cut-offs) the checkpoint was trained with"
+                )
+
+    def load_pretrained(self, state: Mapping[str, torch.Tensor]) -> bool:
+        """Start from another trained head's state (``pretrained_checkpoint``): loaded when it
+        has this head's names and shapes. Returns whether anything was loaded."""
+        own = self.state_dict()
+        if set(state) != set(own) or any(
+            isinstance(v, torch.Tensor) and state[k].shape != v.shape for k, v in own.items()
+        ):
+            return False
+        self.load_state_dict(state)
+        return True
+
     # -- helpers for subclasses ---------------------------------------------------------
+    def _tie(self, param_name: str, weight: nn.Parameter) -> None:
+        own = getattr(self, param_name)
+        if weight.shape != own.shape:
+            raise HeadConfigError(
+                f"cannot tie {type(self).__name__}.{param_name} of shape {tuple(own.shape)} "
+                f"to an embedding of shape {tuple(weight.shape)}: set the head's embedding_size "
+                f"to the backbone's embedding size ({weight.size(-1)})"
+            )
+        setattr(self, param_name, weight)
+
     def check_inputs(self, hidden: torch.Tensor, target: torch.Tensor | None = None) -> None:
         if hidden.dim() != 2 or hidden.size(-1) != self.hidden_size:
             raise ValueError(
@@ -100,28 +205,29 @@ class Head(nn.Module):
         return log_probs.gather(-1, safe_target).squeeze(-1)
 
     @staticmethod
-    def output_from_target_log_prob(
-        target_log_prob: torch.Tensor, target: torch.Tensor, aux_loss: torch.Tensor | None = None
+    def output(
+        nll: torch.Tensor,
+        target: torch.Tensor,
+        aux_loss: torch.Tensor | None = None,
+        smoothing: torch.Tensor | None = None,
+        label_smoothing: float = 0.0,
     ) -> HeadOutput:
-        """Build a :class:`HeadOutput` from ``log P(target)`` per position (float32)."""
+        """A :class:`HeadOutput` from the per-row NLL ``-log P(target)`` and, with label
+        smoothing, the per-row ``mean_x(-log p_x)``; both float32 (or float64), any value at
+        ignored rows (they are zeroed here)."""
         keep = target != IGNORE_INDEX
-        target_log_prob = upcast(target_log_prob)
-        nll = torch.where(keep, -target_log_prob, torch.zeros_like(target_log_prob))
+        nll = upcast(nll)
+        nll = torch.where(keep, nll, torch.zeros_like(nll))
         # clamp: an all-ignored batch gives loss 0, not NaN
-        loss = nll.sum() / keep.sum().clamp_min(1)
+        count = keep.sum().clamp_min(1)
+        if label_smoothing:
+            smoothing = torch.where(keep, upcast(smoothing), torch.zeros_like(nll))
+            loss = ((1 - label_smoothing) * nll + label_smoothing * smoothing).sum() / count
+        else:
+            loss = nll.sum() / count
         if aux_loss is None:
             aux_loss = nll.new_zeros(())
         return HeadOutput(loss=loss, nll=nll, aux_loss=aux_loss)
-
-    def _tie(self, param_name: str, weight: nn.Parameter) -> None:
-        own = getattr(self, param_name)
-        if weight.shape != own.shape:
-            raise HeadConfigError(
-                f"cannot tie {type(self).__name__}.{param_name} of shape {tuple(own.shape)} "
-                f"to an embedding of shape {tuple(weight.shape)}: set the head's embedding_size "
-                f"to the backbone's embedding size ({weight.size(-1)})"
-            )
-        setattr(self, param_name, weight)
 
 
 class SingleSoftmaxHead(Head):
@@ -142,12 +248,21 @@ class SingleSoftmaxHead(Head):
         with float32_no_autocast(hidden.device):
             return upcast(logits).log_softmax(dim=-1)
 
-    def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> HeadOutput:
+    def forward(
+        self, hidden: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0
+    ) -> HeadOutput:
         self.check_inputs(hidden, target)
+        check_label_smoothing(label_smoothing)
         logits = self.logits(hidden)
         with float32_no_autocast(hidden.device):
             nll = cross_entropy_nll(logits, target)  # float32 inside
-        return self.output_from_target_log_prob(-nll, target)
+            smoothing = None
+            if label_smoothing:
+                # mean_x(-log p_x) = logsumexp(z) - mean_x(z); logsumexp(z) = nll + z_target
+                logits = upcast(logits)
+                log_normaliser = nll + self.gather_target(logits, target)
+                smoothing = log_normaliser - logits.mean(-1)
+        return self.output(nll, target, smoothing=smoothing, label_smoothing=label_smoothing)
 
     def tie_output_embedding(self, weight: nn.Parameter) -> None:
         self._tie("weight", weight)

@@ -267,3 +267,45 @@ def linear_cross_entropy_nll(
         with torch.autocast(device, enabled=False):
             return cross_entropy_nll(logits, target)
     return _LinearCrossEntropy.apply(hidden, weight, bias, target)
+
+
+def linear_label_smoothing(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    nll: torch.Tensor,
+    target: torch.Tensor,
+) -> torch.Tensor:
+    """Per row, ``mean_x(-log p_x)`` of ``p = softmax(hidden W^T + b)`` from its NLL, without
+    the ``[N, C]`` logits: ``log Z = nll + z_t`` and ``mean_x z_x = h . mean(W) + mean(b)``.
+    Float32 (float64 stays float64), differentiable; any value at ignored rows."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        dtype = torch.promote_types(upcast_dtype(hidden.dtype), nll.dtype)
+        h, w = hidden.to(dtype), weight.to(dtype)
+        rows = w.index_select(0, target.clamp_min(0))
+        target_logit = (h * rows).sum(-1)
+        mean_logit = h @ w.mean(0)
+        if bias is not None:
+            b = bias.to(dtype)
+            target_logit = target_logit + b.index_select(0, target.clamp_min(0))
+            mean_logit = mean_logit + b.mean()
+        return nll.to(dtype) + target_logit - mean_logit
+
+
+def linear_log_normaliser(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``logsumexp(hidden W^T + b)`` per row through :func:`linear_cross_entropy_nll` (whose
+    backward never forms the ``[N, C]`` gradient): the NLL of class 0 plus its logit."""
+    zeros = torch.zeros(hidden.size(0), dtype=torch.long, device=hidden.device)
+    nll = linear_cross_entropy_nll(hidden, weight, bias, zeros)
+    with torch.autocast(hidden.device.type, enabled=False):
+        first = hidden.to(nll.dtype) @ weight[0].to(nll.dtype)
+        if bias is not None:
+            first = first + bias[0].to(nll.dtype)
+    return nll + first
+
+
+def upcast_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half precisions, the dtype itself otherwise."""
+    return torch.float32 if dtype in HALF_DTYPES else dtype

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +42,7 @@ from torch import nn
 from heads.base import (
     Head,
     HeadOutput,
+    check_label_smoothing,
     check_positive_int,
     float32_no_autocast,
     upcast,
@@ -315,11 +318,14 @@ class DSSoftmaxHead(Head):
             return upcast(gate_value)[:, None] * upcast(logits)
 
     # -- contract -----------------------------------------------------------------------
-    def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> HeadOutput:
+    def forward(
+        self, hidden: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0
+    ) -> HeadOutput:
         self.check_inputs(hidden, target)
+        check_label_smoothing(label_smoothing)
         expert, gate_value = self.select(hidden)
         safe_target = target.clamp_min(0)
-        parts, positions, experts = [], [], self._expert_rows()
+        parts, smooth_parts, positions, experts = [], [], [], self._expert_rows()
         for k, idx in self._groups(expert):
             logits = self._expert_logits(experts[k], hidden[idx], gate_value[idx])
             with _float32(hidden.device):
@@ -333,18 +339,43 @@ class DSSoftmaxHead(Head):
                 alive = classes[where] == t
                 target_logit = logits.gather(1, where[:, None]).squeeze(1)
                 target_logit = torch.where(alive, target_logit, torch.zeros_like(target_logit))
-                parts.append(target_logit - log_norm)
+                parts.append(log_norm - target_logit)
+                if label_smoothing:  # mean_x(-log p_x) = log Z - mean_x z_x, pruned z_x = 0
+                    smooth_parts.append(log_norm - logits.sum(-1) / self.vocab_size)
             positions.append(idx)
-        values = torch.cat(parts)
-        target_log_prob = values.new_zeros(hidden.size(0)).scatter(0, torch.cat(positions), values)
+        order = torch.cat(positions)
+        nll = hidden.new_zeros(hidden.size(0), dtype=parts[0].dtype).scatter(
+            0, order, torch.cat(parts)
+        )
+        smoothing = None
+        if label_smoothing:
+            smoothing = torch.zeros_like(nll).scatter(0, order, torch.cat(smooth_parts))
         keep = target != -100
-        return self.output_from_target_log_prob(
-            target_log_prob, target, self.aux_loss(expert[keep], gate_value[keep])
+        aux = self.aux_loss(expert[keep], gate_value[keep])
+        return self.output(
+            nll, target, aux_loss=aux, smoothing=smoothing, label_smoothing=label_smoothing
         )
 
     def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:
         """The sparse inference distribution, dense: ``-inf`` outside the selected expert."""
         return self._dense_log_prob(hidden, pruned_as_zero_logits=False)
+
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        """The same parameter names; any structure (the head resizes itself to the saved one
+        when loading: pruning and mitosis change it)."""
+        if set(state) != set(self.state_dict()):
+            super().check_state_dict(state)  # names the missing and unexpected keys
+
+    def load_pretrained(self, state: Mapping[str, torch.Tensor]) -> bool:
+        """A DS head's state as it is, or a softmax's (``weight [V, d]``, optional ``bias``) as
+        every expert's start: the pretrain-then-replace recipe of appendix B."""
+        if super().load_pretrained(state):
+            return True
+        weight = state.get("weight")
+        if weight is None or weight.shape != (self.vocab_size, self.hidden_size):
+            return False
+        self.init_from_softmax(weight, state.get("bias"))
+        return True
 
     def training_log_prob(self, hidden: torch.Tensor) -> torch.Tensor:
         """The distribution ``forward`` trains: pruned rows of the selected expert are zero

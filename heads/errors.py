@@ -13,3 +13,7 @@ class UserError(Exception):
 
 class HeadConfigError(UserError, ValueError):
     """A head option that cannot work (bad K, ratio, sizes...)."""
+
+
+class CheckpointMismatchError(UserError, ValueError):
+    """A checkpoint trained with another head (or head structure) than the one configured."""

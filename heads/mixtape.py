@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from heads.base import HeadOutput, SingleSoftmaxHead, check_positive_int
+from heads.base import HeadOutput, SingleSoftmaxHead, check_label_smoothing, check_positive_int
 from heads.cross_entropy import HALF_DTYPES, IGNORE_INDEX, ROW_ALIGN, add_exp_sums_
 from heads.errors import HeadConfigError
 
@@ -196,7 +196,9 @@ class MixtapeHead(SingleSoftmaxHead):
         mixed_context = self._mixed_context(contexts, shared)
         return _FrequentThenRareLogits.apply(frequent_logits, mixed_context, w_rare, b_rare)
 
-    def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> HeadOutput:
+    def forward(
+        self, hidden: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0
+    ) -> HeadOutput:
         """The loss without the ``[N, V]`` logits tensor: see ``_MixtapeCrossEntropy``.
 
         Under autocast or with mixed dtypes it takes the ``logits`` path instead (products in
@@ -208,17 +210,18 @@ class MixtapeHead(SingleSoftmaxHead):
             or hidden.dtype in HALF_DTYPES
             or any(p.dtype != hidden.dtype for p in self.parameters())
         ):
-            return super().forward(hidden, target)
+            return super().forward(hidden, target, label_smoothing)
         self.check_inputs(hidden, target)
+        check_label_smoothing(label_smoothing)
         contexts, gate_inputs, gate_weights, shared = self._pieces(hidden)
         mixed = None
         if self.num_frequent < self.vocab_size:
             mixed = self._mixed_context(contexts, shared)
         noise = self.gate_noise if self.training else 0.0
-        nll = _MixtapeCrossEntropy.apply(
+        nll, smoothing = _MixtapeCrossEntropy.apply(
             gate_inputs, gate_weights, contexts, mixed, self.weight, self.bias, target, noise
         )
-        return self.output_from_target_log_prob(-nll, target)
+        return self.output(nll, target, smoothing=smoothing, label_smoothing=label_smoothing)
 
 
 class _SigmoidTreeMix(torch.autograd.Function):
@@ -374,8 +377,9 @@ class _MixtapeCrossEntropy(torch.autograd.Function):
     Inputs: ``gate_inputs`` ``[N, K-1, e]`` and ``gate_weights`` ``[S, e]`` whose product is
     the frequent tokens' gate pre-activations (``MixtapeHead._pieces``), ``contexts``
     ``[N, K, d]``, ``mixed`` ``[N, d]`` (the contexts under the shared prior; None when
-    S = V), ``weight`` ``[V, d]``, ``bias`` ``[V]``, ``target`` ``[N]``. Output: the
-    per-row NLL, 0 where ignored.
+    S = V), ``weight`` ``[V, d]``, ``bias`` ``[V]``, ``target`` ``[N]``. Outputs, per row
+    and 0 where ignored: the NLL ``log Z - z_t`` and label smoothing's ``log Z - mean_x z_x``
+    (their gradients combine into ``dL/dz = (s1 + s2) p - s1 onehot_t - s2 / V``).
 
     Beyond the products, the time on a CPU goes to allocating and touching big tensors:
 
@@ -416,9 +420,11 @@ class _MixtapeCrossEntropy(torch.autograd.Function):
         safe_target = target.clamp_min(0)
         target_logit = contexts.new_zeros(n)
         logit_blocks, tree_blocks, row_max = [], [], []
+        logit_sum = contexts.new_zeros(n)  # sum_x z_x, for label smoothing
 
         def add_logits(logits: torch.Tensor, start: int) -> None:
-            nonlocal target_logit
+            nonlocal target_logit, logit_sum
+            logit_sum = logit_sum + logits.sum(1)
             inside = (safe_target >= start) & (safe_target < start + logits.size(1))
             column = (safe_target - start).clamp(0, logits.size(1) - 1).unsqueeze(1)
             target_logit = torch.where(inside, logits.gather(1, column).squeeze(1), target_logit)
@@ -456,12 +462,15 @@ class _MixtapeCrossEntropy(torch.autograd.Function):
             *logit_blocks, *tree_blocks,
         )  # fmt: skip
         ctx.widths = frequent_width, rare_width
+        ctx.set_materialize_grads(False)
         log_normaliser = top + normaliser.log()
-        return (log_normaliser - target_logit).masked_fill(~keep, 0.0)
+        nll = (log_normaliser - target_logit).masked_fill(~keep, 0.0)
+        smoothing = (log_normaliser - logit_sum / v).masked_fill(~keep, 0.0)
+        return nll, smoothing
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_nll: torch.Tensor):
+    def backward(ctx, grad_nll: torch.Tensor | None, grad_smoothing: torch.Tensor | None):
         gate_inputs, gate_weights, contexts, mixed, weight, normaliser, safe_target, keep = (
             ctx.saved_tensors[:8]
         )
@@ -476,8 +485,17 @@ class _MixtapeCrossEntropy(torch.autograd.Function):
         flat_inputs = gate_inputs.reshape(n * (k - 1), -1)
         flat_contexts = contexts.reshape(n * k, d)
 
-        scale = grad_nll.masked_fill(~keep, 0.0)  # s, per row
-        prob_scale = (scale / normaliser).unsqueeze(1)  # s / Z: E / Z are the probabilities
+        # dL/dz = (s1 + s2) p - s1 onehot_t - s2 / V with s1, s2 the two outputs' gradients
+        # (an output the loss did not use has no gradient: set_materialize_grads(False))
+        if grad_nll is None:
+            grad_nll = torch.zeros_like(normaliser)
+        scale = grad_nll.masked_fill(~keep, 0.0)  # s1: the onehot terms' scale
+        uniform = None  # s2 / V per row, when label smoothing was used
+        total = scale
+        if grad_smoothing is not None:
+            smooth = grad_smoothing.masked_fill(~keep, 0.0)
+            total, uniform = scale + smooth, smooth / v
+        prob_scale = (total / normaliser).unsqueeze(1)  # (s1 + s2) / Z: E / Z are the probs
         target_rows = scale.unsqueeze(1)
         grad_weight = weight.new_empty(weight.shape)
         grad_bias = weight.new_empty(v)
@@ -498,6 +516,8 @@ class _MixtapeCrossEntropy(torch.autograd.Function):
             inside = ((safe_target >= start) & (safe_target < stop)).unsqueeze(1)
             column = (safe_target - start).clamp(0, width - 1).unsqueeze(1)
             grad.scatter_add_(1, column, -target_rows * inside)
+            if uniform is not None:
+                grad.sub_(uniform.unsqueeze(1))
             grad_values = grad_values_buffer[: n * k * width].view(n, k, width)
             grad_gates = grad_gates_buffer[: n * (k - 1) * width].view(n, k - 1, width)
             # the tree, top down: a node's gradient sits in its own slot, as its value did
@@ -531,7 +551,12 @@ class _MixtapeCrossEntropy(torch.autograd.Function):
             rare_rows = target_rows * (safe_target >= s).unsqueeze(1)
             grad_mixed.mul_(prob_scale).sub_(weight.index_select(0, safe_target) * rare_rows)
             grad_weight.index_add_(0, safe_target, mixed * rare_rows, alpha=-1)
+            if uniform is not None:  # -s2 / V for every rare column
+                grad_mixed.sub_(uniform.unsqueeze(1) * weight[s:].sum(0))
+                grad_weight[s:].sub_(uniform @ mixed)
         grad_bias.index_add_(0, safe_target, scale, alpha=-1)  # the onehot, every target
+        if uniform is not None:
+            grad_bias.sub_(uniform.sum())
         return (
             grad_gate_inputs.view(gate_inputs.shape),
             grad_gate_weights,

@@ -10,8 +10,44 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from heads.base import Head, HeadOutput, check_positive_int, float32_no_autocast, upcast
+from heads.base import (
+    Head,
+    HeadOutput,
+    check_label_smoothing,
+    check_positive_int,
+    float32_no_autocast,
+    upcast,
+)
+
+# columns of the vocabulary per step of the label-smoothing sum (its [N, K, block] pieces are
+# recomputed in the backward, so memory stays O(N K block))
+_SMOOTHING_BLOCK = 4096
+
+
+def _block_log_prob_sum(
+    logits: torch.Tensor, log_prior: torch.Tensor, component_lse: torch.Tensor
+) -> torch.Tensor:
+    """``sum_x log P(x)`` over one block of columns, ``logits`` ``[N, K, block]``."""
+    log_probs = logits - component_lse.unsqueeze(-1) + log_prior.unsqueeze(-1)
+    return torch.logsumexp(log_probs, dim=1).sum(-1)
+
+
+def mixture_log_prob_sum(
+    logits: torch.Tensor, log_prior: torch.Tensor, component_lse: torch.Tensor
+) -> torch.Tensor:
+    """``sum_x log P(x|c)`` per row (label smoothing's uniform term, Eq. 1 in log space) from
+    the component logits ``[N, K, V]``, ``log pi`` ``[N, K]`` and each component's log-sum-exp
+    ``[N, K]``, block by block over the vocabulary with each block recomputed in the backward:
+    no ``[N, V]`` or further ``[N, K, V]`` tensor is kept."""
+    total = logits.new_zeros(logits.size(0))
+    for start in range(0, logits.size(-1), _SMOOTHING_BLOCK):
+        block = logits[..., start : start + _SMOOTHING_BLOCK]
+        total = total + checkpoint(
+            _block_log_prob_sum, block, log_prior, component_lse, use_reentrant=False
+        )
+    return total
 
 
 class MoSHead(Head):
@@ -66,16 +102,25 @@ class MoSHead(Head):
         with float32_no_autocast(hidden.device):
             return torch.logsumexp(log_prior.unsqueeze(-1) + logits.log_softmax(dim=-1), dim=1)
 
-    def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> HeadOutput:
+    def forward(
+        self, hidden: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0
+    ) -> HeadOutput:
         # Only log P(target) is needed: per component, logit[target] - logsumexp(logits).
         self.check_inputs(hidden, target)
+        check_label_smoothing(label_smoothing)
         log_prior, logits = self._component_log_probs(hidden)
         with float32_no_autocast(hidden.device):
             safe_target = target.clamp_min(0).view(-1, 1, 1).expand(-1, self.num_components, 1)
             target_logit = logits.gather(-1, safe_target).squeeze(-1)
-            component_log_prob = target_logit - torch.logsumexp(logits, dim=-1)
-            target_log_prob = torch.logsumexp(log_prior + component_log_prob, dim=-1)
-        return self.output_from_target_log_prob(target_log_prob, target)
+            component_lse = torch.logsumexp(logits, dim=-1)  # [N, K]
+            target_log_prob = torch.logsumexp(log_prior + target_logit - component_lse, dim=-1)
+            smoothing = None
+            if label_smoothing:
+                log_prob_sum = mixture_log_prob_sum(logits, log_prior, component_lse)
+                smoothing = -log_prob_sum / self.vocab_size
+        return self.output(
+            -target_log_prob, target, smoothing=smoothing, label_smoothing=label_smoothing
+        )
 
     def tie_output_embedding(self, weight: nn.Parameter) -> None:
         self._tie("weight", weight)

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.base import HeadOutput, SingleSoftmaxHead, check_positive_int
-from heads.cross_entropy import linear_cross_entropy_nll
+from heads.base import HeadOutput, SingleSoftmaxHead, check_label_smoothing, check_positive_int
+from heads.cross_entropy import linear_cross_entropy_nll, linear_label_smoothing
 
 
 class SoftmaxHead(SingleSoftmaxHead):
@@ -45,10 +45,16 @@ class SoftmaxHead(SingleSoftmaxHead):
             hidden = self.projection(hidden)
         return F.linear(hidden, self.weight, self.bias)
 
-    def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> HeadOutput:
+    def forward(
+        self, hidden: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0
+    ) -> HeadOutput:
         # the product and the loss in one function: its backward skips the [N, V] gradient
         self.check_inputs(hidden, target)
+        check_label_smoothing(label_smoothing)
         if self.projection is not None:
             hidden = self.projection(hidden)
         nll = linear_cross_entropy_nll(hidden, self.weight, self.bias, target)
-        return self.output_from_target_log_prob(-nll, target)
+        smoothing = None
+        if label_smoothing:
+            smoothing = linear_label_smoothing(hidden, self.weight, self.bias, nll, target)
+        return self.output(nll, target, smoothing=smoothing, label_smoothing=label_smoothing)

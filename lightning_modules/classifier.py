@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 from torchmetrics import MeanMetric
 
 from heads import Head
-from lightning_modules.optimization import configure_optimizers
+from lightning_modules.checks import check_hidden_sizes
+from lightning_modules.errors import ModelConfigError
+from lightning_modules.head_task import HeadTask
 
 
-class Classifier(L.LightningModule):
+class Classifier(HeadTask):
     """Classification over any :class:`~heads.Head`.
 
     Logs ``train/loss`` (task NLL), ``train/aux_loss``, ``{val,test}/loss`` and top-k accuracy
@@ -40,15 +39,12 @@ class Classifier(L.LightningModule):
         top_k: tuple[int, ...] = (1, 5, 10),
     ) -> None:
         super().__init__()
-        output_size = getattr(backbone, "output_size", None)
-        if head.hidden_size != output_size:
-            raise ValueError(
-                f"head.hidden_size ({head.hidden_size}) must equal the backbone's output size "
-                f"({output_size})"
-            )
+        check_hidden_sizes(head, getattr(backbone, "output_size", None))
         top_k = tuple(k for k in top_k if k <= head.vocab_size)
         if not top_k:
-            raise ValueError("top_k needs at least one k not larger than the number of classes")
+            raise ModelConfigError(
+                "top_k needs at least one k not larger than the number of classes"
+            )
         self.save_hyperparameters(ignore=["backbone", "head", "optimizer", "scheduler"])
         self.backbone = backbone
         self.head = head
@@ -98,8 +94,3 @@ class Classifier(L.LightningModule):
 
     def on_test_epoch_end(self) -> None:
         self._log_stage("test")
-
-    def configure_optimizers(self) -> Any:
-        return configure_optimizers(
-            self.parameters(), self.optimizer_factory, self.scheduler_factory
-        )

@@ -1,4 +1,5 @@
-"""User errors of the model layer (see ``heads/errors.py`` for the base class)."""
+"""User errors of the model layer (see ``heads/errors.py`` for the base class and the head's
+own: ``HeadConfigError``, ``CheckpointMismatchError``)."""
 
 from heads.errors import UserError
 
@@ -9,10 +10,6 @@ class ModelConfigError(UserError, ValueError):
 
 class CheckpointPathError(UserError, FileNotFoundError):
     """A checkpoint path (``--ckpt_path``, ``pretrained_checkpoint``) names no file."""
-
-
-class CheckpointMismatchError(UserError, ValueError):
-    """A checkpoint trained with another head (or head structure) than the one configured."""
 
 
 class NonFiniteLossError(UserError, FloatingPointError):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchmetrics import MeanMetric, SumMetric
@@ -13,16 +12,10 @@ from torchmetrics import MeanMetric, SumMetric
 from datamodules.resumable import ResumableLoader
 from heads import Head
 from lightning_modules.backbones import LMBackbone
-from lightning_modules.checks import (
-    ModelConfigError,
-    check_checkpoint_head,
-    check_finite_loss,
-    check_head_agrees_across_ranks,
-    check_hidden_sizes,
-    save_head_class,
-)
-from lightning_modules.errors import CheckpointPathError
-from lightning_modules.optimization import configure_optimizers, step_schedulers_skipped_by_resume
+from lightning_modules.checks import check_finite_loss, check_hidden_sizes
+from lightning_modules.errors import CheckpointPathError, ModelConfigError
+from lightning_modules.head_task import HeadTask
+from lightning_modules.optimization import step_schedulers_skipped_by_resume
 
 STAGES = ("train", "val", "test")
 TRAIN_STATE_KEY = "language_model_train_state"
@@ -35,7 +28,7 @@ def _map_tensors(state: Any, fn: Any) -> Any:
     return type(state)(_map_tensors(s, fn) for s in state)
 
 
-class LanguageModel(L.LightningModule):
+class LanguageModel(HeadTask):
     """Next-token language model over any :class:`~heads.Head`.
 
     Perplexity is ``exp`` of the token-weighted mean NLL over the whole split (torchmetrics
@@ -55,9 +48,9 @@ class LanguageModel(L.LightningModule):
         generate_tokens: if > 0, ``predict`` also samples this many tokens after the prompt.
         temperature: sampling temperature for ``generate_tokens``.
         pretrained_checkpoint: a checkpoint of a trained LanguageModel whose backbone weights
-            are loaded; its head too when the shapes match, or, for a head with
-            ``init_from_softmax`` (DS-Softmax), through that method from the softmax weight
-            (the pretrain-then-replace recipe, DS-Softmax appendix B).
+            are loaded, and its head's where this head can start from them
+            (``Head.load_pretrained``: the same head, or DS-Softmax from a softmax, the
+            pretrain-then-replace recipe of DS-Softmax appendix B).
         freeze_backbone: train the head only.
     """
 
@@ -116,10 +109,6 @@ class LanguageModel(L.LightningModule):
         )
         self._word_starts: torch.Tensor | None = None
         self._resumed_train_state: Any = None
-
-    def setup(self, stage: str) -> None:
-        # under DDP, every rank must have built the same head (before DDP wraps it)
-        check_head_agrees_across_ranks(self._trainer, self.head)
 
     # -- steps -------------------------------------------------------------------------
     def _step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> torch.Tensor:
@@ -246,12 +235,7 @@ class LanguageModel(L.LightningModule):
             last = hidden[:, -1]
         return sampled
 
-    # -- optimisation and checkpoints ------------------------------------------------
-    def configure_optimizers(self) -> Any:
-        return configure_optimizers(
-            self.parameters(), self.optimizer_factory, self.scheduler_factory
-        )
-
+    # -- checkpoints -------------------------------------------------------------------
     def load_pretrained(self, path: str) -> None:
         """Backbone (and head, see ``pretrained_checkpoint``) weights from a checkpoint."""
         from pathlib import Path
@@ -265,15 +249,7 @@ class LanguageModel(L.LightningModule):
             if part in parts:
                 parts[part][name] = value
         self.backbone.load_state_dict(parts["backbone"])
-        head_state = parts["head"]
-        shapes_match = all(
-            name in head_state and head_state[name].shape == value.shape
-            for name, value in self.head.state_dict().items()
-        )
-        if shapes_match:
-            self.head.load_state_dict(head_state)
-        elif hasattr(self.head, "init_from_softmax") and "weight" in head_state:
-            self.head.init_from_softmax(head_state["weight"], head_state.get("bias"))
+        self.head.load_pretrained(parts["head"])
 
     def _train_metrics(self) -> dict[str, Any]:
         """The metrics that accumulate over a training epoch (train perplexity)."""
@@ -283,7 +259,7 @@ class LanguageModel(L.LightningModule):
         }
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        save_head_class(checkpoint, self.head)
+        super().on_save_checkpoint(checkpoint)
         # What a mid-epoch resume needs beyond the weights: the recurrent state carried
         # between training windows and the epoch's running train-perplexity sums.
         state = self._state.get("train")
@@ -306,14 +282,8 @@ class LanguageModel(L.LightningModule):
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Check the vocabulary before the weights are loaded, so a mismatch is reported as
-        # such rather than as a tensor shape error.
+        super().on_load_checkpoint(checkpoint)  # the vocabulary and the head, checked
         trainer = self._trainer
-        datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
-        key = type(datamodule).__qualname__
-        if datamodule is not None and key in checkpoint and hasattr(datamodule, "load_state_dict"):
-            datamodule.load_state_dict(checkpoint[key])
-        check_checkpoint_head(checkpoint, self.head)
         saved = checkpoint.get(TRAIN_STATE_KEY)
         if saved is not None and trainer is not None and saved["world_size"] == trainer.world_size:
             if saved["world_size"] > 1:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
-import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -16,21 +14,15 @@ from torchmetrics import MeanMetric
 
 from heads import IGNORE_INDEX, Head
 from lightning_modules.backbones.seq2seq import Seq2SeqTransformer
-from lightning_modules.checks import (
-    ModelConfigError,
-    check_checkpoint_head,
-    check_finite_loss,
-    check_head_agrees_across_ranks,
-    check_hidden_sizes,
-    save_head_class,
-)
+from lightning_modules.checks import check_finite_loss, check_hidden_sizes
 from lightning_modules.decoding import DecodeConfig, beam_search, greedy_decode
-from lightning_modules.optimization import configure_optimizers
+from lightning_modules.errors import ModelConfigError
+from lightning_modules.head_task import HeadTask
 
 STAGES = ("train", "val", "test")
 
 
-class Translation(L.LightningModule):
+class Translation(HeadTask):
     """Sequence-to-sequence translation over any :class:`~heads.Head`.
 
     The decoder's context vectors ``[B, T, d]`` are flattened to ``[N, d]`` and given to the
@@ -46,9 +38,9 @@ class Translation(L.LightningModule):
         optimizer, scheduler: factories (LightningCLI dependency injection);
             ``ReduceLROnPlateau`` watches ``val/loss``.
         label_smoothing: epsilon of uniform label smoothing in training, ``(1 - eps) NLL +
-            eps * mean_x(-log p_x)`` (evaluation reports the plain NLL). It needs the full
-            distribution (``head.log_prob``), so with eps > 0 a head's auxiliary loss
-            (``HeadOutput.aux_loss``) is not used in training.
+            eps * mean_x(-log p_x)``, computed by the head (``Head.forward``) without a
+            ``[N, V]`` tensor where it can, auxiliary losses kept; evaluation reports the
+            plain NLL.
         tie_weights: share the head's output embeddings with the decoder's input embedding.
         beam_size: beam of ``test`` (1 = greedy).
         val_beam_size: beam for validation BLEU (greedy by default: cheap, every epoch);
@@ -127,21 +119,10 @@ class Translation(L.LightningModule):
         hidden = self.backbone(batch["source"], batch["source_padding"], batch["target_input"])
         hidden = hidden.reshape(-1, hidden.size(-1))
         target = batch["target_output"].reshape(-1)
-        if self.label_smoothing == 0.0 or not self.training:  # evaluation: the plain NLL
-            output = self.head(hidden, target)
-            return output.loss, output.loss + output.aux_loss
-        log_probs = self.head.log_prob(hidden)  # float32
-        keep = target != IGNORE_INDEX
-        nll = -Head.gather_target(log_probs, target)
-        smooth = -log_probs.mean(dim=-1)
-        eps = self.label_smoothing
-        count = keep.sum().clamp_min(1)
-        mean_nll = (nll * keep).sum() / count
-        return mean_nll, ((1 - eps) * nll + eps * smooth).mul(keep).sum() / count
-
-    def setup(self, stage: str) -> None:
-        # under DDP, every rank must have built the same head (before DDP wraps it)
-        check_head_agrees_across_ranks(self._trainer, self.head)
+        eps = self.label_smoothing if self.training else 0.0  # evaluation: the plain NLL
+        output = self.head(hidden, target, label_smoothing=eps)
+        mean_nll = output.nll.sum() / (target != IGNORE_INDEX).sum().clamp_min(1)
+        return mean_nll, output.loss + output.aux_loss
 
     def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         nll, loss = self.loss(batch)
@@ -294,22 +275,3 @@ class Translation(L.LightningModule):
             return Path(self.translations_file)
         root = self.trainer.log_dir or self.trainer.default_root_dir
         return Path(root) / "translations_test.txt"
-
-    # -- optimisation and checkpoints ------------------------------------------------
-    def configure_optimizers(self) -> Any:
-        return configure_optimizers(
-            self.parameters(), self.optimizer_factory, self.scheduler_factory
-        )
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Check the vocabularies before the weights are loaded, so a mismatch is reported as
-        # such rather than as a tensor shape error.
-        trainer = self._trainer
-        datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
-        key = type(datamodule).__qualname__
-        if datamodule is not None and key in checkpoint and hasattr(datamodule, "load_state_dict"):
-            datamodule.load_state_dict(checkpoint[key])
-        check_checkpoint_head(checkpoint, self.head)
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        save_head_class(checkpoint, self.head)

@@ -20,6 +20,26 @@ def ptb_data(ptb_path):
     return LanguageModelingDataModule(path=ptb_path)
 
 
+def _single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def one_thread():
+    """Small tensors: one thread is faster, and the test machine's cores are shared (use with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    yield from _single_thread()
+
+
+@pytest.fixture(scope="module")
+def one_thread_per_module():
+    """``one_thread`` for a whole module (its module-scoped fixtures train tiny models)."""
+    yield from _single_thread()
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` need a CUDA device: skipped (and said so) on machines without one."""
     if torch.cuda.is_available():

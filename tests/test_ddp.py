@@ -135,6 +135,23 @@ CONFIG = {"mos": "ptb_mos", "mixtape": "ptb_mixtape", "adaptive": "ptb_adaptive"
 
 
 @pytest.mark.slow
+def test_adaptive_auto_cutoffs_are_decided_once_under_ddp(tmp_path, ptb_path, monkeypatch):
+    # rank 0 times the device and broadcasts its choice (HeadTask.setup): both ranks build the
+    # same head, and train as one process does with the cost model rank 0 cached
+    monkeypatch.setenv("ADAPTIVE_SOFTMAX_CACHE", str(tmp_path / "cost_models"))
+    auto = ["--model.init_args.head", "configs/heads/adaptive.yaml"]
+    ddp = fit(tmp_path / "ddp", ptb_path, "ptb_adaptive", *auto, steps=6, devices=2)
+    assert len(list((tmp_path / "cost_models").glob("*.json"))) == 1  # timed once
+    single = fit(tmp_path / "single", ptb_path, "ptb_adaptive", *auto, steps=6)
+    rank0 = assert_ranks_agree(tmp_path / "ddp")
+    assert (
+        rank0["head"]["_extra_state"]
+        == rank_states(tmp_path / "single", 1)[0]["head"]["_extra_state"]
+    )
+    assert ddp["val/loss"] == pytest.approx(single["val/loss"], rel=1e-4)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("head", sorted(HEADS))
 def test_every_head_under_ddp_matches_one_process(head, tmp_path, ptb_path):
     extra = HEADS[head]

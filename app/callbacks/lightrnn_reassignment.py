@@ -57,9 +57,9 @@ def eq6_costs(
     words = word_of_each_code(vocab, codes)
     code_batches = BPTTBatches(codes, batch_size, bptt, rank, world_size)
     word_batches = BPTTBatches(words, batch_size, bptt, rank, world_size)
-    # The distribution the loss trains: for DS-Softmax that is ``training_log_prob`` (finite;
-    # its sparse ``log_prob`` is -inf outside the selected expert, an infeasible cost).
-    log_prob = getattr(model.head, "training_log_prob", model.head.log_prob)
+    # The distribution the loss trains (``Head.training_log_prob``): for DS-Softmax, finite where
+    # its sparse inference ``log_prob`` is -inf outside the selected expert (no feasible cost).
+    log_prob = model.head.training_log_prob
     was_training = model.training
     model.eval()  # no dropout: the costs of the model as it is
     state = None

@@ -147,14 +147,6 @@ class HybridLightRNNVocab:
         return len(self)
 
     @property
-    def row_codes(self) -> range:
-        return range(self.num_frequent, self.num_frequent + self.rows)
-
-    @property
-    def col_codes(self) -> range:
-        return range(self.num_frequent + self.rows, len(self))
-
-    @property
     def word_start_mask(self) -> torch.Tensor:
         """``[num_codes]`` bool: codes that begin a word (frequent codes and rows), so the
         number of words in a stretch of codes is the number of these."""

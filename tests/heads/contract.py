@@ -78,6 +78,50 @@ def check_gradients(make: Callable[[], Head]) -> None:
         assert torch.autograd.gradcheck(loss_of, (probe,)), name
 
 
+def check_label_smoothing(make: Callable[[], Head]) -> None:
+    """``label_smoothing=eps``: the loss is ``(1 - eps) nll + eps mean_x(-log p_x)`` over the
+    rows kept, of the distribution the head trains; ``nll`` stays the plain NLL; gradients
+    (input and every parameter) equal those of that formula written on ``training_log_prob``."""
+    head = make().double().eval()
+    hidden, target = _inputs(seed=3)
+    target[[2, 5]] = IGNORE_INDEX
+    hidden.requires_grad_(True)
+    eps = 0.2
+    output = head(hidden, target, label_smoothing=eps)
+    log_probs = head.training_log_prob(hidden)
+    keep = target != IGNORE_INDEX
+    nll = -log_probs.gather(1, target.clamp_min(0)[:, None]).squeeze(1)
+    expected = ((1 - eps) * nll - eps * log_probs.mean(-1))[keep].mean()
+    torch.testing.assert_close(output.loss, expected)
+    torch.testing.assert_close(output.nll, torch.where(keep, nll, torch.zeros_like(nll)))
+    params = [hidden, *(p for p in head.parameters() if p.requires_grad)]
+    got = torch.autograd.grad(output.loss, params, allow_unused=True)
+    want = torch.autograd.grad(expected, params, allow_unused=True)
+    for param, g, w in zip(params, got, want, strict=True):
+        g = torch.zeros_like(param) if g is None else g
+        w = torch.zeros_like(param) if w is None else w
+        torch.testing.assert_close(g, w)
+    assert torch.autograd.gradcheck(
+        lambda h: head(h, target, label_smoothing=eps).loss, (hidden.detach().requires_grad_(),)
+    )
+    with pytest.raises(ValueError, match="label_smoothing"):
+        head(hidden, target, label_smoothing=1.0)
+
+
+def check_checkpoint_hooks(make: Callable[[], Head]) -> None:
+    """A head's own state passes ``check_state_dict`` and loads through ``load_pretrained``;
+    a state with another parameter name is refused naming it."""
+    torch.manual_seed(0)
+    head, other = make().double(), make().double()
+    state = other.state_dict()
+    head.check_state_dict(state)
+    assert head.load_pretrained(state)
+    hidden, _ = _inputs()
+    torch.testing.assert_close(head.log_prob(hidden), other.log_prob(hidden))
+    with pytest.raises(ValueError, match="unexpected"):
+        head.check_state_dict({**state, "no_such_parameter": torch.zeros(1)})
+
+
 def check_topk(make: Callable[[], Head]) -> None:
     head = make().double().eval()
     hidden, _ = _inputs()
@@ -194,6 +238,8 @@ CPU_CHECKS = [
     check_gradients,
     check_topk,
     check_bf16_autocast,
+    check_label_smoothing,
+    check_checkpoint_hooks,
 ]
 # Skipped (by tests/conftest.py) where no CUDA device is present; run with `pytest -m gpu`.
 CUDA_CHECKS = [check_cuda_matches_cpu, check_cuda_bf16_mixed, check_cuda_16_mixed]

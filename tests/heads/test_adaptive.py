@@ -1,8 +1,10 @@
+import numpy as np
 import pytest
 import torch
 
-from heads import HeadConfigError
+from heads import HeadConfigError, HeadSetup, adaptive
 from heads.adaptive import AdaptiveSoftmaxHead
+from heads.errors import CheckpointMismatchError
 from tests.heads.contract import ALL_CHECKS, HIDDEN, VOCAB
 
 COST = {"c": 0.05, "lam": 1e-6, "k0b0": 5000.0}
@@ -94,5 +96,73 @@ def test_a_trailing_vocabulary_size_is_accepted():
 def test_checkpoint_with_other_cutoffs_is_refused_clearly():
     saved = AdaptiveSoftmaxHead(16, 100, cutoffs=[10, 50]).state_dict()
     AdaptiveSoftmaxHead(16, 100, cutoffs=[10, 50]).load_state_dict(saved)
-    with pytest.raises(HeadConfigError, match=r"pass --model.head.init_args.cutoffs '\[10, 50\]'"):
+    with pytest.raises(
+        CheckpointMismatchError, match=r"pass --model.head.init_args.cutoffs '\[10, 50\]'"
+    ):
         AdaptiveSoftmaxHead(16, 100, cutoffs=[20, 50]).load_state_dict(saved)
+
+
+def test_auto_starts_from_a_deterministic_choice_without_timing(monkeypatch):
+    def no_timing(*args, **kwargs):
+        raise AssertionError("auto must not time anything at construction")
+
+    monkeypatch.setattr(adaptive, "calibrate", no_timing)
+    first = AdaptiveSoftmaxHead(64, 5000, cutoffs="auto")
+    assert first.cutoffs == AdaptiveSoftmaxHead(64, 5000, cutoffs="auto").cutoffs
+
+
+def test_setup_takes_rank_zeros_decision_and_rebuilds():
+    head = AdaptiveSoftmaxHead(16, 200, cutoffs="auto", cost_model=COST)
+    decided_elsewhere = [7, 60, 200]
+
+    def from_rank_zero(decide):  # what a non-zero rank sees: rank 0's result, not its own
+        return decided_elsewhere
+
+    head.setup(HeadSetup(decide_once=from_rank_zero))
+    assert head.cutoffs == decided_elsewhere
+    assert head.head.out_features == 7 + 2 and head.tail[1][1].out_features == 140
+    hidden, target = torch.randn(6, 16), torch.randint(0, 200, (6,))
+    assert torch.isfinite(head(hidden, target).loss)
+
+
+def test_setup_times_the_given_device_once_and_uses_the_datas_counts(monkeypatch):
+    timed = []
+
+    def fake_calibrate(hidden_size, device, *args, **kwargs):
+        timed.append((hidden_size, torch.device(device)))
+        return adaptive.CostModel(**COST)
+
+    monkeypatch.setattr(adaptive, "calibrate", fake_calibrate)
+    head = AdaptiveSoftmaxHead(64, 1000, cutoffs="auto", num_clusters=1, calibration_batch=4096)
+    counts = np.array([1000] * 50 + [1] * 950)
+    head.setup(HeadSetup(device=torch.device("cpu"), token_counts=counts))
+    assert timed == [(64, torch.device("cpu"))]
+    assert head.cutoffs[0] == 50
+
+
+def test_given_cutoffs_ignore_setup():
+    head = AdaptiveSoftmaxHead(16, 100, cutoffs=[10, 50])
+    head.setup(HeadSetup(decide_once=lambda decide: [20, 50, 100]))
+    assert head.cutoffs == [10, 50, 100]
+
+
+def test_small_vocabularies_fall_back_to_fewer_clusters(caplog):
+    # hidden 8 / div 4^2 leaves no dimension for a second cluster: one cluster, with a warning
+    head = AdaptiveSoftmaxHead(8, 64, cutoffs="auto", num_clusters=2)
+    assert head.num_clusters == 1
+    assert "2 tail clusters do not fit" in caplog.text
+    hidden, target = torch.randn(5, 8), torch.randint(0, 64, (5,))
+    assert torch.isfinite(head(hidden, target).loss)
+    with pytest.raises(HeadConfigError, match="no room for a tail cluster"):
+        AdaptiveSoftmaxHead(8, 2, cutoffs="auto")
+
+
+def test_auto_adopts_a_checkpoints_cutoffs():
+    trained = AdaptiveSoftmaxHead(16, 100, cutoffs=[10, 50]).double()
+    fresh = AdaptiveSoftmaxHead(16, 100, cutoffs="auto").double()
+    assert fresh.cutoffs != trained.cutoffs
+    fresh.check_state_dict(trained.state_dict())
+    fresh.load_state_dict(trained.state_dict())
+    assert fresh.cutoffs == [10, 50, 100]
+    hidden = torch.randn(3, 16, dtype=torch.float64)
+    torch.testing.assert_close(fresh.log_prob(hidden), trained.log_prob(hidden))

@@ -7,14 +7,7 @@ from heads import DSSoftmaxHead, SoftmaxHead
 from lightning_modules import Classifier
 from lightning_modules.backbones import MLPBackbone
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small tensors: one thread is faster, and the test machine's cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def fit(model, dm, epochs=2, **trainer_options) -> L.Trainer:

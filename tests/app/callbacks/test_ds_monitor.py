@@ -6,14 +6,7 @@ from app.callbacks import DSMonitor
 from datamodules import SyntheticHierarchyDataModule
 from tests.app.callbacks.test_mitosis import make_model, trainer
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small tensors: one thread is faster, and the test machine's cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_monitor_logs_speedup_and_heatmap(tmp_path):

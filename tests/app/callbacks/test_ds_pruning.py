@@ -10,14 +10,7 @@ from heads import DSSoftmaxHead
 from lightning_modules import Classifier
 from lightning_modules.backbones import MLPBackbone
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small tensors: one thread is faster, and the test machine's cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_model(dm, num_experts=4, lr=1e-2, **head_options) -> Classifier:

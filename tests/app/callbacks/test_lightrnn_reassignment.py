@@ -19,13 +19,7 @@ from lightning_modules.backbones import LSTMBackbone
 K, ROWS, COLS = 6, 6, 6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny models: thread hand-offs cost far more than they save on a shared 2-core machine
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
 @pytest.fixture(scope="module")

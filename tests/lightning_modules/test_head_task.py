@@ -1,0 +1,80 @@
+"""HeadTask: what every task shares (head setup, checkpoint checks)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from heads import SoftmaxHead
+from heads.errors import CheckpointMismatchError
+from lightning_modules import LanguageModel
+from lightning_modules.backbones import LSTMBackbone
+
+
+def model(head=None) -> LanguageModel:
+    return LanguageModel(LSTMBackbone(30, 8, 8), head or SoftmaxHead(8, 30))
+
+
+class FakeStrategy:
+    def __init__(self) -> None:
+        self.broadcasts = []
+
+    def broadcast(self, obj, src=0):
+        self.broadcasts.append(obj)
+        return "rank 0's decision"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_decide_once_runs_on_rank_zero_only_and_broadcasts(rank):
+    task = model()
+    strategy = FakeStrategy()
+    task._trainer = SimpleNamespace(world_size=2, is_global_zero=rank == 0, strategy=strategy)
+    calls = []
+
+    def decide():
+        calls.append(rank)
+        return "decided here"
+
+    assert task._decide_once(decide) == "rank 0's decision"
+    assert calls == ([0] if rank == 0 else [])
+    assert strategy.broadcasts == (["decided here"] if rank == 0 else [None])
+
+
+def test_decide_once_without_ddp_just_decides():
+    task = model()
+    task._trainer = SimpleNamespace(world_size=1)
+    assert task._decide_once(lambda: 42) == 42
+
+
+class FakeData:
+    def __init__(self) -> None:
+        self.loaded = []
+
+    def load_state_dict(self, state) -> None:
+        self.loaded.append(state)
+
+
+def test_loading_restores_the_data_once_and_checks_the_head_first():
+    task, data = model(), FakeData()
+    task._trainer = SimpleNamespace(datamodule=data)
+    checkpoint = {"state_dict": task.state_dict(), "FakeData": {"vocab": "v"}}
+    task.on_save_checkpoint(checkpoint)
+    task.on_load_checkpoint(checkpoint)
+    assert data.loaded == [{"vocab": "v"}]
+    assert "FakeData" not in checkpoint  # Lightning will not restore it a second time
+    other = model(SoftmaxHead(8, 30, bias=False))
+    other._trainer = SimpleNamespace(datamodule=None)
+    with pytest.raises(CheckpointMismatchError, match=r"unexpected \['bias'\]"):
+        other.on_load_checkpoint({"state_dict": task.state_dict()})
+    checkpoint["head_class"] = "heads.mos.MoSHead"
+    with pytest.raises(CheckpointMismatchError, match="trained with MoSHead, not SoftmaxHead"):
+        task.on_load_checkpoint(checkpoint)
+
+
+def test_a_missing_pretrained_checkpoint_is_named(tmp_path):
+    from lightning_modules.errors import CheckpointPathError
+
+    with pytest.raises(CheckpointPathError, match="pretrained_checkpoint"):
+        LanguageModel(LSTMBackbone(30, 8, 8), SoftmaxHead(8, 30),
+                      pretrained_checkpoint=str(tmp_path / "none.ckpt"))  # fmt: skip
+    assert torch.isfinite(model().head.weight).all()
