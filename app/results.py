@@ -1,0 +1,199 @@
+"""``python -m app.results``: writes ``docs/results.md`` from the JSON under ``docs/results/``.
+
+Every measured table in the docs comes from a JSON file a command wrote (the benchmark's
+``--out``, the experiment runner's study file...), so a number and the code that made it
+cannot drift apart: rerun the command, copy its JSON into ``docs/results/``, regenerate.
+
+Each JSON file is rendered by the first renderer that recognises it (``RENDERERS``); a file
+no renderer knows is listed as such, never silently dropped. Sections are ordered by file name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path("docs/results")
+OUT = Path("docs/results.md")
+
+# a renderer gets the report, its JSON path and the folder of the markdown file (for links)
+Renderer = Callable[[dict[str, Any], Path, Path], str]
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}"
+    if isinstance(value, list):
+        return " ".join(_format(v) for v in value)
+    return str(value)
+
+
+def table(header: list[str], rows: list[list[Any]]) -> str:
+    """A markdown table; floats to 3 significant figures."""
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(_format(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def command_of(module: str, args: dict[str, Any], skip: tuple[str, ...] = ()) -> str:
+    """The command line that reproduces a run from its recorded ``args`` (argparse names)."""
+    parts = [f"python -m {module}"]
+    for key, value in args.items():
+        if key in skip or value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        elif isinstance(value, list):
+            parts.append(flag + " " + " ".join(str(v) for v in value))
+        else:
+            parts.append(f"{flag} {value}")
+    return " ".join(parts)
+
+
+def link(path: Path, doc_dir: Path) -> str:
+    """``path`` as the markdown file in ``doc_dir`` refers to it."""
+    return os.path.relpath(path.resolve(), doc_dir.resolve())
+
+
+def _machine(report: dict[str, Any]) -> str:
+    machine = report.get("machine", {})
+    bits = [machine.get("cuda") or machine.get("device"), machine.get("platform"),
+            f"torch {machine.get('torch')}", f"{machine.get('threads')} threads"]  # fmt: skip
+    return ", ".join(str(b) for b in bits if b and "None" not in str(b))
+
+
+# -- the training benchmark (python -m app.bench, same-batch / same-memory) ------------------
+def _is_training_bench(report: dict[str, Any]) -> bool:
+    return (
+        report.get("args", {}).get("mode") in ("same-batch", "same-memory") and "results" in report
+    )
+
+
+def _peer(rows: list[dict], row: dict, head: str) -> dict | None:
+    return next((r for r in rows if r["head"] == head and r["vocab_size"] == row["vocab_size"]
+                 and r["hidden_size"] == row["hidden_size"]), None)  # fmt: skip
+
+
+def render_training_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
+    from app.bench.report import save_plot
+
+    rows = report["results"]
+    nan = float("nan")
+    header = ["head", "V", "d", "tokens", "ms / batch", "us / token", "x softmax", "GFLOP",
+              "% matmul rate", "peak MiB"]  # fmt: skip
+    extra = "extra_peak_memory_mb" in rows[0] if rows else False
+    if extra:
+        header.append("extra peak MiB")
+    body = []
+    for row in rows:
+        softmax, matmul = _peer(rows, row, "softmax"), _peer(rows, row, "matmul")
+        rel = row["time_per_token_us"] / softmax["time_per_token_us"] if softmax else nan
+        rate = row["matmul_gflop_per_s"] / matmul["matmul_gflop_per_s"] * 100 if matmul else nan
+        cells = [row["head"], row["vocab_size"], row["hidden_size"], row["tokens"],
+                 row["time_ms"], row["time_per_token_us"], rel, row["matmul_gflop"], rate,
+                 row["peak_memory_mb"]]  # fmt: skip
+        if extra:
+            cells.append(row.get("extra_peak_memory_mb", nan))
+        body.append(cells)
+    plot = path.with_suffix(".png")
+    save_plot(report, plot)
+    args = report["args"]
+    return "\n\n".join([
+        f"Mode `{args['mode']}`, scope `{args['scope']}`, precision `{args.get('precision')}`, "
+        f"clock `{args.get('clock', 'wall')}`, median of {args['repeats']} repeats; "
+        f"{_machine(report)}.",
+        "```bash\n" + command_of("app.bench", args, skip=("out", "name")) + "\n```",
+        table(header, body),
+        f"![{path.stem}]({link(plot, doc_dir)})",
+    ])  # fmt: skip
+
+
+# -- the inference benchmark (python -m app.bench --mode inference) ----------------------------
+def _is_inference_bench(report: dict[str, Any]) -> bool:
+    return report.get("args", {}).get("mode") == "inference" and "latency" in report
+
+
+def render_inference_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
+    latency = report["latency"]
+    keys = ["batch1_us_per_query", "batched_us_per_query", "batch1_us_per_query_min",
+            "batched_us_per_query_min"]  # fmt: skip
+    body = [[name, *(row.get(k, float("nan")) for k in keys)] for name, row in latency.items()]
+    parts = [
+        f"Top-k latency (k = {report['args']['k']}, batches of {report['args']['batch_size']}); "
+        f"{_machine(report)}.",
+        "```bash\n" + command_of("app.bench", report["args"], skip=("out", "name")) + "\n```",
+        table(
+            ["head", "batch-1 us/query", "batched us/query", "batch-1 min", "batched min"], body
+        ),  # fmt: skip
+    ]
+    speedup = report.get("latency_speedup", {})
+    if speedup:
+        parts.append(
+            table(
+                ["DS speed-up against", *keys],
+                [[peer, *(v.get(k) for k in keys)] for peer, v in speedup.items()],
+            )
+        )
+    quality = report.get("quality", {})
+    if quality:
+        names = sorted({k for m in quality.values() for k, v in m.items()
+                        if isinstance(v, int | float)})  # fmt: skip
+        parts.append(
+            table(
+                ["model", *names], [[m, *(q.get(n, "") for n in names)] for m, q in quality.items()]
+            )
+        )
+    return "\n\n".join(parts)
+
+
+RENDERERS: list[tuple[Callable[[dict[str, Any]], bool], Renderer]] = [
+    (_is_training_bench, render_training_bench),
+    (_is_inference_bench, render_inference_bench),
+]
+
+
+def render(results: Path = RESULTS, doc_dir: Path = OUT.parent) -> str:
+    """The whole results document from every JSON file in ``results``, for a markdown file in
+    ``doc_dir``."""
+    sections = [
+        "# Measured results",
+        "Generated by `python -m app.results` from the JSON files in `docs/results/`; do not "
+        "edit by hand. Each section gives the command that wrote its JSON.",
+    ]
+    for path in sorted(results.glob("*.json")):
+        report = json.loads(path.read_text())
+        renderer = next((r for known, r in RENDERERS if known(report)), None)
+        title = f"## {path.stem}"
+        if renderer is None:
+            sections.append(f"{title}\n\n`{path.name}`: no renderer knows this file.")
+            continue
+        sections.append(f"{title}\n\n{renderer(report, path, doc_dir)}")
+    return "\n\n".join(sections) + "\n"
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(
+        prog="python -m app.results",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder of JSON files")
+    parser.add_argument("--out", type=Path, default=OUT, help="the markdown file to write")
+    args = parser.parse_args(argv)
+    if not args.results.is_dir():
+        parser.error(f"--results {args.results} is not a folder")
+    args.out.write_text(render(args.results, args.out.parent))
+    print(f"wrote {args.out}")
+    return args.out
+
+
+if __name__ == "__main__":
+    main()

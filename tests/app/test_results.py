@@ -1,0 +1,49 @@
+"""``python -m app.results`` renders the docs from real benchmark JSON."""
+
+import json
+
+import pytest
+
+from app.bench.run import main as bench
+from app.results import command_of, main, render, table
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("docs") / "results"
+    bench(["--heads", "softmax", "matmul", "--vocab-sizes", "300", "--hidden-sizes", "16",
+           "--batch-sizes", "32", "--repeats", "1", "--warmup", "0", "--out", str(folder),
+           "--name", "bench_cpu"])  # fmt: skip
+    (folder / "zz_other.json").write_text(json.dumps({"something": "else"}))
+    return folder
+
+
+def test_renders_every_file_with_its_command_and_a_plot(results):
+    out = results.parent / "results.md"
+    main(["--results", str(results), "--out", str(out)])
+    text = out.read_text()
+    assert text.startswith("# Measured results")
+    assert "## bench_cpu" in text and "## zz_other" in text
+    assert "`zz_other.json`: no renderer knows this file." in text
+    assert "python -m app.bench --heads softmax matmul --vocab-sizes 300" in text
+    assert "![bench_cpu](results/bench_cpu.png)" in text
+    assert (results / "bench_cpu.png").stat().st_size > 0
+    report = json.loads((results / "bench_cpu.json").read_text())
+    softmax = next(r for r in report["results"] if r["head"] == "softmax")
+    assert f"| softmax | 300 | 16 | 32 | {softmax['time_ms']:.3g} |" in text
+    assert render(results, results.parent) == text  # deterministic
+
+
+def test_table_and_command_formatting():
+    assert table(["a", "b"], [[1.23456, "x"], [12345.6, [1, 2]]]) == (
+        "| a | b |\n| --- | --- |\n| 1.23 | x |\n| 12,346 | 1 2 |"
+    )
+    assert command_of("app.x", {"k": 3, "flag": True, "off": False, "none": None,
+                                "sizes": [1, 2], "out": "o"}, skip=("out",)) == (
+        "python -m app.x --k 3 --flag --sizes 1 2"
+    )  # fmt: skip
+
+
+def test_a_missing_folder_is_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        main(["--results", str(tmp_path / "none"), "--out", str(tmp_path / "r.md")])
