@@ -1,10 +1,22 @@
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from datamodules.cache import CACHE_ENV
+
 REPO = Path(__file__).resolve().parents[1]
 PTB = REPO.parent / "shared" / "data" / "ptb"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def data_cache(tmp_path_factory) -> Path:
+    """Prepared corpora go to a folder of this test session, never the user's cache; the
+    ``cli.py`` subprocesses (and their DDP ranks) inherit it."""
+    root = tmp_path_factory.mktemp("data-cache")
+    os.environ[CACHE_ENV] = str(root)
+    return root
 
 
 @pytest.fixture(scope="session")

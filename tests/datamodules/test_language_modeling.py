@@ -152,16 +152,29 @@ def test_bad_vocab_options(options, message):
         LanguageModelingDataModule(**options)
 
 
-def test_lightrnn_table_too_small_is_one_clear_error(tmp_path):
+def test_lightrnn_options_that_cannot_work_are_one_clear_error(tmp_path):
     for split in ("train", "valid", "test"):
         (tmp_path / f"c.{split}.txt").write_text("a b c d e f g h\n")
     data = LanguageModelingDataModule(
         path=str(tmp_path), vocab="hybrid_lightrnn", lightrnn_frequent=2, lightrnn_rows=2,
         lightrnn_cols=2,
     )  # fmt: skip
-    message = r"data.vocab=hybrid_lightrnn \(data.lightrnn_\*\): .*table too small"
+    message = r"data.vocab=hybrid_lightrnn \(data.lightrnn_\*\): <eos> is word 8 .*num_frequent"
     with pytest.raises(DataConfigError, match=message):
         _ = data.vocab_size
+
+
+def test_lightrnn_table_too_small_for_the_corpus_grows_to_fit(tmp_path, caplog):
+    for split in ("train", "valid", "test"):
+        (tmp_path / f"c.{split}.txt").write_text("a b\nc d\ne f\ng h\n")
+    data = LanguageModelingDataModule(
+        path=str(tmp_path), vocab="hybrid_lightrnn", lightrnn_frequent=2, lightrnn_rows=2,
+        lightrnn_cols=2,
+    )  # fmt: skip
+    vocab = data.vocab  # <eos> and a frequent; b..h and <unk> rare: 8 words, 4 cells
+    assert (vocab.rows, vocab.cols) == (3, 3) and "using 3 x 3" in caplog.text
+    lines = [[*pair, "<eos>"] for pair in ("ab", "cd", "ef", "gh")]
+    assert vocab.decode(data.split_tokens("test").tolist()) == sum(lines, [])
 
 
 def test_a_scheduled_table_waits_for_the_next_training_pass(tmp_path):

@@ -3,7 +3,7 @@ import pytest
 import torch
 from datasets import Dataset, DatasetDict
 
-import datamodules.translation as translation_module
+import datamodules.text_source as text_source
 from datamodules import TranslationDataModule
 from datamodules.errors import DataConfigError, DataPathError, VocabularyMismatchError
 from datamodules.translation import (
@@ -210,7 +210,7 @@ def test_hub_datasets_give_the_same_columns(monkeypatch, layout):
     hub = DatasetDict(
         {name: Dataset.from_dict(rows(TINY)) for name in ("train", "validation", "test")}
     )
-    monkeypatch.setattr(translation_module, "load_dataset", lambda path, config=None: hub)
+    monkeypatch.setattr(text_source, "load_dataset", lambda path, config=None: hub)
     data = TranslationDataModule(path="someone/multi30k")
     assert data.splits["valid"][0] == {"source": TINY[0][0], "target": TINY[0][1]}
     assert data.references("test") == [t for _, t in TINY]

@@ -36,8 +36,8 @@ def test_ids_sorted_by_training_frequency(vocab):
     assert vocab.counts == sorted(vocab.counts, reverse=True)
     # recount from the encoded corpus: the stored counts are the real frequencies
     recount = [0] * len(vocab)
-    for ids in vocab.encode_lines(CORPUS):
-        for i in ids:
+    for line in CORPUS:
+        for i in vocab.encode_line(line):
             recount[i] += 1
     assert recount == vocab.counts
     assert vocab.counts[vocab.eos_id] == len(CORPUS)
