@@ -32,6 +32,17 @@ def ptb_data(ptb_path):
     return LanguageModelingDataModule(path=ptb_path)
 
 
+@pytest.fixture(scope="session")
+def wikitext_like(tmp_path_factory) -> str:
+    """A scaled-down WikiText-style corpus (2M training tokens, 50k Zipf-distributed word
+    types, 20-word lines; ``app/bench/data.py`` makes the 100M one), written once."""
+    from app.bench.data import write_synthetic_corpus
+
+    folder = tmp_path_factory.mktemp("wikitext-like")
+    write_synthetic_corpus(folder, tokens=2_000_000, types=50_000)
+    return str(folder)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` need a CUDA device: skipped (and said so) on machines without one."""
     if torch.cuda.is_available():

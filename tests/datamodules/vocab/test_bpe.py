@@ -1,4 +1,8 @@
+from collections import Counter
+
+import numpy as np
 import pytest
+from tokenizers import trainers
 
 from datamodules.vocab import EOS, UNK, BPEVocab, WordVocab
 
@@ -67,3 +71,48 @@ def test_bad_sizes_and_empty_corpus():
 def test_word_vocab_detokenize():
     words = WordVocab.build(["a b c"])
     assert words.detokenize(words.encode_line("a x c")) == "a c"
+
+
+def plain_build(lines: list[str], vocab_size: int) -> BPEVocab:
+    """The BPE algorithm as it was: train on the lines, encode them all a second time and
+    rank by a Python Counter (the reference for train-on-a-stream and encode-once)."""
+    tokenizer = BPEVocab._new_tokenizer()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[UNK, EOS],
+                                  show_progress=False)  # fmt: skip
+    tokenizer.train_from_iterator(lines, trainer)
+    counter: Counter[int] = Counter()
+    for encoding in tokenizer.encode_batch(lines):
+        counter.update(encoding.ids)
+    counter[tokenizer.token_to_id(EOS)] += len(lines)
+    order = sorted(range(tokenizer.get_vocab_size()), key=lambda t: (-counter[t], t))
+    return BPEVocab(tokenizer, [tokenizer.id_to_token(t) for t in order],
+                    [counter[t] for t in order])  # fmt: skip
+
+
+# blank lines, stray spaces, a literal <eos> (its own token, more <eos> than lines), <unk>
+ODD = ["", "  the cat  ", "the<eos>dog", "\tmat\u00a0on", "<unk> <unk>", "z\u00e9bre", "x"]
+
+
+@pytest.mark.parametrize("size", [12, 40, 60])
+def test_stream_training_and_one_encoding_equal_the_old_algorithm(size):
+    lines = CORPUS + ODD
+    batches = [lines[i : i + 5] for i in range(0, len(lines), 5)]
+    tokenizer = BPEVocab.train_tokenizer(iter(batches), size)
+    theirs = np.concatenate([BPEVocab.encode_theirs(tokenizer, b) for b in batches])
+    counts = np.bincount(theirs, minlength=tokenizer.get_vocab_size())
+    vocab = BPEVocab.from_counts(tokenizer, counts)
+    assert vocab == plain_build(lines, size) == BPEVocab.build(lines, size)
+    assert vocab.counts == plain_build(lines, size).counts
+
+
+def test_batch_encoding_equals_line_by_line(vocab):
+    lines = CORPUS[:3] + ODD
+    ids = vocab.encode_batch(lines)
+    assert ids.dtype == np.int32
+    assert ids.tolist() == [i for line in lines for i in vocab.encode_line(line)]
+    lengths = vocab.line_lengths(lines, ids)  # the literal <eos>: counted line by line
+    assert lengths.tolist() == [len(vocab.encode_line(line)) for line in lines]
+    plain = CORPUS[:3] + ["", "x"]  # no literal <eos>: read off the <eos> positions
+    assert vocab.line_lengths(plain, vocab.encode_batch(plain)).tolist() == [
+        len(vocab.encode_line(line)) for line in plain
+    ]
