@@ -3,6 +3,8 @@ of int32 token files that every run and rank memory-maps, truncated-BPTT batches
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import lightning as L
@@ -18,9 +20,12 @@ from datamodules.errors import DataConfigError, VocabularyMismatchError
 from datamodules.resumable import ResumableLoader
 from datamodules.text_source import SPLITS, HubColumns, TextFiles, text_source
 from datamodules.vocab import BPEVocab, WordVocab
+from datamodules.vocab.bpe import StreamEncoder
 from datamodules.vocab.hybrid_lightrnn import HybridLightRNNVocab
 from datamodules.vocab.word import count_words
 from heads.errors import UserError
+
+log = logging.getLogger(__name__)
 
 VOCABS = ("word", "bpe", "hybrid_lightrnn")
 Vocab = WordVocab | BPEVocab | HybridLightRNNVocab
@@ -239,15 +244,20 @@ class LanguageModelingDataModule(L.LightningDataModule):
             counts = count_words(source.line_batches("train", desc="counting words (train)"))
             vocab = WordVocab.from_counts(counts, hp.max_vocab_size)
         else:
+            start = time.perf_counter()
             lines = source.line_batches("train", desc="training BPE (train)")
             tokenizer = BPEVocab.train_tokenizer(
                 lines, hp.bpe_vocab_size, show_progress=not are_progress_bars_disabled()
             )
+            log.info(
+                "BPE of %d tokens trained in %.1f s", hp.bpe_vocab_size, time.perf_counter() - start
+            )
             counts = np.zeros(tokenizer.get_vocab_size(), dtype=np.int64)
+            encoder = StreamEncoder(tokenizer)
 
             def theirs():
                 for lines in source.line_batches("train", desc="encoding train (BPE)"):
-                    ids = BPEVocab.encode_theirs(tokenizer, lines)
+                    ids = encoder.encode(lines)
                     counts[:] += np.bincount(ids, minlength=counts.size)
                     yield ids
 

@@ -43,6 +43,7 @@ from datamodules.text_source import (
     looks_local,
 )
 from datamodules.vocab import EOS, BPEVocab, WordVocab
+from datamodules.vocab.bpe import StreamEncoder
 from datamodules.vocab.word import count_words
 from heads import IGNORE_INDEX
 from heads.errors import UserError
@@ -492,11 +493,12 @@ class TranslationDataModule(L.LightningDataModule):
         )
         counts = np.zeros(tokenizer.get_vocab_size(), dtype=np.int64)
         eos = tokenizer.token_to_id(EOS)
+        encoder = StreamEncoder(tokenizer)
 
         def theirs(side: str):
             desc = f"encoding train {side} (BPE)"
             for batch in self.source.line_batches(f"train.{side}", desc=desc):
-                ids = BPEVocab.encode_theirs(tokenizer, batch)
+                ids = encoder.encode(batch)
                 counts[:] += np.bincount(ids, minlength=counts.size)
                 yield ids, BPEVocab.theirs_line_lengths(tokenizer, batch, ids, eos)
 

@@ -46,7 +46,7 @@ def make_targets(kind: str, vocab: int, count: int, generator: torch.Generator) 
         from datamodules import LanguageModelingDataModule
 
         tokens = LanguageModelingDataModule(path=str(PTB_TRAIN.parent)).split_tokens("train")
-        return tokens[:count].remainder(vocab)
+        return tokens[:count].long().remainder(vocab)  # int32 on disk; heads take int64
     raise ValueError(f"unknown targets {kind!r}: zipf or ptb")
 
 

@@ -5,6 +5,7 @@ import pytest
 from tokenizers import trainers
 
 from datamodules.vocab import EOS, UNK, BPEVocab, WordVocab
+from datamodules.vocab.bpe import StreamEncoder
 
 CORPUS = [
     "the cat sat on the mat",
@@ -116,3 +117,21 @@ def test_batch_encoding_equals_line_by_line(vocab):
     assert vocab.line_lengths(plain, vocab.encode_batch(plain)).tolist() == [
         len(vocab.encode_line(line)) for line in plain
     ]
+
+
+def test_encoding_by_word_type_equals_encoding_the_text(vocab):
+    """The stream encoder's table of word types gives the tokenizer's ids; lines spaced
+    otherwise than by single spaces (where the two differ) take the direct path."""
+    encoder = StreamEncoder(vocab.tokenizer)
+    spaced = [" the cat ", "<unk> dog", "x<unk>y z", "the<eos>dog", "", "a\u2581b", "row\n"]
+    odd = ["a  b", "tab\there", "nb\u00a0sp", "a\nb", "fs\x1cx"]
+    for lines in [CORPUS, spaced, odd, spaced + odd, *([line] * 3 for line in odd)]:
+        expected = BPEVocab.encode_theirs(vocab.tokenizer, list(lines))
+        assert encoder.encode(list(lines)).tolist() == expected.tolist()
+    assert StreamEncoder.single_spaced(spaced) and not any(
+        StreamEncoder.single_spaced([line]) for line in odd
+    )
+    # every whitespace character but the space and the line break sends a line the direct way
+    for code in range(0x110000):
+        if chr(code).isspace() and chr(code) not in " \n":
+            assert not StreamEncoder.single_spaced([f"a{chr(code)}b"]), hex(code)
