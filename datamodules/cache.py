@@ -38,6 +38,15 @@ from datamodules.errors import DataCacheError
 
 log = logging.getLogger(__name__)
 
+# The splits each Trainer entry point reads: ``test`` never touches the training split.
+STAGE_SPLITS = {
+    "fit": ("train", "valid"),
+    "validate": ("valid",),
+    "test": ("test",),
+    "predict": (),
+}
+ALL_SPLITS = ("train", "valid", "test")
+
 CACHE_ENV = "OUTPUT_HEADS_DATA_CACHE"
 # Bump when what an entry holds, or how it is computed, changes: old entries are then ignored.
 FORMAT_VERSION = 1
@@ -52,6 +61,14 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
         return Path(os.environ[CACHE_ENV]).expanduser()
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return base / "output-heads" / "data"
+
+
+def splits_to_prepare(trainer: Any, stage: str | None = None) -> tuple[str, ...]:
+    """The splits a run reads: those of ``stage`` (``setup``'s argument), else of the trainer's
+    entry point (``prepare_data`` has no argument), else all three (no trainer)."""
+    if stage is None and trainer is not None and trainer.state.fn is not None:
+        stage = trainer.state.fn.value
+    return STAGE_SPLITS.get(stage, ALL_SPLITS) if stage else ALL_SPLITS
 
 
 def process_rank() -> int | None:

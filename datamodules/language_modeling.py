@@ -11,14 +11,18 @@ import lightning as L
 import numpy as np
 import tokenizers
 import torch
-from datasets.utils import are_progress_bars_disabled
 from torch.utils.data import DataLoader, IterableDataset
 
 from datamodules.bptt import BPTTBatches, num_windows, stream_layout
-from datamodules.cache import CacheEntry, cache_root
+from datamodules.cache import CacheEntry, cache_root, splits_to_prepare
 from datamodules.errors import DataConfigError, VocabularyMismatchError
 from datamodules.resumable import ResumableLoader
-from datamodules.text_source import SPLITS, HubColumns, TextFiles, text_source
+from datamodules.text_source import (
+    HubColumns,
+    TextFiles,
+    text_source,
+    tokenizers_progress,
+)
 from datamodules.vocab import BPEVocab, WordVocab
 from datamodules.vocab.bpe import StreamEncoder
 from datamodules.vocab.hybrid_lightrnn import HybridLightRNNVocab
@@ -29,9 +33,6 @@ log = logging.getLogger(__name__)
 
 VOCABS = ("word", "bpe", "hybrid_lightrnn")
 Vocab = WordVocab | BPEVocab | HybridLightRNNVocab
-# The splits each Trainer entry point reads: ``test`` never touches the training split.
-STAGE_SPLITS = {"fit": ("train", "valid"), "validate": ("valid",), "test": ("test",)}
-STAGE_SPLITS["predict"] = ()
 # Ids re-mapped at a time (BPE's tokenizer ids -> frequency-ranked ids).
 _REMAP_CHUNK = 1 << 24
 
@@ -165,6 +166,13 @@ class LanguageModelingDataModule(L.LightningDataModule):
 
     __str__ = __repr__
 
+    def __getstate__(self) -> dict[str, Any]:
+        # pickled (ddp_spawn, DataLoader workers under spawn): the token files are mapped again
+        # where it is unpickled, not copied into the pickle
+        state = self.__dict__.copy()
+        state["_ids"], state["_codes"] = {}, {}
+        return state
+
     # -- source and cache ----------------------------------------------------------------
     @property
     def source(self) -> TextFiles | HubColumns:
@@ -247,7 +255,7 @@ class LanguageModelingDataModule(L.LightningDataModule):
             start = time.perf_counter()
             lines = source.line_batches("train", desc="training BPE (train)")
             tokenizer = BPEVocab.train_tokenizer(
-                lines, hp.bpe_vocab_size, show_progress=not are_progress_bars_disabled()
+                lines, hp.bpe_vocab_size, show_progress=tokenizers_progress()
             )
             log.info(
                 "BPE of %d tokens trained in %.1f s", hp.bpe_vocab_size, time.perf_counter() - start
@@ -294,20 +302,15 @@ class LanguageModelingDataModule(L.LightningDataModule):
         return len(self.vocab)
 
     # -- preparing and loading the token files -----------------------------------------
-    def _stage_splits(self, stage: str | None = None) -> tuple[str, ...]:
-        if stage is None and self.trainer is not None and self.trainer.state.fn is not None:
-            stage = self.trainer.state.fn.value
-        return STAGE_SPLITS.get(stage, SPLITS) if stage else SPLITS
-
     def prepare_data(self) -> None:
         """Vocabulary and the token files of the splits this run reads (Lightning calls it on
         one process per node before ``setup``; the others then find the cache)."""
         _ = self.vocab
-        for split in self._stage_splits():
+        for split in splits_to_prepare(self.trainer):
             self._split_ids(split)
 
     def setup(self, stage: str) -> None:
-        for split in self._stage_splits(stage):
+        for split in splits_to_prepare(self.trainer, stage):
             self._split_ids(split)  # memory-maps (prepares only if prepare_data did not)
 
     def _split_ids(self, split: str) -> torch.Tensor:

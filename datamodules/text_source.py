@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any, Protocol
 
 import pyarrow.compute as pc
 from datasets import Dataset, DatasetDict, load_dataset
-from datasets.utils import tqdm
+from datasets.utils import are_progress_bars_disabled, tqdm
 
 from datamodules.errors import DataFormatError, DataPathError
 
@@ -144,6 +145,12 @@ class TextSource(Protocol):
     def describe(self, part: str) -> str: ...
 
     def line_batches(self, part: str, desc: str | None = None) -> Iterator[list[str]]: ...
+
+
+def tokenizers_progress() -> bool:
+    """Whether the tokenizers library shows its own bars (BPE training): on a terminal,
+    unless HuggingFace's bars are turned off."""
+    return sys.stderr.isatty() and not are_progress_bars_disabled()
 
 
 def _progress(total: int, desc: str | None, unit: str):

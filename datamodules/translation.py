@@ -25,10 +25,9 @@ import numpy as np
 import tokenizers
 import torch
 from datasets import Dataset, DatasetDict
-from datasets.utils import are_progress_bars_disabled
 from torch.utils.data import DataLoader, Sampler
 
-from datamodules.cache import CacheEntry, cache_root
+from datamodules.cache import CacheEntry, cache_root, splits_to_prepare
 from datamodules.errors import (
     DataConfigError,
     DataPathError,
@@ -41,6 +40,7 @@ from datamodules.text_source import (
     count_lines,
     load_hub_splits,
     looks_local,
+    tokenizers_progress,
 )
 from datamodules.vocab import EOS, BPEVocab, WordVocab
 from datamodules.vocab.bpe import StreamEncoder
@@ -54,9 +54,6 @@ SPLITS = ("train", "valid", "test")
 SIDES = ("source", "target")
 # Multi30k's file prefixes (task 1): train.de, val.de, test_2016_flickr.de ...
 DEFAULT_FILES = {"train": "train", "valid": "val", "test": "test_2016_flickr"}
-# The splits each Trainer entry point reads: ``test`` never touches the training split.
-STAGE_SPLITS = {"fit": ("train", "valid"), "validate": ("valid",), "test": ("test",)}
-STAGE_SPLITS["predict"] = ()
 _REMAP_CHUNK = 1 << 24
 
 
@@ -380,6 +377,13 @@ class TranslationDataModule(L.LightningDataModule):
 
     __str__ = __repr__
 
+    def __getstate__(self) -> dict[str, Any]:
+        # pickled (ddp_spawn, DataLoader workers under spawn): the token files are mapped again
+        # where it is unpickled, not copied into the pickle
+        state = self.__dict__.copy()
+        state["_parts"], state["_encoded"] = {}, {}
+        return state
+
     # -- source and cache ----------------------------------------------------------------
     @property
     def source(self) -> TextFiles | HubColumns:
@@ -489,7 +493,7 @@ class TranslationDataModule(L.LightningDataModule):
         cache, hp = self.cache, self.hparams
         batches = (b for side in sides for b in self._train_batches(side, "training BPE", lines))
         tokenizer = BPEVocab.train_tokenizer(
-            batches, hp.bpe_vocab_size, show_progress=not are_progress_bars_disabled()
+            batches, hp.bpe_vocab_size, show_progress=tokenizers_progress()
         )
         counts = np.zeros(tokenizer.get_vocab_size(), dtype=np.int64)
         eos = tokenizer.token_to_id(EOS)
@@ -550,20 +554,15 @@ class TranslationDataModule(L.LightningDataModule):
         return self._raw_lines(f"{split}.source")
 
     # -- preparing, encoding and batches --------------------------------------------------
-    def _stage_splits(self, stage: str | None = None) -> tuple[str, ...]:
-        if stage is None and self.trainer is not None and self.trainer.state.fn is not None:
-            stage = self.trainer.state.fn.value
-        return STAGE_SPLITS.get(stage, SPLITS) if stage else SPLITS
-
     def prepare_data(self) -> None:
         """Vocabularies and the token files of the splits this run reads (Lightning calls it
         on one process per node before ``setup``)."""
         _ = self.vocabs
-        for split in self._stage_splits():
+        for split in splits_to_prepare(self.trainer):
             self.encoded(split)
 
     def setup(self, stage: str) -> None:
-        for split in self._stage_splits(stage):
+        for split in splits_to_prepare(self.trainer, stage):
             self.encoded(split)  # memory-maps (prepares only if prepare_data did not)
 
     def _part(self, split: str, side: str) -> tuple[np.ndarray, np.ndarray]:

@@ -18,9 +18,11 @@ The cache starts empty (a fresh ``--cache-dir``, deleted afterwards unless given
 JSON (``--out``/``--name``.json): ``corpus`` (path, tokens, types, bytes), ``machine`` (CPU
 count, load averages before and after), ``results``: one entry per vocabulary with ``prepare``
 and ``cached`` (a list of runs) phases, each ``{wall_s, vocab_s, ready_s, first_batch_s,
-peak_rss_gib, cache_hits, cache_misses, vocab_size, tokens}``, the cached phase's median
-``cached_wall_s``, and ``concurrent`` (``--concurrent N``: N processes started together on
-an empty cache, as DDP ranks launched by torchrun or SLURM are).
+process_s, epoch_read_s, peak_rss_gib, cache_hits, cache_misses, log, vocab_size, tokens}``
+(seconds from the data module's creation; ``process_s`` also counts Python's start and the
+imports), the cached phase's median ``cached_wall_s``, and ``concurrent`` (``--concurrent N``:
+N processes started together on an empty cache, as DDP ranks launched by torchrun or SLURM
+are).
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ def _spawn(spec: dict[str, Any]) -> subprocess.Popen:
     env = {**os.environ, "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
     code = "import json, sys; from app.bench.data import run_phase; "
     code += "print(json.dumps(run_phase(json.loads(sys.argv[1]))))"
-    return subprocess.Popen(
+    process = subprocess.Popen(
         [sys.executable, "-c", code, json.dumps(spec)],
         cwd=Path(__file__).resolve().parents[2],
         env=env,
@@ -171,13 +173,18 @@ def _spawn(spec: dict[str, Any]) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
     )
+    process.started = time.perf_counter()  # type: ignore[attr-defined]
+    return process
 
 
 def _result(process: subprocess.Popen) -> dict[str, Any]:
     out, err = process.communicate()
     if process.returncode != 0:
         raise RuntimeError(f"benchmark phase failed:\n{err[-3000:]}")
-    return json.loads(out.strip().splitlines()[-1])
+    result = json.loads(out.strip().splitlines()[-1])
+    # the whole process: Python's start and the imports (torch, lightning...) included
+    result["process_s"] = time.perf_counter() - process.started  # type: ignore[attr-defined]
+    return result
 
 
 def phase(spec: dict[str, Any]) -> dict[str, Any]:
@@ -252,7 +259,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _line(result: dict[str, Any]) -> str:
     return (
-        f"{result['wall_s']:.1f} s to the first batch (vocabulary {result['vocab_s']:.1f} s), "
+        f"{result['wall_s']:.1f} s to the first batch (vocabulary {result['vocab_s']:.1f} s; "
+        f"{result['process_s']:.1f} s with Python's start and imports), "
         f"peak RSS {result['peak_rss_gib']:.2f} GiB, {result['cache_misses']} cache misses, "
         f"{result['cache_hits']} hits"
         + (f", one epoch read in {result['epoch_read_s']:.1f} s" if result["epoch_read_s"] else "")
