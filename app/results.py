@@ -154,9 +154,56 @@ def render_inference_bench(report: dict[str, Any], path: Path, doc_dir: Path) ->
     return "\n\n".join(parts)
 
 
+# -- the data benchmark (python -m app.bench --mode data) ---------------------------------------
+def _is_data_bench(report: dict[str, Any]) -> bool:
+    return report.get("mode") == "data" and "results" in report
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else float("nan")
+
+
+def render_data_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
+    corpus, options, machine = report["corpus"], report["options"], report.get("machine", {})
+    header = ["vocab", "classes", "train tokens", "first prepare s", "peak RSS GiB",
+              "cached setup s (median)", "cached peak RSS GiB", "read one epoch s",
+              "concurrent ranks: max s", "concurrent: ranks that prepared"]  # fmt: skip
+    body = []
+
+    def prepared(together: list[dict]) -> str:
+        return f"{sum(c['cache_misses'] > 0 for c in together)} of {len(together)}"
+
+    for row in report["results"]:
+        prepare, cached, together = row["prepare"], row["cached"], row.get("concurrent") or []
+        epoch = next((c["epoch_read_s"] for c in cached if c.get("epoch_read_s")), None)
+        body.append([
+            row["vocab"], prepare["vocab_size"], prepare["tokens"]["train"], prepare["wall_s"],
+            prepare["peak_rss_gib"], _median([c["wall_s"] for c in cached]),
+            max((c["peak_rss_gib"] for c in cached), default=float("nan")),
+            float("nan") if epoch is None else epoch,
+            max((c["wall_s"] for c in together), default=float("nan")),
+            prepared(together) if together else "-",
+        ])  # fmt: skip
+    load = machine.get("load_before")
+    return "\n\n".join([
+        f"Synthetic WikiText-style corpus: {corpus['tokens']:,} training tokens, "
+        f"{corpus['types']:,} Zipf({corpus['zipf']}) word types, "
+        f"{corpus['line_words']}-word lines; "
+        f"{machine.get('cpus')} CPUs, load average before {load[0]:.1f} (other jobs shared the "
+        "machine), peak RSS of the whole process."
+        if load else f"{corpus['tokens']:,} training tokens.",
+        "```bash\n" + command_of("app.bench", options, skip=("out", "name", "corpus_dir",
+                                 "cache_dir", "malloc_tuning"))
+        + ("" if options.get("malloc_tuning", True) else " --no-malloc-tuning") + "\n```",
+        table(header, body),
+    ])  # fmt: skip
+
+
 RENDERERS: list[tuple[Callable[[dict[str, Any]], bool], Renderer]] = [
     (_is_training_bench, render_training_bench),
     (_is_inference_bench, render_inference_bench),
+    (_is_data_bench, render_data_bench),
 ]
 
 

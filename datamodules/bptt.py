@@ -9,6 +9,29 @@ import torch
 from torch.utils.data import IterableDataset
 
 
+def stream_layout(num_tokens: int, batch_size: int, rank: int = 0, world_size: int = 1):
+    """Where a rank's streams lie in a token stream: ``(start, streams, stream_len)``, its
+    ``streams`` rows of ``stream_len`` tokens being ``tokens[start : start + streams *
+    stream_len]`` (a contiguous block: the global ``[batch_size, stream_len]`` layout is row
+    major). Raises ``ValueError`` for sizes that cannot work."""
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    if batch_size % world_size:
+        raise ValueError(
+            f"batch_size {batch_size} must be divisible by the number of processes "
+            f"{world_size}: the streams are split evenly across ranks"
+        )
+    stream_len = num_tokens // batch_size
+    if stream_len < 2:
+        raise ValueError(f"{num_tokens} tokens are too few for {batch_size} streams of at least 2")
+    per_rank = batch_size // world_size
+    return rank * per_rank * stream_len, per_rank, stream_len
+
+
+def num_windows(stream_len: int, bptt: int) -> int:
+    return math.ceil((stream_len - 1) / bptt)
+
+
 class BPTTBatches(IterableDataset):
     """Cuts a token stream into ``batch_size`` contiguous streams and walks them in windows.
 
@@ -17,6 +40,9 @@ class BPTTBatches(IterableDataset):
     Under DDP each rank takes its own contiguous block of streams (the global batch is
     ``batch_size``): no text is duplicated or dropped across ranks beyond the tail that
     does not fill a stream.
+
+    The streams are a view of ``tokens`` (a memory-mapped int32 file stays one: a rank reads
+    only its own block's pages); each window is widened to int64 as it is served.
     """
 
     def __init__(
@@ -30,26 +56,26 @@ class BPTTBatches(IterableDataset):
         super().__init__()
         if batch_size <= 0 or bptt <= 0:
             raise ValueError(f"batch_size and bptt must be positive, got {batch_size} and {bptt}")
-        if batch_size % world_size:
-            raise ValueError(
-                f"batch_size {batch_size} must be divisible by the number of processes "
-                f"{world_size}: the streams are split evenly across ranks"
-            )
-        stream_len = tokens.numel() // batch_size
-        if stream_len < 2:
-            raise ValueError(
-                f"{tokens.numel()} tokens are too few for {batch_size} streams of at least 2"
-            )
-        streams = tokens[: stream_len * batch_size].view(batch_size, stream_len)
-        per_rank = batch_size // world_size
-        self.streams = streams[rank * per_rank : (rank + 1) * per_rank].contiguous()
+        start, streams, stream_len = stream_layout(tokens.numel(), batch_size, rank, world_size)
+        self.streams = tokens[start : start + streams * stream_len].view(streams, stream_len)
         self.bptt = bptt
 
+    @classmethod
+    def of_streams(cls, streams: torch.Tensor, bptt: int) -> BPTTBatches:
+        """Windows over streams already laid out (``[streams, stream_len]``)."""
+        batches = cls.__new__(cls)
+        IterableDataset.__init__(batches)
+        batches.streams, batches.bptt = streams, bptt
+        return batches
+
     def __len__(self) -> int:
-        return math.ceil((self.streams.size(1) - 1) / self.bptt)
+        return num_windows(self.streams.size(1), self.bptt)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         length = self.streams.size(1) - 1
         for start in range(0, length, self.bptt):
             stop = min(start + self.bptt, length)
-            yield self.streams[:, start:stop], self.streams[:, start + 1 : stop + 1]
+            yield (
+                self.streams[:, start:stop].long(),
+                self.streams[:, start + 1 : stop + 1].long(),
+            )

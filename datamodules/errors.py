@@ -17,3 +17,11 @@ class ParallelDataError(DataConfigError):
 
 class VocabularyMismatchError(UserError, ValueError):
     """A checkpoint was trained with another vocabulary than the data gives now."""
+
+
+class DataFormatError(DataPathError):
+    """A data file that cannot be read as text (not UTF-8)."""
+
+
+class DataCacheError(DataConfigError):
+    """The prepared-data cache cannot be used (a folder that cannot be written...)."""

@@ -1,43 +1,66 @@
-"""Language-modelling data: word, BPE or Hybrid-LightRNN vocabulary, cached tokenisation,
-truncated-BPTT batches."""
+"""Language-modelling data: word, BPE or Hybrid-LightRNN vocabulary, prepared once into a cache
+of int32 token files that every run and rank memory-maps, truncated-BPTT batches."""
 
 from __future__ import annotations
 
-import itertools
+import logging
+import time
 from typing import Any
 
 import lightning as L
+import numpy as np
+import tokenizers
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from datamodules.bptt import BPTTBatches
+from datamodules.bptt import BPTTBatches, num_windows, stream_layout
+from datamodules.cache import CacheEntry, cache_root, splits_to_prepare
 from datamodules.errors import DataConfigError, VocabularyMismatchError
 from datamodules.resumable import ResumableLoader
-from datamodules.text_source import load_text_splits
+from datamodules.text_source import (
+    HubColumns,
+    TextFiles,
+    text_source,
+    tokenizers_progress,
+)
 from datamodules.vocab import BPEVocab, WordVocab
+from datamodules.vocab.bpe import StreamEncoder
 from datamodules.vocab.hybrid_lightrnn import HybridLightRNNVocab
+from datamodules.vocab.word import count_words
+from heads.errors import UserError
+
+log = logging.getLogger(__name__)
 
 VOCABS = ("word", "bpe", "hybrid_lightrnn")
 Vocab = WordVocab | BPEVocab | HybridLightRNNVocab
+# Ids re-mapped at a time (BPE's tokenizer ids -> frequency-ranked ids).
+_REMAP_CHUNK = 1 << 24
 
 
 class _LiveBPTT(IterableDataset):
     """BPTT batches over the split's *current* token stream, re-read at every pass. A
     Hybrid-LightRNN table scheduled by the re-assignment is installed when a training pass
     starts, so the next epoch (also after a resume) trains and validates with it. (The number
-    of tokens never changes: it depends on which words are frequent, not on the table.)"""
+    of tokens never changes: it depends on which words are frequent, not on the table.)
+    Only this rank's streams are read (a view of the memory-mapped token file, or for
+    Hybrid-LightRNN codes this rank's share encoded)."""
 
     def __init__(self, data: LanguageModelingDataModule, split: str, batch_size: int) -> None:
         super().__init__()
         trainer = data.trainer
-        self.args = (batch_size, data.hparams.bptt)
-        self.args += (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
+        self.batch_size, self.bptt = batch_size, data.hparams.bptt
+        self.rank, self.world_size = (
+            (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
+        )
         self.data, self.split = data, split
         try:
-            self._len = len(BPTTBatches(data.split_tokens(split), *self.args))
+            _, _, stream_len = stream_layout(
+                data.num_tokens(split), batch_size, self.rank, self.world_size
+            )
         except ValueError as exc:  # too few tokens for the streams, or streams vs. ranks
             option = "data.batch_size" if split == "train" else "data.eval_batch_size"
             raise DataConfigError(f"{split} split with {option}={batch_size}: {exc}") from exc
+        self._len = num_windows(stream_len, self.bptt)
 
     def __len__(self) -> int:
         return self._len
@@ -45,17 +68,27 @@ class _LiveBPTT(IterableDataset):
     def __iter__(self):
         if self.split == "train":
             self.data.install_scheduled_lightrnn_cells()
-        yield from BPTTBatches(self.data.split_tokens(self.split), *self.args)
+        streams = self.data.rank_streams(self.split, self.batch_size, self.rank, self.world_size)
+        yield from BPTTBatches.of_streams(streams, self.bptt)
 
 
 class LanguageModelingDataModule(L.LightningDataModule):
     """Serves contiguous BPTT batches ``(input [B, T], target [B, T])`` for train/valid/test.
 
+    The corpus is prepared once (``prepare_data``, rank 0; or on first use): the vocabulary is
+    counted in one pass and each split tokenised in batches straight into an int32 file of a
+    cache entry keyed by the files' identity and the vocabulary options
+    (``datamodules/cache.py``). Every later run, and every DDP rank, loads the vocabulary and
+    memory-maps the token files instead (a log line says which). ``vocab_size`` (read by the
+    CLI before ``prepare_data``) loads or builds only the vocabulary; nothing is tokenised
+    while the CLI builds objects, and ``test``/``validate``/``predict`` never touch the
+    training split.
+
     Args:
         path: a local folder with train/valid/test text files (found by name, or named in
             ``files``), or a HuggingFace hub dataset name (needs network).
         files: split -> file name inside ``path``, e.g. ``{train: ptb.train.txt, ...}``.
-        hub_config: configuration name of a hub dataset (e.g. ``wikitext-2-v1``).
+        hub_config: configuration name of a hub dataset (e.g. ``wikitext-103-raw-v1``).
         hub_splits: our split -> the hub's split name (default train/validation/test).
         text_column: the hub dataset's text column.
         batch_size: parallel streams in training (global, split across DDP ranks).
@@ -71,10 +104,13 @@ class LanguageModelingDataModule(L.LightningDataModule):
         bpe_vocab_size: size of the BPE vocabulary (special tokens and alphabet included).
         lightrnn_frequent: K, the most frequent words with an exclusive code.
         lightrnn_rows, lightrnn_cols: the table (d1 x d2); a missing side is chosen so that
-            the table holds the rare words (nearly square when both are missing).
+            the table holds the rare words (nearly square when both are missing), and a table
+            too small for the vocabulary is grown to fit (with a warning).
         lightrnn_init: initial table, ``frequency`` (row by row in frequency order) or
             ``random``.
         lightrnn_seed: seed of the ``random`` initial table.
+        cache_dir: folder of prepared corpora (default ``$OUTPUT_HEADS_DATA_CACHE`` or
+            ``~/.cache/output-heads/data``).
     """
 
     def __init__(
@@ -96,6 +132,7 @@ class LanguageModelingDataModule(L.LightningDataModule):
         lightrnn_cols: int | None = None,
         lightrnn_init: str = "frequency",
         lightrnn_seed: int = 0,
+        cache_dir: str | None = None,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -112,48 +149,146 @@ class LanguageModelingDataModule(L.LightningDataModule):
                 f"data.lightrnn_init must be 'frequency' or 'random', got {lightrnn_init!r}"
             )
         self.save_hyperparameters()
-        self._splits = None
+        self._source: TextFiles | HubColumns | None = None
+        self._cache: CacheEntry | None = None
+        self._identity: dict[str, Any] = {}
         self._vocab: Vocab | None = None
-        self._tokens: dict[str, torch.Tensor] = {}
-        self._word_ids: dict[str, torch.Tensor] = {}
+        self._ids: dict[str, torch.Tensor] = {}  # word or BPE ids per split: int32, mapped
+        self._num_codes: dict[str, int] = {}  # Hybrid-LightRNN code count per split
+        self._codes: dict[Any, torch.Tensor] = {}  # Hybrid-LightRNN codes (current table)
         self._scheduled_cells: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        # Lightning's own __str__ builds every data loader (jsonargparse formats the data module
+        # while linking arguments): this one reads nothing.
+        hp = self.hparams
+        return f"{type(self).__name__}(path={hp.path!r}, vocab={hp.vocab!r})"
+
+    __str__ = __repr__
+
+    def __getstate__(self) -> dict[str, Any]:
+        # pickled (ddp_spawn, DataLoader workers under spawn): the token files are mapped again
+        # where it is unpickled, not copied into the pickle
+        state = self.__dict__.copy()
+        state["_ids"], state["_codes"] = {}, {}
+        return state
+
+    # -- source and cache ----------------------------------------------------------------
+    @property
+    def source(self) -> TextFiles | HubColumns:
+        """Where the splits' text comes from (files checked, nothing read yet)."""
+        if self._source is None:
+            hp = self.hparams
+            self._source = text_source(
+                hp.path, hp.files, hp.hub_config, hp.hub_splits, hp.text_column
+            )
+        return self._source
+
+    def _identity_of(self, split: str) -> dict[str, Any]:
+        if split not in self._identity:
+            self._identity[split] = self.source.identity(split)
+        return self._identity[split]
+
+    @property
+    def _level(self) -> str:
+        """What the cache holds: word ids (word and Hybrid-LightRNN) or BPE ids."""
+        return "bpe" if self.hparams.vocab == "bpe" else "word"
+
+    @property
+    def cache(self) -> CacheEntry:
+        """This corpus's cache entry: keyed by the training file and the vocabulary options
+        (each split's ids also record the identity of the file they come from)."""
+        if self._cache is None:
+            hp = self.hparams
+            if self._level == "bpe":
+                options = {"type": "bpe", "size": hp.bpe_vocab_size}
+                options["tokenizers"] = tokenizers.__version__
+            else:
+                options = {"type": "word", "max_size": hp.max_vocab_size}
+            material = {"task": "lm", "train": self._identity_of("train"), "vocab": options}
+            label = f"{self.source.label}-{self._level}"
+            self._cache = CacheEntry(cache_root(hp.cache_dir), label, material)
+        return self._cache
 
     # -- vocabulary (needed at CLI link time, before setup) ---------------------------
     @property
-    def splits(self):
-        if self._splits is None:
-            hp = self.hparams
-            self._splits = load_text_splits(
-                hp.path, hp.files, hp.hub_config, hp.hub_splits, hp.text_column
-            )
-        return self._splits
-
-    @property
     def vocab(self) -> Vocab:
         if self._vocab is None:
-            self._vocab = self._build_vocab()
+            self._vocab = self._load_vocab()
         return self._vocab
 
-    def _build_vocab(self) -> Vocab:
+    def _load_vocab(self) -> Vocab:
         hp = self.hparams
-        lines = self.splits["train"]["text"]
+        options = {
+            "word": "data.max_vocab_size",
+            "bpe": "data.bpe_vocab_size",
+            "hybrid_lightrnn": "data.lightrnn_*",
+        }
         try:
-            if hp.vocab == "bpe":
-                return BPEVocab.build(lines, hp.bpe_vocab_size)
-            if hp.vocab == "hybrid_lightrnn":
-                return HybridLightRNNVocab.build(
-                    lines,
-                    hp.lightrnn_frequent,
-                    hp.lightrnn_rows,
-                    hp.lightrnn_cols,
-                    hp.lightrnn_init,
-                    hp.lightrnn_seed,
-                    hp.max_vocab_size,
-                )
+            cache = self.cache
+            what = f"the {self._level} vocabulary of {self.source.label!r}"
+            cache.ensure(lambda: cache.has("vocab.json"), self._build_vocab, what)
+            base = _vocab_from_state(cache.read_json("vocab.json"))
+            if hp.vocab != "hybrid_lightrnn":
+                return base
+            return HybridLightRNNVocab.from_words(
+                base,
+                hp.lightrnn_frequent,
+                hp.lightrnn_rows,
+                hp.lightrnn_cols,
+                hp.lightrnn_init,
+                hp.lightrnn_seed,
+            )
+        except UserError:
+            raise
         except ValueError as exc:  # sizes that cannot work: one line naming the options
-            options = {"bpe": "data.bpe_vocab_size", "hybrid_lightrnn": "data.lightrnn_*"}
             raise DataConfigError(f"data.vocab={hp.vocab} ({options[hp.vocab]}): {exc}") from exc
-        return WordVocab.build(lines, hp.max_vocab_size)
+
+    def _build_vocab(self) -> None:
+        """Count the training split once (word), or train the BPE on it and encode it once
+        (its frequency ranking needs the counts; the ids are kept as the training split's)."""
+        hp, cache, source = self.hparams, self.cache, self.source
+        if self._level == "word":
+            counts = count_words(source.line_batches("train", desc="counting words (train)"))
+            vocab = WordVocab.from_counts(counts, hp.max_vocab_size)
+        else:
+            start = time.perf_counter()
+            lines = source.line_batches("train", desc="training BPE (train)")
+            tokenizer = BPEVocab.train_tokenizer(
+                lines, hp.bpe_vocab_size, show_progress=tokenizers_progress()
+            )
+            log.info(
+                "BPE of %d tokens trained in %.1f s", hp.bpe_vocab_size, time.perf_counter() - start
+            )
+            counts = np.zeros(tokenizer.get_vocab_size(), dtype=np.int64)
+            encoder = StreamEncoder(tokenizer)
+
+            def theirs():
+                for lines in source.line_batches("train", desc="encoding train (BPE)"):
+                    ids = encoder.encode(lines)
+                    counts[:] += np.bincount(ids, minlength=counts.size)
+                    yield ids
+
+            cache.write_ids("train.theirs", theirs())
+            vocab = BPEVocab.from_counts(tokenizer, counts)
+            theirs_ids = cache.ids("train.theirs")
+            cache.write_ids(
+                "train",
+                (
+                    vocab.to_ours(theirs_ids[i : i + _REMAP_CHUNK])
+                    for i in range(0, len(theirs_ids), _REMAP_CHUNK)
+                ),
+                source=self._identity_of("train"),
+            )
+            del theirs_ids
+            cache.remove("train.theirs")
+        cache.write_json("vocab.json", vocab.state_dict())
+
+    @property
+    def _token_vocab(self) -> WordVocab | BPEVocab:
+        """The vocabulary the cached ids are in (the word vocabulary of Hybrid-LightRNN)."""
+        vocab = self.vocab
+        return vocab.words if isinstance(vocab, HybridLightRNNVocab) else vocab
 
     @property
     def word_start_mask(self) -> torch.Tensor | None:
@@ -166,38 +301,88 @@ class LanguageModelingDataModule(L.LightningDataModule):
     def vocab_size(self) -> int:
         return len(self.vocab)
 
-    # -- tokens ------------------------------------------------------------------------
+    # -- preparing and loading the token files -----------------------------------------
+    def prepare_data(self) -> None:
+        """Vocabulary and the token files of the splits this run reads (Lightning calls it on
+        one process per node before ``setup``; the others then find the cache)."""
+        _ = self.vocab
+        for split in splits_to_prepare(self.trainer):
+            self._split_ids(split)
+
+    def setup(self, stage: str) -> None:
+        for split in splits_to_prepare(self.trainer, stage):
+            self._split_ids(split)  # memory-maps (prepares only if prepare_data did not)
+
+    def _split_ids(self, split: str) -> torch.Tensor:
+        """A split's ids in the cached vocabulary (word or BPE), int32, memory-mapped."""
+        if split not in self._ids:
+            vocab, cache, source = self._token_vocab, self.cache, self.source
+            identity = self._identity_of(split)
+
+            def done() -> bool:
+                return (
+                    cache.has_ids(split) and cache.read_json(f"{split}.json")["source"] == identity
+                )
+
+            def encode() -> None:
+                batches = source.line_batches(split, desc=f"tokenising {split}")
+                cache.write_ids(split, map(vocab.encode_batch, batches), source=identity)
+
+            cache.ensure(done, encode, f"{split} token ids")
+            self._ids[split] = torch.from_numpy(cache.ids(split))
+        return self._ids[split]
+
+    def num_tokens(self, split: str) -> int:
+        """Length of a split's stream (codes for Hybrid-LightRNN), without encoding it."""
+        vocab = self.vocab
+        if not isinstance(vocab, HybridLightRNNVocab):
+            return len(self._split_ids(split))
+        if split not in self._num_codes:
+            self._num_codes[split] = vocab.count_codes(self._split_ids(split))
+        return self._num_codes[split]
+
     def split_tokens(self, split: str) -> torch.Tensor:
-        """All ids (codes) of a split as one stream (``<eos>`` after every line)."""
-        if split not in self._tokens:
-            vocab = self.vocab
-            if isinstance(vocab, HybridLightRNNVocab):
-                self._tokens[split] = vocab.encode_word_ids(self.split_word_ids(split))
-            elif isinstance(vocab, BPEVocab):
-                ids = vocab.encode_lines(self.splits[split]["text"])
-                flat = list(itertools.chain.from_iterable(ids))
-                self._tokens[split] = torch.tensor(flat, dtype=torch.long)
-            else:
-                self._tokens[split] = self.split_word_ids(split)
-        return self._tokens[split]
+        """All ids (codes) of a split as one int32 stream (``<eos>`` after every line):
+        a view of the memory-mapped token file, or the Hybrid-LightRNN codes of the current
+        table."""
+        vocab = self.vocab
+        if not isinstance(vocab, HybridLightRNNVocab):
+            return self._split_ids(split)
+        if split not in self._codes:
+            self._codes[split] = vocab.encode_word_ids(self._split_ids(split))
+        return self._codes[split]
+
+    @property
+    def token_counts(self) -> np.ndarray:
+        """Training count of every class id the head predicts (``[vocab_size]``, int64): what a
+        head's ``setup`` may use, e.g. adaptive ``cutoffs: auto`` ranks classes by it."""
+        return np.bincount(self.split_tokens("train").numpy(), minlength=self.vocab_size)
 
     def split_word_ids(self, split: str) -> torch.Tensor:
-        """Word ids of a split (word and Hybrid-LightRNN vocabularies), cached."""
-        if split not in self._word_ids:
-            vocab = self.vocab
-            words = vocab.words if isinstance(vocab, HybridLightRNNVocab) else vocab
-            if not isinstance(words, WordVocab):
-                raise DataConfigError(f"data.vocab={self.hparams.vocab} has no word ids")
-            encoded = self.splits[split].map(
-                lambda batch: {"ids": [words.encode_line(t) for t in batch["text"]]},
-                batched=True,
-                remove_columns=["text"],
-                desc=f"tokenising {split}",
-            )
-            ids = list(itertools.chain.from_iterable(encoded["ids"]))
-            self._word_ids[split] = torch.tensor(ids, dtype=torch.long)
-        return self._word_ids[split]
+        """Word ids of a split (word and Hybrid-LightRNN vocabularies), int32."""
+        if self._level != "word":
+            raise DataConfigError(f"data.vocab={self.hparams.vocab} has no word ids")
+        return self._split_ids(split)
 
+    def rank_streams(self, split: str, batch_size: int, rank: int, world_size: int) -> torch.Tensor:
+        """This rank's ``[batch_size / world_size, stream_len]`` block of BPTT streams, int32:
+        a view of the token file (no copy), or this rank's share of the codes."""
+        start, streams, stream_len = stream_layout(
+            self.num_tokens(split), batch_size, rank, world_size
+        )
+        stop = start + streams * stream_len
+        vocab = self.vocab
+        if not isinstance(vocab, HybridLightRNNVocab):
+            return self._split_ids(split)[start:stop].view(streams, stream_len)
+        key = (split, start, stop)
+        if key not in self._codes:
+            if split in self._codes:  # the whole stream is already encoded
+                self._codes[key] = self._codes[split][start:stop]
+            else:
+                self._codes[key] = vocab.encode_word_ids_range(self._split_ids(split), start, stop)
+        return self._codes[key].view(streams, stream_len)
+
+    # -- Hybrid-LightRNN table -------------------------------------------------------------
     def set_lightrnn_cells(self, cells: torch.Tensor) -> None:
         """Install a Hybrid-LightRNN table now; the loaders follow from their next pass (the
         code streams are re-encoded on demand)."""
@@ -205,7 +390,7 @@ class LanguageModelingDataModule(L.LightningDataModule):
         if not isinstance(vocab, HybridLightRNNVocab):
             raise DataConfigError("the LightRNN table needs data.vocab=hybrid_lightrnn")
         vocab.set_cells(cells)
-        self._tokens.clear()
+        self._codes.clear()
 
     def schedule_lightrnn_cells(self, cells: torch.Tensor) -> None:
         """Install a re-assigned table when the next training pass starts. Until then the
@@ -223,6 +408,7 @@ class LanguageModelingDataModule(L.LightningDataModule):
             self.set_lightrnn_cells(self._scheduled_cells)
             self._scheduled_cells = None
 
+    # -- loaders ---------------------------------------------------------------------------
     def _batches(self, split: str, batch_size: int) -> DataLoader:
         return DataLoader(_LiveBPTT(self, split, batch_size), batch_size=None)
 

@@ -47,7 +47,7 @@ class ResumableLoader(DataLoader):
         self._consumed = None
         for index, batch in enumerate(super().__iter__()):
             if index < skip:
-                continue  # already trained on before the checkpoint (BPTT windows are views)
+                continue  # already trained on before the checkpoint (a window is a small copy)
             self.batches_served = index + 1
             yield batch
 

@@ -1,22 +1,44 @@
-"""Loads the train/valid/test text splits through HuggingFace ``datasets``.
+"""Where the text comes from: local files or a HuggingFace hub dataset, read in batches of lines.
 
-Either local files (the offline ``text`` builder, one example per line) or a hub dataset
-name for users with network access; both give a ``DatasetDict`` with a ``text`` column and
-the splits ``train``, ``valid``, ``test``.
+A source has named *parts* (``train``, ``valid``, ``test`` for language modelling; ``train.source``,
+``train.target``... for translation). Each part is read as batches of lines (a few MiB of text
+at a time, never the whole corpus as Python strings) and has an *identity*: what the prepared-data
+cache (``datamodules/cache.py``) keys on, so that a changed file gets prepared anew.
+
+Local files are read directly, with the line rules of HuggingFace's ``text`` builder (universal
+newlines, one example per ``\\n``-separated line, the line break dropped; tested equal): converting
+a 500 MB corpus to Arrow first would cost more than preparing it. A hub dataset name loads through
+``datasets.load_dataset`` (network on the first use, HF's Arrow cache after) and is read in Arrow
+record batches.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
-from datasets import DatasetDict, load_dataset
+import pyarrow.compute as pc
+from datasets import Dataset, DatasetDict, load_dataset
+from datasets.utils import are_progress_bars_disabled, tqdm
 
-from datamodules.errors import DataPathError
+from datamodules.errors import DataFormatError, DataPathError
 
 SPLITS = ("train", "valid", "test")
 # File-name fragments that identify each split in a local folder.
 _SPLIT_PATTERNS = {"train": ("train",), "valid": ("valid", "val", "dev"), "test": ("test",)}
+# Text read per batch: big enough that per-batch overhead vanishes, small enough that the
+# batch's words as Python strings stay ~100 MB.
+BATCH_BYTES = 4 << 20
+# Rows per Arrow batch of a hub dataset.
+BATCH_ROWS = 20_000
+# A file's identity hashes its first and last MiB (plus size and mtime), not all of it: a
+# WikiText-103-size file is identified in milliseconds on every launch.
+_SAMPLE_BYTES = 1 << 20
 
 
 def _name_parts(name: str) -> list[str]:
@@ -50,30 +72,199 @@ def find_split_files(folder: Path, files: dict[str, str] | None) -> dict[str, Pa
             candidate = matches[0]
         if not candidate.is_file():
             raise DataPathError(f"{split} file {str(candidate)!r} does not exist")
-        with candidate.open(encoding="utf-8") as handle:
-            if not any(line.strip() for line in handle):
-                raise DataPathError(f"{split} file {str(candidate)!r} is empty")
+        if not _has_text(candidate):
+            raise DataPathError(f"{split} file {str(candidate)!r} is empty")
         found[split] = candidate
     return found
 
 
-def load_text_splits(
-    path: str,
-    files: dict[str, str] | None = None,
-    hub_config: str | None = None,
-    hub_splits: dict[str, str] | None = None,
-    text_column: str = "text",
+def _has_text(path: Path) -> bool:
+    """Whether any line holds more than whitespace (reads only up to the first such line)."""
+    try:
+        with path.open(encoding="utf-8") as handle:
+            return any(line.strip() for line in handle)
+    except UnicodeDecodeError as exc:
+        raise DataFormatError(f"{str(path)!r} is not UTF-8 text ({exc.reason})") from exc
+
+
+def file_identity(path: Path) -> dict[str, Any]:
+    """Name, size, modification time and a hash of the first and last MiB of a file."""
+    stat = path.stat()
+    digest = hashlib.blake2b(digest_size=16)
+    with path.open("rb") as handle:
+        digest.update(handle.read(_SAMPLE_BYTES))
+        if stat.st_size > _SAMPLE_BYTES:
+            handle.seek(max(_SAMPLE_BYTES, stat.st_size - _SAMPLE_BYTES))
+            digest.update(handle.read())
+    return {
+        "name": path.name,
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "sample": digest.hexdigest(),
+    }
+
+
+def _blocks(handle) -> Iterator[bytes]:
+    """A binary file in blocks of about ``BATCH_BYTES`` that end at a ``\n`` (or the end of the
+    file): no line, ``\r\n`` pair or UTF-8 character is cut in two."""
+    while block := handle.read(BATCH_BYTES):
+        yield block + handle.readline()
+
+
+def count_lines(path: Path) -> int:
+    """Lines of a text file as :func:`split_text_lines` cuts them, without decoding it."""
+    count, last = 0, b"\n"
+    with path.open("rb") as handle:
+        for block in _blocks(handle):
+            if b"\r" in block:
+                block = block.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+            count += block.count(b"\n")
+            last = block[-1:]
+    return count + (last != b"\n")
+
+
+def split_text_lines(text: str) -> list[str]:
+    """Lines of a decoded block that ends at a line break (or at the end of the file), as the
+    ``text`` builder cuts them: ``\\r\\n`` and ``\\r`` are line breaks too (universal newlines),
+    only ``\\n`` separates lines after that, and a final line break ends the last line."""
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    lines = text.split("\n")
+    if text.endswith("\n"):
+        lines.pop()
+    return lines
+
+
+class TextSource(Protocol):
+    """Named parts of text, each read as batches of lines."""
+
+    label: str  # short readable name (cache folder names, log lines)
+
+    def identity(self, part: str) -> dict[str, Any]: ...
+
+    def describe(self, part: str) -> str: ...
+
+    def line_batches(self, part: str, desc: str | None = None) -> Iterator[list[str]]: ...
+
+
+def tokenizers_progress() -> bool:
+    """Whether the tokenizers library shows its own bars (BPE training): on a terminal,
+    unless HuggingFace's bars are turned off."""
+    return sys.stderr.isatty() and not are_progress_bars_disabled()
+
+
+def _progress(total: int, desc: str | None, unit: str):
+    # HuggingFace's tqdm: hidden by HF_DATASETS_DISABLE_PROGRESS_BARS / disable_progress_bars()
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, disable=desc is None)
+
+
+@dataclass(frozen=True)
+class TextFiles:
+    """Local UTF-8 text files, one example per line."""
+
+    files: dict[str, Path]
+    label: str
+
+    def identity(self, part: str) -> dict[str, Any]:
+        return file_identity(self.files[part])
+
+    def describe(self, part: str) -> str:
+        return str(self.files[part])
+
+    def line_batches(self, part: str, desc: str | None = None) -> Iterator[list[str]]:
+        path = self.files[part]
+        with path.open("rb") as handle, _progress(path.stat().st_size, desc, "B") as bar:
+            for block in _blocks(handle):
+                bar.update(len(block))
+                try:
+                    text = block.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise DataFormatError(
+                        f"{part} file {str(path)!r} is not UTF-8 text ({exc.reason} near byte "
+                        f"{handle.tell() - len(block) + exc.start})"
+                    ) from exc
+                yield split_text_lines(text)
+
+    def lines(self, part: str) -> list[str]:
+        return [line for batch in self.line_batches(part) for line in batch]
+
+
+@dataclass(frozen=True)
+class HubColumns:
+    """Parts of HuggingFace datasets: ``part -> (dataset, column)``, where the column is a
+    name or a ``(struct column, field)`` pair (WMT's ``translation: {de: ..., en: ...}``)."""
+
+    parts: dict[str, tuple[Dataset, str | tuple[str, str]]]
+    label: str
+
+    def identity(self, part: str) -> dict[str, Any]:
+        dataset, column = self.parts[part]
+        files = [
+            {"name": Path(f["filename"]).name, **_stat(Path(f["filename"]))}
+            for f in dataset.cache_files
+        ]
+        # HF's own fingerprint identifies an in-memory dataset; cache files a loaded one
+        return {
+            "rows": dataset.num_rows,
+            "column": column,
+            "files": files or None,
+            "fingerprint": None if files else dataset._fingerprint,
+        }
+
+    def describe(self, part: str) -> str:
+        return f"{self.label} {part}"
+
+    def line_batches(self, part: str, desc: str | None = None) -> Iterator[list[str]]:
+        dataset, column = self.parts[part]
+        with _progress(dataset.num_rows, desc, " lines") as bar:
+            for table in dataset.with_format("arrow").iter(batch_size=BATCH_ROWS):
+                if isinstance(column, str):
+                    values = table.column(column)
+                else:
+                    values = pc.struct_field(table.column(column[0]), column[1])
+                rows = values.to_pylist()
+                bar.update(len(rows))
+                yield [row if row is not None else "" for row in rows]
+
+    def lines(self, part: str) -> list[str]:
+        return [line for batch in self.line_batches(part) for line in batch]
+
+
+def _stat(path: Path) -> dict[str, int]:
+    stat = path.stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def load_hub_splits(
+    path: str, hub_config: str | None, hub_splits: dict[str, str] | None
 ) -> DatasetDict:
-    """Load the three splits from a local folder or a hub dataset name."""
-    if looks_local(path):
-        split_files = find_split_files(Path(path).expanduser(), files)
-        return load_dataset("text", data_files={s: str(p) for s, p in split_files.items()})
+    """Our split names -> the hub dataset's splits (``train``/``validation``/``test`` unless
+    ``hub_splits`` names others)."""
     hub_splits = hub_splits or {"train": "train", "valid": "validation", "test": "test"}
     raw = load_dataset(path, hub_config)
     missing = [name for name in hub_splits.values() if name not in raw]
     if missing:
         raise DataPathError(f"hub dataset {path!r} has no split(s) {missing}; set data.hub_splits")
-    splits = DatasetDict({ours: raw[theirs] for ours, theirs in hub_splits.items()})
-    if text_column != "text":
-        splits = splits.rename_column(text_column, "text")
-    return splits.select_columns(["text"])
+    return DatasetDict({ours: raw[theirs] for ours, theirs in hub_splits.items()})
+
+
+def text_source(
+    path: str,
+    files: dict[str, str] | None = None,
+    hub_config: str | None = None,
+    hub_splits: dict[str, str] | None = None,
+    text_column: str = "text",
+) -> TextFiles | HubColumns:
+    """The three language-modelling splits of a local folder or a hub dataset name."""
+    if looks_local(path):
+        folder = Path(path).expanduser()
+        return TextFiles(find_split_files(folder, files), label=folder.resolve().name)
+    splits = load_hub_splits(path, hub_config, hub_splits)
+    for split, dataset in splits.items():
+        if text_column not in dataset.column_names:
+            raise DataPathError(
+                f"hub dataset {path!r} ({split}) has no column {text_column!r} (columns: "
+                f"{dataset.column_names}); set data.text_column"
+            )
+    label = "-".join(part for part in (path.replace("/", "_"), hub_config) if part)
+    return HubColumns({split: (splits[split], text_column) for split in SPLITS}, label=label)

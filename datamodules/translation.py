@@ -1,7 +1,13 @@
 """Parallel-text data for translation: vocabularies, token-count buckets, padding and masks.
 
-Empty-lines policy: a training pair with an empty line on either side is dropped (there is
-nothing to learn from it; the count is logged); validation and test keep every line, so the
+Prepared once, as language-modelling data is (``datamodules/cache.py``): the vocabularies are
+counted (or the BPE trained) on the training pairs, each side of each split is encoded in
+batches into an int32 token file with line offsets, and every later run and DDP rank
+memory-maps those files. ``vocab_size``/``src_vocab_size`` (read by the CLI before
+``prepare_data``) load or build only the vocabularies.
+
+Empty-lines policy: a training pair with an empty side (a line with no token) is dropped (there
+is nothing to learn from it; the count is logged); validation and test keep every line, so the
 written translations stay line-aligned with the source and reference files (an empty source
 is translated from ``<eos>`` alone).
 """
@@ -15,52 +21,70 @@ from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
+import numpy as np
+import tokenizers
 import torch
-from datasets import Dataset, DatasetDict, concatenate_datasets, load_dataset
+from datasets import Dataset, DatasetDict
 from torch.utils.data import DataLoader, Sampler
 
+from datamodules.cache import CacheEntry, cache_root, splits_to_prepare
 from datamodules.errors import (
     DataConfigError,
     DataPathError,
     ParallelDataError,
     VocabularyMismatchError,
 )
-from datamodules.text_source import looks_local
-from datamodules.vocab import BPEVocab, WordVocab
+from datamodules.text_source import (
+    HubColumns,
+    TextFiles,
+    count_lines,
+    load_hub_splits,
+    looks_local,
+    tokenizers_progress,
+)
+from datamodules.vocab import EOS, BPEVocab, WordVocab
+from datamodules.vocab.bpe import StreamEncoder
+from datamodules.vocab.word import count_words
 from heads import IGNORE_INDEX
+from heads.errors import UserError
 
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "valid", "test")
+SIDES = ("source", "target")
 # Multi30k's file prefixes (task 1): train.de, val.de, test_2016_flickr.de ...
 DEFAULT_FILES = {"train": "train", "valid": "val", "test": "test_2016_flickr"}
+_REMAP_CHUNK = 1 << 24
 
 
-def _count_lines(path: Path) -> int:
-    with path.open(encoding="utf-8") as handle:
-        return sum(1 for _ in handle)
+def _misaligned(split: str, files: Sequence[str], counts: Sequence[int], how: str = "has"):
+    return ParallelDataError(
+        f"misaligned parallel {split} files: {files[0]!r} {how} {counts[0]} lines but "
+        f"{files[1]!r} {how} {counts[1]}; line i of one side must translate line i of the other"
+    )
 
 
-def load_parallel_splits(
+def parallel_text_source(
     path: str,
     source_lang: str,
     target_lang: str,
     files: dict[str, str] | None = None,
     hub_config: str | None = None,
     hub_splits: dict[str, str] | None = None,
-) -> DatasetDict:
-    """The three splits as a ``DatasetDict`` with columns ``source`` and ``target``.
+) -> TextFiles | HubColumns:
+    """The parts ``<split>.source`` and ``<split>.target`` of the three splits.
 
     Local: ``<path>/<prefix>.<lang>`` files, line i of one side translating line i of the
-    other, read with the offline ``text`` builder. Hub: a dataset with one column per language
-    (e.g. ``bentrevett/multi30k``) or a ``translation`` column of ``{lang: text}`` (WMT style).
+    other (validation and test line counts are checked here; the training files', which may
+    be large, as they are read). Hub: a dataset with one column per language (e.g.
+    ``bentrevett/multi30k``) or a ``translation`` column of ``{lang: text}`` (WMT style).
     """
     if looks_local(path):
         folder = Path(path).expanduser()
         if not folder.is_dir():
             raise DataPathError(f"data path {str(folder)!r} does not exist or is not a folder")
         prefixes = {**DEFAULT_FILES, **(files or {})}
-        paths: dict[str, str] = {}
+        found: dict[str, Path] = {}
         for split in SPLITS:
             side_files = [
                 folder / f"{prefixes[split]}.{lang}" for lang in (source_lang, target_lang)
@@ -71,59 +95,65 @@ def load_parallel_splits(
                         f"{split} file {str(file)!r} does not exist; name the split prefixes "
                         f"with data.files, e.g. {{train: train, valid: val, test: test}}"
                     )
-            counts = [_count_lines(f) for f in side_files]
-            if counts[0] != counts[1]:
-                raise ParallelDataError(
-                    f"misaligned parallel {split} files: {str(side_files[0])!r} has {counts[0]} "
-                    f"lines but {str(side_files[1])!r} has {counts[1]}; line i of one side must "
-                    f"translate line i of the other"
-                )
-            if counts[0] == 0:
+            if split != "train":
+                counts = [count_lines(f) for f in side_files]
+                if counts[0] != counts[1]:
+                    raise _misaligned(split, [str(f) for f in side_files], counts)
+            if side_files[0].stat().st_size == 0:
                 raise DataPathError(f"{split} file {str(side_files[0])!r} is empty")
-            paths[f"{split}_source"], paths[f"{split}_target"] = map(str, side_files)
-        # one builder for all six files: one cache look-up instead of six
-        raw = load_dataset("text", data_files=paths)
-        for split in SPLITS:  # the text builder may split lines differently (\r, \u2028...)
-            if len(raw[f"{split}_source"]) != len(raw[f"{split}_target"]):
-                raise ParallelDataError(
-                    f"misaligned parallel {split} files: {paths[f'{split}_source']!r} reads as "
-                    f"{len(raw[f'{split}_source'])} lines but {paths[f'{split}_target']!r} as "
-                    f"{len(raw[f'{split}_target'])}"
-                )
-        return DatasetDict(
-            {
-                split: concatenate_datasets(
-                    [
-                        raw[f"{split}_source"].rename_column("text", "source"),
-                        raw[f"{split}_target"].rename_column("text", "target"),
-                    ],
-                    axis=1,  # side by side: the line counts are checked equal above
-                )
-                for split in SPLITS
-            }
-        )
+            found[f"{split}.source"], found[f"{split}.target"] = side_files
+        label = f"{folder.resolve().name}-{source_lang}-{target_lang}"
+        return TextFiles(found, label=label)
 
-    hub_splits = hub_splits or {"train": "train", "valid": "validation", "test": "test"}
-    raw = load_dataset(path, hub_config)
-    missing = [name for name in hub_splits.values() if name not in raw]
-    if missing:
-        raise DataPathError(f"hub dataset {path!r} has no split(s) {missing}; set data.hub_splits")
-    out = {}
-    for ours, theirs in hub_splits.items():
-        split = raw[theirs]
-        if {source_lang, target_lang} <= set(split.column_names):
-            src, tgt = split[source_lang], split[target_lang]
-        elif "translation" in split.column_names:
-            pairs = split["translation"]
-            src = [p[source_lang] for p in pairs]
-            tgt = [p[target_lang] for p in pairs]
+    splits = load_hub_splits(path, hub_config, hub_splits)
+    parts: dict[str, Any] = {}
+    for split in SPLITS:
+        dataset = splits[split]
+        if {source_lang, target_lang} <= set(dataset.column_names):
+            columns: tuple[Any, Any] = (source_lang, target_lang)
+        elif "translation" in dataset.column_names:
+            columns = (("translation", source_lang), ("translation", target_lang))
         else:
             raise ParallelDataError(
                 f"hub dataset {path!r} has neither columns {source_lang!r}/{target_lang!r} nor "
-                f"a 'translation' column (columns: {split.column_names})"
+                f"a 'translation' column (columns: {dataset.column_names})"
             )
-        out[ours] = Dataset.from_dict({"source": list(src), "target": list(tgt)})
-    return DatasetDict(out)
+        for side, column in zip(SIDES, columns, strict=True):
+            parts[f"{split}.{side}"] = (dataset, column)
+    label = "-".join(p for p in (path.replace("/", "_"), hub_config, source_lang, target_lang) if p)
+    return HubColumns(parts, label=label)
+
+
+class EncodedPairs(torch.utils.data.Dataset):
+    """Encoded parallel lines over memory-mapped token files: item ``i`` is line ``index[i]``
+    of the split, ``{"source_ids", "target_ids"}`` (int32 arrays, each ending in ``<eos>``)
+    and ``"index"`` (the line number)."""
+
+    def __init__(
+        self,
+        source: np.ndarray,
+        source_offsets: np.ndarray,
+        target: np.ndarray,
+        target_offsets: np.ndarray,
+        index: np.ndarray,
+    ) -> None:
+        self.source, self.source_offsets = source, source_offsets
+        self.target, self.target_offsets = target, target_offsets
+        self.index = index
+        self.source_lengths = np.diff(source_offsets)[index]
+        self.target_lengths = np.diff(target_offsets)[index]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        line = int(self.index[i])
+        so, to = self.source_offsets, self.target_offsets
+        return {
+            "source_ids": self.source[so[line] : so[line + 1]],
+            "target_ids": self.target[to[line] : to[line + 1]],
+            "index": line,
+        }
 
 
 class LengthSortedSampler(Sampler[int]):
@@ -291,6 +321,8 @@ class TranslationDataModule(L.LightningDataModule):
             are dropped.
         seed: shuffling seed of the training batches.
         predict_sentences: source sentences that ``predict`` translates.
+        cache_dir: folder of prepared corpora (default ``$OUTPUT_HEADS_DATA_CACHE`` or
+            ``~/.cache/output-heads/data``).
     """
 
     def __init__(
@@ -310,6 +342,7 @@ class TranslationDataModule(L.LightningDataModule):
         max_length: int = 128,
         seed: int = 0,
         predict_sentences: list[str] | None = None,
+        cache_dir: str | None = None,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -325,37 +358,168 @@ class TranslationDataModule(L.LightningDataModule):
         if source_lang == target_lang:
             raise DataConfigError(f"source and target language are both {source_lang!r}")
         self.save_hyperparameters()
-        self._splits: DatasetDict | None = None
+        self._source: TextFiles | HubColumns | None = None
+        self._cache: CacheEntry | None = None
+        self._identity: dict[str, Any] = {}
         self._vocabs: tuple[Vocab, Vocab] | None = None
-        self._encoded: dict[str, Dataset] = {}
+        self._parts: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._encoded: dict[str, EncodedPairs] = {}
+        self._lines: dict[str, list[str]] = {}
+        self._splits: DatasetDict | None = None
 
-    # -- data and vocabularies (needed at CLI link time, before setup) -----------------
+    def __repr__(self) -> str:
+        # Lightning's own __str__ builds every data loader: this one reads nothing.
+        hp = self.hparams
+        return (
+            f"{type(self).__name__}(path={hp.path!r}, {hp.source_lang}->{hp.target_lang}, "
+            f"vocab={hp.vocab!r})"
+        )
+
+    __str__ = __repr__
+
+    def __getstate__(self) -> dict[str, Any]:
+        # pickled (ddp_spawn, DataLoader workers under spawn): the token files are mapped again
+        # where it is unpickled, not copied into the pickle
+        state = self.__dict__.copy()
+        state["_parts"], state["_encoded"] = {}, {}
+        return state
+
+    # -- source and cache ----------------------------------------------------------------
+    @property
+    def source(self) -> TextFiles | HubColumns:
+        if self._source is None:
+            hp = self.hparams
+            self._source = parallel_text_source(
+                hp.path, hp.source_lang, hp.target_lang, hp.files, hp.hub_config, hp.hub_splits
+            )
+        return self._source
+
+    def _identity_of(self, part: str) -> dict[str, Any]:
+        if part not in self._identity:
+            self._identity[part] = self.source.identity(part)
+        return self._identity[part]
+
+    @property
+    def cache(self) -> CacheEntry:
+        """This corpus's cache entry: keyed by the training files and the vocabulary options."""
+        if self._cache is None:
+            hp = self.hparams
+            if hp.vocab == "bpe":
+                options = {"type": "bpe", "size": hp.bpe_vocab_size}
+                options["tokenizers"] = tokenizers.__version__
+            else:
+                options = {"type": "word", "max_size": hp.max_vocab_size}
+            options["joint"] = hp.joint_vocab
+            train = {side: self._identity_of(f"train.{side}") for side in SIDES}
+            material = {"task": "mt", "train": train, "vocab": options}
+            label = f"{self.source.label}-{hp.vocab}"
+            self._cache = CacheEntry(cache_root(hp.cache_dir), label, material)
+        return self._cache
+
     @property
     def splits(self) -> DatasetDict:
+        """The raw text as a ``DatasetDict`` of ``source``/``target`` columns (to look at; the
+        loaders read the prepared token files)."""
         if self._splits is None:
-            hp = self.hparams
-            self._splits = load_parallel_splits(
-                hp.path, hp.source_lang, hp.target_lang, hp.files, hp.hub_config, hp.hub_splits
+            self._splits = DatasetDict(
+                {
+                    split: Dataset.from_dict(
+                        {side: self._raw_lines(f"{split}.{side}") for side in SIDES}
+                    )
+                    for split in SPLITS
+                }
             )
         return self._splits
 
-    def _build_vocab(self, lines: list[str]) -> Vocab:
-        if self.hparams.vocab == "bpe":
-            return BPEVocab.build(lines, self.hparams.bpe_vocab_size)
-        return WordVocab.build(lines, self.hparams.max_vocab_size)
+    def _raw_lines(self, part: str) -> list[str]:
+        if part not in self._lines:
+            self._lines[part] = self.source.lines(part)
+        return self._lines[part]
 
+    # -- vocabularies (needed at CLI link time, before setup) -------------------------
     @property
     def vocabs(self) -> tuple[Vocab, Vocab]:
-        """(source vocabulary, target vocabulary), built from the training pairs kept."""
+        """(source vocabulary, target vocabulary), built from every training pair."""
         if self._vocabs is None:
-            train = self.splits["train"][:]  # plain lists: columns are lazy in datasets 5
-            src, tgt = train["source"], train["target"]
-            if self.hparams.joint_vocab:
-                shared = self._build_vocab(src + tgt)
-                self._vocabs = (shared, shared)
-            else:
-                self._vocabs = (self._build_vocab(src), self._build_vocab(tgt))
+            hp = self.hparams
+            try:
+                cache = self.cache
+                what = f"the {hp.vocab} vocabularies of {self.source.label!r}"
+                cache.ensure(lambda: cache.has("vocabs.json"), self._build_vocabs, what)
+                states = cache.read_json("vocabs.json")
+            except UserError:
+                raise
+            except ValueError as exc:
+                option = "data.bpe_vocab_size" if hp.vocab == "bpe" else "data.max_vocab_size"
+                raise DataConfigError(f"data.vocab={hp.vocab} ({option}): {exc}") from exc
+            source = _vocab_from_state(states["source"])
+            target = source if hp.joint_vocab else _vocab_from_state(states["target"])
+            self._vocabs = (source, target)
         return self._vocabs
+
+    def _train_batches(self, side: str, desc: str, lines: dict[str, int]) -> Iterator[list[str]]:
+        """A training side's line batches, counting its lines into ``lines[side]``."""
+        lines[side] = 0
+        for batch in self.source.line_batches(f"train.{side}", desc=f"{desc} (train {side})"):
+            lines[side] += len(batch)
+            yield batch
+
+    def _check_train_lines(self, lines: dict[str, int]) -> None:
+        if lines["source"] != lines["target"]:
+            files = [self.source.describe(f"train.{side}") for side in SIDES]
+            raise _misaligned("train", files, [lines[side] for side in SIDES])
+
+    def _build_vocabs(self) -> None:
+        """Word: count each side (both sides into one vocabulary when joint). BPE: train on
+        the side(s), encode the training lines once for the frequency ranking and keep those
+        ids as the training split's."""
+        hp, cache, lines = self.hparams, self.cache, {}
+        groups = [SIDES] if hp.joint_vocab else [(side,) for side in SIDES]
+        built: dict[str, Vocab] = {}
+        for sides in groups:
+            if hp.vocab == "word":
+                batches = (
+                    b for side in sides for b in self._train_batches(side, "counting", lines)
+                )
+                vocab = WordVocab.from_counts(count_words(batches), hp.max_vocab_size)
+            else:
+                vocab = self._build_bpe(sides, lines)
+            built.update(dict.fromkeys(sides, vocab))
+        self._check_train_lines(lines)
+        states = {side: built[side].state_dict() for side in SIDES}
+        cache.write_json("vocabs.json", states)
+
+    def _build_bpe(self, sides: tuple[str, ...], lines: dict[str, int]) -> BPEVocab:
+        cache, hp = self.cache, self.hparams
+        batches = (b for side in sides for b in self._train_batches(side, "training BPE", lines))
+        tokenizer = BPEVocab.train_tokenizer(
+            batches, hp.bpe_vocab_size, show_progress=tokenizers_progress()
+        )
+        counts = np.zeros(tokenizer.get_vocab_size(), dtype=np.int64)
+        eos = tokenizer.token_to_id(EOS)
+        encoder = StreamEncoder(tokenizer)
+
+        def theirs(side: str):
+            desc = f"encoding train {side} (BPE)"
+            for batch in self.source.line_batches(f"train.{side}", desc=desc):
+                ids = encoder.encode(batch)
+                counts[:] += np.bincount(ids, minlength=counts.size)
+                yield ids, BPEVocab.theirs_line_lengths(tokenizer, batch, ids, eos)
+
+        for side in sides:
+            cache.write_ids(f"train.{side}.theirs", theirs(side))
+        vocab = BPEVocab.from_counts(tokenizer, counts)
+        for side in sides:
+            temp = f"train.{side}.theirs"
+            ids, offsets = cache.ids(temp), np.array(cache.offsets(temp))
+            remapped = (
+                vocab.to_ours(ids[i : i + _REMAP_CHUNK]) for i in range(0, len(ids), _REMAP_CHUNK)
+            )
+            identity = self._identity_of(f"train.{side}")
+            cache.write_ids(f"train.{side}", remapped, offsets=offsets, source=identity)
+            del ids
+            cache.remove(temp)
+        return vocab
 
     @property
     def source_vocab(self) -> Vocab:
@@ -378,69 +542,96 @@ class TranslationDataModule(L.LightningDataModule):
     def bos_id(self) -> int:
         return self.target_vocab.eos_id
 
+    @property
+    def token_counts(self) -> np.ndarray:
+        """Training count of every target id (``[vocab_size]``, int64): what a head's ``setup``
+        may use, e.g. adaptive ``cutoffs: auto`` ranks classes by it."""
+        ids, _ = self._part("train", SIDES[1])
+        return np.bincount(np.asarray(ids), minlength=self.vocab_size)
+
     def detokenize(self, ids: Sequence[int]) -> str:
         """Target ids (without the final ``<eos>``) back to text, for BLEU and the output file."""
         return self.target_vocab.detokenize(ids)
 
     def references(self, split: str) -> list[str]:
         """The raw target lines of a split (BLEU references), in file order."""
-        return self.splits[split][:]["target"]
+        return self._raw_lines(f"{split}.target")
 
     def sources(self, split: str) -> list[str]:
-        return self.splits[split][:]["source"]
+        return self._raw_lines(f"{split}.source")
 
-    # -- encoding and batches --------------------------------------------------------------
-    def encoded(self, split: str) -> Dataset:
-        """Columns ``source_ids``, ``target_ids`` (each ending in ``<eos>``) and ``index``."""
+    # -- preparing, encoding and batches --------------------------------------------------
+    def prepare_data(self) -> None:
+        """Vocabularies and the token files of the splits this run reads (Lightning calls it
+        on one process per node before ``setup``)."""
+        _ = self.vocabs
+        for split in splits_to_prepare(self.trainer):
+            self.encoded(split)
+
+    def setup(self, stage: str) -> None:
+        for split in splits_to_prepare(self.trainer, stage):
+            self.encoded(split)  # memory-maps (prepares only if prepare_data did not)
+
+    def _part(self, split: str, side: str) -> tuple[np.ndarray, np.ndarray]:
+        """One side of a split: its ids (int32, memory-mapped) and line offsets."""
+        part = f"{split}.{side}"
+        if part not in self._parts:
+            vocab, cache = self.vocabs[SIDES.index(side)], self.cache
+            identity = self._identity_of(part)
+
+            def done() -> bool:
+                return (
+                    cache.has_ids(part)
+                    and cache.has(f"{part}.offsets.npy")
+                    and cache.read_json(f"{part}.json")["source"] == identity
+                )
+
+            def chunks():
+                for batch in self.source.line_batches(part, desc=f"tokenising {split} {side}"):
+                    ids = vocab.encode_batch(batch)
+                    yield ids, vocab.line_lengths(batch, ids)
+
+            cache.ensure(done, lambda: cache.write_ids(part, chunks(), source=identity), part)
+            self._parts[part] = (cache.ids(part), cache.offsets(part))
+        return self._parts[part]
+
+    def encoded(self, split: str) -> EncodedPairs:
+        """The split's pairs (training pairs with an empty side or longer than
+        ``max_length`` left out)."""
         if split not in self._encoded:
-            src_vocab, tgt_vocab = self.vocabs
-            data = self.splits[split]
-            data = data.add_column("index", list(range(len(data))))
-            if split == "train":
-                before = len(data)
-                data = data.filter(
-                    lambda b: [
-                        bool(s.strip() and t.strip())
-                        for s, t in zip(b["source"], b["target"], strict=True)
-                    ],
-                    batched=True,
-                    desc="dropping empty training pairs",
-                )
-                if len(data) < before:
-                    log.warning("dropped %d training pairs with an empty side", before - len(data))
-            data = data.map(
-                lambda b: {
-                    "source_ids": [src_vocab.encode_line(s) for s in b["source"]],
-                    "target_ids": [tgt_vocab.encode_line(t) for t in b["target"]],
-                },
-                batched=True,
-                remove_columns=["source", "target"],
-                desc=f"tokenising {split}",
+            (source, source_offsets), (target, target_offsets) = (
+                self._part(split, side) for side in SIDES
             )
+            if len(source_offsets) != len(target_offsets):
+                counts = [len(source_offsets) - 1, len(target_offsets) - 1]
+                files = [self.source.describe(f"{split}.{s}") for s in SIDES]
+                raise _misaligned(split, files, counts, how="reads as")
+            source_lengths, target_lengths = np.diff(source_offsets), np.diff(target_offsets)
+            index = np.arange(len(source_lengths))
             if split == "train":
+                # a line with no token encodes to <eos> alone
+                kept = (source_lengths > 1) & (target_lengths > 1)
+                if not kept.all():
+                    log.warning("dropped %d training pairs with an empty side", (~kept).sum())
                 limit = self.hparams.max_length
-                data = data.filter(
-                    lambda b: [
-                        len(s) <= limit and len(t) <= limit
-                        for s, t in zip(b["source_ids"], b["target_ids"], strict=True)
-                    ],
-                    batched=True,
-                    desc="dropping long training pairs",
-                )
-                if len(data) == 0:
+                kept &= (source_lengths <= limit) & (target_lengths <= limit)
+                index = np.flatnonzero(kept)
+                if len(index) == 0:
                     raise DataConfigError(
                         f"no training pair is within data.max_length={limit} tokens"
                     )
-            self._encoded[split] = data.with_format(None)
+            self._encoded[split] = EncodedPairs(
+                source, source_offsets, target, target_offsets, index
+            )
         return self._encoded[split]
 
     def _loader(self, split: str, max_tokens: int, shuffle: bool) -> DataLoader:
-        columns = self.encoded(split)[:]
+        pairs = self.encoded(split)
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
         order = LengthSortedSampler(
-            [len(s) for s in columns["source_ids"]],
-            [len(t) for t in columns["target_ids"]],
+            pairs.source_lengths.tolist(),
+            pairs.target_lengths.tolist(),
             shuffle=shuffle,
             seed=self.hparams.seed,
         )
@@ -449,7 +640,7 @@ class TranslationDataModule(L.LightningDataModule):
         sampler = TokenBucketBatchSampler(order, max_tokens, rank=rank, world_size=world)
         pad = bos = self.bos_id
         return DataLoader(
-            self.encoded(split),
+            pairs,
             batch_sampler=sampler,
             collate_fn=lambda items: collate_pairs(items, pad_id=pad, bos_id=bos),
         )

@@ -1,10 +1,22 @@
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from datamodules.cache import CACHE_ENV
+
 REPO = Path(__file__).resolve().parents[1]
 PTB = REPO.parent / "shared" / "data" / "ptb"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def data_cache(tmp_path_factory) -> Path:
+    """Prepared corpora go to a folder of this test session, never the user's cache; the
+    ``cli.py`` subprocesses (and their DDP ranks) inherit it."""
+    root = tmp_path_factory.mktemp("data-cache")
+    os.environ[CACHE_ENV] = str(root)
+    return root
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +50,17 @@ def one_thread():
 def one_thread_per_module():
     """``one_thread`` for a whole module (its module-scoped fixtures train tiny models)."""
     yield from _single_thread()
+
+
+@pytest.fixture(scope="session")
+def wikitext_like(tmp_path_factory) -> str:
+    """A scaled-down WikiText-style corpus (2M training tokens, 50k Zipf-distributed word
+    types, 20-word lines; ``app/bench/data.py`` makes the 100M one), written once."""
+    from app.bench.data import write_synthetic_corpus
+
+    folder = tmp_path_factory.mktemp("wikitext-like")
+    write_synthetic_corpus(folder, tokens=2_000_000, types=50_000)
+    return str(folder)
 
 
 def pytest_collection_modifyitems(config, items):

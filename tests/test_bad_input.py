@@ -118,14 +118,12 @@ def test_unknown_vocabulary_type(corpus, capsys):
     )
 
 
-def test_lightrnn_table_too_small_for_the_vocabulary(corpus, capsys):
+def test_lightrnn_without_frequent_words(corpus, capsys):
     code = lm("fit", corpus, "--data.init_args.vocab", "hybrid_lightrnn",
-              "--data.init_args.lightrnn_frequent", "4", "--data.init_args.lightrnn_rows", "2",
-              "--data.init_args.lightrnn_cols", "3")  # fmt: skip
+              "--data.init_args.lightrnn_frequent", "0")  # fmt: skip
     assert error_line(capsys, code) == (
         "error: data.vocab=hybrid_lightrnn (data.lightrnn_*): "
-        "Hybrid-LightRNN table too small: K + d1*d2 = 4 + 2*3 = 10 < 18 words; "
-        "raise K (frequent), d1 (rows) or d2 (cols)"
+        "Hybrid-LightRNN num_frequent must be a positive integer, got 0"
     )
 
 

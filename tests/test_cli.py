@@ -9,7 +9,9 @@ import torch
 
 from app.lightning_cli import build
 from cli import console_main, main, user_error
+from datamodules import LanguageModelingDataModule
 from datamodules.errors import VocabularyMismatchError
+from datamodules.text_source import TextFiles
 from heads import HeadConfigError, MixtapeHead, MoSHead, SoftmaxHead
 
 SMALL = [
@@ -62,6 +64,35 @@ def test_test_on_checkpoint_beats_untrained_model(trained, ptb_path):
     untrained_ppl = float(untrained_ppl.trainer.callback_metrics["test/ppl"])
     assert trained_ppl < 0.2 * untrained_ppl, (trained_ppl, untrained_ppl)
     assert untrained_ppl > 5000  # about uniform over 10k words
+
+
+def test_test_and_validate_never_read_the_training_split(trained, ptb_path, monkeypatch, tmp_path):
+    """Nothing tokenises while the CLI builds objects (the data module's str is lazy), and
+    ``test``/``validate`` on a checkpoint read only their split; with an empty cache the
+    vocabulary is counted on the training split, which is still never tokenised."""
+    _, logs = trained
+    read, mapped = [], []
+    real_batches, real_ids = TextFiles.line_batches, LanguageModelingDataModule._split_ids
+
+    def line_batches(self, part, desc=None):
+        read.append(part)
+        return real_batches(self, part, desc)
+
+    def split_ids(self, split):
+        mapped.append(split)
+        return real_ids(self, split)
+
+    monkeypatch.setattr(TextFiles, "line_batches", line_batches)
+    monkeypatch.setattr(LanguageModelingDataModule, "_split_ids", split_ids)
+    common = ["--ckpt_path", str(next(logs.rglob("last.ckpt"))), "--trainer.logger", "false",
+              "--trainer.limit_test_batches", "2", "--trainer.limit_val_batches", "2"]  # fmt: skip
+    run("test", "ptb_softmax", ptb_path, *common)
+    run("validate", "ptb_softmax", ptb_path, *common)
+    assert "train" not in read and set(mapped) == {"test", "valid"}
+    read.clear(), mapped.clear()
+    cli = run("test", "ptb_softmax", ptb_path, *common, "--data.init_args.cache_dir", str(tmp_path))
+    assert read == ["train", "test"]  # the vocabulary's count, then the test split's ids
+    assert set(mapped) == {"test"} and not cli.datamodule.cache.has_ids("train")
 
 
 def test_checkpoint_with_another_vocabulary_is_refused(trained, ptb_path, tmp_path):

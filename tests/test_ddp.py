@@ -266,3 +266,42 @@ def test_translation_under_ddp_trains_and_reduces_validation_over_ranks(tmp_path
     print(f"\nDDP-vs-single translation test/loss: {results[1]['test/loss']:.6f} (1 process), "
           f"{results[2]['test/loss']:.6f} (2 processes)")  # fmt: skip
     assert results[2]["test/loss"] == pytest.approx(results[1]["test/loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vocab", ["word", "bpe"])
+def test_rank_0_prepares_the_data_and_rank_1_reads_the_cache(tmp_path, vocab):
+    """A 2-process fit on an empty cache: rank 0 builds the vocabulary while the CLI builds
+    its objects and tokenises in ``prepare_data``; rank 1 (started by the DDP launcher) finds
+    both in the cache and memory-maps the token files. Told by the cache's log lines."""
+    from app.bench.data import write_synthetic_corpus
+
+    corpus = tmp_path / "corpus"
+    write_synthetic_corpus(corpus, tokens=60_000, types=3_000)
+    args = [
+        sys.executable, "cli.py", "fit", "--config", "configs/lm/ptb_softmax.yaml",
+        "--data.init_args.path", str(corpus), "--data.init_args.vocab", vocab,
+        "--data.init_args.bpe_vocab_size", "500",
+        "--data.init_args.cache_dir", str(tmp_path / "cache"), *NO_DROPOUT_TINY_LSTM,
+        "--trainer.max_steps", "2", "--trainer.limit_val_batches", "2",
+        "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "false",
+        "--trainer.callbacks", "null", "--trainer.enable_checkpointing", "false",
+        "--trainer.enable_progress_bar", "false", "--trainer.accelerator", "cpu",
+        "--trainer.devices", "2", "--trainer.strategy", "ddp",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+    done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if "data cache" in line]
+    vocabulary = f"the {vocab} vocabulary"
+    # built once: by rank 0, while the CLI linked vocab_size (before any rank was launched)
+    assert [line for line in lines if "miss" in line and vocabulary in line] == [
+        line for line in lines if "miss" in line and vocabulary in line and "[rank" not in line
+    ] and sum("miss" in line and vocabulary in line for line in lines) == 1
+    assert any(line.startswith(f"[rank 1] data cache hit: {vocabulary}") for line in lines)
+    # each token file built once (BPE's training ids come with its vocabulary), by rank 0
+    for split in ("train", "valid"):
+        built = [line for line in lines if f"miss: preparing {split} token ids" in line]
+        assert len(built) == (0 if vocab == "bpe" and split == "train" else 1)
+        assert not any(line.startswith("[rank 1]") for line in built)
+        assert any(line.startswith(f"[rank 1] data cache hit: {split} token ids") for line in lines)

@@ -46,7 +46,7 @@ def make_targets(kind: str, vocab: int, count: int, generator: torch.Generator) 
         from datamodules import LanguageModelingDataModule
 
         tokens = LanguageModelingDataModule(path=str(PTB_TRAIN.parent)).split_tokens("train")
-        return tokens[:count].remainder(vocab)
+        return tokens[:count].long().remainder(vocab)  # int32 on disk; heads take int64
     raise ValueError(f"unknown targets {kind!r}: zipf or ptb")
 
 
@@ -195,9 +195,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--mode",
-        choices=["same-batch", "same-memory", "inference"],
+        choices=["same-batch", "same-memory", "inference", "data"],
         default="same-batch",
-        help="inference: top-k latency, DS-Softmax vs softmax (own options: --mode inference -h)",
+        help="inference: top-k latency, DS-Softmax vs softmax (own options: --mode inference -h); "
+        "data: corpus preparation and cached-load cost (own options: --mode data -h)",
     )
     parser.add_argument("--memory-budget-mb", type=float, default=1024)
     parser.add_argument(
@@ -248,12 +249,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _mode(argv: list[str]) -> str | None:
+    """The ``--mode`` given (the modes with options of their own are dispatched on it)."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("--mode="):
+            return arg.split("=", 1)[1]
+        if arg == "--mode" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    if "--mode=inference" in argv or ("--mode", "inference") in zip(argv, argv[1:], strict=False):
+    if _mode(argv) == "inference":
         from app.bench.inference import main as inference_main  # its own options
 
         return inference_main(argv)
+    if _mode(argv) == "data":
+        from app.bench.data import main as data_main  # its own options
+
+        return data_main(argv)
     from app.bench.report import print_table, save_plot
 
     args = parse_args(argv)

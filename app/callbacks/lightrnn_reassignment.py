@@ -25,7 +25,7 @@ def word_of_each_code(vocab: HybridLightRNNVocab, codes: torch.Tensor) -> torch.
     if len(rows) and rows[-1] + 1 >= len(codes):
         raise ValueError("the code stream ends inside a rare word")
     cells = (codes[rows] - K) * d2 + codes[rows + 1] - K - d1
-    rare = vocab.word_at[cells]
+    rare = vocab.word_at[cells].to(codes.dtype)
     words[rows] = rare
     words[rows + 1] = rare
     return words

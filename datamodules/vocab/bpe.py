@@ -4,16 +4,100 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import Counter
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from datamodules.vocab.word import EOS, UNK
+from datamodules.vocab.word import EOS, UNK, lengths_from_eos, words_of
 
 # Word-start marker of the Metaspace pre-tokenizer: makes the segmentation reversible.
 META = "\u2581"
+# Lines encoded as one piece "l1 <eos> l2 <eos> ...": the tokenizer splits on the special token
+# and normalises (Strip) each line on its own, so the ids are those of the lines encoded one by
+# one, each followed by <eos> (tested); pieces are encoded in parallel, with a fraction of the
+# per-line Python objects.
+_LINES_PER_PIECE = 32
+_EOS_JOIN = f" {EOS} "
+# Whitespace at a line's ends that both Python's split and the tokenizer's Strip drop.
+_ENDS = " \t\n\r\x0b\x0c"
+# Every whitespace character (str.isspace) but the space and the line break (tested).
+_OTHER_SPACE = re.compile(
+    "[\t\x0b\x0c\r\x1c-\x1f\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
+)
+
+
+class _TypeIndex(dict):
+    """Word type -> type id; a type not seen yet gets the next id and waits in ``new`` to be
+    encoded (``map(index.__getitem__, words)`` stays a C loop for the types already seen)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.new: list[str] = []
+
+    def __missing__(self, word: str) -> int:
+        self[word] = index = len(self)
+        self.new.append(word)
+        return index
+
+
+class StreamEncoder:
+    """Encodes line batches of a large corpus with a BPE tokenizer by word *type*.
+
+    With the Metaspace pre-tokenizer each space-separated word is encoded on its own (special
+    tokens inside a word split it the same way whether it stands alone or in its line), so a
+    line whose words are separated by single spaces encodes as the concatenation of its words'
+    encodings. Each new type is encoded once by the tokenizer; the batch's ids are then
+    gathered from that table with numpy: a Zipf corpus of 20M tokens has 250k types, so this
+    is several times faster than encoding the running text. Batches with other spacing
+    (tabs, double spaces, Unicode spaces inside a line) are encoded directly. Either way the
+    ids are those of :meth:`BPEVocab.encode_theirs` (tested).
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.type_id = _TypeIndex()
+        self.starts = np.zeros(0, dtype=np.int64)  # type -> its pieces in ``flat``
+        self.lengths = np.zeros(0, dtype=np.int64)
+        self.flat = np.zeros(0, dtype=np.int32)
+
+    @staticmethod
+    def single_spaced(lines: list[str]) -> bool:
+        """Whether the words of every line are separated by single spaces (whitespace at the
+        ends of a line, which the tokenizer strips, aside)."""
+        text = "\n".join(lines)
+        if text.count("\n") != len(lines) - 1:  # line breaks in a line (hub rows end with one)
+            text = "\n".join(line.strip(_ENDS) for line in lines)
+            if text.count("\n") != len(lines) - 1:
+                return False
+        return "  " not in text and not _OTHER_SPACE.search(text)
+
+    def encode(self, lines: list[str]) -> np.ndarray:
+        """The tokenizer's ids of ``lines``, ``<eos>`` after each (int32)."""
+        if not lines:
+            return np.empty(0, dtype=np.int32)
+        if not self.single_spaced(lines):
+            return BPEVocab.encode_theirs(self.tokenizer, lines)
+        words = words_of(lines)  # <eos> after each line: a type that encodes to <eos>
+        type_ids = np.fromiter(map(self.type_id.__getitem__, words), np.int64, len(words))
+        if self.type_id.new:
+            self._add(self.type_id.new)
+            self.type_id.new = []
+        lengths = self.lengths[type_ids]
+        ends = np.cumsum(lengths)
+        # output position p of word k reads flat[starts[k] + p - (ends[k] - lengths[k])]
+        offsets = np.repeat(self.starts[type_ids] - (ends - lengths), lengths)
+        return self.flat[offsets + np.arange(int(ends[-1]))]
+
+    def _add(self, new: list[str]) -> None:
+        encodings = self.tokenizer.encode_batch_fast(new, add_special_tokens=False)
+        pieces = [np.asarray(e.ids, dtype=np.int32) for e in encodings]
+        lengths = np.array([len(p) for p in pieces], dtype=np.int64)
+        self.starts = np.concatenate([self.starts, len(self.flat) + np.cumsum(lengths) - lengths])
+        self.lengths = np.concatenate([self.lengths, lengths])
+        self.flat = np.concatenate([self.flat, *pieces])
 
 
 class BPEVocab:
@@ -42,6 +126,8 @@ class BPEVocab:
         self._ours = [0] * len(itos)
         for ours, theirs in enumerate(self._theirs):
             self._ours[theirs] = ours
+        self._ours_array = np.asarray(self._ours, dtype=np.int32)
+        self._stream: StreamEncoder | None = None
         self.unk_id = self.stoi[UNK]
         self.eos_id = self.stoi[EOS]
         self.special_ids = frozenset((self.unk_id, self.eos_id))
@@ -56,27 +142,58 @@ class BPEVocab:
         return tokenizer
 
     @classmethod
-    def build(cls, lines: Iterable[str], vocab_size: int) -> BPEVocab:
-        """Train a BPE of ``vocab_size`` tokens (specials and alphabet included) on ``lines``."""
+    def train_tokenizer(
+        cls, line_batches: Iterable[list[str]], vocab_size: int, show_progress: bool = False
+    ) -> Tokenizer:
+        """Train the BPE of ``vocab_size`` tokens (specials and alphabet included) on a stream
+        of line batches (read once; the tokenizer counts words in Rust)."""
         if not isinstance(vocab_size, int) or vocab_size < 3:
             raise ValueError(f"BPE vocab_size must be an integer >= 3, got {vocab_size!r}")
-        lines = list(lines)
-        if not any(line.strip() for line in lines):
-            raise ValueError("cannot build a BPE vocabulary from an empty corpus")
+        has_text = False
+
+        def checked() -> Iterator[list[str]]:
+            nonlocal has_text
+            for lines in line_batches:
+                has_text = has_text or any(line.strip() for line in lines)
+                yield lines
+
         tokenizer = cls._new_tokenizer()
         trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size, special_tokens=[UNK, EOS], show_progress=False
+            vocab_size=vocab_size, special_tokens=[UNK, EOS], show_progress=show_progress
         )
-        tokenizer.train_from_iterator(lines, trainer)
-        # Rank by frequency of use on the training lines (not merge order).
-        counter: Counter[int] = Counter()
-        for encoding in tokenizer.encode_batch(lines):
-            counter.update(encoding.ids)
-        counter[tokenizer.token_to_id(EOS)] += len(lines)
-        size = tokenizer.get_vocab_size()
-        order = sorted(range(size), key=lambda theirs: (-counter[theirs], theirs))
-        itos = [tokenizer.id_to_token(theirs) for theirs in order]
-        return cls(tokenizer, itos, [counter[theirs] for theirs in order])
+        tokenizer.train_from_iterator(checked(), trainer)
+        if not has_text:
+            raise ValueError("cannot build a BPE vocabulary from an empty corpus")
+        return tokenizer
+
+    @staticmethod
+    def encode_theirs(tokenizer: Tokenizer, lines: list[str]) -> np.ndarray:
+        """The tokenizer's ids of ``lines``, ``<eos>`` after each, concatenated (int32)."""
+        pieces = [
+            _EOS_JOIN.join(lines[i : i + _LINES_PER_PIECE]) + _EOS_JOIN
+            for i in range(0, len(lines), _LINES_PER_PIECE)
+        ]
+        encodings = tokenizer.encode_batch_fast(pieces, add_special_tokens=False)
+        if not encodings:
+            return np.empty(0, dtype=np.int32)
+        return np.concatenate([np.asarray(e.ids, dtype=np.int32) for e in encodings])
+
+    @classmethod
+    def from_counts(cls, tokenizer: Tokenizer, counts: np.ndarray) -> BPEVocab:
+        """Our ids: the tokenizer's re-ranked by decreasing ``counts`` (uses of each of its ids
+        on the training lines, ``np.bincount`` of :meth:`encode_theirs`), ties by its id."""
+        counts = np.asarray(counts, dtype=np.int64)
+        order = np.argsort(-counts, kind="stable")
+        itos = [tokenizer.id_to_token(int(theirs)) for theirs in order]
+        return cls(tokenizer, itos, counts[order].tolist())
+
+    @classmethod
+    def build(cls, lines: Iterable[str], vocab_size: int) -> BPEVocab:
+        """Train a BPE of ``vocab_size`` tokens (specials and alphabet included) on ``lines``."""
+        lines = list(lines)
+        tokenizer = cls.train_tokenizer([lines], vocab_size)
+        theirs = cls.encode_theirs(tokenizer, lines)
+        return cls.from_counts(tokenizer, np.bincount(theirs, minlength=tokenizer.get_vocab_size()))
 
     def __len__(self) -> int:
         return len(self.itos)
@@ -94,11 +211,32 @@ class BPEVocab:
             ids.append(self.eos_id)
         return ids
 
-    def encode_lines(self, lines: list[str], add_eos: bool = True) -> list[list[int]]:
-        """Batch version of :meth:`encode_line` (the tokenizer encodes in parallel)."""
-        ours = self._ours
-        tail = [self.eos_id] if add_eos else []
-        return [[ours[i] for i in e.ids] + tail for e in self.tokenizer.encode_batch(lines)]
+    def to_ours(self, theirs: np.ndarray) -> np.ndarray:
+        """Tokenizer ids -> our (frequency-ranked) ids, int32."""
+        return self._ours_array[theirs]
+
+    def encode_batch(self, lines: list[str]) -> np.ndarray:
+        """``[encode_line(l) for l in lines]`` concatenated, int32, without per-token Python
+        objects (:class:`StreamEncoder`)."""
+        if self._stream is None:
+            self._stream = StreamEncoder(self.tokenizer)
+        return self.to_ours(self._stream.encode(lines))
+
+    def line_lengths(self, lines: list[str], ids: np.ndarray) -> np.ndarray:
+        """Ids per line of ``ids = encode_batch(lines)`` (``<eos>`` included)."""
+        return self.theirs_line_lengths(self.tokenizer, lines, ids, self.eos_id)
+
+    @staticmethod
+    def theirs_line_lengths(
+        tokenizer: Tokenizer, lines: list[str], ids: np.ndarray, eos_id: int
+    ) -> np.ndarray:
+        """Ids per line of ``ids``, the encoding of ``lines`` (our ids or the tokenizer's:
+        ``eos_id`` says which ``<eos>`` to look for)."""
+        lengths = lengths_from_eos(ids, eos_id, len(lines))
+        if lengths is None:  # a literal <eos> inside a line: encode line by line
+            encodings = tokenizer.encode_batch_fast(lines, add_special_tokens=False)
+            lengths = np.fromiter((len(e.ids) + 1 for e in encodings), np.int64, len(lines))
+        return lengths
 
     def decode(self, ids: Iterable[int]) -> list[str]:
         """The token pieces (``\u2581`` marks a word start), like ``WordVocab.decode``."""

@@ -23,12 +23,17 @@ with the table it had.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 from collections.abc import Iterable, Sequence
 
 import torch
 
 from datamodules.vocab.word import EOS, WordVocab
+
+log = logging.getLogger(__name__)
+# Words encoded at a time: the [n, 2] int64 codes of a chunk are 64 MiB, whatever the corpus.
+_CHUNK = 1 << 22
 
 
 class HybridLightRNNVocab:
@@ -92,17 +97,50 @@ class HybridLightRNNVocab:
         seed: int = 0,
         max_size: int | None = None,
     ) -> HybridLightRNNVocab:
-        """Word vocabulary from ``lines``, then the table. Missing sides fit the n rare words:
-        ``rows = ceil(sqrt(n))`` and ``cols = ceil(n / rows)`` (nearly square, the fewest codes)."""
-        words = WordVocab.build(lines, max_size)
+        """Word vocabulary from ``lines``, then the table (see :meth:`from_words`)."""
+        return cls.from_words(
+            WordVocab.build(lines, max_size), num_frequent, rows, cols, init, seed
+        )
+
+    @classmethod
+    def from_words(
+        cls,
+        words: WordVocab,
+        num_frequent: int,
+        rows: int | None = None,
+        cols: int | None = None,
+        init: str = "frequency",
+        seed: int = 0,
+    ) -> HybridLightRNNVocab:
+        """The table over a word vocabulary, sized by :meth:`table_shape`."""
         rare = max(len(words) - num_frequent, 1)
-        if rows is None and cols is None:
-            rows = math.ceil(math.sqrt(rare))
-        if cols is None:
-            cols = math.ceil(rare / rows) if isinstance(rows, int) and rows > 0 else rows
-        if rows is None:
-            rows = math.ceil(rare / cols) if isinstance(cols, int) and cols > 0 else cols
+        rows, cols = cls.table_shape(rare, rows, cols)
         return cls(words, num_frequent, rows, cols, cls.initial_cells(rare, rows, cols, init, seed))
+
+    @staticmethod
+    def table_shape(num_rare: int, rows: int | None, cols: int | None) -> tuple[int, int]:
+        """d1 x d2 for ``num_rare`` rare words. Missing sides fit them: ``rows = ceil(sqrt(n))``
+        and ``cols = ceil(n / rows)`` (nearly square, the fewest codes). A given table too small
+        for the vocabulary (PTB's 85 x 85 on WikiText-103's 267k words) is grown to fit, keeping
+        about its shape, with a warning: the vocabulary decides how many words need a cell."""
+        if rows is None and cols is None:
+            rows = math.ceil(math.sqrt(num_rare))
+        if cols is None:
+            cols = math.ceil(num_rare / rows) if isinstance(rows, int) and rows > 0 else rows
+        if rows is None:
+            rows = math.ceil(num_rare / cols) if isinstance(cols, int) and cols > 0 else cols
+        valid = all(isinstance(v, int) and v > 0 for v in (rows, cols))
+        if valid and rows * cols < num_rare:
+            scale = math.sqrt(num_rare / (rows * cols))
+            grown = max(rows, round(rows * scale))
+            grown_cols = math.ceil(num_rare / grown)
+            log.warning(
+                "Hybrid-LightRNN table %d x %d (data.lightrnn_rows x data.lightrnn_cols) has "
+                "%d cells for %d rare words: using %d x %d, sized from the vocabulary",
+                rows, cols, rows * cols, num_rare, grown, grown_cols,
+            )  # fmt: skip
+            rows, cols = grown, grown_cols
+        return rows, cols
 
     @staticmethod
     def initial_cells(num_rare: int, rows: int, cols: int, init: str, seed: int) -> torch.Tensor:
@@ -160,9 +198,40 @@ class HybridLightRNNVocab:
 
     # -- encoding ------------------------------------------------------------------------
     def encode_word_ids(self, word_ids: torch.Tensor) -> torch.Tensor:
-        """Word-id stream -> code stream (one code per frequent word, two per rare word)."""
-        codes = self.word_codes[word_ids]  # [n, 2]
-        return codes[codes >= 0]  # row-major: keeps (row, col) order, drops the -1 padding
+        """Word-id stream -> code stream (one code per frequent word, two per rare word), in
+        the dtype of ``word_ids`` (int32 streams stay int32)."""
+        parts = [
+            self._encode_chunk(word_ids[i : i + _CHUNK]) for i in range(0, len(word_ids), _CHUNK)
+        ]
+        return torch.cat(parts) if parts else word_ids.new_empty(0)
+
+    def _encode_chunk(self, word_ids: torch.Tensor) -> torch.Tensor:
+        codes = self.word_codes[word_ids.long()]  # [n, 2]
+        # row-major: keeps (row, col) order, drops the -1 padding
+        return codes[codes >= 0].to(word_ids.dtype)
+
+    def count_codes(self, word_ids: torch.Tensor) -> int:
+        """Length of the code stream of ``word_ids`` (it does not depend on the table)."""
+        K = self.num_frequent
+        rare = sum(
+            int((word_ids[i : i + _CHUNK] >= K).sum()) for i in range(0, len(word_ids), _CHUNK)
+        )
+        return len(word_ids) + rare
+
+    def encode_word_ids_range(self, word_ids: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """``encode_word_ids(word_ids)[start:stop]`` without encoding the rest: a DDP rank's
+        streams of a 100M-word corpus cost only its share of memory."""
+        K, parts, position = self.num_frequent, [], 0
+        for i in range(0, len(word_ids), _CHUNK):
+            if position >= stop:
+                break
+            chunk = word_ids[i : i + _CHUNK]
+            size = len(chunk) + int((chunk >= K).sum())
+            if position + size > start:
+                codes = self._encode_chunk(chunk)
+                parts.append(codes[max(start - position, 0) : stop - position])
+            position += size
+        return torch.cat(parts) if parts else word_ids.new_empty(0)
 
     def encode_line(self, line: str, add_eos: bool = True) -> list[int]:
         word_ids = torch.tensor(self.words.encode_line(line, add_eos), dtype=torch.long)

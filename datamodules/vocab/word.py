@@ -6,9 +6,40 @@ import hashlib
 import json
 from collections import Counter
 from collections.abc import Iterable
+from itertools import repeat
+
+import numpy as np
 
 UNK = "<unk>"
 EOS = "<eos>"
+# Joins a batch of lines so that one C-level ``str.split`` yields every line's words followed by
+# ``<eos>``: the same tokens as splitting line by line (a literal ``<eos>`` in the text is the
+# ``<eos>`` token either way).
+_EOS_JOIN = f" {EOS} "
+
+
+def words_of(lines: list[str]) -> list[str]:
+    """The whitespace tokens of ``lines``, ``<eos>`` after each line, in one list."""
+    return (_EOS_JOIN.join(lines) + _EOS_JOIN).split() if lines else []
+
+
+def count_words(line_batches: Iterable[list[str]]) -> Counter[str]:
+    """Token counts (``<eos>`` once per line) in first-occurrence order. ``Counter.update`` on a
+    batch's word list counts in C: ~5 s per 20M words, against minutes for a row-by-row loop."""
+    counter: Counter[str] = Counter()
+    for lines in line_batches:
+        counter.update(words_of(lines))
+    return counter
+
+
+def lengths_from_eos(ids: np.ndarray, eos_id: int, num_lines: int) -> np.ndarray | None:
+    """Line lengths of a stream of ``num_lines`` encoded lines, each ending in ``<eos>``, read
+    off the ``<eos>`` positions; None when the text itself holds ``<eos>`` tokens (more
+    ``<eos>`` than lines), where the caller counts line by line."""
+    ends = np.flatnonzero(ids == eos_id)
+    if ends.size != num_lines:
+        return None
+    return np.diff(ends, prepend=-1)
 
 
 class WordVocab:
@@ -35,10 +66,13 @@ class WordVocab:
     @classmethod
     def build(cls, lines: Iterable[str], max_size: int | None = None) -> WordVocab:
         """Count words (plus one ``<eos>`` per line) and keep the ``max_size`` most frequent."""
-        counter: Counter[str] = Counter()
-        for line in lines:
-            counter.update(line.split())
-            counter[EOS] += 1
+        return cls.from_counts(count_words([list(lines)]), max_size)
+
+    @classmethod
+    def from_counts(cls, counter: Counter[str], max_size: int | None = None) -> WordVocab:
+        """The vocabulary of :func:`count_words`'s counts (in first-occurrence order, the tie
+        rule) keeping the ``max_size`` most frequent tokens."""
+        counter = Counter(counter)  # ours to change
         if not counter or counter[EOS] == 0:
             raise ValueError("cannot build a vocabulary from an empty corpus")
         counter.setdefault(UNK, 0)
@@ -67,6 +101,20 @@ class WordVocab:
         if add_eos:
             ids.append(self.eos_id)
         return ids
+
+    def encode_batch(self, lines: list[str]) -> np.ndarray:
+        """``[encode_line(l) for l in lines]`` concatenated, as int32, without a Python list of
+        ids: the dictionary look-ups run in C (``map``) straight into numpy."""
+        words = words_of(lines)
+        ids = map(self.stoi.get, words, repeat(self.unk_id))
+        return np.fromiter(ids, dtype=np.int32, count=len(words))
+
+    def line_lengths(self, lines: list[str], ids: np.ndarray) -> np.ndarray:
+        """Ids per line of ``ids = encode_batch(lines)`` (``<eos>`` included)."""
+        lengths = lengths_from_eos(ids, self.eos_id, len(lines))
+        if lengths is None:  # a literal <eos> inside a line: count line by line
+            lengths = np.fromiter((len(line.split()) + 1 for line in lines), np.int64, len(lines))
+        return lengths
 
     def decode(self, ids: Iterable[int]) -> list[str]:
         return [self.itos[i] for i in ids]

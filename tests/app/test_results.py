@@ -14,6 +14,9 @@ def results(tmp_path_factory):
     bench(["--heads", "softmax", "matmul", "--vocab-sizes", "300", "--hidden-sizes", "16",
            "--batch-sizes", "32", "--repeats", "1", "--warmup", "0", "--out", str(folder),
            "--name", "bench_cpu"])  # fmt: skip
+    bench(["--mode", "data", "--tokens", "20000", "--types", "500", "--vocab", "word",
+           "--repeats", "1", "--corpus-dir", str(folder.parent / "corpus"), "--out", str(folder),
+           "--name", "data_small"])  # fmt: skip
     (folder / "zz_other.json").write_text(json.dumps({"something": "else"}))
     return folder
 
@@ -31,6 +34,12 @@ def test_renders_every_file_with_its_command_and_a_plot(results):
     report = json.loads((results / "bench_cpu.json").read_text())
     softmax = next(r for r in report["results"] if r["head"] == "softmax")
     assert f"| softmax | 300 | 16 | 32 | {softmax['time_ms']:.3g} |" in text
+    data = json.loads((results / "data_small.json").read_text())["results"][0]
+    assert "python -m app.bench --mode data --tokens 20000 --types 500" in text
+    assert (
+        f"| word | {data['prepare']['vocab_size']} | 21000 | {data['prepare']['wall_s']:.3g} |"
+        in text
+    )
     assert render(results, results.parent) == text  # deterministic
 
 

@@ -1,10 +1,20 @@
+import logging
+import pickle
+from collections import Counter
+
+import numpy as np
 import pytest
 import torch
+from datasets import Dataset, DatasetDict, load_dataset
 
+import datamodules.text_source as text_source
+import datamodules.vocab.hybrid_lightrnn as hybrid_module
 from datamodules import LanguageModelingDataModule
 from datamodules.errors import DataConfigError, DataPathError, VocabularyMismatchError
 from datamodules.vocab import EOS, UNK, WordVocab
 from datamodules.vocab.hybrid_lightrnn import HybridLightRNNVocab
+from tests.datamodules.vocab.test_bpe import plain_build as plain_bpe
+from tests.datamodules.vocab.test_word import plain_build
 
 
 def test_ptb_vocabulary_and_token_counts(ptb_data):
@@ -18,6 +28,15 @@ def test_ptb_vocabulary_and_token_counts(ptb_data):
     assert ptb_data.split_tokens("valid").numel() == 70_390 + 3_370
     assert ptb_data.split_tokens("test").numel() == 78_669 + 3_761
     assert vocab.counts[vocab.eos_id] == 42_068
+
+
+def test_token_counts_are_the_training_words_per_id(ptb_data, ptb_path):
+    counts = ptb_data.token_counts
+    assert counts.shape == (ptb_data.vocab_size,)
+    lines = open(f"{ptb_path}/ptb.train.txt").read().splitlines()
+    plain = Counter(i for line in lines for i in ptb_data.vocab.encode_line(line))
+    assert counts[ptb_data.vocab.eos_id] == 42_068  # one <eos> per line
+    assert {i: int(n) for i, n in enumerate(counts) if n} == dict(plain)
 
 
 def test_train_batches_decode_to_the_corpus(ptb_data, ptb_path):
@@ -152,16 +171,29 @@ def test_bad_vocab_options(options, message):
         LanguageModelingDataModule(**options)
 
 
-def test_lightrnn_table_too_small_is_one_clear_error(tmp_path):
+def test_lightrnn_options_that_cannot_work_are_one_clear_error(tmp_path):
     for split in ("train", "valid", "test"):
         (tmp_path / f"c.{split}.txt").write_text("a b c d e f g h\n")
     data = LanguageModelingDataModule(
         path=str(tmp_path), vocab="hybrid_lightrnn", lightrnn_frequent=2, lightrnn_rows=2,
         lightrnn_cols=2,
     )  # fmt: skip
-    message = r"data.vocab=hybrid_lightrnn \(data.lightrnn_\*\): .*table too small"
+    message = r"data.vocab=hybrid_lightrnn \(data.lightrnn_\*\): <eos> is word 8 .*num_frequent"
     with pytest.raises(DataConfigError, match=message):
         _ = data.vocab_size
+
+
+def test_lightrnn_table_too_small_for_the_corpus_grows_to_fit(tmp_path, caplog):
+    for split in ("train", "valid", "test"):
+        (tmp_path / f"c.{split}.txt").write_text("a b\nc d\ne f\ng h\n")
+    data = LanguageModelingDataModule(
+        path=str(tmp_path), vocab="hybrid_lightrnn", lightrnn_frequent=2, lightrnn_rows=2,
+        lightrnn_cols=2,
+    )  # fmt: skip
+    vocab = data.vocab  # <eos> and a frequent; b..h and <unk> rare: 8 words, 4 cells
+    assert (vocab.rows, vocab.cols) == (3, 3) and "using 3 x 3" in caplog.text
+    lines = [[*pair, "<eos>"] for pair in ("ab", "cd", "ef", "gh")]
+    assert vocab.decode(data.split_tokens("test").tolist()) == sum(lines, [])
 
 
 def test_a_scheduled_table_waits_for_the_next_training_pass(tmp_path):
@@ -187,3 +219,110 @@ def test_a_scheduled_table_waits_for_the_next_training_pass(tmp_path):
     assert "lightrnn_scheduled_cells" not in restored.state_dict()
     with pytest.raises(ValueError, match="bijection"):
         data.schedule_lightrnn_cells(torch.zeros_like(new))
+
+
+# -- prepared once, cached: the same vocabulary and ids as the algorithm it replaced -------------
+def old_word_pipeline(lines: dict[str, list[str]], max_size: int | None = None):
+    """The vocabulary and ids as they were computed before the cache, written plainly: count
+    line by line (ties by first occurrence), then encode line by line."""
+    itos, counts = plain_build(lines["train"], max_size)
+    stoi = {t: i for i, t in enumerate(itos)}
+    ids = {
+        split: np.array([stoi.get(w, stoi[UNK]) for line in text for w in [*line.split(), EOS]])
+        for split, text in lines.items()
+    }
+    return itos, counts, ids
+
+
+def test_ptb_vocabulary_and_ids_are_those_of_the_old_algorithm(ptb_data, ptb_path):
+    # the lines as the old code read them: HuggingFace's text builder
+    files = {split: f"{ptb_path}/ptb.{split}.txt" for split in ("train", "valid", "test")}
+    lines = {s: d["text"] for s, d in load_dataset("text", data_files=files).items()}
+    itos, counts, ids = old_word_pipeline(lines)
+    assert ptb_data.vocab.itos == itos and ptb_data.vocab.counts == counts
+    for split, expected in ids.items():
+        tokens = ptb_data.split_tokens(split)
+        assert tokens.dtype == torch.int32 and np.array_equal(tokens.numpy(), expected)
+
+
+def test_ptb_bpe_vocabulary_and_ids_are_those_of_the_old_algorithm(ptb_bpe, ptb_path):
+    lines = {s: open(f"{ptb_path}/ptb.{s}.txt").read().split("\n")[:-1] for s in PTB_WORDS}
+    old = plain_bpe(lines["train"], 2000)  # trained on lines, every line encoded twice
+    assert ptb_bpe.vocab == old and ptb_bpe.vocab.counts == old.counts
+    for split, text in lines.items():  # encoded once, in joined pieces
+        expected = [i for line in text for i in old.encode_line(line)]
+        assert ptb_bpe.split_tokens(split).tolist() == expected
+
+
+@pytest.mark.parametrize("max_size", [None, 30_000])
+def test_scaled_down_wikitext_cache_is_used_and_correct(wikitext_like, tmp_path, caplog,
+                                                        max_size):  # fmt: skip
+    """CI's version of the WikiText-103 target: 2M tokens, 50k types. The first run prepares,
+    the second reads the cache; both give the plain algorithm's vocabulary and ids."""
+    caplog.set_level(logging.INFO, logger="datamodules")
+    options = dict(path=wikitext_like, max_vocab_size=max_size, cache_dir=str(tmp_path))
+    first = LanguageModelingDataModule(**options)
+    first.prepare_data()
+    lines = {s: open(f"{wikitext_like}/wiki.{s}.tokens").read().split("\n")[:-1]
+             for s in ("train", "valid", "test")}  # fmt: skip
+    itos, counts, ids = old_word_pipeline(lines, max_size)
+    assert first.vocab.itos == itos and first.vocab.counts == counts
+    assert len(itos) == (max_size or 47_984)  # of 50k types, 48k occur in 2M draws
+    misses = [r for r in caplog.records if "cache miss" in r.getMessage()]
+    assert len(misses) == 4  # the vocabulary and three token files
+    caplog.clear()
+    second = LanguageModelingDataModule(**options)
+    second.setup("fit")
+    second.setup("test")
+    assert second.vocab == first.vocab
+    for split, expected in ids.items():
+        assert np.array_equal(first.split_tokens(split).numpy(), expected)
+        assert np.array_equal(second.split_tokens(split).numpy(), expected)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 4 and all("data cache hit" in m for m in messages)
+
+
+def test_hub_datasets_give_the_same_ids_as_files(tmp_path, monkeypatch, ptb_path):
+    """A hub name (no network here: load_dataset is replaced): rows may hold line breaks."""
+    rows = ["a b c", "b c \n", "", " c a", "d"]
+    hub = DatasetDict({name: Dataset.from_dict({"line": rows, "other": [0] * len(rows)})
+                       for name in ("train", "validation", "test")})  # fmt: skip
+    monkeypatch.setattr(text_source, "load_dataset", lambda path, config=None: hub)
+    data = LanguageModelingDataModule(path="someone/corpus", text_column="line",
+                                      cache_dir=str(tmp_path))  # fmt: skip
+    itos, _, ids = old_word_pipeline({"train": rows, "test": rows})
+    assert data.vocab.itos == itos
+    assert data.split_tokens("test").tolist() == ids["test"].tolist()
+    with pytest.raises(DataPathError, match="no column 'text'"):
+        _ = LanguageModelingDataModule(path="someone/corpus", cache_dir=str(tmp_path)).vocab
+
+
+def test_str_and_repr_read_nothing(tmp_path):
+    """The CLI formats the data module while linking arguments (and Lightning's own __str__
+    would build every loader): ours names the options only."""
+    data = LanguageModelingDataModule(path=str(tmp_path / "not yet there"), vocab="bpe")
+    assert (
+        str(data)
+        == repr(data)
+        == (f"LanguageModelingDataModule(path='{tmp_path}/not yet there', vocab='bpe')")
+    )
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_lightrnn_ranks_encode_only_their_share(ptb_lightrnn, world_size, monkeypatch):
+    monkeypatch.setattr(hybrid_module, "_CHUNK", 10_000)  # many chunks: cross their seams
+    full = ptb_lightrnn.vocab.encode_word_ids(ptb_lightrnn.split_word_ids("valid"))
+    assert ptb_lightrnn.num_tokens("valid") == len(full)
+    shares = [ptb_lightrnn.rank_streams("valid", 8, rank, world_size) for rank in range(world_size)]
+    stream_len = len(full) // 8
+    assert torch.equal(torch.cat(shares), full[: 8 * stream_len].view(8, stream_len))
+
+
+def test_pickling_maps_the_token_files_again_instead_of_copying_them(ptb_data):
+    """ddp_spawn and spawned loader workers pickle the data module: 930k tokens would be
+    3.7 MB of int32; the vocabulary alone is what travels."""
+    ptb_data.setup("fit")
+    blob = pickle.dumps(ptb_data)
+    assert len(blob) < 1_000_000
+    again = pickle.loads(blob)
+    assert torch.equal(again.split_tokens("train"), ptb_data.split_tokens("train"))

@@ -1,9 +1,12 @@
+import logging
+from collections import Counter
+
 import lightning as L
 import pytest
 import torch
 from datasets import Dataset, DatasetDict
 
-import datamodules.translation as translation_module
+import datamodules.text_source as text_source
 from datamodules import TranslationDataModule
 from datamodules.errors import DataConfigError, DataPathError, VocabularyMismatchError
 from datamodules.translation import (
@@ -50,6 +53,16 @@ def test_multi30k_pairs_and_vocabularies(multi30k):
     # whitespace word tokens: joining them restores the raw text (sacreBLEU's input)
     ids = multi30k.target_vocab.encode_line(first["target"], add_eos=False)
     assert multi30k.detokenize(ids) == first["target"]
+
+
+def test_token_counts_are_the_training_target_ids(tmp_path):
+    data = tiny(tmp_path)
+    data.setup("fit")
+    vocab = data.target_vocab
+    plain = Counter(i for _, t in TINY for i in vocab.encode_line(t))  # with <eos>
+    counts = data.token_counts
+    assert counts.shape == (data.vocab_size,)
+    assert {i: int(n) for i, n in enumerate(counts) if n} == dict(plain)
 
 
 def test_training_batches_cover_every_pair_once_within_the_token_budget(multi30k):
@@ -154,7 +167,7 @@ def test_empty_lines_policy(tmp_path):
     assert len(data.encoded("train")) == len(TINY)
     valid = data.encoded("valid")
     assert len(valid) == len(with_empty)
-    assert valid[len(TINY)]["source_ids"] == [data.source_vocab.eos_id]
+    assert valid[len(TINY)]["source_ids"].tolist() == [data.source_vocab.eos_id]
     assert data.references("valid")[-1] == ""
 
 
@@ -210,9 +223,49 @@ def test_hub_datasets_give_the_same_columns(monkeypatch, layout):
     hub = DatasetDict(
         {name: Dataset.from_dict(rows(TINY)) for name in ("train", "validation", "test")}
     )
-    monkeypatch.setattr(translation_module, "load_dataset", lambda path, config=None: hub)
+    monkeypatch.setattr(text_source, "load_dataset", lambda path, config=None: hub)
     data = TranslationDataModule(path="someone/multi30k")
     assert data.splits["valid"][0] == {"source": TINY[0][0], "target": TINY[0][1]}
     assert data.references("test") == [t for _, t in TINY]
     with pytest.raises(DataPathError, match="has no split"):
         _ = TranslationDataModule(path="someone/multi30k", hub_splits={"train": "x"}).splits
+
+
+def cache_lines(caplog, kind: str) -> int:
+    return sum(f"data cache {kind}" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("vocab", ["word", "bpe"])
+def test_prepared_ids_are_cached_and_equal_line_by_line_encoding(tmp_path, caplog, vocab):
+    caplog.set_level(logging.INFO, logger="datamodules")
+    odd = TINY + [("ein <eos> Hund", "a dog"), ("", "x")]  # a literal <eos>; an empty side
+    path = write_corpus(tmp_path, {"train": odd, "val": odd, "test_2016_flickr": TINY})
+    options = dict(path=path, vocab=vocab, bpe_vocab_size=30, cache_dir=str(tmp_path / "c"))
+    first = TranslationDataModule(**options)
+    first.prepare_data()
+    # the vocabularies, then 6 token files (BPE writes the training ones with its vocabulary)
+    assert cache_lines(caplog, "miss") == (7 if vocab == "word" else 5)
+    caplog.clear()
+    second = TranslationDataModule(**options)
+    second.setup("fit")
+    second.setup("test")
+    assert cache_lines(caplog, "hit") == 7 and cache_lines(caplog, "miss") == 0
+    for data in (first, second):
+        valid = data.encoded("valid")
+        for i, (source, target) in enumerate(odd):
+            assert valid[i]["source_ids"].tolist() == data.source_vocab.encode_line(source)
+            assert valid[i]["target_ids"].tolist() == data.target_vocab.encode_line(target)
+        assert data.encoded("train").index.tolist() == list(range(len(TINY) + 1))
+
+
+def test_misaligned_training_files_are_refused_when_read(tmp_path):
+    path = write_corpus(tmp_path, {"train": TINY, "val": TINY, "test_2016_flickr": TINY})
+    (tmp_path / "train.en").write_text("one line too few\n" * (len(TINY) - 1))
+    with pytest.raises(ParallelDataError, match=r"misaligned parallel train files: .*train.de' "
+                       r"has 12 lines but .*train.en' has 11"):  # fmt: skip
+        _ = TranslationDataModule(path=path, cache_dir=str(tmp_path / "c")).vocab_size
+
+
+def test_str_reads_nothing(tmp_path):
+    data = TranslationDataModule(path=str(tmp_path / "absent"))
+    assert str(data) == f"TranslationDataModule(path='{tmp_path}/absent', de->en, vocab='word')"

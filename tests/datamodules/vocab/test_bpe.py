@@ -1,6 +1,11 @@
+from collections import Counter
+
+import numpy as np
 import pytest
+from tokenizers import trainers
 
 from datamodules.vocab import EOS, UNK, BPEVocab, WordVocab
+from datamodules.vocab.bpe import StreamEncoder
 
 CORPUS = [
     "the cat sat on the mat",
@@ -36,8 +41,8 @@ def test_ids_sorted_by_training_frequency(vocab):
     assert vocab.counts == sorted(vocab.counts, reverse=True)
     # recount from the encoded corpus: the stored counts are the real frequencies
     recount = [0] * len(vocab)
-    for ids in vocab.encode_lines(CORPUS):
-        for i in ids:
+    for line in CORPUS:
+        for i in vocab.encode_line(line):
             recount[i] += 1
     assert recount == vocab.counts
     assert vocab.counts[vocab.eos_id] == len(CORPUS)
@@ -67,3 +72,66 @@ def test_bad_sizes_and_empty_corpus():
 def test_word_vocab_detokenize():
     words = WordVocab.build(["a b c"])
     assert words.detokenize(words.encode_line("a x c")) == "a c"
+
+
+def plain_build(lines: list[str], vocab_size: int) -> BPEVocab:
+    """The BPE algorithm as it was: train on the lines, encode them all a second time and
+    rank by a Python Counter (the reference for train-on-a-stream and encode-once)."""
+    tokenizer = BPEVocab._new_tokenizer()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[UNK, EOS],
+                                  show_progress=False)  # fmt: skip
+    tokenizer.train_from_iterator(lines, trainer)
+    counter: Counter[int] = Counter()
+    for encoding in tokenizer.encode_batch(lines):
+        counter.update(encoding.ids)
+    counter[tokenizer.token_to_id(EOS)] += len(lines)
+    order = sorted(range(tokenizer.get_vocab_size()), key=lambda t: (-counter[t], t))
+    return BPEVocab(tokenizer, [tokenizer.id_to_token(t) for t in order],
+                    [counter[t] for t in order])  # fmt: skip
+
+
+# blank lines, stray spaces, a literal <eos> (its own token, more <eos> than lines), <unk>
+ODD = ["", "  the cat  ", "the<eos>dog", "\tmat\u00a0on", "<unk> <unk>", "z\u00e9bre", "x"]
+
+
+@pytest.mark.parametrize("size", [12, 40, 60])
+def test_stream_training_and_one_encoding_equal_the_old_algorithm(size):
+    lines = CORPUS + ODD
+    batches = [lines[i : i + 5] for i in range(0, len(lines), 5)]
+    tokenizer = BPEVocab.train_tokenizer(iter(batches), size)
+    theirs = np.concatenate([BPEVocab.encode_theirs(tokenizer, b) for b in batches])
+    counts = np.bincount(theirs, minlength=tokenizer.get_vocab_size())
+    vocab = BPEVocab.from_counts(tokenizer, counts)
+    assert vocab == plain_build(lines, size) == BPEVocab.build(lines, size)
+    assert vocab.counts == plain_build(lines, size).counts
+
+
+def test_batch_encoding_equals_line_by_line(vocab):
+    lines = CORPUS[:3] + ODD
+    ids = vocab.encode_batch(lines)
+    assert ids.dtype == np.int32
+    assert ids.tolist() == [i for line in lines for i in vocab.encode_line(line)]
+    lengths = vocab.line_lengths(lines, ids)  # the literal <eos>: counted line by line
+    assert lengths.tolist() == [len(vocab.encode_line(line)) for line in lines]
+    plain = CORPUS[:3] + ["", "x"]  # no literal <eos>: read off the <eos> positions
+    assert vocab.line_lengths(plain, vocab.encode_batch(plain)).tolist() == [
+        len(vocab.encode_line(line)) for line in plain
+    ]
+
+
+def test_encoding_by_word_type_equals_encoding_the_text(vocab):
+    """The stream encoder's table of word types gives the tokenizer's ids; lines spaced
+    otherwise than by single spaces (where the two differ) take the direct path."""
+    encoder = StreamEncoder(vocab.tokenizer)
+    spaced = [" the cat ", "<unk> dog", "x<unk>y z", "the<eos>dog", "", "a\u2581b", "row\n"]
+    odd = ["a  b", "tab\there", "nb\u00a0sp", "a\nb", "fs\x1cx"]
+    for lines in [CORPUS, spaced, odd, spaced + odd, *([line] * 3 for line in odd)]:
+        expected = BPEVocab.encode_theirs(vocab.tokenizer, list(lines))
+        assert encoder.encode(list(lines)).tolist() == expected.tolist()
+    assert StreamEncoder.single_spaced(spaced) and not any(
+        StreamEncoder.single_spaced([line]) for line in odd
+    )
+    # every whitespace character but the space and the line break sends a line the direct way
+    for code in range(0x110000):
+        if chr(code).isspace() and chr(code) not in " \n":
+            assert not StreamEncoder.single_spaced([f"a{chr(code)}b"]), hex(code)

@@ -63,13 +63,23 @@ def test_invalid_generated_sequences_decode_to_unk(vocab):
 
 
 def test_table_size_and_eos_are_checked():
-    with pytest.raises(ValueError, match=r"K \+ d1\*d2 = 5 \+ 3\*3 = 14 < 32 words"):
-        HybridLightRNNVocab.build(CORPUS, num_frequent=5, rows=3, cols=3)
     words = WordVocab.build(CORPUS)
+    with pytest.raises(ValueError, match=r"K \+ d1\*d2 = 5 \+ 3\*3 = 14 < 32 words"):
+        HybridLightRNNVocab(words, num_frequent=5, rows=3, cols=3)  # a restored table is exact
     with pytest.raises(ValueError, match="num_frequent"):
         HybridLightRNNVocab(words, 1, 6, 6)  # <eos> is not among the frequent words
     with pytest.raises(ValueError, match="init"):
         HybridLightRNNVocab.build(CORPUS, 5, 4, 7, init="alphabetical")
+
+
+def test_a_configured_table_too_small_for_the_vocabulary_grows_to_fit(caplog):
+    """PTB's 85 x 85 on WikiText-103's 267k words: the vocabulary decides the cells needed."""
+    vocab = HybridLightRNNVocab.build(CORPUS, num_frequent=5, rows=3, cols=3)
+    assert (vocab.rows, vocab.cols) == (5, 6)  # 27 rare words: 3 x 3 scaled by sqrt(3)
+    assert "table 3 x 3" in caplog.text and "using 5 x 6" in caplog.text
+    assert HybridLightRNNVocab.table_shape(264_000, 85, 85) == (514, 514)
+    assert HybridLightRNNVocab.table_shape(100, 4, 50) == (4, 50)  # fits: kept as given
+    assert HybridLightRNNVocab.table_shape(401, 2, 200) == (2, 201)  # about its shape
 
 
 def test_near_square_table_by_default():

@@ -1,0 +1,230 @@
+"""Prepared corpora on disk: vocabularies and int32 token ids, built once, memory-mapped after.
+
+As ``fairseq-preprocess`` binarises a corpus once and every training run memory-maps the result,
+a data module prepares its corpus into a cache *entry*: a folder keyed by the identity of the
+data (file sizes, modification times and sampled hashes, or a hub dataset's cache files) and by
+the options that change the result (vocabulary type and sizes, tokenizers version, this module's
+format version). A changed file or option gives another key, hence a new entry; nothing is ever
+rebuilt in place.
+
+An entry holds ``vocab.json`` (the vocabulary's ``state_dict``) and, per part (a split, or a
+split's side), ``<part>.ids`` (raw little-endian int32, one stream) with ``<part>.json``
+(counts; written last, so its presence means the part is complete). Files are written under
+temporary names and renamed into place, and each build runs under a file lock (``filelock``,
+which ``datasets`` ships): ranks that start together wait for the first one's build and then
+read it, and a killed build leaves no half-written file that a later run would trust.
+
+Where: ``data.cache_dir``, else ``$OUTPUT_HEADS_DATA_CACHE``, else
+``${XDG_CACHE_HOME:-~/.cache}/output-heads/data``. Entries are never deleted automatically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from filelock import FileLock, Timeout
+
+from datamodules.errors import DataCacheError
+
+log = logging.getLogger(__name__)
+
+# The splits each Trainer entry point reads: ``test`` never touches the training split.
+STAGE_SPLITS = {
+    "fit": ("train", "valid"),
+    "validate": ("valid",),
+    "test": ("test",),
+    "predict": (),
+}
+ALL_SPLITS = ("train", "valid", "test")
+
+CACHE_ENV = "OUTPUT_HEADS_DATA_CACHE"
+# Bump when what an entry holds, or how it is computed, changes: old entries are then ignored.
+FORMAT_VERSION = 1
+IDS_DTYPE = np.dtype("<i4")
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The folder that holds the entries (see the module docstring)."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "output-heads" / "data"
+
+
+def splits_to_prepare(trainer: Any, stage: str | None = None) -> tuple[str, ...]:
+    """The splits a run reads: those of ``stage`` (``setup``'s argument), else of the trainer's
+    entry point (``prepare_data`` has no argument), else all three (no trainer)."""
+    if stage is None and trainer is not None and trainer.state.fn is not None:
+        stage = trainer.state.fn.value
+    return STAGE_SPLITS.get(stage, ALL_SPLITS) if stage else ALL_SPLITS
+
+
+def process_rank() -> int | None:
+    """This process's rank when a launcher said so (as Lightning reads it), else None."""
+    for name in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        if name in os.environ:
+            return int(os.environ[name])
+    return None
+
+
+def _say(message: str, *args: Any) -> None:
+    rank = process_rank()
+    log.info(("" if rank is None else f"[rank {rank}] ") + message, *args)
+
+
+class CacheEntry:
+    """One prepared corpus: a folder of vocabulary and token files (see the module docstring).
+
+    Args:
+        root: the cache folder (:func:`cache_root`).
+        label: a readable name (the corpus), the start of the folder's name.
+        material: everything the content depends on (JSON-serialisable); its hash ends the
+            folder's name.
+    """
+
+    def __init__(self, root: Path, label: str, material: dict[str, Any]) -> None:
+        self.material = {"format": FORMAT_VERSION, **material}
+        text = json.dumps(self.material, sort_keys=True, default=str)
+        self.key = hashlib.sha256(text.encode()).hexdigest()[:16]
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)[:60] or "corpus"
+        self.root = root
+        self.path = root / f"{safe}-{self.key}"
+
+    # -- reading --------------------------------------------------------------------------
+    def has(self, name: str) -> bool:
+        return (self.path / name).is_file()
+
+    def has_ids(self, part: str) -> bool:
+        """``part``'s ids are complete (the count file is written last)."""
+        if not self.has(f"{part}.json"):
+            return False
+        meta = self.read_json(f"{part}.json")
+        ids = self.path / f"{part}.ids"
+        return ids.is_file() and ids.stat().st_size == meta["tokens"] * IDS_DTYPE.itemsize
+
+    def read_json(self, name: str) -> Any:
+        return json.loads((self.path / name).read_text())
+
+    def ids(self, part: str) -> np.ndarray:
+        """``part``'s token ids, memory-mapped (int32): pages are read when touched and shared
+        with every other process that maps the file. Copy-on-write, so torch can wrap it
+        (a read-only map would warn), but nothing here writes to it."""
+        count = self.read_json(f"{part}.json")["tokens"]
+        if count == 0:
+            return np.empty(0, dtype=IDS_DTYPE)
+        return np.memmap(self.path / f"{part}.ids", dtype=IDS_DTYPE, mode="c", shape=(count,))
+
+    def offsets(self, part: str) -> np.ndarray:
+        """Start of each line of ``part`` in its ids, and the end (``lines + 1`` int64)."""
+        return np.load(self.path / f"{part}.offsets.npy", mmap_mode="r")
+
+    # -- writing ----------------------------------------------------------------------------
+    def _make_folder(self) -> None:
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DataCacheError(
+                f"cannot create the data cache folder {str(self.path)!r} ({exc.strerror}); set "
+                f"data.cache_dir or ${CACHE_ENV} to a writable folder"
+            ) from exc
+        if not os.access(self.path, os.W_OK):
+            raise DataCacheError(
+                f"the data cache folder {str(self.path)!r} is not writable; set data.cache_dir "
+                f"or ${CACHE_ENV} to a writable folder"
+            )
+
+    @contextmanager
+    def _atomic(self, name: str) -> Iterator[Path]:
+        """A temporary path that becomes ``name`` if the block succeeds (removed otherwise)."""
+        temp = self.path / f".{name}.{uuid.uuid4().hex}.tmp"
+        try:
+            yield temp
+            os.replace(temp, self.path / name)
+        finally:
+            temp.unlink(missing_ok=True)
+
+    def write_json(self, name: str, value: Any) -> None:
+        with self._atomic(name) as temp:
+            temp.write_text(json.dumps(value))
+
+    def write_ids(
+        self,
+        part: str,
+        chunks: Iterable[np.ndarray | tuple[np.ndarray, np.ndarray]],
+        offsets: np.ndarray | None = None,
+        **meta: Any,
+    ) -> int:
+        """Write a part's ids from int32 chunks, then its count file (``meta`` goes in it too).
+        Chunks given as ``(ids, line_lengths)``, or ``offsets``, also store where each line
+        starts (:meth:`offsets`). Returns the number of ids."""
+        count, lengths = 0, []
+        with self._atomic(f"{part}.ids") as temp:
+            with temp.open("wb") as out:
+                for chunk in chunks:
+                    if isinstance(chunk, tuple):
+                        chunk, line_lengths = chunk
+                        lengths.append(np.asarray(line_lengths, dtype=np.int64))
+                    out.write(np.ascontiguousarray(chunk, dtype=IDS_DTYPE).tobytes())
+                    count += len(chunk)
+            if lengths:
+                offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))])
+            if offsets is not None:
+                if offsets[-1] != count:
+                    raise AssertionError(f"{part}: line offsets end at {offsets[-1]}, not {count}")
+                with self._atomic(f"{part}.offsets.npy") as offsets_temp:
+                    with offsets_temp.open("wb") as handle:
+                        np.save(handle, np.asarray(offsets, dtype=np.int64))
+                meta["lines"] = len(offsets) - 1
+        self.write_json(f"{part}.json", {"tokens": count, **meta})
+        return count
+
+    def remove(self, part: str) -> None:
+        """Delete a part's files (temporary parts of a build)."""
+        for suffix in (".json", ".ids", ".offsets.npy"):
+            (self.path / f"{part}{suffix}").unlink(missing_ok=True)
+
+    # -- building once ----------------------------------------------------------------------
+    @contextmanager
+    def lock(self, what: str) -> Iterator[None]:
+        """Exclusive right to build in this entry (other processes wait here)."""
+        self._make_folder()
+        lock = FileLock(str(self.path) + ".lock")
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            _say("waiting for another process to prepare %s (%s)", what, self.path)
+            lock.acquire()
+        try:
+            yield
+        finally:
+            lock.release()
+
+    def ensure(self, done: Callable[[], bool], build: Callable[[], Any], what: str) -> bool:
+        """Run ``build`` unless ``done()`` (checked again under the lock, so that only one
+        process builds). Returns whether this call built. Logs a line either way."""
+        if done():
+            _say("data cache hit: %s from %s", what, self.path)
+            return False
+        with self.lock(what):
+            if done():
+                _say("data cache hit: %s from %s (prepared by another process)", what, self.path)
+                return False
+            _say("data cache miss: preparing %s into %s", what, self.path)
+            start = time.perf_counter()
+            if not self.has("key.json"):
+                self.write_json("key.json", self.material)  # what this entry is, for people
+            build()
+            _say("prepared %s in %.1f s", what, time.perf_counter() - start)
+            return True
