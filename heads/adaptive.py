@@ -35,6 +35,7 @@ from heads.cross_entropy import linear_cross_entropy_nll, linear_log_normaliser
 from heads.errors import CheckpointMismatchError, HeadConfigError
 
 log = logging.getLogger(__name__)
+_REBUILD_SEED_OFFSET = 0xADA  # a stream apart from the backbone's first draws
 
 _EXTRA_STATE = "_extra_state"
 
@@ -198,7 +199,12 @@ class AdaptiveSoftmaxHead(Head):
 
         cutoffs = [int(c) for c in context.decide_once(decide)]
         if cutoffs != self.cutoffs:
-            self._build(cutoffs, like=self.head.weight)
+            # Initialised from the run's seed, not from wherever the global stream stands: DDP
+            # re-seeds before setup and a single process does not, and both must start alike.
+            devices = [self.head.weight.device] if self.head.weight.is_cuda else []
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(torch.initial_seed() + _REBUILD_SEED_OFFSET)
+                self._build(cutoffs, like=self.head.weight)
 
     # -- checkpoints: the cut-offs are structure ---------------------------------------------
     def get_extra_state(self) -> dict:

@@ -111,8 +111,11 @@ def optimal_cutoffs(
 
 
 def _time_matmul(rows: int, dim: int, cols: int, device: torch.device, repeats: int) -> float:
-    x = torch.randn(rows, dim, device=device)
-    w = torch.randn(cols, dim, device=device)
+    # a private generator: timing must not move the global random stream, or a run that times
+    # (rank 0) would initialise and drop out differently from one that read a cached model
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, dim, generator=generator).to(device)
+    w = torch.randn(cols, dim, generator=generator).to(device)
     times = []
     for _ in range(repeats + 2):
         if device.type == "cuda":

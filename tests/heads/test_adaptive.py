@@ -125,6 +125,24 @@ def test_setup_takes_rank_zeros_decision_and_rebuilds():
     assert torch.isfinite(head(hidden, target).loss)
 
 
+def test_a_rebuilt_head_starts_from_the_seed_not_the_global_stream():
+    # DDP re-seeds before setup, a single process does not: both must initialise alike, and
+    # the rebuild must not move the stream the rest of the run draws from
+    def rebuilt(draws_before: int) -> tuple[AdaptiveSoftmaxHead, torch.Tensor]:
+        torch.manual_seed(5)
+        head = AdaptiveSoftmaxHead(16, 200, cutoffs="auto", cost_model=COST)
+        torch.rand(draws_before)
+        head.setup(HeadSetup(decide_once=lambda decide: [7, 60, 200]))
+        return head, torch.rand(3)
+
+    (a, after_a), (b, _) = rebuilt(0), rebuilt(11)
+    for x, y in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(x, y)
+    torch.manual_seed(5)
+    AdaptiveSoftmaxHead(16, 200, cutoffs="auto", cost_model=COST)
+    torch.testing.assert_close(torch.rand(3), after_a)
+
+
 def test_setup_times_the_given_device_once_and_uses_the_datas_counts(monkeypatch):
     timed = []
 

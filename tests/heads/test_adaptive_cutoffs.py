@@ -59,3 +59,13 @@ def test_calibration_measures_and_caches(tmp_path):
     cache.write_text(json.dumps({"c": 1.0, "lam": 2.0, "k0b0": 3.0}))
     assert calibrate(16, cache_dir=tmp_path) == CostModel(1.0, 2.0, 3.0)  # read, not re-measured
     assert torch.get_num_threads() >= 1
+
+
+def test_calibration_leaves_the_global_random_stream_alone(tmp_path):
+    # rank 0 times the device, a later run reads the cached model: both must then draw the
+    # same initial weights and dropout masks
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    calibrate(16, batch=64, repeats=1, cache_dir=tmp_path)
+    torch.testing.assert_close(torch.rand(4), expected)
