@@ -160,7 +160,10 @@ def test_training_costs_about_one_softmax_per_token():
     vocab, hidden_size, rows, experts = 500, 16, 64, 8
     head = DSSoftmaxHead(hidden_size, vocab, num_experts=experts)
     softmax = SoftmaxHead(hidden_size, vocab)
-    hidden, target = torch.randn(rows, hidden_size), torch.randint(0, vocab, (rows,))
+    # as in training, where the backbone needs dL/dh (the fused loss then gives the gate's
+    # gradient through that of G h: no extra product)
+    hidden = torch.randn(rows, hidden_size, requires_grad=True)
+    target = torch.randint(0, vocab, (rows,))
 
     def flops(module) -> int:
         with FlopCounterMode(display=False) as counter:
