@@ -26,7 +26,7 @@ from functools import cache
 
 import torch
 
-from heads.fused_cross_entropy import EXP_FLOOR, RowPasses
+from heads.fused_cross_entropy import EXP_FLOOR, RowPasses, as_matrix
 from heads.native import SoftmaxRowsKernels, softmax_rows_kernels
 
 log = logging.getLogger(__name__)
@@ -50,15 +50,18 @@ class CpuPasses(RowPasses):
 
     floor = EXP_FLOOR
 
-    def logits(self, hidden, weight, bias, accumulate):
+    def logits(self, hidden, weight, bias, accumulate, buffer=None):
         classes = weight.size(0)
         pad = -classes % ROW_ALIGN
         if pad == 0 or hidden.size(0) < _MIN_ROWS_TO_PAD or hidden.dtype != accumulate:
-            return super().logits(hidden, weight, bias, accumulate)
+            return super().logits(hidden, weight, bias, accumulate, buffer)
         # [R, C'] with C' a multiple of 16, returned as the view of its first C columns: the
         # passes and the backward's products read it through its aligned row stride
         padded = torch.nn.functional.pad(weight.to(hidden.dtype), (0, 0, 0, pad))
-        out = hidden.new_empty(hidden.size(0), classes + pad)
+        if buffer is None:
+            out = hidden.new_empty(hidden.size(0), classes + pad)
+        else:
+            out = as_matrix(buffer, hidden.size(0), classes + pad)
         if bias is None:
             torch.mm(hidden, padded.t(), out=out)
         else:

@@ -125,7 +125,8 @@ def spans(total: int, width: int | None) -> list[tuple[int, int]]:
 class RowPasses:
     """The elementwise passes of the loss over one chunk's float32/64 logits ``z [R, C]``.
 
-    ``logits``: ``h W^T + b`` in the compute dtype, returned in the accumulation dtype.
+    ``logits``: ``h W^T + b`` in the compute dtype, returned in the accumulation dtype, written
+    into ``buffer`` (flat storage reused from chunk to chunk) when one is given.
     ``exp_sum_``: in place ``z <- exp(max(z - m, floor))`` with ``m`` the row maximum; returns
     ``(m, sum of the row)``. ``exp_shifted_``: in place ``z <- exp(max(z - shift, floor))``.
     """
@@ -138,10 +139,15 @@ class RowPasses:
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         accumulate: torch.dtype,
+        buffer: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if hidden.dtype == accumulate and bias is not None:
-            return torch.addmm(bias.to(accumulate), hidden, weight.to(hidden.dtype).t())
-        z = torch.mm(hidden, weight.to(hidden.dtype).t()).to(accumulate)
+        out = None if buffer is None else as_matrix(buffer, hidden.size(0), weight.size(0))
+        if hidden.dtype == accumulate:
+            if bias is None:
+                return torch.mm(hidden, weight.to(hidden.dtype).t(), out=out)
+            return torch.addmm(bias.to(accumulate), hidden, weight.to(hidden.dtype).t(), out=out)
+        z = torch.mm(hidden, weight.to(hidden.dtype).t())
+        z = z.to(accumulate) if out is None else out.copy_(z)
         return z if bias is None else z.add_(bias.to(accumulate))
 
     def exp_sum_(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,6 +162,21 @@ class RowPasses:
         if self.floor is not None:
             z.clamp_(min=self.floor)
         return z.exp_()
+
+
+def as_matrix(buffer: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """A contiguous ``[rows, columns]`` view of the start of a flat buffer."""
+    return buffer[: rows * columns].view(rows, columns)
+
+
+def chunk_buffer(like: torch.Tensor, rows: int, width: int, dtype: torch.dtype):
+    """Flat storage for the chunks that are not kept, reused from one to the next: a fresh
+    tensor per chunk costs a page fault per 4 KiB on a CPU (glibc maps large blocks anew) and
+    leaves freed blocks in the resident set. None under ``torch.compile``, which plans its
+    own buffers."""
+    if torch.compiler.is_compiling():
+        return None
+    return like.new_empty(rows * (-(-width // _ALIGN) * _ALIGN), dtype=dtype)
 
 
 class _CpuFloorPasses(RowPasses):
@@ -216,14 +237,22 @@ class _LinearLSE(torch.autograd.Function):
         logit_sum = hidden.new_zeros(n, dtype=acc)
         kept: list[torch.Tensor] = []  # probabilities of the chunks kept for the backward
         budget = saved_bytes
+        size = torch.finfo(acc).bits // 8
+        buffer = None
         for r0, r1 in spans(n, tile):
             rows_t = target[r0:r1]
             top = hidden.new_full((r1 - r0,), -math.inf, dtype=acc)
             total = hidden.new_zeros(r1 - r0, dtype=acc)
             tile_kept = []
             for c0, c1 in spans(v, width):
+                keep = False  # a prefix of the chunks is kept: the backward counts them
+                if budget > 0:
+                    budget -= (r1 - r0) * (c1 - c0) * size
+                    keep = budget >= 0
+                if not keep and buffer is None:
+                    buffer = chunk_buffer(hidden, r1 - r0, width, acc)
                 z = passes.logits(h[r0:r1], weight[c0:c1], None if bias is None else bias[c0:c1],
-                                  acc)  # fmt: skip
+                                  acc, None if keep else buffer)  # fmt: skip
                 inside = (rows_t >= c0) & (rows_t < c1)
                 column = (rows_t - c0).clamp(0, c1 - c0 - 1).unsqueeze(1)
                 target_logit[r0:r1] = torch.where(
@@ -233,16 +262,15 @@ class _LinearLSE(torch.autograd.Function):
                     logit_sum[r0:r1] += z.sum(1)
                 chunk_top, chunk_total = passes.exp_sum_(z)  # z now holds exp(z - m_c)
                 top, total = _combine(top, total, chunk_top, chunk_total)
-                if budget > 0:  # keep a prefix of the chunks (the backward counts them)
-                    budget -= z.numel() * z.element_size()
-                    if budget >= 0:
-                        tile_kept.append((z, chunk_top))
+                if keep:
+                    tile_kept.append((z, chunk_top))
             lse[r0:r1] = top + total.log()
             for exps, shift in tile_kept:  # exp(z - m_c) e^(m_c - lse) = p
                 kept.append(exps.mul_(torch.exp(shift - lse[r0:r1]).unsqueeze(1)))
         ctx.save_for_backward(hidden, weight, bias, target, lse, *kept)
         ctx.kept_chunks = len(kept)
         ctx.layout = dtype, tile, width, passes
+        ctx.want_sum = want_sum
         return lse, target_logit, logit_sum
 
     @staticmethod
@@ -254,14 +282,17 @@ class _LinearLSE(torch.autograd.Function):
         h = hidden.to(dtype)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
+        tiles = spans(n, tile)
+        # the first row tile writes dW and db, the others add to them (no rows: zeros)
+        new = weight.new_empty if tiles else weight.new_zeros
         grad_h = hidden.new_empty(n, hidden.size(1), dtype=acc) if need_h else None
-        grad_w = weight.new_empty(v, weight.size(1), dtype=acc) if need_w else None
-        grad_b = weight.new_empty(v, dtype=acc) if need_b else None
+        grad_w = new(v, weight.size(1), dtype=acc) if need_w else None
+        grad_b = new(v, dtype=acc) if need_b else None
         # dL/dz = g p + g_t onehot_t + g_s. The row scale g goes onto h (for dW, once per tile)
         # and onto the [R, d] product (for dh); the onehot and uniform terms are [R, d] / [V, d]
         # updates after the chunks: no pass over [R, C] beyond computing p.
-        chunk = 0
-        for tile_index, (r0, r1) in enumerate(spans(n, tile)):
+        chunk, buffer = 0, None
+        for tile_index, (r0, r1) in enumerate(tiles):
             rows_lse, h_r = lse[r0:r1], h[r0:r1]
             g = grad_lse[r0:r1].to(acc)
             scaled_h = (h_r.to(acc) * g.unsqueeze(1)).to(dtype)
@@ -271,7 +302,9 @@ class _LinearLSE(torch.autograd.Function):
                 if chunk < ctx.kept_chunks:
                     probs = kept[chunk]
                 else:
-                    z = passes.logits(h_r, w, None if bias is None else bias[c0:c1], acc)
+                    if buffer is None:
+                        buffer = chunk_buffer(hidden, r1 - r0, width, acc)
+                    z = passes.logits(h_r, w, None if bias is None else bias[c0:c1], acc, buffer)
                     probs = passes.exp_shifted_(z, rows_lse)
                 chunk += 1
                 probs_c = probs.to(dtype)
@@ -288,7 +321,7 @@ class _LinearLSE(torch.autograd.Function):
             if need_h:
                 grad_h[r0:r1] = g.unsqueeze(1) * product
         _add_target_terms(grad_h, grad_w, grad_b, h, weight, target, grad_target, acc)
-        if grad_sum is not None:  # d(sum_x z_x)/dz = 1 everywhere
+        if ctx.want_sum and grad_sum is not None:  # d(sum_x z_x)/dz = 1 everywhere
             g_s = grad_sum.to(acc)
             if need_h:
                 grad_h += g_s.unsqueeze(1) * weight.to(acc).sum(0)

@@ -40,6 +40,7 @@ from heads.errors import HeadConfigError
 from heads.fused_cross_entropy import (
     RowPasses,
     accumulation_dtype,
+    chunk_buffer,
     combine_lse,
     compute_dtype,
     linear_lse,
@@ -426,8 +427,11 @@ def _frequent_block(
     noise_std: float,
     shape: tuple[int, int],
     acc: torch.dtype,
+    buffer: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One block of columns: ``(gammas [N, K-1, w], values [N, K, w], logits [N, w])``.
+    """One block of columns: ``(gammas [N, K-1, w], values [N, K, w], logits [N, w])``,
+    written into ``buffer`` (flat storage of ``2K N w`` entries reused from block to block;
+    see ``heads.fused_cross_entropy.chunk_buffer``) when one is given.
 
     Eq. 4 then the sigmoids of Eq. 3, in place; ``h_{c,k} . w_x``, then the tree (Eq. 2-3) in
     place, which leaves ``left - right`` in each node's left slot for the backward
@@ -435,19 +439,37 @@ def _frequent_block(
     n, k = shape
     dtype = flat_inputs.dtype
     width = weight.size(0)
-    gammas = torch.mm(flat_inputs, gate_weights.to(dtype).t()).to(acc).view(n, k - 1, width)
+    gates_out = values_out = logits_out = None
+    if buffer is not None:
+        sizes = [n * (k - 1) * width, n * k * width, n * width]
+        gates_out, values_out, logits_out = buffer[: sum(sizes)].split(sizes)
+    gammas = _product(flat_inputs, gate_weights.to(dtype).t(), acc, gates_out)
+    gammas = gammas.view(n, k - 1, width)
     if noise is not None:
         gammas.add_(noise, alpha=noise_std)
     gammas.sigmoid_()
-    values = torch.mm(flat_contexts, weight.to(dtype).t()).to(acc).view(n, k, width)
+    values = _product(flat_contexts, weight.to(dtype).t(), acc, values_out).view(n, k, width)
     logits = None
     for left, right, gamma in _tree_levels(values, gammas):
         left.sub_(right)
         if right.size(1) > 1:
             right.addcmul_(gamma, left)
-        else:  # the root: this block's logits, a new [N, w] tensor
+        elif logits_out is None:  # the root: this block's logits, a new [N, w] tensor
             logits = torch.addcmul(right, gamma, left).squeeze(1)
+        else:
+            logits = torch.addcmul(right, gamma, left, out=logits_out.view(n, 1, width))
+            logits = logits.view(n, width)
     return gammas, values, logits.add_(bias.to(acc))
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype, out: torch.Tensor | None):
+    """``a b`` in ``a``'s dtype, returned in ``acc`` (into the flat ``out`` when given)."""
+    if out is None:
+        return torch.mm(a, b).to(acc)
+    out = out.view(a.size(0), b.size(1))
+    if a.dtype == acc:
+        return torch.mm(a, b, out=out)
+    return out.copy_(torch.mm(a, b))
 
 
 def _into(out: torch.Tensor, op, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -539,6 +561,7 @@ class _MixtapeFrequentLSE(torch.autograd.Function):
         compiling = torch.compiler.is_compiling()
         noise_state, noise_kept, blocks = None, [], []
         budget = saved_bytes
+        buffer = None
         for a, b in spans(s, width):
             keep = False  # a prefix of the blocks is kept: the backward counts them
             if budget > 0:
@@ -551,9 +574,11 @@ class _MixtapeFrequentLSE(torch.autograd.Function):
                 noise = torch.randn(n, k - 1, b - a, dtype=acc, device=contexts.device)
                 if not keep and compiling:
                     noise_kept.append(noise)
+            if not keep and buffer is None:
+                buffer = chunk_buffer(contexts, n * 2 * k, width, acc)
             gammas, values, logits = _frequent_block(
                 flat_inputs, flat_contexts, gate_weights[a:b], weight[a:b], bias[a:b], noise,
-                noise_std, (n, k), acc,
+                noise_std, (n, k), acc, None if keep else buffer,
             )  # fmt: skip
             inside = (target >= a) & (target < b)
             column = (target - a).clamp(0, b - a - 1).unsqueeze(1)
@@ -576,6 +601,7 @@ class _MixtapeFrequentLSE(torch.autograd.Function):
         )  # fmt: skip
         ctx.counts = len(noise_kept), len(blocks)
         ctx.layout = dtype, width, noise_std, passes
+        ctx.want_sum = want_sum
         return lse, target_logit, logit_sum
 
     @staticmethod
@@ -594,7 +620,7 @@ class _MixtapeFrequentLSE(torch.autograd.Function):
         g = grad_lse.to(acc).unsqueeze(1)
         inside_any = (target >= 0) & (target < s)
         g_t = torch.where(inside_any, grad_target.to(acc), 0.0).unsqueeze(1)
-        g_s = None if grad_sum is None else grad_sum.to(acc).unsqueeze(1)
+        g_s = grad_sum.to(acc).unsqueeze(1) if ctx.want_sum and grad_sum is not None else None
         grad_contexts = torch.zeros(n * k, d, dtype=acc, device=contexts.device)
         grad_inputs = torch.zeros(flat_inputs.shape, dtype=acc, device=contexts.device)
         grad_weight = torch.empty(weight.shape, dtype=acc, device=weight.device)
@@ -604,6 +630,11 @@ class _MixtapeFrequentLSE(torch.autograd.Function):
         most = min(s, width)
         grad_values_buffer = contexts.new_empty(n * k * most, dtype=acc)
         grad_gates_buffer = contexts.new_empty(n * (k - 1) * most, dtype=acc)
+        buffer = (
+            None
+            if num_kept == len(spans(s, width))
+            else chunk_buffer(contexts, n * 2 * k, width, acc)
+        )
         with _ReplayNoise(noise_state, list(noise_kept), contexts.device) as noise_source:
             for index, (a, b) in enumerate(spans(s, width)):
                 w = b - a
@@ -616,7 +647,7 @@ class _MixtapeFrequentLSE(torch.autograd.Function):
                         noise = noise_source.next((n, k - 1, w), acc)
                     gammas, values, logits = _frequent_block(
                         flat_inputs, flat_contexts, gate_weights[a:b], weight[a:b], bias[a:b],
-                        noise, noise_std, (n, k), acc,
+                        noise, noise_std, (n, k), acc, buffer,
                     )  # fmt: skip
                     grad = passes.exp_shifted_(logits, lse).mul_(g)
                 inside = (target >= a) & (target < b)
