@@ -51,7 +51,8 @@ def save_plot(report: dict, path: Path) -> None:
         (ax_mem, "extra peak memory of a step (MiB)"),
     ):
         ax.set_xscale("log")
-        ax.set_yscale("log")
+        if any((line.get_ydata(orig=False) > 0).any() for line in ax.lines):
+            ax.set_yscale("log")  # not when nothing was measured (--memory skip: all nan)
         ax.set_xlabel("vocabulary size")
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)

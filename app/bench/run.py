@@ -153,6 +153,7 @@ def run(args: argparse.Namespace) -> dict:
         mos_components=args.mos_components, mixtape_components=args.mixtape_components,
         mixtape_ratio=args.mixtape_ratio, cutoffs=args.cutoffs, div_value=args.div_value,
         loss_backend=args.loss_backend,
+        saved_bytes=None if args.saved_mb is None else int(args.saved_mb * 2**20),
     )  # fmt: skip
     results = []
     configs = [(v, d, b) for v in args.vocab_sizes for d in args.hidden_sizes
@@ -263,6 +264,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fused-loss backend of our heads without an @backend (cpu: also glibc malloc)",
     )
     parser.add_argument(
+        "--saved-mb",
+        type=float,
+        default=None,
+        help="chunk results the fused loss keeps for its backward (default 128; 0: recompute)",
+    )
+    parser.add_argument(
         "--memory",
         choices=["measure", "skip"],
         default="measure",
@@ -334,6 +341,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parse_subject(name)
         except ValueError as error:
             parser.error(str(error))
+    if args.saved_mb is not None and args.saved_mb < 0:
+        parser.error("--saved-mb must be >= 0")
     if args.mode == "same-memory" and args.memory == "skip":
         parser.error("same-memory mode fits the measured memory: drop --memory skip")
     return args

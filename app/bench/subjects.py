@@ -34,6 +34,7 @@ class BenchOptions:
     cutoffs: list[int] | None = None  # adaptive; None: "auto" (the paper's program)
     div_value: float = 4.0
     loss_backend: str = "auto"  # for our heads without an explicit @backend
+    saved_bytes: int | None = None  # the fused loss's kept chunks; None: LossOptions' default
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,9 @@ def build_head(name: str, hidden: int, vocab: int, options: BenchOptions) -> nn.
     subject = parse_subject(name)
     head = _build(subject.head, hidden, vocab, options)
     if subject.head in HEADS:
-        head.loss_options = LossOptions(backend=subject.backend or options.loss_backend)
+        backend = subject.backend or options.loss_backend
+        saved = {} if options.saved_bytes is None else {"saved_bytes": options.saved_bytes}
+        head.loss_options = LossOptions(backend=backend, **saved)
         if subject.compiled:
             torch._dynamo.config.capture_scalar_outputs = True  # adaptive's cluster sizes
             head.compile()
