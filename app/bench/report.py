@@ -27,11 +27,14 @@ def print_table(report: dict) -> None:
     for row in rows:
         softmax, matmul = _peer(rows, row, "softmax"), _peer(rows, row, "matmul")
         rel = row["time_per_token_us"] / softmax["time_per_token_us"] if softmax else nan
-        rate = row["matmul_gflop_per_s"] / matmul["matmul_gflop_per_s"] * 100 if matmul else nan
+        gflop = nan if row["matmul_gflop"] is None else row["matmul_gflop"]  # --flops skip
+        rate = nan
+        if matmul and row["matmul_gflop"] is not None and matmul["matmul_gflop"] is not None:
+            rate = row["matmul_gflop_per_s"] / matmul["matmul_gflop_per_s"] * 100
         memory = nan if row.get("extra_peak_mb") is None else row["extra_peak_mb"]
         print(f"{row['head']:<22}{row['vocab_size']:>8}{row['hidden_size']:>6}{row['tokens']:>8}"
               f"{row['time_ms']:>11.2f}{row['time_per_token_us']:>10.3f}{rel:>11.2f}"
-              f"{row['matmul_gflop']:>9.1f}{rate:>10.0f}{memory:>11.1f}")  # fmt: skip
+              f"{gflop:>9.1f}{rate:>10.0f}{memory:>11.1f}")  # fmt: skip
 
 
 def save_plot(report: dict, path: Path) -> None:

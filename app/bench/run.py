@@ -190,8 +190,10 @@ def run(args: argparse.Namespace) -> dict:
                 times[name].append(time_once(step, device, CLOCKS[args.clock]))
         for name, (module, step) in cases.items():
             median = statistics.median(times[name])
-            flops = _flops(name, step, args, vocab, hidden, tokens[name], targets, options,
-                           device)  # fmt: skip
+            flops = None  # not counted (--flops skip)
+            if args.flops == "count":
+                flops = _flops(name, step, args, vocab, hidden, tokens[name], targets, options,
+                               device)  # fmt: skip
             memory = None
             if args.memory == "measure":
                 case = (name, args.scope, vocab, hidden, tokens[name], targets, options, device,
@@ -203,7 +205,8 @@ def run(args: argparse.Namespace) -> dict:
                 "precision": args.precision,
                 "time_ms": median * 1e3, "time_per_token_us": median / tokens[name] * 1e6,
                 "times_ms": [t * 1e3 for t in times[name]],
-                "matmul_gflop": flops / 1e9, "matmul_gflop_per_s": flops / median / 1e9,
+                "matmul_gflop": None if flops is None else flops / 1e9,
+                "matmul_gflop_per_s": None if flops is None else flops / median / 1e9,
                 "extra_peak_mb": memory,
                 "parameters": sum(p.numel() for p in module.parameters()),
             }  # fmt: skip
@@ -274,6 +277,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["measure", "skip"],
         default="measure",
         help="extra peak memory of a step per row (app/bench/memory.py)",
+    )
+    parser.add_argument(
+        "--flops",
+        choices=["count", "skip"],
+        default="count",
+        help="count the step's matrix-product FLOPs (one more untimed step per row)",
     )
     parser.add_argument("--vocab-sizes", nargs="+", type=int, default=[10_000, 33_000, 100_000])
     parser.add_argument("--hidden-sizes", nargs="+", type=int, default=[512])

@@ -52,12 +52,14 @@ def test_same_memory_mode_and_lm_scope(tmp_path):
 
 
 def test_cpu_clock_times_the_process(tmp_path):
-    argv = ["--heads", "softmax", "--vocab-sizes", "300", "--hidden-sizes", "16",
+    argv = ["--vocab-sizes", "300", "--hidden-sizes", "16",
             "--batch-sizes", "32", "--repeats", "2", "--warmup", "0", "--clock", "cpu",
-            "--memory", "skip", "--out", str(tmp_path), "--name", "cpu"]  # fmt: skip
+            "--memory", "skip", "--flops", "skip", "--out", str(tmp_path), "--name", "cpu",
+            "--heads", "softmax", "matmul"]  # fmt: skip
     report = main(argv)
     assert report["args"]["clock"] == "cpu"
-    assert all(t > 0 for t in report["results"][0]["times_ms"])
+    assert all(t > 0 for r in report["results"] for t in r["times_ms"])
+    assert all(r["matmul_gflop"] is None for r in report["results"])  # not counted
 
 
 def test_mixed_precision_times_every_head_under_autocast(tmp_path):
