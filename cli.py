@@ -9,7 +9,6 @@ from __future__ import annotations
 import sys
 import warnings
 
-from app.allocator import tune_glibc_malloc
 from app.console import show_data_log
 from app.lightning_cli import AppCLI, make_cli
 from heads.errors import UserError
@@ -21,7 +20,6 @@ def main(argv: list[str] | None = None) -> AppCLI:
     warnings.filterwarnings("ignore", ".*IterableDataset.*has `__len__` defined.*")
     warnings.filterwarnings("ignore", ".*infer the batch indices.*")
     warnings.filterwarnings("ignore", ".*LeafSpec.*is deprecated.*")
-    tune_glibc_malloc()  # steadier, faster CPU steps (app/allocator.py)
     show_data_log()  # data cache hits and misses
     return make_cli(sys.argv[1:] if argv is None else argv)
 

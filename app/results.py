@@ -65,8 +65,10 @@ def link(path: Path, doc_dir: Path) -> str:
 
 def _machine(report: dict[str, Any]) -> str:
     machine = report.get("machine", {})
+    load = machine.get("load_average")
     bits = [machine.get("cuda") or machine.get("device"), machine.get("platform"),
-            f"torch {machine.get('torch')}", f"{machine.get('threads')} threads"]  # fmt: skip
+            f"torch {machine.get('torch')}", f"{machine.get('threads')} threads",
+            load and f"load average {load[0]:.1f}"]  # fmt: skip
     return ", ".join(str(b) for b in bits if b and "None" not in str(b))
 
 
@@ -87,22 +89,22 @@ def render_training_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> 
 
     rows = report["results"]
     nan = float("nan")
+    # "extra_peak_mb": memory a step adds to the process (older files: the process's peak)
+    memory_key = "extra_peak_mb" if rows and "extra_peak_mb" in rows[0] else "peak_memory_mb"
     header = ["head", "V", "d", "tokens", "ms / batch", "us / token", "x softmax", "GFLOP",
-              "% matmul rate", "peak MiB"]  # fmt: skip
-    extra = "extra_peak_memory_mb" in rows[0] if rows else False
-    if extra:
-        header.append("extra peak MiB")
+              "% matmul rate",
+              "extra peak MiB" if memory_key == "extra_peak_mb" else "peak MiB"]  # fmt: skip
     body = []
     for row in rows:
         softmax, matmul = _peer(rows, row, "softmax"), _peer(rows, row, "matmul")
         rel = row["time_per_token_us"] / softmax["time_per_token_us"] if softmax else nan
-        rate = row["matmul_gflop_per_s"] / matmul["matmul_gflop_per_s"] * 100 if matmul else nan
-        cells = [row["head"], row["vocab_size"], row["hidden_size"], row["tokens"],
-                 row["time_ms"], row["time_per_token_us"], rel, row["matmul_gflop"], rate,
-                 row["peak_memory_mb"]]  # fmt: skip
-        if extra:
-            cells.append(row.get("extra_peak_memory_mb", nan))
-        body.append(cells)
+        rate = (row["matmul_gflop_per_s"] / matmul["matmul_gflop_per_s"] * 100
+                if matmul and row.get("matmul_gflop_per_s") else nan)  # fmt: skip
+        memory = row.get(memory_key)
+        body.append([row["head"], row["vocab_size"], row["hidden_size"], row["tokens"],
+                     row["time_ms"], row["time_per_token_us"], rel,
+                     row.get("matmul_gflop") or nan, rate,
+                     nan if memory is None else memory])  # fmt: skip
     plot = path.with_suffix(".png")
     save_plot(report, plot)
     args = report["args"]
@@ -110,9 +112,34 @@ def render_training_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> 
         f"Mode `{args['mode']}`, scope `{args['scope']}`, precision `{args.get('precision')}`, "
         f"clock `{args.get('clock', 'wall')}`, median of {args['repeats']} repeats; "
         f"{_machine(report)}.",
-        "```bash\n" + command_of("app.bench", args, skip=("out", "name")) + "\n```",
+        "```bash\n" + command_of("app.bench", args, skip=("out", "name", "malloc_tuned")) + "\n```",
         table(header, body),
         f"![{path.stem}]({link(plot, doc_dir)})",
+    ])  # fmt: skip
+
+
+# -- memory targets (one training step's extra peak memory per head) --------------------------
+def _is_memory_targets(report: dict[str, Any]) -> bool:
+    rows = report.get("results") or [{}]
+    return "method_script" in report and "target_mb" in rows[0]
+
+
+def render_memory_targets(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
+    before = report.get("before_from_issue_mb", {})
+    body = [[r["head"], r["vocab_size"], r["hidden_size"], r["tokens"], r["extra_peak_mb"],
+             r["target_mb"] or "-", "-" if r["target_mb"] is None else
+             ("yes" if r["meets_target"] else "no"),
+             before.get(f"{r['head']}@{r['tokens']}", "-")] for r in report["results"]]  # fmt: skip
+    loads = [m.get("load_average", [float("nan")])[0] for m in report.get("machine", [])]
+    return "\n\n".join([
+        f"{report['what'][0].upper()}{report['what'][1:]}. One process per head, one thread, "
+        "peak RSS reset after a warm-up "
+        f"step (load average {min(loads, default=float('nan')):.1f}-"
+        f"{max(loads, default=float('nan')):.1f}); the measuring script is stored in the JSON "
+        "(`method_script`).",
+        f"```bash\n{report['command']}\n```",
+        table(["head", "V", "d", "tokens", "extra peak MiB", "target MiB", "met",
+               "before (MiB)"], body),  # fmt: skip
     ])  # fmt: skip
 
 
@@ -194,8 +221,7 @@ def render_data_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
         "machine), peak RSS of the whole process."
         if load else f"{corpus['tokens']:,} training tokens.",
         "```bash\n" + command_of("app.bench", options, skip=("out", "name", "corpus_dir",
-                                 "cache_dir", "malloc_tuning"))
-        + ("" if options.get("malloc_tuning", True) else " --no-malloc-tuning") + "\n```",
+                                 "cache_dir")) + "\n```",
         table(header, body),
     ])  # fmt: skip
 
@@ -204,6 +230,7 @@ RENDERERS: list[tuple[Callable[[dict[str, Any]], bool], Renderer]] = [
     (_is_training_bench, render_training_bench),
     (_is_inference_bench, render_inference_bench),
     (_is_data_bench, render_data_bench),
+    (_is_memory_targets, render_memory_targets),
 ]
 
 

@@ -31,8 +31,8 @@ from heads.base import (
     float32_no_autocast,
     upcast,
 )
-from heads.cross_entropy import linear_cross_entropy_nll, linear_log_normaliser
 from heads.errors import CheckpointMismatchError, HeadConfigError
+from heads.fused_cross_entropy import linear_cross_entropy, linear_lse
 
 log = logging.getLogger(__name__)
 _REBUILD_SEED_OFFSET = 0xADA  # a stream apart from the backbone's first draws
@@ -261,36 +261,47 @@ class AdaptiveSoftmaxHead(Head):
         head_target = torch.where(
             cluster == 0, target, self.shortlist_size + cluster - 1
         ).masked_fill(~keep, -100)
-        # product and loss in one function per classifier: no [N, C] gradient in the backward
-        nll = linear_cross_entropy_nll(hidden, self.head.weight, self.head.bias, head_target)
+        # product and loss fused per classifier (heads/fused_cross_entropy.py): no [N, C]
+        head_rows = linear_cross_entropy(
+            hidden, self.head.weight, self.head.bias, head_target, options=self.loss_options
+        )
+        nll = head_rows.nll
         smoothing = None
         if label_smoothing:
-            smoothing = self._smoothing(hidden, nll, head_target)
+            smoothing = self._smoothing(hidden, head_rows.lse)
         # One sort groups the rows by cluster (ignored and short-list rows first), so each
         # tail cluster is a contiguous slice of one gather: one index_select (and one
         # scatter in its backward) for all tail clusters instead of one per cluster.
         order = torch.argsort(cluster)
-        sizes = torch.bincount(cluster + 1, minlength=self.num_clusters + 2).tolist()
+        # rows per cluster (ignored first): a fixed-length count, so that under torch.compile
+        # the sizes are the only data-dependent values (no data-dependent output shapes)
+        counts = torch.zeros(self.num_clusters + 2, dtype=torch.long, device=target.device)
+        sizes = counts.scatter_add_(0, cluster + 1, torch.ones_like(cluster)).tolist()
+        compiling = torch.compiler.is_compiling()
+        if compiling:
+            for size in sizes:
+                torch._check(size >= 0)
         tail_rows = order[sizes[0] + sizes[1] :]
-        if tail_rows.numel():
+        if compiling or tail_rows.numel():
             tail_hidden = hidden.index_select(0, tail_rows)
             tail_target = target.index_select(0, tail_rows)
             cluster_nll, start = [], 0
             for i, (tail, size) in enumerate(zip(self.tail, sizes[2:], strict=True), start=1):
-                if size == 0:
+                if not compiling and size == 0:
                     continue  # the loss only touches the clusters this batch needs
                 projected = tail[0](tail_hidden[start : start + size])  # d -> d / div^i
                 relative = tail_target[start : start + size] - self.cutoffs[i - 1]
                 cluster_nll.append(
-                    linear_cross_entropy_nll(projected, tail[1].weight, None, relative)
-                )
+                    linear_cross_entropy(
+                        projected, tail[1].weight, None, relative, options=self.loss_options,
+                        row_bound=hidden.size(0) if compiling else None,
+                    ).nll
+                )  # fmt: skip
                 start += size
             nll = nll.index_add(0, tail_rows, torch.cat(cluster_nll).to(nll.dtype))
         return self.output(nll, target, smoothing=smoothing, label_smoothing=label_smoothing)
 
-    def _smoothing(
-        self, hidden: torch.Tensor, head_nll: torch.Tensor, head_target: torch.Tensor
-    ) -> torch.Tensor:
+    def _smoothing(self, hidden: torch.Tensor, head_lse: torch.Tensor) -> torch.Tensor:
         """``mean_x(-log P(x))`` per row, every cluster for every row but no ``[N, V]``:
         ``sum_x log P(x) = sum_{x in head} z_x + sum_i |C_i| z_{c_i} - V log Z_head
         + sum_i (sum_{x in C_i} y_{i,x} - |C_i| log Z_i)``; logits are linear, so each sum of
@@ -298,26 +309,23 @@ class AdaptiveSoftmaxHead(Head):
         head = self.head
         sizes = [stop - start for start, stop in zip(self.cutoffs, self.cutoffs[1:], strict=False)]
         with float32_no_autocast(hidden.device):
-            dtype = head_nll.dtype
+            dtype = head_lse.dtype
             h, w = hidden.to(dtype), head.weight.to(dtype)
             # how often each head row counts in sum_x log P(x): once per short-list word, |C_i|
             # times for cluster i's entry
             counts = h.new_tensor([1.0] * self.shortlist_size + sizes)
-            rows = head_target.clamp_min(0)
-            head_log_normaliser = head_nll + (h * w.index_select(0, rows)).sum(-1)
             total = h @ (counts @ w)
             if head.bias is not None:
-                bias = head.bias.to(dtype)
-                head_log_normaliser = head_log_normaliser + bias.index_select(0, rows)
-                total = total + counts @ bias
-            total = total - self.vocab_size * head_log_normaliser
+                total = total + counts @ head.bias.to(dtype)
+            total = total - self.vocab_size * head_lse
             for tail, size in zip(self.tail, sizes, strict=True):
                 projected = tail[0](hidden)
                 weight = tail[1].weight
-                log_normaliser = linear_log_normaliser(projected, weight, None).to(dtype)
+                log_normaliser = linear_lse(projected, weight, options=self.loss_options).lse
                 total = (
-                    total + projected.to(dtype) @ weight.to(dtype).sum(0) - size * log_normaliser
-                )
+                    total + projected.to(dtype) @ weight.to(dtype).sum(0)
+                    - size * log_normaliser.to(dtype)
+                )  # fmt: skip
         return -total / self.vocab_size
 
     def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from torch import nn
 
 from heads.cross_entropy import HALF_DTYPES, IGNORE_INDEX, cross_entropy_nll
 from heads.errors import CheckpointMismatchError, HeadConfigError
+from heads.fused_cross_entropy import LossOptions
 
 T = TypeVar("T")
 
@@ -96,6 +97,10 @@ class Head(nn.Module):
     Subclasses implement :meth:`log_prob`; they override :meth:`forward` when the loss
     can be computed without the full ``[N, vocab_size]`` distribution, and :meth:`topk`
     when they have a faster search than ``log_prob(hidden).topk(k)``.
+
+    ``loss_options`` (:class:`~heads.fused_cross_entropy.LossOptions`): how the training loss
+    runs its fused linear + log-sum-exp blocks (backend, chunk sizes); a task sets it from its
+    ``loss_backend`` option. Not part of the state: it never changes the results' meaning.
     """
 
     def __init__(self, hidden_size: int, vocab_size: int) -> None:
@@ -104,6 +109,7 @@ class Head(nn.Module):
         check_positive_int("vocab_size", vocab_size)
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
+        self.loss_options = LossOptions()
 
     # -- the contract -------------------------------------------------------------------
     def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -48,6 +48,7 @@ from heads.base import (
     upcast,
 )
 from heads.errors import HeadConfigError
+from heads.fused_cross_entropy import linear_lse
 from heads.native import ds_topk_kernel
 
 
@@ -317,6 +318,38 @@ class DSSoftmaxHead(Head):
         with _float32(hidden.device):
             return upcast(gate_value)[:, None] * upcast(logits)
 
+    def _expert_loss(
+        self,
+        k: int,
+        rows: torch.Tensor,
+        hidden: torch.Tensor,
+        gate_value: torch.Tensor,
+        ids: torch.Tensor,
+        smoothing: bool,
+        row_bound: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One expert's tokens: per-row NLL (and ``mean_x(-log p_x)`` with smoothing) of Eq. 2
+        through the fused primitive. ``G W h = W (G h)``, so the gate scales the rows fed to it
+        (with the bias column: ``[G h, G] . [W_c, b_c]``); pruned classes are zero logits, the
+        constant ``log(V - |v_k|)`` in the log-sum-exp (Algorithm 1, line 9)."""
+        with _float32(hidden.device):
+            scaled = upcast(hidden)
+            if self.bias:
+                scaled = torch.cat((scaled, scaled.new_ones(scaled.size(0), 1)), dim=1)
+            scaled = upcast(gate_value)[:, None] * scaled
+        classes = self.expert_classes(k)
+        where = torch.searchsorted(classes, ids.clamp_min(0)).clamp_max(classes.numel() - 1)
+        local = torch.where((classes[where] == ids) & (ids >= 0), where, -1)
+        part = linear_lse(scaled, rows, None, local, logit_sum=smoothing,
+                          options=self.loss_options, row_bound=row_bound)  # fmt: skip
+        log_norm = part.lse
+        pruned = self.vocab_size - rows.size(0)
+        if pruned:
+            log_norm = torch.logaddexp(log_norm, log_norm.new_tensor(math.log(pruned)))
+        nll = log_norm - part.target_logit
+        smooth = log_norm - part.logit_sum / self.vocab_size if smoothing else None
+        return nll, smooth
+
     # -- contract -----------------------------------------------------------------------
     def forward(
         self, hidden: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0
@@ -324,24 +357,16 @@ class DSSoftmaxHead(Head):
         self.check_inputs(hidden, target)
         check_label_smoothing(label_smoothing)
         expert, gate_value = self.select(hidden)
-        safe_target = target.clamp_min(0)
+        ids = torch.where(target != -100, target, -1)
         parts, smooth_parts, positions, experts = [], [], [], self._expert_rows()
-        for k, idx in self._groups(expert):
-            logits = self._expert_logits(experts[k], hidden[idx], gate_value[idx])
-            with _float32(hidden.device):
-                log_norm = logits.logsumexp(dim=-1)
-                pruned = self.vocab_size - logits.size(1)
-                if pruned:  # pruned rows are zero rows: logit 0 each (Algorithm 1, line 9)
-                    log_norm = torch.logaddexp(log_norm, log_norm.new_tensor(math.log(pruned)))
-                classes = self.expert_classes(k)
-                t = safe_target[idx]
-                where = torch.searchsorted(classes, t).clamp_max(classes.numel() - 1)
-                alive = classes[where] == t
-                target_logit = logits.gather(1, where[:, None]).squeeze(1)
-                target_logit = torch.where(alive, target_logit, torch.zeros_like(target_logit))
-                parts.append(log_norm - target_logit)
-                if label_smoothing:  # mean_x(-log p_x) = log Z - mean_x z_x, pruned z_x = 0
-                    smooth_parts.append(log_norm - logits.sum(-1) / self.vocab_size)
+        compiling = torch.compiler.is_compiling()
+        for k, idx in self._training_groups(expert, compiling):
+            part = self._expert_loss(
+                k, experts[k], hidden[idx], gate_value[idx], ids[idx], bool(label_smoothing),
+                row_bound=hidden.size(0) if compiling else None,
+            )  # fmt: skip
+            parts.append(part[0])
+            smooth_parts.append(part[1])
             positions.append(idx)
         order = torch.cat(positions)
         nll = hidden.new_zeros(hidden.size(0), dtype=parts[0].dtype).scatter(
@@ -351,10 +376,28 @@ class DSSoftmaxHead(Head):
         if label_smoothing:
             smoothing = torch.zeros_like(nll).scatter(0, order, torch.cat(smooth_parts))
         keep = target != -100
-        aux = self.aux_loss(expert[keep], gate_value[keep])
+        # ignored rows weigh 0 in the load balance (a mask, not a selection: no shape that
+        # depends on the data)
+        aux = self.aux_loss(expert, torch.where(keep, gate_value, torch.zeros_like(gate_value)))
         return self.output(
             nll, target, aux_loss=aux, smoothing=smoothing, label_smoothing=label_smoothing
         )
+
+    def _training_groups(self, expert: torch.Tensor, compiling: bool):
+        """``(k, token indices)`` per expert, as ``_groups``, from a fixed-length count: under
+        ``torch.compile`` the counts are the only data-dependent values and every expert is
+        visited (an empty group costs little); eagerly, unused experts are skipped."""
+        order = torch.argsort(expert, stable=True)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=expert.device)
+        counts = counts.scatter_add_(0, expert, torch.ones_like(expert)).tolist()
+        start = 0
+        for k, count in enumerate(counts):
+            if compiling:
+                torch._check(count >= 0)
+            elif count == 0:
+                continue
+            yield k, order[start : start + count]
+            start += count
 
     def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:
         """The sparse inference distribution, dense: ``-inf`` outside the selected expert."""
@@ -561,12 +604,14 @@ class DSSoftmaxHead(Head):
                         0, self.row_expert(), norms.square()
                     )
                     total = total + self.lambda_expert * squares.sqrt().sum()
-            if self.lambda_load and self.num_experts > 1 and expert.numel():
+            if self.lambda_load and self.num_experts > 1:
                 # importance of expert k: sum over the batch of the sparse gate G_k(h)
                 importance = upcast(gate_value).new_zeros(self.num_experts)
                 importance = importance.index_add(0, expert, upcast(gate_value))
-                # CV^2 = var / mean^2, without a square root (finite gradient when balanced)
-                cv_squared = importance.var(unbiased=False) / importance.mean().square()
+                # CV^2 = var / mean^2, without a square root (finite gradient when balanced);
+                # 0 for a batch without a kept row (no branch on it: nothing to sync)
+                mean_squared = importance.mean().square()
+                cv_squared = importance.var(unbiased=False) / mean_squared.clamp_min(1e-30)
                 total = total + self.lambda_load * cv_squared.to(total.dtype)
             return total
 

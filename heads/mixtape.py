@@ -10,9 +10,12 @@ and the shared ``l_{c,k} = u_k . g_c`` (Eq. 6) for all others. Context embedding
 ``h_{c,k} = tanh(H_k g_c)`` (Eq. 5). For the shared-gate tokens the K contexts are mixed
 first and multiplied with ``W`` once, so no ``[N, K, V]`` tensor is built.
 
-Training (``forward``) computes the loss with ``_MixtapeCrossEntropy``: the same equations,
-by blocks of the vocabulary, with a hand-written backward and no ``[N, V]`` tensor;
-``logits`` / ``log_prob`` and autocast keep the plain autograd path.
+Training (``forward``) never builds the ``[N, V]`` logits: the frequent tokens' gated logits
+go through ``_MixtapeFrequentLSE`` (the same equations by vocabulary blocks, recomputed in a
+hand-written backward), the shared-gate tokens are one plain linear block on the mixed context
+(the fused primitive, ``heads/fused_cross_entropy.py``), and the two partial log-sum-exps
+combine into the one normaliser of Eq. 2. ``logits`` / ``log_prob`` build the exact ``[N, V]``
+for evaluation, a block of rows at a time.
 """
 
 from __future__ import annotations
@@ -24,9 +27,28 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from heads.base import HeadOutput, SingleSoftmaxHead, check_label_smoothing, check_positive_int
-from heads.cross_entropy import HALF_DTYPES, IGNORE_INDEX, ROW_ALIGN, add_exp_sums_
+from heads.base import (
+    HeadOutput,
+    SingleSoftmaxHead,
+    check_label_smoothing,
+    check_positive_int,
+    float32_no_autocast,
+    upcast,
+)
+from heads.cross_entropy import IGNORE_INDEX
 from heads.errors import HeadConfigError
+from heads.fused_cross_entropy import (
+    RowPasses,
+    accumulation_dtype,
+    chunk_buffer,
+    combine_lse,
+    compute_dtype,
+    linear_lse,
+    plan_tiles,
+    resolve_backend,
+    row_passes,
+    spans,
+)
 
 
 def sigmoid_tree_priors(gate_logits: torch.Tensor) -> torch.Tensor:
@@ -47,6 +69,10 @@ def sigmoid_tree_priors(gate_logits: torch.Tensor) -> torch.Tensor:
         priors = torch.stack((left, priors - left), dim=-1).flatten(-2)
         level_start += width
     return priors
+
+
+# rows per block of the exact log_prob (evaluation): [rows, K, S] products and [rows, V] logits
+_EVAL_ROWS = 1024
 
 
 class MixtapeHead(SingleSoftmaxHead):
@@ -196,32 +222,62 @@ class MixtapeHead(SingleSoftmaxHead):
         mixed_context = self._mixed_context(contexts, shared)
         return _FrequentThenRareLogits.apply(frequent_logits, mixed_context, w_rare, b_rare)
 
+    def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Exact ``[N, V]`` log-probabilities, ``_EVAL_ROWS`` rows at a time: the frequent
+        tokens' ``[rows, K, S]`` products stay bounded however large N is."""
+        self.check_inputs(hidden)
+        parts = []
+        for start in range(0, hidden.size(0), _EVAL_ROWS):
+            logits = self.logits(hidden[start : start + _EVAL_ROWS])
+            with float32_no_autocast(hidden.device):
+                parts.append(upcast(logits).log_softmax(dim=-1))
+        if not parts:
+            return hidden.new_zeros(0, self.vocab_size, dtype=upcast(hidden).dtype)
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
     def forward(
         self, hidden: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0
     ) -> HeadOutput:
-        """The loss without the ``[N, V]`` logits tensor: see ``_MixtapeCrossEntropy``.
-
-        Under autocast or with mixed dtypes it takes the ``logits`` path instead (products in
-        the autocast dtype, softmax and loss in float32).
-        """
-        device = hidden.device.type
-        if (
-            torch.is_autocast_enabled(device)
-            or hidden.dtype in HALF_DTYPES
-            or any(p.dtype != hidden.dtype for p in self.parameters())
-        ):
-            return super().forward(hidden, target, label_smoothing)
+        """The loss without the ``[N, V]`` logits: the frequent block (``_MixtapeFrequentLSE``)
+        and the shared-gate block (one linear block on the mixed context) each give a partial
+        log-sum-exp and their part of the target logit; Eq. 2's normaliser is their
+        ``logsumexp``."""
         self.check_inputs(hidden, target)
         check_label_smoothing(label_smoothing)
+        s, v = self.num_frequent, self.vocab_size
         contexts, gate_inputs, gate_weights, shared = self._pieces(hidden)
-        mixed = None
-        if self.num_frequent < self.vocab_size:
-            mixed = self._mixed_context(contexts, shared)
+        ids = torch.where(target != IGNORE_INDEX, target, -1)  # -1: no target logit
+        smoothing = bool(label_smoothing)
+        # one split of each parameter: its backward writes one [V, d] gradient, where two
+        # slices would each write a zero-filled one
+        w_freq, w_rare = self.weight.split([s, v - s])
+        b_freq, b_rare = self.bias.split([s, v - s])
         noise = self.gate_noise if self.training else 0.0
-        nll, smoothing = _MixtapeCrossEntropy.apply(
-            gate_inputs, gate_weights, contexts, mixed, self.weight, self.bias, target, noise
-        )
-        return self.output(nll, target, smoothing=smoothing, label_smoothing=label_smoothing)
+        parts = [
+            mixtape_frequent_lse(
+                gate_inputs,
+                gate_weights,
+                contexts,
+                w_freq,
+                b_freq,
+                ids,
+                smoothing,
+                noise,
+                self.loss_options,
+            )  # fmt: skip
+        ]
+        if s < v:  # Eq. 6: one prior for every rare token, so the contexts are mixed first
+            mixed = self._mixed_context(contexts, shared)
+            rare_target = torch.where(ids >= s, ids - s, -1)
+            parts.append(linear_lse(mixed, w_rare, b_rare, rare_target, logit_sum=smoothing,
+                                    options=self.loss_options))  # fmt: skip
+        lse = combine_lse(*(p.lse for p in parts)) if len(parts) > 1 else parts[0].lse
+        nll = lse - sum(p.target_logit for p in parts)
+        mean_logit = sum(p.logit_sum for p in parts) / v if smoothing else None
+        return self.output(
+            nll, target, smoothing=None if mean_logit is None else lse - mean_logit,
+            label_smoothing=label_smoothing,
+        )  # fmt: skip
 
 
 class _SigmoidTreeMix(torch.autograd.Function):
@@ -331,239 +387,298 @@ def _tree_levels(values: torch.Tensor, gammas: torch.Tensor):
         span *= 2
 
 
-def _column_blocks(start: int, stop: int, width: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` in blocks of at most ``width`` columns, of (nearly) equal sizes, each
-    but the last a multiple of ``ROW_ALIGN`` columns when ``width`` is (MKL's sgemm is markedly
-    slower on unaligned output rows: see ``heads.cross_entropy``)."""
-    count = -(-(stop - start) // width)
-    if count:
-        balanced = -(-(stop - start) // count)
-        aligned = -(-balanced // ROW_ALIGN) * ROW_ALIGN
-        width = min(width, aligned) if width % ROW_ALIGN == 0 else balanced
-    return [(a, min(stop, a + width)) for a in range(start, stop, width)]
+# -- the frequent tokens' block of the training loss ------------------------------------
+def mixtape_frequent_lse(
+    gate_inputs: torch.Tensor,
+    gate_weights: torch.Tensor,
+    contexts: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    target: torch.Tensor,
+    logit_sum: bool,
+    gate_noise: float,
+    options,
+):
+    """``(lse, target logit, logit sum or None)`` per row over the S frequent tokens' gated
+    logits (Eq. 2-4), block by block over the S columns with nothing ``[N, K, S]`` kept
+    beyond ``options.saved_bytes``. ``target`` outside ``[0, S)``: no target logit."""
+    from heads.fused_cross_entropy import LinearLSE
+
+    n, k, _ = contexts.shape
+    backend = resolve_backend(options.backend, contexts)
+    passes = row_passes("torch" if backend in ("cce", "liger") else backend, contexts.device)
+    # a block holds [N, K-1, w] gates, [N, K, w] values and [N, w] logits: 2K floats a column
+    _, width = plan_tiles(n, weight.size(0), contexts.device, options, entries_per_column=2 * k)
+    saved = options.saved_bytes
+    lse, target_logit, total = _MixtapeFrequentLSE.apply(
+        gate_inputs, gate_weights, contexts, weight, bias, target, logit_sum,
+        compute_dtype(contexts, weight), width, saved, float(gate_noise), passes,
+    )  # fmt: skip
+    return LinearLSE(lse, target_logit, total if logit_sum else None)
 
 
-def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
-    if accumulate:
-        out.addmm_(a, b)
-    else:
-        torch.mm(a, b, out=out)
+def _frequent_block(
+    flat_inputs: torch.Tensor,
+    flat_contexts: torch.Tensor,
+    gate_weights: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    noise: torch.Tensor | None,
+    noise_std: float,
+    shape: tuple[int, int],
+    acc: torch.dtype,
+    buffer: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block of columns: ``(gammas [N, K-1, w], values [N, K, w], logits [N, w])``,
+    written into ``buffer`` (flat storage of ``2K N w`` entries reused from block to block;
+    see ``heads.fused_cross_entropy.chunk_buffer``) when one is given.
+
+    Eq. 4 then the sigmoids of Eq. 3, in place; ``h_{c,k} . w_x``, then the tree (Eq. 2-3) in
+    place, which leaves ``left - right`` in each node's left slot for the backward
+    (``_tree_levels``); the bias after the tree (``sum_k pi = 1``), on ``[N, w]`` only."""
+    n, k = shape
+    dtype = flat_inputs.dtype
+    width = weight.size(0)
+    gates_out = values_out = logits_out = None
+    if buffer is not None:
+        sizes = [n * (k - 1) * width, n * k * width, n * width]
+        gates_out, values_out, logits_out = buffer[: sum(sizes)].split(sizes)
+    gammas = _product(flat_inputs, gate_weights.to(dtype).t(), acc, gates_out)
+    gammas = gammas.view(n, k - 1, width)
+    if noise is not None:
+        gammas.add_(noise, alpha=noise_std)
+    gammas.sigmoid_()
+    values = _product(flat_contexts, weight.to(dtype).t(), acc, values_out).view(n, k, width)
+    logits = None
+    for left, right, gamma in _tree_levels(values, gammas):
+        left.sub_(right)
+        if right.size(1) > 1:
+            right.addcmul_(gamma, left)
+        elif logits_out is None:  # the root: this block's logits, a new [N, w] tensor
+            logits = torch.addcmul(right, gamma, left).squeeze(1)
+        else:
+            logits = torch.addcmul(right, gamma, left, out=logits_out.view(n, 1, width))
+            logits = logits.view(n, width)
+    return gammas, values, logits.add_(bias.to(acc))
 
 
-# A block of the vocabulary holds about this many [N, block] (rare) or [N, K, block]
-# (frequent) entries: 16 MiB in float32, under glibc's largest mmap threshold (32 MiB), so
-# the blocks of one step reuse the memory that the step before freed instead of faulting
-# in fresh pages (touching a fresh [2048, 30k] float32 tensor costs ~0.55 ms per MiB here).
-_BLOCK_ELEMENTS = 1 << 22
-# On a GPU the caching allocator reuses freed memory whatever its size, and each block costs
-# some 25 kernel launches: 256 MiB blocks (measured on an H100, V = 10k, N = 16k tokens:
-# 23 ms per step against 35 ms with the CPU's blocks; README, "On a GPU").
-_ACCELERATOR_BLOCK_ELEMENTS = 1 << 26
-_MIN_BLOCK = 128  # columns: keeps each block's products real GEMMs when N is very large
+def _product(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype, out: torch.Tensor | None):
+    """``a b`` in ``a``'s dtype, returned in ``acc`` (into the flat ``out`` when given)."""
+    if out is None:
+        return torch.mm(a, b).to(acc)
+    out = out.view(a.size(0), b.size(1))
+    if a.dtype == acc:
+        return torch.mm(a, b, out=out)
+    return out.copy_(torch.mm(a, b))
 
 
-def _block_widths(n: int, k: int, device_type: str = "cpu") -> tuple[int, int]:
-    """Columns per frequent block ``[N, K, block]`` and per rare block ``[N, block]``,
-    multiples of ``ROW_ALIGN`` so that ``_column_blocks`` keeps the blocks aligned."""
-    elements = _BLOCK_ELEMENTS if device_type == "cpu" else _ACCELERATOR_BLOCK_ELEMENTS
-    frequent = elements // (n * k) // ROW_ALIGN * ROW_ALIGN
-    rare = elements // n // ROW_ALIGN * ROW_ALIGN
-    return max(_MIN_BLOCK, frequent), max(_MIN_BLOCK, rare)
+def _into(out: torch.Tensor, op, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``out = op(a, b)`` for a strided view ``out``: straight into it eagerly, through a
+    temporary under ``torch.compile`` (which fuses it; Dynamo refuses strided ``out=``)."""
+    if torch.compiler.is_compiling():
+        return out.copy_(op(a, b))
+    return op(a, b, out=out)
 
 
-class _MixtapeCrossEntropy(torch.autograd.Function):
-    """Mixtape's loss (Eq. 2-6) from its factors, forward and backward written by hand.
+def _rng_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
 
-    Inputs: ``gate_inputs`` ``[N, K-1, e]`` and ``gate_weights`` ``[S, e]`` whose product is
-    the frequent tokens' gate pre-activations (``MixtapeHead._pieces``), ``contexts``
-    ``[N, K, d]``, ``mixed`` ``[N, d]`` (the contexts under the shared prior; None when
-    S = V), ``weight`` ``[V, d]``, ``bias`` ``[V]``, ``target`` ``[N]``. Outputs, per row
-    and 0 where ignored: the NLL ``log Z - z_t`` and label smoothing's ``log Z - mean_x z_x``
-    (their gradients combine into ``dL/dz = (s1 + s2) p - s1 onehot_t - s2 / V``).
 
-    Beyond the products, the time on a CPU goes to allocating and touching big tensors:
+class _ReplayNoise:
+    """The gate noise of the blocks not kept, drawn again in the backward exactly as in the
+    forward: the generator is set back to its state before the first such block (and restored
+    after), and the blocks are drawn in the same order and shapes. Under ``torch.compile``
+    (no generator state to trace) the forward keeps those blocks' noise instead."""
 
-    - the vocabulary is cut into column blocks (the frequent tokens', then the rare ones'),
-      each block's tensors small enough to reuse freed memory (``_BLOCK_ELEMENTS``): no
-      ``[N, V]`` tensor, no copy into one, no ``cat``;
-    - every product is one ``mm`` on contiguous 2-D operands into a contiguous output; the
-      gradients of ``W``, ``b`` and the gate weights are written block by block into their
-      rows;
-    - the sigmoids and the tree run in place on the products' outputs (no priors, no
-      ``[N, K, S]`` copies), and the bias is added after the tree, on ``[N, block]``;
-    - the softmax is ``E = exp(z - M)`` in place, ``M`` the row's maximum over all blocks,
-      so every block shares one normaliser ``Z = sum E``. As in
-      ``heads.cross_entropy._LinearCrossEntropy``, the rare blocks' backward goes straight
-      to the products (``dL/dmixed = (s / Z) sum_b E_b W_b - s W[t]``, ``dL/dW_b =
-      E_b^T (s / Z) mixed - ...``): their gradient is never formed, and the frequent blocks'
-      gradient ``s (E / Z - onehot)`` and tree gradients exist for one block at a time.
+    def __init__(self, state: torch.Tensor | None, kept: list[torch.Tensor], device) -> None:
+        self.state, self.kept, self.device = state, kept, device
+        self.fork = None
+
+    def __enter__(self) -> _ReplayNoise:
+        if self.state is not None:
+            devices = [self.device] if self.device.type == "cuda" else []
+            self.fork = torch.random.fork_rng(devices=devices)
+            self.fork.__enter__()
+            if self.device.type == "cuda":
+                torch.cuda.set_rng_state(self.state, self.device)
+            else:
+                torch.set_rng_state(self.state)
+        return self
+
+    def next(self, shape, dtype) -> torch.Tensor:
+        if self.state is None:
+            return self.kept.pop(0)
+        return torch.randn(shape, dtype=dtype, device=self.device)
+
+    def __exit__(self, *exc) -> None:
+        if self.fork is not None:
+            self.fork.__exit__(*exc)
+
+
+class _MixtapeFrequentLSE(torch.autograd.Function):
+    """The frequent tokens' part of Mixtape's loss (Eq. 2-4) by vocabulary blocks.
+
+    Inputs: ``gate_inputs`` ``[N, K-1, e]`` and ``gate_weights`` ``[S, e]``, whose product is
+    the gate pre-activations (``MixtapeHead._pieces``), ``contexts`` ``[N, K, d]``, ``weight``
+    ``[S, d]``, ``bias`` ``[S]``, ``target`` ``[N]``. Outputs per row: the block's
+    log-sum-exp, the target logit (0 for targets outside ``[0, S)``) and the logit sum.
+
+    The forward keeps a block's gates, tree and probabilities for the backward while they fit
+    ``saved_bytes`` (a prefix of the blocks) and recomputes the others in the backward. The
+    backward is written by hand: ``dL/dz = g p + g_t onehot + g_s`` for one block, the tree
+    top down in buffers allocated once (a node's gradient sits in its own slot, as its value
+    did), then four products into the gradients of the contexts, ``W``, the gate inputs and
+    the gate weights.
     """
 
     @staticmethod
     def forward(
         ctx,
-        gate_inputs: torch.Tensor,
-        gate_weights: torch.Tensor,
-        contexts: torch.Tensor,
-        mixed: torch.Tensor | None,
-        weight: torch.Tensor,
-        bias: torch.Tensor,
-        target: torch.Tensor,
-        gate_noise: float,
-    ) -> torch.Tensor:
+        gate_inputs,
+        gate_weights,
+        contexts,
+        weight,
+        bias,
+        target,
+        want_sum: bool,
+        dtype: torch.dtype,
+        width: int,
+        saved_bytes: int,
+        noise_std: float,
+        passes: RowPasses,
+    ):
+        acc = accumulation_dtype(contexts, weight)
         n, k, d = contexts.shape
-        s, v = gate_weights.size(0), weight.size(0)
-        frequent_width, rare_width = _block_widths(n, k, contexts.device.type)
-        flat_inputs = gate_inputs.reshape(n * (k - 1), -1)
-        flat_contexts = contexts.reshape(n * k, d)
-        keep = target != IGNORE_INDEX
-        safe_target = target.clamp_min(0)
-        target_logit = contexts.new_zeros(n)
-        logit_blocks, tree_blocks, row_max = [], [], []
-        logit_sum = contexts.new_zeros(n)  # sum_x z_x, for label smoothing
-
-        def add_logits(logits: torch.Tensor, start: int) -> None:
-            nonlocal target_logit, logit_sum
-            logit_sum = logit_sum + logits.sum(1)
-            inside = (safe_target >= start) & (safe_target < start + logits.size(1))
-            column = (safe_target - start).clamp(0, logits.size(1) - 1).unsqueeze(1)
+        s = weight.size(0)
+        flat_inputs = gate_inputs.reshape(n * (k - 1), -1).to(dtype)
+        flat_contexts = contexts.reshape(n * k, d).to(dtype)
+        top = contexts.new_full((n,), -math.inf, dtype=acc)
+        total = contexts.new_zeros(n, dtype=acc)
+        target_logit = contexts.new_zeros(n, dtype=acc)
+        logit_sum = contexts.new_zeros(n, dtype=acc)
+        compiling = torch.compiler.is_compiling()
+        noise_state, noise_kept, blocks = None, [], []
+        budget = saved_bytes
+        buffer = None
+        for a, b in spans(s, width):
+            keep = False  # a prefix of the blocks is kept: the backward counts them
+            if budget > 0:
+                budget -= n * (2 * k) * (b - a) * torch.finfo(acc).bits // 8
+                keep = budget >= 0
+            noise = None
+            if noise_std > 0:
+                if not keep and noise_state is None and not compiling:
+                    noise_state = _rng_state(contexts.device)
+                noise = torch.randn(n, k - 1, b - a, dtype=acc, device=contexts.device)
+                if not keep and compiling:
+                    noise_kept.append(noise)
+            if not keep and buffer is None:
+                buffer = chunk_buffer(contexts, n * 2 * k, width, acc)
+            gammas, values, logits = _frequent_block(
+                flat_inputs, flat_contexts, gate_weights[a:b], weight[a:b], bias[a:b], noise,
+                noise_std, (n, k), acc, None if keep else buffer,
+            )  # fmt: skip
+            inside = (target >= a) & (target < b)
+            column = (target - a).clamp(0, b - a - 1).unsqueeze(1)
             target_logit = torch.where(inside, logits.gather(1, column).squeeze(1), target_logit)
-            row_max.append(logits.amax(1))
-            logit_blocks.append(logits)
-
-        for start, stop in _column_blocks(0, s, frequent_width):
-            # Eq. 4 then the sigmoids of Eq. 3, in place: [N, K-1, block]
-            gammas = torch.mm(flat_inputs, gate_weights[start:stop].t())
-            gammas = gammas.view(n, k - 1, stop - start)
-            if gate_noise > 0:
-                gammas.add_(torch.randn_like(gammas), alpha=gate_noise)
-            gammas.sigmoid_()
-            # h_{c,k} . w_x: [N, K, block], then the tree (Eq. 2-3) in place
-            values = torch.mm(flat_contexts, weight[start:stop].t()).view(n, k, stop - start)
-            for left, right, gamma in _tree_levels(values, gammas):
-                left.sub_(right)
-                if right.size(1) > 1:
-                    right.addcmul_(gamma, left)
-                else:  # the root: this block's logits, a new [N, block] tensor
-                    logits = torch.addcmul(right, gamma, left).squeeze(1)
-            add_logits(logits.add_(bias[start:stop]), start)
-            tree_blocks += [gammas, values]  # what the backward needs: gammas, left - right
-        if mixed is not None:  # the infrequent tokens: one product per block (Eq. 6)
-            for start, stop in _column_blocks(s, v, rare_width):
-                add_logits(torch.addmm(bias[start:stop], mixed, weight[start:stop].t()), start)
-
-        top = torch.stack(row_max).amax(0)
-        normaliser = torch.zeros_like(top)
-        for logits in logit_blocks:  # E = exp(z - M) in place
-            # floored as in _LinearCrossEntropy: no subnormal exps
-            add_exp_sums_(logits, top, normaliser)
+            if want_sum:
+                logit_sum += logits.sum(1)
+            block_top, block_total = passes.exp_sum_(logits)  # logits now hold their exps
+            new_top = torch.maximum(top, block_top)
+            total = total * torch.exp(top - new_top) + block_total * torch.exp(block_top - new_top)
+            top = new_top
+            if keep:
+                blocks.append((gammas, values, logits, block_top))
+        lse = top + total.log()
+        kept = []
+        for gammas, values, exps, shift in blocks:  # exp(z - m_b) e^(m_b - lse) = p
+            kept += [gammas, values, exps.mul_(torch.exp(shift - lse).unsqueeze(1))]
         ctx.save_for_backward(
-            gate_inputs, gate_weights, contexts, mixed, weight, normaliser, safe_target, keep,
-            *logit_blocks, *tree_blocks,
+            gate_inputs, gate_weights, contexts, weight, bias, target, lse, noise_state,
+            *noise_kept, *kept,
         )  # fmt: skip
-        ctx.widths = frequent_width, rare_width
-        ctx.set_materialize_grads(False)
-        log_normaliser = top + normaliser.log()
-        nll = (log_normaliser - target_logit).masked_fill(~keep, 0.0)
-        smoothing = (log_normaliser - logit_sum / v).masked_fill(~keep, 0.0)
-        return nll, smoothing
+        ctx.counts = len(noise_kept), len(blocks)
+        ctx.layout = dtype, width, noise_std, passes
+        ctx.want_sum = want_sum
+        return lse, target_logit, logit_sum
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_nll: torch.Tensor | None, grad_smoothing: torch.Tensor | None):
-        gate_inputs, gate_weights, contexts, mixed, weight, normaliser, safe_target, keep = (
-            ctx.saved_tensors[:8]
+    def backward(ctx, grad_lse, grad_target, grad_sum):
+        gate_inputs, gate_weights, contexts, weight, bias, target, lse, noise_state, *rest = (
+            ctx.saved_tensors
         )
-        saved = ctx.saved_tensors[8:]
+        num_noise, num_kept = ctx.counts
+        noise_kept, kept = rest[:num_noise], rest[num_noise:]
+        dtype, width, noise_std, passes = ctx.layout
+        acc = lse.dtype
         n, k, d = contexts.shape
-        s, v = gate_weights.size(0), weight.size(0)
-        frequent_width, rare_width = ctx.widths
-        frequent = _column_blocks(0, s, frequent_width)
-        rare = _column_blocks(s, v, rare_width) if mixed is not None else []
-        logit_blocks = saved[: len(frequent) + len(rare)]
-        tree_blocks = saved[len(frequent) + len(rare) :]
-        flat_inputs = gate_inputs.reshape(n * (k - 1), -1)
-        flat_contexts = contexts.reshape(n * k, d)
-
-        # dL/dz = (s1 + s2) p - s1 onehot_t - s2 / V with s1, s2 the two outputs' gradients
-        # (an output the loss did not use has no gradient: set_materialize_grads(False))
-        if grad_nll is None:
-            grad_nll = torch.zeros_like(normaliser)
-        scale = grad_nll.masked_fill(~keep, 0.0)  # s1: the onehot terms' scale
-        uniform = None  # s2 / V per row, when label smoothing was used
-        total = scale
-        if grad_smoothing is not None:
-            smooth = grad_smoothing.masked_fill(~keep, 0.0)
-            total, uniform = scale + smooth, smooth / v
-        prob_scale = (total / normaliser).unsqueeze(1)  # (s1 + s2) / Z: E / Z are the probs
-        target_rows = scale.unsqueeze(1)
-        grad_weight = weight.new_empty(weight.shape)
-        grad_bias = weight.new_empty(v)
-        grad_contexts = contexts.new_empty(n * k, d)
-        grad_gate_inputs = gate_inputs.new_empty(flat_inputs.shape)
-        grad_gate_weights = gate_weights.new_empty(gate_weights.shape)
-        # one block's gradients at a time, in buffers allocated once
-        grad_buffer = contexts.new_empty(n * min(s, frequent_width))
-        grad_values_buffer = contexts.new_empty(n * k * min(s, frequent_width))
-        grad_gates_buffer = contexts.new_empty(n * (k - 1) * min(s, frequent_width))
-        for index, (start, stop) in enumerate(frequent):
-            width = stop - start
-            probs = logit_blocks[index]
-            gammas, values = tree_blocks[2 * index : 2 * index + 2]
-            torch.mv(probs.t(), prob_scale.squeeze(1), out=grad_bias[start:stop])
-            # s (E / Z - onehot): [N, block]
-            grad = torch.mul(probs, prob_scale, out=grad_buffer[: n * width].view(n, width))
-            inside = ((safe_target >= start) & (safe_target < stop)).unsqueeze(1)
-            column = (safe_target - start).clamp(0, width - 1).unsqueeze(1)
-            grad.scatter_add_(1, column, -target_rows * inside)
-            if uniform is not None:
-                grad.sub_(uniform.unsqueeze(1))
-            grad_values = grad_values_buffer[: n * k * width].view(n, k, width)
-            grad_gates = grad_gates_buffer[: n * (k - 1) * width].view(n, k - 1, width)
-            # the tree, top down: a node's gradient sits in its own slot, as its value did
-            for (diff, _, gamma), (grad_left, grad_right, grad_gate) in zip(
-                reversed(list(_tree_levels(values, gammas))),
-                reversed(list(_tree_levels(grad_values, grad_gates))),
-                strict=True,
-            ):
-                grad_node = grad.view(n, 1, width) if grad_right.size(1) == 1 else grad_right
-                torch.mul(grad_node, gamma, out=grad_left)
-                torch.sub(grad_node, grad_left, out=grad_right)
-                # d node / d pre-activation = (left - right) gamma (1 - gamma)
-                torch.mul(grad_right, gamma, out=grad_gate).mul_(diff)
-            flat_values = grad_values.view(n * k, width)
-            flat_gates = grad_gates.view(n * (k - 1), width)
-            _mm_into(grad_contexts, flat_values, weight[start:stop], index > 0)
-            torch.mm(flat_values.t(), flat_contexts, out=grad_weight[start:stop])
-            _mm_into(grad_gate_inputs, flat_gates, gate_weights[start:stop], index > 0)
-            torch.mm(flat_gates.t(), flat_inputs, out=grad_gate_weights[start:stop])
-
-        grad_mixed = None
-        if mixed is not None:
-            # dL/dmixed = (s / Z) sum_b E_b W_b - s W[t],  dL/dW_b = E_b^T (s / Z) mixed - ...
-            grad_mixed = mixed.new_empty(mixed.shape)
-            scaled_mixed = mixed * prob_scale
-            for index, (start, stop) in enumerate(rare):
-                probs = logit_blocks[len(frequent) + index]
-                _mm_into(grad_mixed, probs, weight[start:stop], index > 0)
-                torch.mm(probs.t(), scaled_mixed, out=grad_weight[start:stop])
-                torch.mv(probs.t(), prob_scale.squeeze(1), out=grad_bias[start:stop])
-            rare_rows = target_rows * (safe_target >= s).unsqueeze(1)
-            grad_mixed.mul_(prob_scale).sub_(weight.index_select(0, safe_target) * rare_rows)
-            grad_weight.index_add_(0, safe_target, mixed * rare_rows, alpha=-1)
-            if uniform is not None:  # -s2 / V for every rare column
-                grad_mixed.sub_(uniform.unsqueeze(1) * weight[s:].sum(0))
-                grad_weight[s:].sub_(uniform @ mixed)
-        grad_bias.index_add_(0, safe_target, scale, alpha=-1)  # the onehot, every target
-        if uniform is not None:
-            grad_bias.sub_(uniform.sum())
+        s = weight.size(0)
+        flat_inputs = gate_inputs.reshape(n * (k - 1), -1).to(dtype)
+        flat_contexts = contexts.reshape(n * k, d).to(dtype)
+        g = grad_lse.to(acc).unsqueeze(1)
+        inside_any = (target >= 0) & (target < s)
+        g_t = torch.where(inside_any, grad_target.to(acc), 0.0).unsqueeze(1)
+        g_s = grad_sum.to(acc).unsqueeze(1) if ctx.want_sum and grad_sum is not None else None
+        grad_contexts = torch.zeros(n * k, d, dtype=acc, device=contexts.device)
+        grad_inputs = torch.zeros(flat_inputs.shape, dtype=acc, device=contexts.device)
+        grad_weight = torch.empty(weight.shape, dtype=acc, device=weight.device)
+        grad_gate_weights = torch.empty(gate_weights.shape, dtype=acc, device=weight.device)
+        grad_bias = torch.empty(s, dtype=acc, device=weight.device)
+        # one block's tree gradients at a time, in buffers allocated once
+        most = min(s, width)
+        grad_values_buffer = contexts.new_empty(n * k * most, dtype=acc)
+        grad_gates_buffer = contexts.new_empty(n * (k - 1) * most, dtype=acc)
+        buffer = (
+            None
+            if num_kept == len(spans(s, width))
+            else chunk_buffer(contexts, n * 2 * k, width, acc)
+        )
+        with _ReplayNoise(noise_state, list(noise_kept), contexts.device) as noise_source:
+            for index, (a, b) in enumerate(spans(s, width)):
+                w = b - a
+                if index < num_kept:
+                    gammas, values, probs = kept[3 * index : 3 * index + 3]
+                    grad = probs * g
+                else:
+                    noise = None
+                    if noise_std > 0:
+                        noise = noise_source.next((n, k - 1, w), acc)
+                    gammas, values, logits = _frequent_block(
+                        flat_inputs, flat_contexts, gate_weights[a:b], weight[a:b], bias[a:b],
+                        noise, noise_std, (n, k), acc, buffer,
+                    )  # fmt: skip
+                    grad = passes.exp_shifted_(logits, lse).mul_(g)
+                inside = (target >= a) & (target < b)
+                column = (target - a).clamp(0, w - 1).unsqueeze(1)
+                grad.scatter_add_(1, column, g_t * inside.unsqueeze(1))
+                if g_s is not None:
+                    grad.add_(g_s)
+                grad_bias[a:b] = grad.sum(0)
+                grad_values = grad_values_buffer[: n * k * w].view(n, k, w)
+                grad_gates = grad_gates_buffer[: n * (k - 1) * w].view(n, k - 1, w)
+                for (diff, _, gamma), (grad_left, grad_right, grad_gate) in zip(
+                    reversed(list(_tree_levels(values, gammas))),
+                    reversed(list(_tree_levels(grad_values, grad_gates))),
+                    strict=True,
+                ):
+                    grad_node = grad.view(n, 1, w) if grad_right.size(1) == 1 else grad_right
+                    _into(grad_left, torch.mul, grad_node, gamma)
+                    _into(grad_right, torch.sub, grad_node, grad_left)
+                    # d node / d pre-activation = (left - right) gamma (1 - gamma)
+                    _into(grad_gate, torch.mul, grad_right, gamma).mul_(diff)
+                flat_values = grad_values.view(n * k, w).to(dtype)
+                flat_gates = grad_gates.view(n * (k - 1), w).to(dtype)
+                grad_contexts += torch.mm(flat_values, weight[a:b].to(dtype)).to(acc)
+                grad_weight[a:b] = torch.mm(flat_values.t(), flat_contexts)
+                grad_inputs += torch.mm(flat_gates, gate_weights[a:b].to(dtype)).to(acc)
+                grad_gate_weights[a:b] = torch.mm(flat_gates.t(), flat_inputs)
         return (
-            grad_gate_inputs.view(gate_inputs.shape),
-            grad_gate_weights,
-            grad_contexts.view(contexts.shape),
-            grad_mixed,
-            grad_weight,
-            grad_bias,
-            None,
-            None,
+            grad_inputs.view(gate_inputs.shape).to(gate_inputs.dtype),
+            grad_gate_weights.to(gate_weights.dtype),
+            grad_contexts.view(contexts.shape).to(contexts.dtype),
+            grad_weight.to(weight.dtype),
+            grad_bias.to(bias.dtype),
+            *([None] * 7),
         )

@@ -3,14 +3,18 @@
 ``P(x|c) = sum_k pi_{c,k} softmax(W h_{c,k})_x`` with ``h_{c,k} = tanh(H_k g_c)`` and
 ``pi_c = softmax(U g_c)``, computed in log space:
 ``log P = logsumexp_k(log pi_k + log_softmax_k)``.
+
+Training never builds the ``[N, K, V]`` component logits: each of the ``K N`` component rows
+``h_{c,k}`` goes through the fused linear + log-sum-exp primitive, giving its cross-entropy
+``CE_k = lse_k - z_{k,t}``, and ``nll = -logsumexp_k(log pi_k - CE_k)``: memory ``O(K N)``
+beyond one vocabulary chunk. Label smoothing's ``sum_x log P(x)`` is summed chunk by chunk
+with the chunks recomputed in its backward (``_MixtureLogProbSum``).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from heads.base import (
     Head,
@@ -20,34 +24,18 @@ from heads.base import (
     float32_no_autocast,
     upcast,
 )
+from heads.cross_entropy import IGNORE_INDEX
+from heads.fused_cross_entropy import (
+    LossOptions,
+    accumulation_dtype,
+    compute_dtype,
+    linear_lse,
+    plan_tiles,
+    spans,
+)
 
-# columns of the vocabulary per step of the label-smoothing sum (its [N, K, block] pieces are
-# recomputed in the backward, so memory stays O(N K block))
-_SMOOTHING_BLOCK = 4096
-
-
-def _block_log_prob_sum(
-    logits: torch.Tensor, log_prior: torch.Tensor, component_lse: torch.Tensor
-) -> torch.Tensor:
-    """``sum_x log P(x)`` over one block of columns, ``logits`` ``[N, K, block]``."""
-    log_probs = logits - component_lse.unsqueeze(-1) + log_prior.unsqueeze(-1)
-    return torch.logsumexp(log_probs, dim=1).sum(-1)
-
-
-def mixture_log_prob_sum(
-    logits: torch.Tensor, log_prior: torch.Tensor, component_lse: torch.Tensor
-) -> torch.Tensor:
-    """``sum_x log P(x|c)`` per row (label smoothing's uniform term, Eq. 1 in log space) from
-    the component logits ``[N, K, V]``, ``log pi`` ``[N, K]`` and each component's log-sum-exp
-    ``[N, K]``, block by block over the vocabulary with each block recomputed in the backward:
-    no ``[N, V]`` or further ``[N, K, V]`` tensor is kept."""
-    total = logits.new_zeros(logits.size(0))
-    for start in range(0, logits.size(-1), _SMOOTHING_BLOCK):
-        block = logits[..., start : start + _SMOOTHING_BLOCK]
-        total = total + checkpoint(
-            _block_log_prob_sum, block, log_prior, component_lse, use_reentrant=False
-        )
-    return total
+# columns of the exact log_prob per block (evaluation): [N, K, block] at a time
+_EVAL_ENTRIES = 1 << 24
 
 
 class MoSHead(Head):
@@ -85,42 +73,143 @@ class MoSHead(Head):
         self.bias = nn.Parameter(torch.zeros(vocab_size)) if bias else None
         nn.init.normal_(self.weight, std=embedding_size**-0.5)
 
-    def _component_log_probs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``log pi [N, K]`` and component logits ``[N, K, V]`` (float32)."""
+    def _mixture(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Component contexts ``h_{c,k}`` ``[N, K, d]`` and ``log pi`` ``[N, K]`` (float32)."""
         n = hidden.size(0)
         contexts = torch.tanh(self.context(hidden)).view(n, self.num_components, -1)
         contexts = self.context_dropout(contexts)
-        logits = F.linear(contexts, self.weight, self.bias)
         prior_logits = self.prior(hidden)
         with float32_no_autocast(hidden.device):
-            log_prior = upcast(prior_logits).log_softmax(dim=-1)
-            return log_prior, upcast(logits)
+            return contexts, upcast(prior_logits).log_softmax(dim=-1)
+
+    def _component_lse(self, contexts: torch.Tensor, target: torch.Tensor | None, smoothing=False):
+        """The primitive over the ``K N`` component rows (row ``n K + k``)."""
+        n, k, d = contexts.shape
+        ids = None if target is None else target.repeat_interleave(k)
+        return linear_lse(contexts.reshape(n * k, d), self.weight, self.bias, ids,
+                          logit_sum=smoothing, options=self.loss_options)  # fmt: skip
 
     def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Exact ``[N, V]`` log-probabilities, by blocks of the vocabulary: no ``[N, K, V]``."""
         self.check_inputs(hidden)
-        log_prior, logits = self._component_log_probs(hidden)
+        contexts, log_prior = self._mixture(hidden)
+        n, k, _ = contexts.shape
+        lse = self._component_lse(contexts, None).lse.view(n, k)
+        shift = (log_prior - lse).unsqueeze(-1)  # log pi_k - log Z_k
+        # the products as the primitive computed them (its dtype, float32 bias), so that
+        # each component's block log-probabilities use exactly the normaliser above
+        flat = contexts.reshape(n * k, -1).to(compute_dtype(contexts, self.weight))
+        acc = accumulation_dtype(contexts, self.weight)
+        width = max(1, _EVAL_ENTRIES // max(n * k, 1))
+        blocks = []
         with float32_no_autocast(hidden.device):
-            return torch.logsumexp(log_prior.unsqueeze(-1) + logits.log_softmax(dim=-1), dim=1)
+            for a, b in spans(self.vocab_size, width):
+                logits = _chunk(flat, self.weight, self.bias, a, b, acc).view(n, k, b - a)
+                blocks.append(torch.logsumexp(shift + logits, dim=1))
+        if not blocks:
+            return log_prior.new_zeros(n, 0)
+        return torch.cat(blocks, dim=-1) if len(blocks) > 1 else blocks[0]
 
     def forward(
         self, hidden: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0
     ) -> HeadOutput:
-        # Only log P(target) is needed: per component, logit[target] - logsumexp(logits).
+        # log P(t) = logsumexp_k(log pi_k - CE_k), CE_k = lse_k - z_{k,t}: K N rows of the
+        # fused primitive, nothing [N, K, V]
         self.check_inputs(hidden, target)
         check_label_smoothing(label_smoothing)
-        log_prior, logits = self._component_log_probs(hidden)
-        with float32_no_autocast(hidden.device):
-            safe_target = target.clamp_min(0).view(-1, 1, 1).expand(-1, self.num_components, 1)
-            target_logit = logits.gather(-1, safe_target).squeeze(-1)
-            component_lse = torch.logsumexp(logits, dim=-1)  # [N, K]
-            target_log_prob = torch.logsumexp(log_prior + target_logit - component_lse, dim=-1)
-            smoothing = None
-            if label_smoothing:
-                log_prob_sum = mixture_log_prob_sum(logits, log_prior, component_lse)
-                smoothing = -log_prob_sum / self.vocab_size
-        return self.output(
-            -target_log_prob, target, smoothing=smoothing, label_smoothing=label_smoothing
-        )
+        contexts, log_prior = self._mixture(hidden)
+        n, k, _ = contexts.shape
+        ids = torch.where(target != IGNORE_INDEX, target, -1)
+        parts = self._component_lse(contexts, ids)
+        lse = parts.lse.view(n, k)
+        component_nll = lse - parts.target_logit.view(n, k)
+        nll = -torch.logsumexp(log_prior - component_nll, dim=-1)
+        smoothing = None
+        if label_smoothing:
+            log_prob_sum = mixture_log_prob_sum(
+                contexts, self.weight, self.bias, log_prior - lse, self.loss_options
+            )
+            smoothing = -log_prob_sum / self.vocab_size
+        return self.output(nll, target, smoothing=smoothing, label_smoothing=label_smoothing)
 
     def tie_output_embedding(self, weight: nn.Parameter) -> None:
         self._tie("weight", weight)
+
+
+def mixture_log_prob_sum(
+    contexts: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    shift: torch.Tensor,
+    options: LossOptions,
+) -> torch.Tensor:
+    """``sum_x log P(x|c)`` per row (label smoothing's uniform term, Eq. 1 in log space):
+    ``sum_x logsumexp_k(a_k + z_{k,x})`` with ``a_k = log pi_k - log Z_k`` ``[N, K]`` and the
+    component logits ``z = h_{c,k} W^T + b``, by vocabulary chunks recomputed in the
+    backward: no ``[N, K, V]`` tensor exists."""
+    n, k, _ = contexts.shape
+    _, width = plan_tiles(n * k, weight.size(0), contexts.device, options, entries_per_column=2)
+    return _MixtureLogProbSum.apply(
+        contexts, weight, bias, shift, compute_dtype(contexts, weight), width
+    )
+
+
+class _MixtureLogProbSum(torch.autograd.Function):
+    """See :func:`mixture_log_prob_sum`. With ``r_{k,x} = softmax_k(a_k + z_{k,x})`` (each
+    component's responsibility for class x): ``dS/dz_{k,x} = r_{k,x}``, ``dS/da_k =
+    sum_x r_{k,x}``; the backward recomputes a chunk's ``z`` and ``r`` and feeds them to the
+    products of ``h_{c,k}`` and ``W``."""
+
+    @staticmethod
+    def forward(ctx, contexts, weight, bias, shift, dtype, width):
+        acc = accumulation_dtype(contexts, weight, shift)
+        n, k, d = contexts.shape
+        flat = contexts.reshape(n * k, d).to(dtype)
+        a = shift.to(acc).unsqueeze(-1)
+        total = contexts.new_zeros(n, dtype=acc)
+        for c0, c1 in spans(weight.size(0), width):
+            z = _chunk(flat, weight, bias, c0, c1, acc).view(n, k, c1 - c0)
+            total += torch.logsumexp(z + a, dim=1).sum(1)
+        ctx.save_for_backward(contexts, weight, bias, shift)
+        ctx.layout = dtype, width
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        contexts, weight, bias, shift = ctx.saved_tensors
+        dtype, width = ctx.layout
+        acc = accumulation_dtype(contexts, weight, shift)
+        n, k, d = contexts.shape
+        flat = contexts.reshape(n * k, d).to(dtype)
+        a = shift.to(acc).unsqueeze(-1)
+        g = grad_total.to(acc).view(n, 1, 1)
+        grad_flat = torch.zeros(n * k, d, dtype=acc, device=contexts.device)
+        grad_weight = torch.empty(weight.shape, dtype=acc, device=weight.device)
+        grad_bias = None
+        if bias is not None:
+            grad_bias = torch.empty(bias.shape, dtype=acc, device=weight.device)
+        grad_shift = torch.zeros(n, k, dtype=acc, device=contexts.device)
+        for c0, c1 in spans(weight.size(0), width):
+            z = _chunk(flat, weight, bias, c0, c1, acc).view(n, k, c1 - c0)
+            r = torch.softmax(z.add_(a), dim=1).mul_(g)  # g r, [N, K, C]
+            grad_shift += r.sum(-1)
+            r_flat = r.view(n * k, c1 - c0)
+            r_c = r_flat.to(dtype)
+            grad_flat += torch.mm(r_c, weight[c0:c1].to(dtype)).to(acc)
+            grad_weight[c0:c1] = torch.mm(r_c.t(), flat)
+            if grad_bias is not None:
+                torch.sum(r_flat, 0, out=grad_bias[c0:c1])
+        return (
+            grad_flat.view(contexts.shape).to(contexts.dtype),
+            grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+            grad_shift.to(shift.dtype),
+            None,
+            None,
+        )
+
+
+def _chunk(flat, weight, bias, c0, c1, acc) -> torch.Tensor:
+    """``h W_c^T + b_c`` for columns ``[c0, c1)``, the product in ``flat``'s dtype."""
+    z = torch.mm(flat, weight[c0:c1].to(flat.dtype).t()).to(acc)
+    return z if bias is None else z.add_(bias[c0:c1].to(acc))

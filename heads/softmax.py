@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from heads.base import HeadOutput, SingleSoftmaxHead, check_label_smoothing, check_positive_int
-from heads.cross_entropy import linear_cross_entropy_nll, linear_label_smoothing
+from heads.fused_cross_entropy import linear_cross_entropy
 
 
 class SoftmaxHead(SingleSoftmaxHead):
@@ -48,13 +48,15 @@ class SoftmaxHead(SingleSoftmaxHead):
     def forward(
         self, hidden: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0
     ) -> HeadOutput:
-        # the product and the loss in one function: its backward skips the [N, V] gradient
+        # the product and the loss fused by vocabulary chunks: no [N, V] tensor
         self.check_inputs(hidden, target)
         check_label_smoothing(label_smoothing)
         if self.projection is not None:
             hidden = self.projection(hidden)
-        nll = linear_cross_entropy_nll(hidden, self.weight, self.bias, target)
-        smoothing = None
-        if label_smoothing:
-            smoothing = linear_label_smoothing(hidden, self.weight, self.bias, nll, target)
-        return self.output(nll, target, smoothing=smoothing, label_smoothing=label_smoothing)
+        rows = linear_cross_entropy(
+            hidden, self.weight, self.bias, target, label_smoothing=label_smoothing,
+            options=self.loss_options,
+        )  # fmt: skip
+        return self.output(
+            rows.nll, target, smoothing=rows.smoothing, label_smoothing=label_smoothing
+        )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
@@ -28,6 +30,10 @@ class Classifier(HeadTask):
         scheduler: optional learning-rate scheduler factory (``ReduceLROnPlateau`` watches
             ``val/loss``).
         top_k: accuracies to report.
+        compile: ``torch.compile`` the backbone and the head (true, or torch.compile's keyword
+            arguments); see ``HeadTask``.
+        loss_backend: the head's fused-loss backend (auto, torch, cpu, cce, liger); see
+            ``HeadTask``.
     """
 
     def __init__(
@@ -37,6 +43,8 @@ class Classifier(HeadTask):
         optimizer: OptimizerCallable = torch.optim.Adam,
         scheduler: LRSchedulerCallable | None = None,
         top_k: tuple[int, ...] = (1, 5, 10),
+        compile: bool | dict[str, Any] = False,
+        loss_backend: str = "auto",
     ) -> None:
         super().__init__()
         check_hidden_sizes(head, getattr(backbone, "output_size", None))
@@ -45,9 +53,12 @@ class Classifier(HeadTask):
             raise ModelConfigError(
                 "top_k needs at least one k not larger than the number of classes"
             )
-        self.save_hyperparameters(ignore=["backbone", "head", "optimizer", "scheduler"])
+        self.save_hyperparameters(
+            ignore=["backbone", "head", "optimizer", "scheduler", "compile", "loss_backend"]
+        )
         self.backbone = backbone
         self.head = head
+        self.configure_training(compile, loss_backend)
         self.top_k = top_k
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler

@@ -3,7 +3,9 @@ the same way. Everything head-specific is asked of the head (``heads/base.py``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import lightning as L
@@ -11,8 +13,15 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from heads import Head, HeadSetup
+from heads.fused_cross_entropy import check_backend
 from lightning_modules.checks import HEAD_KEY, check_checkpoint_head, head_class_name
+from lightning_modules.errors import ModelConfigError
 from lightning_modules.optimization import configure_optimizers
+
+log = logging.getLogger(__name__)
+
+# What tasks take for ``compile``: False, True (torch.compile's defaults) or its keyword arguments
+CompileOption = bool | dict[str, Any]
 
 
 class HeadTask(L.LightningModule):
@@ -23,17 +32,65 @@ class HeadTask(L.LightningModule):
       builds the same head.
     - Loading a checkpoint restores the data module's state (its vocabulary) first and checks
       the head's state, so a mismatch is named before Lightning loads any weight.
+    - ``compile`` (every task's option): ``torch.compile`` of the backbone's and the head's
+      forward in :meth:`configure_model`, in place (``nn.Module.compile``: parameter names and
+      checkpoints stay as they are). The head's training loss traces into one graph (its
+      fused loss loops over shapes only; adaptive and DS group sizes are the only
+      data-dependent values, captured as such). ``log_prob`` / ``topk`` stay eager.
+    - ``loss_backend`` (every task's option): the head's fused-loss backend
+      (``heads/fused_cross_entropy.py``); ``cpu`` also fixes glibc's malloc thresholds for a
+      CPU run (``heads/cpu_backend.py``).
     """
 
     backbone: torch.nn.Module
     head: Head
     optimizer_factory: OptimizerCallable
     scheduler_factory: LRSchedulerCallable | None
+    compile_options: dict[str, Any] | None = None
+    loss_backend: str = "auto"
+
+    def configure_training(self, compile: CompileOption, loss_backend: str) -> None:
+        """Record the ``compile`` and ``loss_backend`` options (called by each task's
+        ``__init__`` once ``self.head`` is set)."""
+        check_backend(loss_backend)
+        if isinstance(compile, dict):
+            self.compile_options = dict(compile)
+        elif compile is True:
+            self.compile_options = {}
+        elif compile is False or compile is None:
+            self.compile_options = None
+        else:
+            raise ModelConfigError(
+                f"model.compile must be true, false or torch.compile's keyword arguments, got "
+                f"{compile!r}"
+            )
+        self.loss_backend = loss_backend
+        self.head.loss_options = replace(self.head.loss_options, backend=loss_backend)
+        self._compiled = False
+
+    def configure_model(self) -> None:
+        if self.compile_options is None or getattr(self, "_compiled", False):
+            return
+        # adaptive cluster and DS expert sizes are counted on the device: captured as
+        # data-dependent sizes instead of breaking the graph
+        torch._dynamo.config.capture_scalar_outputs = True
+        if any(isinstance(m, torch.nn.RNNBase) for m in self.backbone.modules()):
+            # Dynamo does not trace nn.LSTM (it would skip the frame with a warning): the
+            # recurrent backbone keeps its fused eager kernels
+            log.info("compile: the recurrent backbone stays eager; compiling the head")
+        else:
+            self.backbone.compile(**self.compile_options)
+        self.head.compile(**self.compile_options)
+        self._compiled = True
 
     def setup(self, stage: str) -> None:
         if stage != "fit" or self._trainer is None:
             return
         trainer = self.trainer
+        if self.loss_backend == "cpu" and trainer.strategy.root_device.type == "cpu":
+            from heads.cpu_backend import tune_glibc_malloc
+
+            tune_glibc_malloc()
         datamodule = getattr(trainer, "datamodule", None)
         self.head.setup(
             HeadSetup(

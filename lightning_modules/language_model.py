@@ -52,6 +52,10 @@ class LanguageModel(HeadTask):
             (``Head.load_pretrained``: the same head, or DS-Softmax from a softmax, the
             pretrain-then-replace recipe of DS-Softmax appendix B).
         freeze_backbone: train the head only.
+        compile: ``torch.compile`` the backbone and the head (true, or torch.compile's keyword
+            arguments such as ``{mode: max-autotune}``); see ``HeadTask``.
+        loss_backend: the head's fused-loss backend: auto, torch, cpu (opt-in CPU speed code),
+            cce or liger (CUDA, optional packages); see ``HeadTask``.
     """
 
     def __init__(
@@ -66,6 +70,8 @@ class LanguageModel(HeadTask):
         temperature: float = 1.0,
         pretrained_checkpoint: str | None = None,
         freeze_backbone: bool = False,
+        compile: bool | dict[str, Any] = False,
+        loss_backend: str = "auto",
     ) -> None:
         super().__init__()
         check_hidden_sizes(head, backbone.output_size)
@@ -86,6 +92,8 @@ class LanguageModel(HeadTask):
                 "generate_tokens",
                 "temperature",
                 "pretrained_checkpoint",
+                "compile",
+                "loss_backend",
             ]
         )
         self.predict_top_k = predict_top_k
@@ -93,6 +101,7 @@ class LanguageModel(HeadTask):
         self.temperature = temperature
         self.backbone = backbone
         self.head = head
+        self.configure_training(compile, loss_backend)
         if pretrained_checkpoint is not None:
             self.load_pretrained(pretrained_checkpoint)
         if freeze_backbone:

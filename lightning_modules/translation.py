@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
@@ -50,6 +51,10 @@ class Translation(HeadTask):
         num_samples: sample translations logged per validation / test.
         translations_file: where ``test`` writes translations, one line per test line; default
             ``<log dir>/translations_test.txt``.
+        compile: ``torch.compile`` the backbone and the head (true, or torch.compile's keyword
+            arguments); see ``HeadTask``.
+        loss_backend: the head's fused-loss backend (auto, torch, cpu, cce, liger); see
+            ``HeadTask``.
     """
 
     def __init__(
@@ -67,6 +72,8 @@ class Translation(HeadTask):
         max_length_b: int = 10,
         num_samples: int = 3,
         translations_file: str | None = None,
+        compile: bool | dict[str, Any] = False,
+        loss_backend: str = "auto",
     ) -> None:
         super().__init__()
         check_hidden_sizes(head, backbone.output_size)
@@ -95,10 +102,13 @@ class Translation(HeadTask):
                 "max_length_b",
                 "num_samples",
                 "translations_file",
+                "compile",
+                "loss_backend",
             ]
         )
         self.backbone = backbone
         self.head = head
+        self.configure_training(compile, loss_backend)
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.label_smoothing = label_smoothing

@@ -192,6 +192,27 @@ def test_adaptive_config_trains_under_bf16_mixed(ptb_path):
         assert torch.isfinite(cli.trainer.callback_metrics[key]), key
 
 
+def test_compile_preset_trains_with_the_head_in_one_graph(ptb_path):
+    """``--config configs/presets/compile.yaml``: the head's training step compiled by
+    torch.compile (inductor, CPU) with no graph break, the LSTM left eager; losses finite."""
+    import torch._dynamo.utils
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    cli = run("fit", "ptb_mixtape", ptb_path, "--config", "configs/presets/compile.yaml",
+              "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3",
+              "--trainer.limit_val_batches", "1", "--trainer.logger", "false",
+              "--trainer.enable_checkpointing", "false", "--data.init_args.batch_size", "4",
+              "--trainer.callbacks", "null")  # fmt: skip
+    assert cli.model.head._compiled_call_impl is not None
+    counters = torch._dynamo.utils.counters
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] >= 1
+    for key in ("train/loss", "val/loss"):
+        assert torch.isfinite(cli.trainer.callback_metrics[key]), key
+    torch._dynamo.reset()
+
+
 GPU_SHORT_FIT = ["--trainer.accelerator", "gpu", "--trainer.devices", "1",
                  "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "60",
                  "--trainer.limit_val_batches", "10", "--trainer.logger", "false",

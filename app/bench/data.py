@@ -121,11 +121,11 @@ class _Counter(logging.Handler):
 def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
     """Build the data module of ``spec`` and make it ready to serve a first training batch:
     ``prepare`` runs ``prepare_data`` (all splits), ``cached`` runs ``setup("fit")``."""
-    from app.allocator import tune_glibc_malloc
     from datamodules import LanguageModelingDataModule
+    from heads.cpu_backend import tune_glibc_malloc
 
-    if spec.get("malloc_tuning", True):
-        tune_glibc_malloc()  # as cli.py runs
+    if spec.get("malloc_tuning", False):
+        tune_glibc_malloc()  # as the cpu loss backend does
     counter = _Counter()
     logger = logging.getLogger("datamodules")
     logger.setLevel(logging.INFO)
@@ -296,10 +296,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="N > 1: also start N processes together on an empty cache",
     )
     parser.add_argument(
-        "--no-malloc-tuning",
-        dest="malloc_tuning",
-        action="store_false",
-        help="glibc defaults instead of cli.py's malloc settings",
+        "--malloc-tuning",
+        action="store_true",
+        help="glibc malloc tuned as the cpu loss backend does (heads/cpu_backend.py)",
     )
     parser.add_argument("--corpus-dir", default=None, help="where the corpus is written once")
     parser.add_argument(

@@ -1,36 +1,99 @@
-"""Peak memory of one call, measured from the allocator (not estimated)."""
+"""Extra peak memory of one training step, measured (not estimated).
+
+CUDA: the caching allocator's peak above what was allocated before the step.
+
+CPU: the process's peak resident set (RSS) during the step above its RSS just before it:
+everything the step touches, the gradients, the C kernels' and MKL's buffers and the
+allocator's slack included, which is what an out-of-memory kill counts. On Linux the kernel's
+high-water mark is reset before the step (``/proc/self/clear_refs``) and glibc hands its freed
+memory back (``malloc_trim``) so that no step inherits another's peak or reuses memory another
+one freed. Where the mark cannot be reset, the step runs in a fresh child process and its
+lifetime peak (``getrusage``) is read there instead.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
+import re
+import resource
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
 
-def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int:
-    """Peak bytes allocated during ``fn()`` above what was allocated before it.
 
-    CUDA: the caching allocator's peak statistics. CPU: the PyTorch profiler's memory
-    timeline, rebuilt from every allocation and free the CPU allocator reported while ``fn``
-    ran (``profile_memory=True``).
-    """
+def extra_peak_bytes(step: Callable[[], object], device: torch.device, clear=None) -> int:
+    """Peak bytes during ``step()`` above the memory in use just before it (module docstring).
+    ``clear()`` drops what the previous step left (its gradients) before the baseline."""
+    if clear is not None:
+        clear()
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-        fn()
+        step()
         torch.cuda.synchronize(device)
         return int(torch.cuda.max_memory_allocated(device) - before)
-    from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import MemoryProfileTimeline
+    if not can_reset_peak_rss():
+        raise RuntimeError("resetting the peak RSS needs Linux; use measure_in_child")
+    _trim()
+    before = _status_kib("VmRSS")
+    _CLEAR_REFS.write_text("5")  # the high-water mark restarts at the current RSS
+    step()
+    return max(0, (_status_kib("VmHWM") - before) * 1024)
 
-    with profile(
-        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-        with_stack=True,
-    ) as prof:  # fmt: skip
-        fn()
-    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(device)
-    if not sizes:
-        return 0
-    totals = [sum(row) for row in sizes]
-    return int(max(totals) - totals[0])
+
+def can_reset_peak_rss() -> bool:
+    if not sys.platform.startswith("linux") or not _STATUS.exists():
+        return False
+    try:
+        _CLEAR_REFS.write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def _status_kib(field: str) -> int:
+    match = re.search(rf"^{field}:\s+(\d+) kB", _STATUS.read_text(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"/proc/self/status has no {field}")
+    return int(match.group(1))
+
+
+def _trim() -> None:
+    """glibc's freed memory back to the system (a no-op elsewhere)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def measure_in_child(build: Callable[[], Callable[[], object]]) -> int:
+    """Extra peak RSS of the first step of ``build()`` in a fresh process (the portable
+    fallback): the child's lifetime peak after the step, above its RSS before it. ``build``
+    must be picklable (a module-level function or a ``functools.partial`` of one)."""
+    import concurrent.futures
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")  # no forked OpenMP threads
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        return pool.submit(_child_first_step, build).result()
+
+
+def _child_first_step(build: Callable[[], Callable[[], object]]) -> int:
+    step = build()
+    gc.collect()
+    _trim()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    return max(0, (peak - before) * scale)

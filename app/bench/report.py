@@ -18,19 +18,23 @@ def _peer(rows: list[dict], row: dict, head: str) -> dict | None:
 
 def print_table(report: dict) -> None:
     """One line per row. ``x softmax``: time per token over the softmax's; ``GFLOP``: the
-    step's matrix products; ``% matmul``: their rate over the bare matmul row's."""
+    step's matrix products; ``% matmul``: their rate over the bare matmul row's; ``extra
+    MiB``: the step's extra peak memory (``app/bench/memory.py``)."""
     rows = report["results"]
     nan = float("nan")
-    print(f"\n{'head':<15}{'V':>8}{'d':>6}{'tokens':>8}{'ms/batch':>11}{'us/token':>10}"
-          f"{'x softmax':>11}{'GFLOP':>9}{'% matmul':>10}{'peak MiB':>10}")  # fmt: skip
+    print(f"\n{'head':<22}{'V':>8}{'d':>6}{'tokens':>8}{'ms/batch':>11}{'us/token':>10}"
+          f"{'x softmax':>11}{'GFLOP':>9}{'% matmul':>10}{'extra MiB':>11}")  # fmt: skip
     for row in rows:
         softmax, matmul = _peer(rows, row, "softmax"), _peer(rows, row, "matmul")
         rel = row["time_per_token_us"] / softmax["time_per_token_us"] if softmax else nan
-        rate = row["matmul_gflop_per_s"] / matmul["matmul_gflop_per_s"] * 100 if matmul else nan
-        print(f"{row['head']:<15}{row['vocab_size']:>8}{row['hidden_size']:>6}{row['tokens']:>8}"
+        gflop = nan if row["matmul_gflop"] is None else row["matmul_gflop"]  # --flops skip
+        rate = nan
+        if matmul and row["matmul_gflop"] is not None and matmul["matmul_gflop"] is not None:
+            rate = row["matmul_gflop_per_s"] / matmul["matmul_gflop_per_s"] * 100
+        memory = nan if row.get("extra_peak_mb") is None else row["extra_peak_mb"]
+        print(f"{row['head']:<22}{row['vocab_size']:>8}{row['hidden_size']:>6}{row['tokens']:>8}"
               f"{row['time_ms']:>11.2f}{row['time_per_token_us']:>10.3f}{rel:>11.2f}"
-              f"{row['matmul_gflop']:>9.1f}{rate:>10.0f}"
-              f"{row['peak_memory_mb']:>10.1f}")  # fmt: skip
+              f"{gflop:>9.1f}{rate:>10.0f}{memory:>11.1f}")  # fmt: skip
 
 
 def save_plot(report: dict, path: Path) -> None:
@@ -41,11 +45,17 @@ def save_plot(report: dict, path: Path) -> None:
         mine = sorted((r for r in rows if r["head"] == head), key=lambda r: r["vocab_size"])
         vocab = [r["vocab_size"] for r in mine]
         ax_time.plot(vocab, [r["time_per_token_us"] for r in mine], marker="o", label=head)
-        ax_mem.plot(vocab, [r["peak_memory_mb"] for r in mine], marker="o", label=head)
+        memory = [float("nan") if r.get("extra_peak_mb") is None else r["extra_peak_mb"]
+                  for r in mine]  # fmt: skip
+        ax_mem.plot(vocab, memory, marker="o", label=head)
     args = report["args"]
-    for ax, label in ((ax_time, "time per token (us), fwd+bwd"), (ax_mem, "peak memory (MiB)")):
+    for ax, label in (
+        (ax_time, "time per token (us), fwd+bwd"),
+        (ax_mem, "extra peak memory of a step (MiB)"),
+    ):
         ax.set_xscale("log")
-        ax.set_yscale("log")
+        if any((line.get_ydata(orig=False) > 0).any() for line in ax.lines):
+            ax.set_yscale("log")  # not when nothing was measured (--memory skip: all nan)
         ax.set_xlabel("vocabulary size")
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)

@@ -11,7 +11,12 @@ batch).
 Each row also gives the FLOPs of the matrix products its step ran (counted from the
 operators, ``app/bench/flops.py``) and the rate it ran them at: next to the ``matmul`` row,
 this says how far a head is from the machine's limit, and how much of a time ratio between
-two heads is owed to the work each one does.
+two heads is owed to the work each one does. And its extra peak memory: what one training
+step takes above the memory in use before it (``app/bench/memory.py``: peak RSS on a CPU,
+the caching allocator's peak on CUDA), which same-memory mode fits to the budget.
+
+Subjects (``--heads``) are named ``<head>[@<backend>][+compile]`` (``app/bench/subjects.py``):
+e.g. ``softmax softmax@cpu softmax+compile cce liger matmul``.
 """
 
 from __future__ import annotations
@@ -28,11 +33,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from app.allocator import tune_glibc_malloc
 from app.bench.flops import matmul_flops
-from app.bench.memory import peak_memory_bytes
-from app.bench.subjects import HEADS, PRECISIONS, BenchOptions, WholeLM, build_head, step_fn
+from app.bench.memory import can_reset_peak_rss, extra_peak_bytes, measure_in_child
+from app.bench.subjects import (
+    DEFAULT_SUBJECTS,
+    PRECISIONS,
+    BenchOptions,
+    WholeLM,
+    build_head,
+    parse_subject,
+    step_fn,
+)
 from heads.adaptive_cutoffs import zipf_probabilities
+from heads.fused_cross_entropy import BACKENDS
 
 PTB_TRAIN = Path(__file__).resolve().parents[2].parent / "shared/data/ptb/ptb.train.txt"
 
@@ -84,16 +97,36 @@ def build_case(name, scope, vocab, hidden, tokens, targets, options, device, bpt
     return module, step_fn(module, x, targets[:tokens].to(device), precision)
 
 
+def _child_case(name, scope, vocab, hidden, tokens, targets, options, device, bptt, precision,
+                threads):  # fmt: skip
+    """``build_case``'s step in a child process (``measure_in_child``)."""
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    return build_case(name, scope, vocab, hidden, tokens, targets, options, device, bptt,
+                      precision)[1]  # fmt: skip
+
+
+def step_memory(step, device: torch.device, case: tuple) -> int:
+    """Extra peak bytes of one step (``app/bench/memory.py``); ``case`` rebuilds it in a child
+    process where this one cannot reset its peak RSS. Run after a warm-up step."""
+    if device.type == "cuda" or can_reset_peak_rss():
+        return extra_peak_bytes(step, device, clear=getattr(step, "clear", None))
+    import functools
+
+    return measure_in_child(functools.partial(_child_case, *case, torch.get_num_threads()))
+
+
 def largest_batch(name, scope, vocab, hidden, budget, targets, options, device, bptt, limit,
                   precision="32-true"):  # fmt: skip
-    """Largest token count (a multiple of ``bptt``) whose peak memory fits ``budget`` bytes."""
+    """Largest token count (a multiple of ``bptt``) whose extra peak memory fits ``budget``
+    bytes."""
 
     def fits(tokens: int) -> bool:
         start = time.perf_counter()
-        _, step = build_case(name, scope, vocab, hidden, tokens, targets, options, device, bptt,
-                             precision)  # fmt: skip
-        step()
-        peak = peak_memory_bytes(step, device)
+        case = (name, scope, vocab, hidden, tokens, targets, options, device, bptt, precision)
+        _, step = build_case(*case)
+        step()  # warm: lazy initialisation and compilation are not the step's memory
+        peak = step_memory(step, device, case)
         # one line per probe: the search can take minutes on big vocabularies
         print(f"    {name}: {tokens} tokens, peak {peak / 2**20:.0f} MiB "
               f"({time.perf_counter() - start:.1f} s)", flush=True)  # fmt: skip
@@ -119,6 +152,8 @@ def run(args: argparse.Namespace) -> dict:
     options = BenchOptions(
         mos_components=args.mos_components, mixtape_components=args.mixtape_components,
         mixtape_ratio=args.mixtape_ratio, cutoffs=args.cutoffs, div_value=args.div_value,
+        loss_backend=args.loss_backend,
+        saved_bytes=None if args.saved_mb is None else int(args.saved_mb * 2**20),
     )  # fmt: skip
     results = []
     configs = [(v, d, b) for v in args.vocab_sizes for d in args.hidden_sizes
@@ -155,26 +190,62 @@ def run(args: argparse.Namespace) -> dict:
                 times[name].append(time_once(step, device, CLOCKS[args.clock]))
         for name, (module, step) in cases.items():
             median = statistics.median(times[name])
-            flops = matmul_flops(step)  # counted once, untimed: the counter slows the step
+            flops = None  # not counted (--flops skip)
+            if args.flops == "count":
+                flops = _flops(name, step, args, vocab, hidden, tokens[name], targets, options,
+                               device)  # fmt: skip
+            memory = None
+            if args.memory == "measure":
+                case = (name, args.scope, vocab, hidden, tokens[name], targets, options, device,
+                        args.bptt, args.precision)  # fmt: skip
+                memory = step_memory(step, device, case) / 2**20
             row = {
                 "head": name, "vocab_size": vocab, "hidden_size": hidden,
                 "tokens": tokens[name], "scope": args.scope, "mode": args.mode,
                 "precision": args.precision,
                 "time_ms": median * 1e3, "time_per_token_us": median / tokens[name] * 1e6,
                 "times_ms": [t * 1e3 for t in times[name]],
-                "matmul_gflop": flops / 1e9, "matmul_gflop_per_s": flops / median / 1e9,
-                "peak_memory_mb": peak_memory_bytes(step, device) / 2**20,
+                "matmul_gflop": None if flops is None else flops / 1e9,
+                "matmul_gflop_per_s": None if flops is None else flops / median / 1e9,
+                "extra_peak_mb": memory,
                 "parameters": sum(p.numel() for p in module.parameters()),
             }  # fmt: skip
             if hasattr(module, "cutoffs"):
                 row["cutoffs"] = module.cutoffs
             results.append(row)
+    memory_method = (
+        "cuda_allocator"
+        if device.type == "cuda"
+        else ("rss_reset_peak" if can_reset_peak_rss() else "rss_child_process")
+    )
     return {
         "args": vars(args), "options": asdict(options), "results": results,
         "machine": {"platform": platform.platform(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "device": str(device),
-                    "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
+                    "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                    "load_average": _load_average(), "malloc_tuned": args.malloc_tuned,
+                    "memory_method": memory_method},
     }  # fmt: skip
+
+
+def _load_average() -> list[float] | None:
+    import os
+
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _flops(name, step, args, vocab, hidden, tokens, targets, options, device) -> int:
+    """The step's matrix-product FLOPs, counted once and untimed (the counter slows the step);
+    a compiled subject's from its eager twin (the counter sees no compiled kernels)."""
+    if not parse_subject(name).compiled:
+        return matmul_flops(step)
+    torch.manual_seed(0)
+    _, eager = build_case(name.removesuffix("+compile"), args.scope, vocab, hidden, tokens,
+                          targets, options, device, args.bptt, args.precision)  # fmt: skip
+    return matmul_flops(eager)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -183,7 +254,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--heads", nargs="+", default=list(HEADS), choices=HEADS)
+    parser.add_argument(
+        "--heads",
+        nargs="+",
+        default=list(DEFAULT_SUBJECTS),
+        help="subjects: <head>[@<backend>][+compile] or a peer (app/bench/subjects.py)",
+    )
+    parser.add_argument(
+        "--loss-backend",
+        choices=BACKENDS,
+        default="auto",
+        help="fused-loss backend of our heads without an @backend (cpu: also glibc malloc)",
+    )
+    parser.add_argument(
+        "--saved-mb",
+        type=float,
+        default=None,
+        help="chunk results the fused loss keeps for its backward (default 128; 0: recompute)",
+    )
+    parser.add_argument(
+        "--memory",
+        choices=["measure", "skip"],
+        default="measure",
+        help="extra peak memory of a step per row (app/bench/memory.py)",
+    )
+    parser.add_argument(
+        "--flops",
+        choices=["count", "skip"],
+        default="count",
+        help="count the step's matrix-product FLOPs (one more untimed step per row)",
+    )
     parser.add_argument("--vocab-sizes", nargs="+", type=int, default=[10_000, 33_000, 100_000])
     parser.add_argument("--hidden-sizes", nargs="+", type=int, default=[512])
     parser.add_argument(
@@ -246,6 +346,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("sizes must be positive")
     if args.clock == "cpu" and args.device.startswith("cuda"):
         parser.error("--clock cpu measures the host only: use --clock wall on a GPU")
+    for name in args.heads:
+        try:
+            parse_subject(name)
+        except ValueError as error:
+            parser.error(str(error))
+    if args.saved_mb is not None and args.saved_mb < 0:
+        parser.error("--saved-mb must be >= 0")
+    if args.mode == "same-memory" and args.memory == "skip":
+        parser.error("same-memory mode fits the measured memory: drop --memory skip")
     return args
 
 
@@ -272,7 +381,12 @@ def main(argv: list[str] | None = None) -> dict:
     from app.bench.report import print_table, save_plot
 
     args = parse_args(argv)
-    tune_glibc_malloc()  # as cli.py does for training (app/allocator.py)
+    args.malloc_tuned = False
+    uses_cpu_backend = args.loss_backend == "cpu" or any("@cpu" in h for h in args.heads)
+    if uses_cpu_backend and args.device == "cpu":  # part of the opt-in CPU backend
+        from heads.cpu_backend import tune_glibc_malloc
+
+        args.malloc_tuned = tune_glibc_malloc()
     report = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,12 @@
-"""What the benchmark times: heads, the peer and limit rows, and whole language models."""
+"""What the benchmark times: heads, the peer and limit rows, and whole language models.
+
+A subject is named ``<head>[@<backend>][+compile]``: one of our heads (``HEADS``) with its
+fused loss on a given backend (``heads/fused_cross_entropy.py``; default ``--loss-backend``)
+and/or under ``torch.compile``, e.g. ``softmax@cpu`` or ``mixtape+compile``; or a peer
+(``PEERS``): PyTorch's adaptive softmax, the bare matmul (the machine's limit), and on CUDA
+the field's fused linear cross-entropy kernels on the softmax, Apple's cut-cross-entropy
+(``cce``) and Liger-Kernel's (``liger``).
+"""
 
 from __future__ import annotations
 
@@ -10,9 +18,12 @@ from torch import nn
 
 from heads import MixtapeHead, MoSHead, SoftmaxHead
 from heads.adaptive import AdaptiveSoftmaxHead
+from heads.fused_cross_entropy import BACKENDS, LossOptions, external_loss_function
 from lightning_modules.backbones import LSTMBackbone
 
-HEADS = ("softmax", "mixtape", "mos", "adaptive", "torch_adaptive", "matmul")
+HEADS = ("softmax", "mixtape", "mos", "adaptive")
+PEERS = ("torch_adaptive", "matmul", "cce", "liger")
+DEFAULT_SUBJECTS = ("softmax", "mixtape", "mos", "adaptive", "torch_adaptive", "matmul")
 
 
 @dataclass
@@ -22,6 +33,36 @@ class BenchOptions:
     mixtape_ratio: float = 0.1
     cutoffs: list[int] | None = None  # adaptive; None: "auto" (the paper's program)
     div_value: float = 4.0
+    loss_backend: str = "auto"  # for our heads without an explicit @backend
+    saved_bytes: int | None = None  # the fused loss's kept chunks; None: LossOptions' default
+
+
+@dataclass(frozen=True)
+class Subject:
+    """A parsed subject name: ``head`` (ours or a peer), ``backend`` and ``compiled``."""
+
+    head: str
+    backend: str | None = None
+    compiled: bool = False
+
+
+def parse_subject(name: str) -> Subject:
+    """``<head>[@<backend>][+compile]`` -> :class:`Subject`; one clear error otherwise."""
+    base, compiled = (
+        (name[: -len("+compile")], True) if name.endswith("+compile") else (name, False)
+    )
+    head, _, backend = base.partition("@")
+    if head not in HEADS + PEERS:
+        raise ValueError(
+            f"unknown subject {name!r}: a head ({', '.join(HEADS)}) with an optional "
+            f"@backend ({', '.join(BACKENDS)}) and +compile, or a peer ({', '.join(PEERS)})"
+        )
+    if backend and (head not in HEADS or backend not in BACKENDS):
+        raise ValueError(f"subject {name!r}: @backend applies to {', '.join(HEADS)} only, "
+                         f"and must be one of {', '.join(BACKENDS)}")  # fmt: skip
+    if compiled and head in PEERS:
+        raise ValueError(f"subject {name!r}: +compile applies to {', '.join(HEADS)} only")
+    return Subject(head, backend or None, compiled)
 
 
 class TorchAdaptive(nn.Module):
@@ -76,7 +117,41 @@ def loss_of(module: nn.Module, hidden: torch.Tensor, target: torch.Tensor) -> to
     return out.loss if not isinstance(out, torch.Tensor) else out
 
 
+class ExternalFusedSoftmax(nn.Module):
+    """A full softmax's ``W``, ``b`` and mean loss through CCE's or Liger's fused linear
+    cross-entropy (CUDA): the field's kernels as peers of our softmax head."""
+
+    def __init__(self, hidden: int, vocab: int, which: str) -> None:
+        super().__init__()
+        self.function = external_loss_function(which)  # one clear error when not installed
+        self.which = which
+        self.weight = nn.Parameter(torch.randn(vocab, hidden) * hidden**-0.5)
+        self.bias = nn.Parameter(torch.zeros(vocab))
+
+    def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        device = hidden.device.type
+        if torch.is_autocast_enabled(device):  # both kernels want one dtype for h and W
+            dtype = torch.get_autocast_dtype(device)
+            hidden, weight, bias = hidden.to(dtype), weight.to(dtype), bias.to(dtype)
+        with torch.autocast(device, enabled=False):
+            return self.function(hidden, weight, target, bias=bias, reduction="mean").float()
+
+
 def build_head(name: str, hidden: int, vocab: int, options: BenchOptions) -> nn.Module:
+    subject = parse_subject(name)
+    head = _build(subject.head, hidden, vocab, options)
+    if subject.head in HEADS:
+        backend = subject.backend or options.loss_backend
+        saved = {} if options.saved_bytes is None else {"saved_bytes": options.saved_bytes}
+        head.loss_options = LossOptions(backend=backend, **saved)
+        if subject.compiled:
+            torch._dynamo.config.capture_scalar_outputs = True  # adaptive's cluster sizes
+            head.compile()
+    return head
+
+
+def _build(name: str, hidden: int, vocab: int, options: BenchOptions) -> nn.Module:
     if name == "softmax":
         return SoftmaxHead(hidden, vocab)
     if name == "mos":
@@ -95,7 +170,9 @@ def build_head(name: str, hidden: int, vocab: int, options: BenchOptions) -> nn.
         return TorchAdaptive(hidden, vocab, ours.cutoffs[:-1], options.div_value)
     if name == "matmul":
         return BareMatmul(hidden, vocab)
-    raise ValueError(f"unknown head {name!r}; choose from {', '.join(HEADS)}")
+    if name in ("cce", "liger"):
+        return ExternalFusedSoftmax(hidden, vocab, name)
+    raise ValueError(f"unknown head {name!r}")
 
 
 class WholeLM(nn.Module):
@@ -119,21 +196,31 @@ PRECISIONS: dict[str, torch.dtype | None] = {
 }  # fmt: skip
 
 
+class Step:
+    """One forward + backward (gradients are dropped each time, as zero_grad(None) does), the
+    forward under autocast for the mixed precisions, as Lightning runs a training step.
+    ``clear()`` drops the gradients the last step left (before a memory baseline)."""
+
+    def __init__(self, module: nn.Module, inputs: torch.Tensor, target: torch.Tensor,
+                 precision: str = "32-true") -> None:  # fmt: skip
+        self.module, self.inputs, self.target = module, inputs, target
+        self.autocast_dtype = PRECISIONS[precision]
+
+    def clear(self) -> None:
+        for p in self.module.parameters():
+            p.grad = None
+        if self.inputs.is_floating_point():
+            self.inputs.grad = None
+
+    def __call__(self) -> None:
+        self.clear()
+        dtype = self.autocast_dtype
+        with torch.autocast(self.inputs.device.type, dtype=dtype, enabled=dtype is not None):
+            loss = loss_of(self.module, self.inputs, self.target)
+        loss.backward()
+
+
 def step_fn(
     module: nn.Module, inputs: torch.Tensor, target: torch.Tensor, precision: str = "32-true"
 ) -> Callable[[], None]:
-    """One forward + backward (gradients are dropped each time, as zero_grad(None) does), the
-    forward under autocast for the mixed precisions, as Lightning runs a training step."""
-    autocast_dtype = PRECISIONS[precision]
-    device_type = inputs.device.type
-
-    def step() -> None:
-        for p in module.parameters():
-            p.grad = None
-        if inputs.is_floating_point():
-            inputs.grad = None
-        with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            loss = loss_of(module, inputs, target)
-        loss.backward()
-
-    return step
+    return Step(module, inputs, target, precision)

@@ -2,8 +2,8 @@
 
 - ``ds_topk.c``: the batch-1 DS-Softmax top-k. Its arithmetic takes a few microseconds, and
   eager PyTorch's per-call overhead dominates.
-- ``softmax_rows.c``: the in-place softmax passes of the CPU training losses, one read and
-  one write per row instead of five passes over ``[N, C]``.
+- ``softmax_rows.c``: the in-place softmax passes of the opt-in CPU loss backend
+  (``heads/cpu_backend.py``), one read and one write per row instead of five passes.
 
 Each shared library is built with the system C compiler (``$CC``, else ``cc``/``gcc``) into a
 per-user cache keyed by the source, the flags and the CPU, and loaded with ctypes, so no

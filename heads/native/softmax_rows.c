@@ -1,5 +1,5 @@
-/* The softmax passes of the CPU training losses, one read and one write per row
- * (heads/cross_entropy.py, _LinearCrossEntropy; heads/mixtape.py, _MixtapeCrossEntropy).
+/* The softmax passes of the opt-in CPU loss backend, one read and one write per row
+ * (heads/cpu_backend.py: the fused loss's chunks, Mixtape's frequent blocks included).
  *
  * In eager PyTorch, E = exp(max(z - M, floor)) with Z = sum E is five passes over [N, C]
  * (amax, sub_, clamp_, exp_, sum), each reading and most writing the whole tensor. Here a row

@@ -28,7 +28,11 @@ def test_renders_every_file_with_its_command_and_a_plot(results):
     assert text.startswith("# Measured results")
     assert "## bench_cpu" in text and "## zz_other" in text
     assert "`zz_other.json`: no renderer knows this file." in text
-    assert "python -m app.bench --heads softmax matmul --vocab-sizes 300" in text
+    command = next(
+        line for line in text.splitlines() if line.startswith("python -m app.bench --heads")
+    )
+    assert command.startswith("python -m app.bench --heads softmax matmul ")
+    assert " --vocab-sizes 300 " in command and " --batch-sizes 32 " in command
     assert "![bench_cpu](results/bench_cpu.png)" in text
     assert (results / "bench_cpu.png").stat().st_size > 0
     report = json.loads((results / "bench_cpu.json").read_text())
@@ -56,3 +60,18 @@ def test_table_and_command_formatting():
 def test_a_missing_folder_is_refused(tmp_path):
     with pytest.raises(SystemExit):
         main(["--results", str(tmp_path / "none"), "--out", str(tmp_path / "r.md")])
+
+
+def test_every_committed_results_file_renders(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    committed = Path(__file__).resolve().parents[2] / "docs" / "results"
+    folder = tmp_path / "results"
+    folder.mkdir()
+    for path in committed.glob("*.json"):
+        shutil.copy(path, folder)
+    text = render(folder, tmp_path)
+    assert "no renderer knows" not in text
+    for path in committed.glob("*.json"):
+        assert f"## {path.stem}\n" in text

@@ -9,8 +9,24 @@ import pytest
 import torch
 
 from heads import IGNORE_INDEX, Head
+from heads.fused_cross_entropy import LossOptions
 
 HIDDEN, VOCAB, ROWS = 6, 23, 9
+# the fused loss over several chunks: 5 columns (V = 23 is not a multiple of 5), row tiles of
+# 4, recomputed in the backward; and the same with the first chunks kept
+CHUNKED = LossOptions(columns=5, rows=4, saved_bytes=0)
+PARTLY_KEPT = LossOptions(columns=5, rows=4, saved_bytes=600)
+
+
+def chunked(make: Callable[[], Head], options: LossOptions = CHUNKED) -> Callable[[], Head]:
+    """``make`` with its head's fused loss chunked (``options``)."""
+
+    def make_chunked() -> Head:
+        head = make()
+        head.loss_options = options
+        return head
+
+    return make_chunked
 
 
 def _inputs(seed: int = 0, dtype: torch.dtype = torch.float64):
@@ -152,6 +168,119 @@ def check_bf16_autocast(make: Callable[[], Head]) -> None:
     torch.testing.assert_close(log_probs.logsumexp(-1), torch.zeros(ROWS), atol=1e-5, rtol=0)
 
 
+def check_loss_matches_reference(
+    make: Callable[[], Head],
+    reference: Callable[[Head, torch.Tensor], torch.Tensor] | None = None,
+    options: tuple[LossOptions, ...] = (CHUNKED, PARTLY_KEPT, LossOptions()),
+    inference: bool = True,
+) -> None:
+    """The training loss against a plain reference in float64, at the fused loss's edges:
+    chunked (V not a multiple of the chunk, row tiles), kept and recomputed chunks; one row,
+    every row ignored, ignored rows mixed in; with and without label smoothing. ``loss``,
+    ``nll`` and the gradients of the input and of every parameter equal those of the formula
+    written on ``reference(head, hidden)`` (``[N, V]`` log-probabilities; default the head's
+    ``training_log_prob``). ``log_prob`` and ``topk`` equal a given ``reference``'s too unless
+    ``inference=False`` (a head whose inference distribution is another one, DS-Softmax)."""
+    head = make().double().eval()
+    given = reference is not None and inference
+    reference = reference or (lambda h, x: h.training_log_prob(x))
+    gen = torch.Generator().manual_seed(11)
+    cases = {
+        "mixed": (ROWS, [1, 4]),
+        "one_row": (1, []),
+        "all_ignored": (4, [0, 1, 2, 3]),
+    }
+    params = [p for p in head.parameters() if p.requires_grad]
+    for loss_options in options:
+        head.loss_options = loss_options
+        for rows, ignored in cases.values():
+            hidden = torch.randn(rows, HIDDEN, generator=gen, dtype=torch.float64)
+            hidden.requires_grad_(True)
+            target = torch.randint(0, VOCAB, (rows,), generator=gen)
+            target[ignored] = IGNORE_INDEX
+            keep = target != IGNORE_INDEX
+            for eps in (0.0, 0.2):
+                output = head(hidden, target, label_smoothing=eps)
+                log_probs = reference(head, hidden)
+                nll = -log_probs.gather(1, target.clamp_min(0)[:, None]).squeeze(1)
+                nll = torch.where(keep, nll, torch.zeros_like(nll))
+                per_row = (1 - eps) * nll - eps * log_probs.mean(-1)
+                expected = torch.where(keep, per_row, torch.zeros_like(per_row))
+                expected = expected.sum() / keep.sum().clamp_min(1)
+                torch.testing.assert_close(output.loss, expected)
+                torch.testing.assert_close(output.nll, nll)
+                # the task loss's gradients (aux_loss, a regulariser, is checked elsewhere)
+                got = torch.autograd.grad(output.loss, [hidden, *params], allow_unused=True)
+                want = torch.autograd.grad(expected, [hidden, *params], allow_unused=True)
+                for g, w, p in zip(got, want, [hidden, *params], strict=True):
+                    g = torch.zeros_like(p) if g is None else g
+                    w = torch.zeros_like(p) if w is None else w
+                    torch.testing.assert_close(g, w)
+            if given and rows > 1:
+                with torch.no_grad():
+                    torch.testing.assert_close(head.log_prob(hidden), reference(head, hidden))
+                    k = min(4, VOCAB)
+                    values, indices = head.topk(hidden, k)
+                    torch.testing.assert_close(values, reference(head, hidden).topk(k).values)
+                    torch.testing.assert_close(reference(head, hidden).gather(1, indices), values)
+
+
+def saved_tensor_sizes(fn: Callable[[], object]) -> list[int]:
+    """Element counts of every tensor autograd saves for the backward while ``fn()`` runs."""
+    sizes: list[int] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        sizes.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fn()
+    return sizes
+
+
+def check_training_keeps_no_vocabulary_rows(make_wide: Callable[[], Head], rows: int = 64):
+    """DESIGN.md: no head keeps a ``[N, V]`` (or ``[N, K, V]``) tensor for its training loss's
+    backward. ``make_wide`` builds the head with a vocabulary wider than its other sizes; with
+    the fused loss recomputing its chunks, nothing saved may reach ``N V / 4`` elements (the
+    parameters themselves stay below that)."""
+    torch.manual_seed(0)
+    head = make_wide().train()
+    head.loss_options = LossOptions(columns=32, saved_bytes=0)
+    vocab = head.vocab_size
+    hidden = torch.randn(rows, head.hidden_size, requires_grad=True)
+    target = torch.randint(0, vocab, (rows,))
+    assert max(p.numel() for p in head.parameters()) < rows * vocab / 4  # the check can fail
+
+    def step() -> None:
+        output = head(hidden, target, label_smoothing=0.1)
+        (output.loss + output.aux_loss).backward()
+
+    largest = max(saved_tensor_sizes(step))
+    assert largest < rows * vocab / 4, (largest, rows * vocab)
+
+
+def check_compiles_without_graph_breaks(make: Callable[[], Head]) -> None:
+    """The training loss (train mode, label smoothing, several chunks) traces into one graph
+    under torch.compile: no graph break, no host sync in the hot path (Dynamo's explain:
+    tracing only, no code generation)."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    head = chunked(make, PARTLY_KEPT)().train()
+    hidden, target = _inputs(dtype=torch.float32)
+    target[2] = IGNORE_INDEX
+
+    def step(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        output = head(h, t, label_smoothing=0.1)
+        return output.loss + output.aux_loss
+
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):  # as HeadTask sets it
+        explained = torch._dynamo.explain(step)(hidden.requires_grad_(), target)
+    torch._dynamo.reset()
+    reasons = [str(r.reason)[:200] for r in explained.break_reasons]
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, reasons
+
+
 def check_cuda_matches_cpu(make: Callable[[], Head]) -> None:
     """The same head on CUDA gives the CPU's losses, gradients, log-probs and top-k (float64).
 
@@ -240,6 +369,7 @@ CPU_CHECKS = [
     check_bf16_autocast,
     check_label_smoothing,
     check_checkpoint_hooks,
+    check_loss_matches_reference,
 ]
 # Skipped (by tests/conftest.py) where no CUDA device is present; run with `pytest -m gpu`.
 CUDA_CHECKS = [check_cuda_matches_cpu, check_cuda_bf16_mixed, check_cuda_16_mixed]

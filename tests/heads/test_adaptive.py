@@ -5,16 +5,34 @@ import torch
 from heads import HeadConfigError, HeadSetup, adaptive
 from heads.adaptive import AdaptiveSoftmaxHead
 from heads.errors import CheckpointMismatchError
-from tests.heads.contract import ALL_CHECKS, HIDDEN, VOCAB
+from tests.heads.contract import (
+    ALL_CHECKS,
+    HIDDEN,
+    VOCAB,
+    check_compiles_without_graph_breaks,
+    check_loss_matches_reference,
+    check_training_keeps_no_vocabulary_rows,
+    chunked,
+)
 
 COST = {"c": 0.05, "lam": 1e-6, "k0b0": 5000.0}
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.mark.parametrize("check", ALL_CHECKS, ids=lambda c: c.__name__)
-@pytest.mark.parametrize("cutoffs", [[5], [4, 11]], ids=["one_cluster", "two_clusters"])
-def test_contract(check, cutoffs):
+@pytest.mark.parametrize(
+    "cutoffs, fused",
+    [([5], None), ([4, 11], None), ([12], chunked)],
+    ids=["one_cluster", "two_clusters", "one_cluster_chunked"],
+)
+def test_contract(check, cutoffs, fused):
     torch.manual_seed(0)
-    check(lambda: AdaptiveSoftmaxHead(HIDDEN, VOCAB, cutoffs=cutoffs, div_value=2.0))
+
+    def make():
+        return AdaptiveSoftmaxHead(HIDDEN, VOCAB, cutoffs=cutoffs, div_value=2.0)
+
+    check(fused(make) if fused else make)
 
 
 def copy_into_torch(ours: AdaptiveSoftmaxHead, div: float) -> torch.nn.AdaptiveLogSoftmaxWithLoss:
@@ -47,6 +65,45 @@ def test_equals_torch_adaptive_log_softmax(head_bias):
     (grad,) = torch.autograd.grad(out.loss, hidden)
     (ref_grad,) = torch.autograd.grad(expected.loss, hidden)
     torch.testing.assert_close(grad, ref_grad)
+
+
+@pytest.mark.parametrize("head_bias", [False, True])
+def test_loss_edges_log_prob_and_topk_equal_torch_adaptive(head_bias):
+    """Chunked short-list and tail classifiers, one row, every row ignored, label smoothing:
+    against ``nn.AdaptiveLogSoftmaxWithLoss.log_prob`` with the same weights."""
+    torch.manual_seed(3)
+
+    def torch_log_prob(head, hidden):  # differentiable: the torch layer shares our weights
+        ref = torch.nn.AdaptiveLogSoftmaxWithLoss(
+            head.hidden_size, head.vocab_size, head.cutoffs[:-1], div_value=2.0,
+            head_bias=head.head.bias is not None,
+        ).to(hidden.dtype)  # fmt: skip
+        ref.head.weight = head.head.weight
+        if head.head.bias is not None:
+            ref.head.bias = head.head.bias
+        for theirs, mine in zip(ref.tail, head.tail, strict=True):
+            theirs[0].weight, theirs[1].weight = mine[0].weight, mine[1].weight
+        return ref.log_prob(hidden)
+
+    check_loss_matches_reference(
+        lambda: AdaptiveSoftmaxHead(
+            HIDDEN, VOCAB, cutoffs=[4, 11], div_value=2.0, head_bias=head_bias
+        ),  # fmt: skip
+        torch_log_prob,
+    )
+
+
+def test_training_keeps_no_vocabulary_rows():
+    check_training_keeps_no_vocabulary_rows(
+        lambda: AdaptiveSoftmaxHead(16, 3000, cutoffs=[100, 1000], div_value=2.0)
+    )
+
+
+def test_compiles_without_graph_breaks():
+    """The tail clusters' sizes are data-dependent: captured as such, not a graph break."""
+    check_compiles_without_graph_breaks(
+        lambda: AdaptiveSoftmaxHead(HIDDEN, VOCAB, cutoffs=[4, 11], div_value=2.0)
+    )
 
 
 def test_tail_projection_sizes_follow_div_value():

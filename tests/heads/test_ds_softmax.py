@@ -7,7 +7,17 @@ from torch.utils.flop_counter import FlopCounterMode
 from heads import HeadConfigError
 from heads.ds_softmax import DSSoftmaxHead
 from heads.softmax import SoftmaxHead
-from tests.heads.contract import ALL_CHECKS, HIDDEN, ROWS, VOCAB, _inputs
+from tests.heads.contract import (
+    ALL_CHECKS,
+    HIDDEN,
+    ROWS,
+    VOCAB,
+    _inputs,
+    check_compiles_without_graph_breaks,
+    check_loss_matches_reference,
+    check_training_keeps_no_vocabulary_rows,
+    chunked,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -18,17 +28,22 @@ def make_head(**options) -> DSSoftmaxHead:
 
 @pytest.mark.parametrize("check", ALL_CHECKS, ids=lambda c: c.__name__)
 @pytest.mark.parametrize(
-    "options",
+    "options, fused",
     [
-        {"num_experts": 1},
-        {"num_experts": 3, "lambda_lasso": 0.01, "lambda_expert": 0.01},
-        {"num_experts": 2, "bias": True},
+        ({"num_experts": 1}, None),
+        ({"num_experts": 3, "lambda_lasso": 0.01, "lambda_expert": 0.01}, None),
+        ({"num_experts": 2, "bias": True}, None),
+        ({"num_experts": 3, "bias": True, "lambda_load": 1.0}, chunked),
     ],
-    ids=["k1", "k3_lasso", "k2_bias"],
+    ids=["k1", "k3_lasso", "k2_bias", "k3_bias_chunked"],
 )
-def test_contract(check, options):
+def test_contract(check, options, fused):
     torch.manual_seed(0)
-    check(lambda: make_head(**options))
+
+    def make():
+        return make_head(**options)
+
+    check(fused(make) if fused else make)
 
 
 def pruned_head(dtype=torch.float64, keep_every_class=True) -> DSSoftmaxHead:
@@ -75,6 +90,29 @@ def test_sparse_and_dense_paths_match_reference():
     # some targets really fall outside their expert: the loss stays finite there
     assert torch.isinf(sparse.gather(1, target[:, None])).any()
     assert torch.isfinite(output.loss)
+
+
+def test_pruned_loss_edges_equal_the_dense_reference():
+    """The fused training loss of a pruned head (zero logits for pruned rows, chunked experts,
+    one row, every row ignored, label smoothing) against Eq. 1-2 written densely."""
+
+    def reference(head, hidden):
+        return reference_logits(head, hidden, 0.0).log_softmax(-1)
+
+    check_loss_matches_reference(lambda: pruned_head().train(), reference, inference=False)
+
+
+def test_training_keeps_no_vocabulary_rows():
+    check_training_keeps_no_vocabulary_rows(
+        lambda: DSSoftmaxHead(4, 3000, num_experts=2, lambda_lasso=0.01)
+    )
+
+
+def test_compiles_without_graph_breaks():
+    """Expert group sizes are data-dependent: captured as such, not a graph break."""
+    check_compiles_without_graph_breaks(
+        lambda: make_head(num_experts=3, bias=True, lambda_lasso=0.01)
+    )
 
 
 def test_pruned_head_contract_equivalents():
@@ -160,7 +198,10 @@ def test_training_costs_about_one_softmax_per_token():
     vocab, hidden_size, rows, experts = 500, 16, 64, 8
     head = DSSoftmaxHead(hidden_size, vocab, num_experts=experts)
     softmax = SoftmaxHead(hidden_size, vocab)
-    hidden, target = torch.randn(rows, hidden_size), torch.randint(0, vocab, (rows,))
+    # as in training, where the backbone needs dL/dh (the fused loss then gives the gate's
+    # gradient through that of G h: no extra product)
+    hidden = torch.randn(rows, hidden_size, requires_grad=True)
+    target = torch.randint(0, vocab, (rows,))
 
     def flops(module) -> int:
         with FlopCounterMode(display=False) as counter:

@@ -3,8 +3,19 @@ import torch
 
 from heads import IGNORE_INDEX, HeadConfigError, MixtapeHead, mixtape
 from heads.base import SingleSoftmaxHead
+from heads.fused_cross_entropy import LossOptions
 from heads.mixtape import sigmoid_tree_priors
-from tests.heads.contract import ALL_CHECKS, HIDDEN, VOCAB
+from tests.heads.contract import (
+    ALL_CHECKS,
+    HIDDEN,
+    VOCAB,
+    check_compiles_without_graph_breaks,
+    check_loss_matches_reference,
+    check_training_keeps_no_vocabulary_rows,
+    chunked,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_head(**options) -> MixtapeHead:
@@ -14,13 +25,22 @@ def make_head(**options) -> MixtapeHead:
 
 @pytest.mark.parametrize("check", ALL_CHECKS, ids=lambda c: c.__name__)
 @pytest.mark.parametrize(
-    "options",
-    [{}, {"frequent_ratio": 1.0}, {"num_components": 8, "weight_norm_scale": 2.0}],
-    ids=["shared_gates", "no_sharing", "k8_weight_norm"],
+    "options, fused",
+    [
+        ({}, None),
+        ({"frequent_ratio": 1.0}, None),
+        ({"num_components": 8, "weight_norm_scale": 2.0}, None),
+        ({"frequent_ratio": 0.5}, chunked),
+    ],
+    ids=["shared_gates", "no_sharing", "k8_weight_norm", "shared_gates_chunked"],
 )
-def test_contract(check, options):
+def test_contract(check, options, fused):
     torch.manual_seed(0)
-    check(lambda: make_head(**options))
+
+    def make():
+        return make_head(**options)
+
+    check(fused(make) if fused else make)
 
 
 def reference_log_prob(head: MixtapeHead, g: torch.Tensor) -> torch.Tensor:
@@ -138,11 +158,12 @@ def test_ratio_must_be_in_unit_interval(ratio):
         make_head(frequent_ratio=ratio)
 
 
-@pytest.fixture
-def small_blocks(monkeypatch):
-    """Vocabulary blocks of a few columns, so the fused loss runs over several of each kind."""
-    monkeypatch.setattr(mixtape, "_BLOCK_ELEMENTS", 24)
-    monkeypatch.setattr(mixtape, "_MIN_BLOCK", 1)
+# the loss over several blocks of each kind: frequent blocks of 2 columns, rare chunks of 5,
+# recomputed in the backward; and the same with the first blocks kept
+SMALL_BLOCKS = {
+    "recomputed": LossOptions(columns=2, rows=3, saved_bytes=0),
+    "partly_kept": LossOptions(columns=2, rows=3, saved_bytes=900),
+}
 
 
 def _nll_and_grads(loss_fn, head: MixtapeHead, g: torch.Tensor):
@@ -152,13 +173,16 @@ def _nll_and_grads(loss_fn, head: MixtapeHead, g: torch.Tensor):
     return nll.detach(), grads
 
 
+@pytest.mark.parametrize("blocks", SMALL_BLOCKS.values(), ids=SMALL_BLOCKS.keys())
 @pytest.mark.parametrize("k", [2, 4, 8])
 @pytest.mark.parametrize("ratio", [1.0, 0.3], ids=["S=V", "shared"])
-def test_fused_loss_equals_plain_reference(small_blocks, k, ratio):
-    """``forward`` (``_MixtapeCrossEntropy``): values and gradients of every input and
-    parameter against the token-by-token reference above, ignored targets included."""
+def test_fused_loss_equals_plain_reference(blocks, k, ratio):
+    """``forward``: values and gradients of every input and parameter against the
+    token-by-token reference above, ignored targets included, with blocks of the vocabulary
+    recomputed in the backward (or partly kept)."""
     torch.manual_seed(k)
     head = make_head(num_components=k, frequent_ratio=ratio).double().eval()
+    head.loss_options = blocks
     with torch.no_grad():
         head.gate_bias.normal_()
         head.bias.normal_()
@@ -178,12 +202,31 @@ def test_fused_loss_equals_plain_reference(small_blocks, k, ratio):
         torch.testing.assert_close(grad, expected, msg=name)
 
 
+@pytest.mark.parametrize("ratio", [1.0, 0.3], ids=["S=V", "shared"])
+def test_loss_edges_log_prob_and_topk_equal_plain_reference(ratio, monkeypatch):
+    """One row, every row ignored, label smoothing, kept and recomputed blocks; log_prob by
+    blocks of rows (2 here)."""
+    monkeypatch.setattr(mixtape, "_EVAL_ROWS", 2)
+    torch.manual_seed(5)
+
+    def make():
+        head = make_head(frequent_ratio=ratio)
+        with torch.no_grad():
+            head.gate_bias.normal_()
+            head.bias.normal_()
+        return head
+
+    check_loss_matches_reference(make, reference_log_prob,
+                                 options=tuple(SMALL_BLOCKS.values()))  # fmt: skip
+
+
 @pytest.mark.parametrize("ratio", [1.0, 0.3, 0.1], ids=["S=V", "shared", "few_frequent"])
-def test_fused_loss_equals_logits_path_with_noise_and_dropout(small_blocks, ratio):
+def test_fused_loss_equals_logits_path_with_noise_and_dropout(ratio):
     """Same loss and gradients as ``logits`` + cross-entropy in training mode, with dropout
     (the same draws on both paths from the same seed) and weight normalisation."""
     options = dict(frequent_ratio=ratio, gate_dropout=0.3, context_dropout=0.2)
     head = make_head(weight_norm_scale=1.5, **options).double().train()
+    head.loss_options = SMALL_BLOCKS["recomputed"]
     g = torch.randn(9, HIDDEN, dtype=torch.float64)
     target = torch.randint(0, VOCAB, (9,))
     torch.manual_seed(3)
@@ -197,49 +240,63 @@ def test_fused_loss_equals_logits_path_with_noise_and_dropout(small_blocks, rati
         torch.testing.assert_close(grad, expected)
 
 
+def test_gate_noise_is_replayed_in_the_backward():
+    """With gate noise, blocks recomputed in the backward draw the forward's noise again: the
+    gradients equal those of the same draws kept from the forward (same seed), and the
+    random stream after the step is the one without the replay (it is restored)."""
+    head = make_head(frequent_ratio=0.5, gate_noise=0.7).double().train()
+    g = torch.randn(6, HIDDEN, dtype=torch.float64)
+    target = torch.randint(0, VOCAB, (6,))
+    results = []
+    for saved in (1 << 30, 0, 1500):  # all kept, all recomputed, the first block kept
+        head.loss_options = LossOptions(columns=3, saved_bytes=saved)
+        torch.manual_seed(4)
+        nll, grads = _nll_and_grads(lambda h: head(h, target).nll, head, g)
+        results.append((nll, grads, torch.rand(3)))
+    for nll, grads, after in results[1:]:
+        torch.testing.assert_close(nll, results[0][0])
+        for grad, expected in zip(grads, results[0][1], strict=True):
+            torch.testing.assert_close(grad, expected)
+        torch.testing.assert_close(after, results[0][2], rtol=0, atol=0)
+    # the noise is really there: another seed, another loss
+    torch.manual_seed(5)
+    assert not torch.allclose(head(g, target).nll, results[0][0])
+
+
 def _fused_inputs(k: int, s: int, v: int, n: int = 5, d: int = 3, e: int = 4):
     gen = torch.Generator().manual_seed(k + s)
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_(True)
 
-    mixed = rand(n, d) if s < v else None
     target = torch.randint(0, v, (n,), generator=gen)
-    target[1] = IGNORE_INDEX
-    return (rand(n, k - 1, e), rand(s, e), rand(n, k, d), mixed, rand(v, d), rand(v)), target
+    target[1] = -1  # no target logit in this block
+    return (rand(n, k - 1, e), rand(s, e), rand(n, k, d), rand(s, d), rand(s)), target
 
 
+@pytest.mark.parametrize("blocks", SMALL_BLOCKS.values(), ids=SMALL_BLOCKS.keys())
 @pytest.mark.parametrize("k,s,v", [(2, 3, 7), (4, 5, 5), (4, 2, 9), (8, 4, 6)])
-def test_fused_loss_gradcheck(small_blocks, k, s, v):
+def test_frequent_block_gradcheck(blocks, k, s, v):
+    """The frequent tokens' function, every output (log-sum-exp, target logit, logit sum)
+    against finite differences of every input (targets beyond S: another block's)."""
     tensors, target = _fused_inputs(k, s, v)
 
-    def loss(*inputs):
-        return mixtape._MixtapeCrossEntropy.apply(*inputs, target, 0.0)
+    def parts(*inputs):
+        out = mixtape.mixtape_frequent_lse(*inputs, target, True, 0.0, blocks)
+        return out.lse, out.target_logit, out.logit_sum
 
-    assert torch.autograd.gradcheck(loss, tensors)
+    assert torch.autograd.gradcheck(parts, tensors)
 
 
-def test_fused_loss_survives_a_retained_graph(small_blocks):
-    """The backward leaves its saved tensors intact: a second backward gives the same."""
+def test_fused_loss_survives_a_retained_graph():
+    """The backward leaves its kept blocks intact: a second backward gives the same."""
     tensors, target = _fused_inputs(4, 3, 8)
-    leaves = [t for t in tensors if t is not None]
-    loss = mixtape._MixtapeCrossEntropy.apply(*tensors, target, 0.0)[0].sum()
-    first = torch.autograd.grad(loss, leaves, retain_graph=True)
-    second = torch.autograd.grad(loss, leaves)
+    out = mixtape.mixtape_frequent_lse(*tensors, target, True, 0.0, SMALL_BLOCKS["partly_kept"])
+    loss = (out.lse - out.target_logit - 0.1 * out.logit_sum).sum()
+    first = torch.autograd.grad(loss, tensors, retain_graph=True)
+    second = torch.autograd.grad(loss, tensors)
     for a, b in zip(first, second, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
-def test_fused_loss_blocks_cover_the_vocabulary():
-    assert mixtape._column_blocks(3, 13, 4) == [(3, 7), (7, 11), (11, 13)]
-    assert mixtape._column_blocks(0, 9000, 2048) == [
-        (i, min(9000, i + 1808)) for i in range(0, 9000, 1808)
-    ]
-    for start, stop, width in [(0, 3300, 512), (3300, 33000, 2048), (0, 7, 100), (5, 6, 1)]:
-        blocks = mixtape._column_blocks(start, stop, width)
-        assert blocks[0][0] == start and blocks[-1][1] == stop
-        assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:], strict=False))
-        assert all(0 < b - a <= width for a, b in blocks)
 
 
 def test_fused_loss_gate_noise_only_in_training():
@@ -249,3 +306,20 @@ def test_fused_loss_gate_noise_only_in_training():
     torch.testing.assert_close(head(g, target).nll, head(g, target).nll)
     head.train()
     assert not torch.allclose(head(g, target).nll, head(g, target).nll)
+
+
+def test_training_keeps_no_vocabulary_rows():
+    """Neither [N, V] nor [N, K, S]: the frequent blocks are recomputed in the backward."""
+    check_training_keeps_no_vocabulary_rows(
+        lambda: MixtapeHead(
+            8, 3000, num_components=4, frequent_ratio=0.5, gate_embedding_size=4, embedding_size=4
+        )  # fmt: skip
+    )
+
+
+def test_compiles_without_graph_breaks():
+    check_compiles_without_graph_breaks(
+        lambda: make_head(
+            gate_noise=0.1, gate_dropout=0.1, context_dropout=0.1, weight_norm_scale=1.0
+        )  # fmt: skip
+    )

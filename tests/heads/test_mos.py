@@ -1,31 +1,72 @@
 import pytest
 import torch
 
-from heads import MoSHead
-from tests.heads.contract import ALL_CHECKS, HIDDEN, VOCAB
+from heads import MoSHead, mos
+from tests.heads.contract import (
+    ALL_CHECKS,
+    HIDDEN,
+    VOCAB,
+    check_compiles_without_graph_breaks,
+    check_loss_matches_reference,
+    check_training_keeps_no_vocabulary_rows,
+    chunked,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def make_head(**options) -> MoSHead:
+    return MoSHead(HIDDEN, VOCAB, **{"num_components": 3, "embedding_size": 5, **options})
 
 
 @pytest.mark.parametrize("check", ALL_CHECKS, ids=lambda c: c.__name__)
-def test_contract(check):
+@pytest.mark.parametrize("fused", [None, chunked], ids=["one_chunk", "chunked"])
+def test_contract(check, fused):
     torch.manual_seed(0)
-    check(lambda: MoSHead(HIDDEN, VOCAB, num_components=3, embedding_size=5))
+    check(fused(make_head) if fused else make_head)
 
 
-def test_equals_plain_mixture_of_softmaxes():
+def plain_log_prob(head: MoSHead, g: torch.Tensor) -> torch.Tensor:
     """P(x|c) = sum_k pi_k softmax(W tanh(H_k g) + b)_x, written in probability space."""
-    torch.manual_seed(1)
-    k, d = 4, 5
-    head = MoSHead(HIDDEN, VOCAB, num_components=k, embedding_size=d).double().eval()
-    g = torch.randn(7, HIDDEN, dtype=torch.float64)
+    k, d = head.num_components, head.embedding_size
     prior = torch.softmax(g @ head.prior.weight.T, dim=-1)  # [N, K]
-    expected = torch.zeros(7, VOCAB, dtype=torch.float64)
+    expected = torch.zeros(g.size(0), head.vocab_size, dtype=g.dtype)
     for comp in range(k):
         rows = slice(comp * d, (comp + 1) * d)
         h_k = torch.tanh(g @ head.context.weight[rows].T + head.context.bias[rows])
-        expected += prior[:, comp : comp + 1] * torch.softmax(h_k @ head.weight.T + head.bias, -1)
-    torch.testing.assert_close(head.log_prob(g), expected.log())
+        logits = h_k @ head.weight.T + (0 if head.bias is None else head.bias)
+        expected = expected + prior[:, comp : comp + 1] * torch.softmax(logits, -1)
+    return expected.log()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_loss_gradients_log_prob_and_topk_equal_plain_reference(bias, monkeypatch):
+    """Chunked training loss (K N component rows, smoothing by recomputed chunks) and the
+    exact log_prob by vocabulary blocks (7 columns here) against probability-space math."""
+    monkeypatch.setattr(mos, "_EVAL_ENTRIES", 7 * 3 * 9)
+    torch.manual_seed(2)
+    check_loss_matches_reference(lambda: make_head(bias=bias), plain_log_prob)
+
+
+def test_training_keeps_no_vocabulary_rows():
+    """Not even [N, K, V] / 4: the K N component rows go through the fused primitive."""
+    check_training_keeps_no_vocabulary_rows(
+        lambda: MoSHead(8, 3000, num_components=4, embedding_size=4)
+    )
+
+
+def test_compiles_without_graph_breaks():
+    check_compiles_without_graph_breaks(lambda: make_head(context_dropout=0.1))
+
+
+def test_equals_plain_mixture_of_softmaxes():
+    torch.manual_seed(1)
+    head = MoSHead(HIDDEN, VOCAB, num_components=4, embedding_size=5).double().eval()
+    g = torch.randn(7, HIDDEN, dtype=torch.float64)
+    expected = plain_log_prob(head, g)
+    torch.testing.assert_close(head.log_prob(g), expected)
     target = torch.randint(0, VOCAB, (7,))
-    torch.testing.assert_close(head(g, target).nll, -expected.log()[torch.arange(7), target])
+    torch.testing.assert_close(head(g, target).nll, -expected[torch.arange(7), target])
 
 
 def test_one_component_is_a_softmax_over_tanh_contexts():

@@ -2,14 +2,74 @@ import pytest
 import torch
 
 from heads import HeadConfigError, SoftmaxHead
-from tests.heads.contract import ALL_CHECKS, HIDDEN, VOCAB
+from tests.heads.contract import (
+    ALL_CHECKS,
+    HIDDEN,
+    VOCAB,
+    check_compiles_without_graph_breaks,
+    check_loss_matches_reference,
+    check_training_keeps_no_vocabulary_rows,
+    chunked,
+)
 
 
 @pytest.mark.parametrize("check", ALL_CHECKS, ids=lambda c: c.__name__)
-@pytest.mark.parametrize("embedding_size", [None, 4], ids=["no_projection", "projection"])
-def test_contract(check, embedding_size):
+@pytest.mark.parametrize(
+    "embedding_size, fused",
+    [(None, None), (4, None), (4, chunked)],
+    ids=["no_projection", "projection", "projection_chunked"],
+)
+def test_contract(check, embedding_size, fused):
     torch.manual_seed(0)
-    check(lambda: SoftmaxHead(HIDDEN, VOCAB, embedding_size=embedding_size))
+
+    def make():
+        return SoftmaxHead(HIDDEN, VOCAB, embedding_size=embedding_size)
+
+    check(fused(make) if fused else make)
+
+
+def plain_log_prob(head: SoftmaxHead, hidden: torch.Tensor) -> torch.Tensor:
+    if head.projection is not None:
+        hidden = hidden @ head.projection.weight.T + head.projection.bias
+    return torch.log_softmax(hidden @ head.weight.T + head.bias, dim=-1)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_loss_gradients_log_prob_and_topk_equal_plain_reference(bias):
+    torch.manual_seed(1)
+
+    def reference(head, hidden):
+        if bias:
+            return plain_log_prob(head, hidden)
+        return torch.log_softmax(hidden @ head.weight.T, dim=-1)
+
+    check_loss_matches_reference(lambda: SoftmaxHead(HIDDEN, VOCAB, bias=bias), reference)
+    check_loss_matches_reference(lambda: SoftmaxHead(HIDDEN, VOCAB, embedding_size=4),
+                                 plain_log_prob)  # fmt: skip
+
+
+def test_tied_weights_train_through_the_fused_loss():
+    """Tied with an input embedding: the fused loss's gradient of W reaches the embedding."""
+    head = SoftmaxHead(HIDDEN, VOCAB, embedding_size=4).double()
+    embedding = torch.nn.Embedding(VOCAB, 4).double()
+    head.tie_output_embedding(embedding.weight)
+    head.loss_options = chunked(lambda: head)().loss_options
+    hidden = torch.randn(7, HIDDEN, dtype=torch.float64)
+    target = torch.randint(0, VOCAB, (7,))
+    head(hidden, target).loss.backward()
+    expected = torch.autograd.grad(
+        torch.nn.functional.cross_entropy(plain_log_prob(head, hidden), target),
+        embedding.weight,
+    )[0]
+    torch.testing.assert_close(embedding.weight.grad, expected)
+
+
+def test_training_keeps_no_vocabulary_rows():
+    check_training_keeps_no_vocabulary_rows(lambda: SoftmaxHead(8, 2000, embedding_size=4))
+
+
+def test_compiles_without_graph_breaks():
+    check_compiles_without_graph_breaks(lambda: SoftmaxHead(HIDDEN, VOCAB, embedding_size=4))
 
 
 def test_equals_plain_log_softmax():

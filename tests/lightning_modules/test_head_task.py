@@ -78,3 +78,38 @@ def test_a_missing_pretrained_checkpoint_is_named(tmp_path):
         LanguageModel(LSTMBackbone(30, 8, 8), SoftmaxHead(8, 30),
                       pretrained_checkpoint=str(tmp_path / "none.ckpt"))  # fmt: skip
     assert torch.isfinite(model().head.weight).all()
+
+
+def test_loss_backend_reaches_the_head_and_is_checked():
+    from heads.errors import HeadConfigError
+
+    task = LanguageModel(LSTMBackbone(30, 8, 8), SoftmaxHead(8, 30), loss_backend="cpu")
+    assert task.head.loss_options.backend == "cpu"
+    assert model().head.loss_options.backend == "auto"
+    with pytest.raises(HeadConfigError, match="loss backend 'fastest' is not one of"):
+        LanguageModel(LSTMBackbone(30, 8, 8), SoftmaxHead(8, 30), loss_backend="fastest")
+
+
+def test_compile_option_takes_true_false_or_compile_arguments():
+    from lightning_modules.errors import ModelConfigError
+
+    assert model().compile_options is None
+    task = LanguageModel(LSTMBackbone(30, 8, 8), SoftmaxHead(8, 30), compile=True)
+    assert task.compile_options == {}
+    task = LanguageModel(LSTMBackbone(30, 8, 8), SoftmaxHead(8, 30),
+                         compile={"mode": "max-autotune", "dynamic": False})  # fmt: skip
+    assert task.compile_options == {"mode": "max-autotune", "dynamic": False}
+    with pytest.raises(ModelConfigError, match="model.compile must be true, false"):
+        LanguageModel(LSTMBackbone(30, 8, 8), SoftmaxHead(8, 30), compile="yes")
+
+
+def test_configure_model_compiles_the_head_in_place_once():
+    """``nn.Module.compile``: the head's forward is compiled, its parameter names (and so
+    checkpoints) are unchanged; the LSTM backbone, which Dynamo does not trace, stays eager."""
+    task = LanguageModel(LSTMBackbone(30, 8, 8), SoftmaxHead(8, 30), compile=True)
+    names = list(task.state_dict())
+    task.configure_model()
+    task.configure_model()
+    assert task.head._compiled_call_impl is not None
+    assert getattr(task.backbone, "_compiled_call_impl", None) is None
+    assert list(task.state_dict()) == names

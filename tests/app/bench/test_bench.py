@@ -4,25 +4,40 @@ from app.bench.run import main, ratio
 
 
 def test_benchmark_runs_and_writes_valid_json(tmp_path):
-    argv = ["--heads", "softmax", "mixtape", "mos", "adaptive", "torch_adaptive", "matmul",
-            "--vocab-sizes", "300", "600", "--hidden-sizes", "16", "--batch-sizes", "32",
-            "--repeats", "2", "--warmup", "1", "--cutoffs", "50", "150", "--out", str(tmp_path),
-            "--name", "smoke"]  # fmt: skip
+    argv = ["--heads", "softmax", "softmax@cpu", "mixtape", "mos", "adaptive", "torch_adaptive",
+            "matmul", "--vocab-sizes", "300", "600", "--hidden-sizes", "16", "--batch-sizes",
+            "32", "--repeats", "2", "--warmup", "1", "--cutoffs", "50", "150", "--out",
+            str(tmp_path), "--name", "smoke"]  # fmt: skip
     main(argv)
     report = json.loads((tmp_path / "smoke.json").read_text())
     assert (tmp_path / "smoke.png").stat().st_size > 0
     rows = report["results"]
-    assert {r["head"] for r in rows} == {"softmax", "mixtape", "mos", "adaptive",
+    assert {r["head"] for r in rows} == {"softmax", "softmax@cpu", "mixtape", "mos", "adaptive",
                                           "torch_adaptive", "matmul"}  # fmt: skip
-    assert len(rows) == 12
+    assert len(rows) == 14
     for row in rows:
         assert row["time_ms"] > 0 and len(row["times_ms"]) == 2
-        assert row["peak_memory_mb"] > 0
+        assert row["extra_peak_mb"] >= 0
         assert row["matmul_gflop"] > 0 and row["matmul_gflop_per_s"] > 0
     # the bare matmul row does the softmax's products (which add only the bias gradient)
     assert 1 < ratio(report, "softmax", "matmul", 600, key="matmul_gflop") < 1.1
-    # MoS's K softmaxes must take more memory than one softmax (a real measurement)
-    assert ratio(report, "mos", "softmax", 600, key="peak_memory_mb") > 2
+    assert report["machine"]["malloc_tuned"] is True  # the CPU backend was in the run
+    assert report["machine"]["memory_method"] in ("rss_reset_peak", "rss_child_process")
+
+
+def test_extra_peak_memory_is_measured_not_estimated(tmp_path):
+    """The step's extra peak RSS: the unfused logits of the bare matmul ([N, V] float32, kept
+    for its backward: 1024 x 20000 floats = 78 MiB) against the fused loss recomputing its
+    16 MiB chunks (--saved-mb 0); MoS's K = 4 component rows too (unfused: 4 x 78 MiB)."""
+    argv = ["--heads", "softmax", "mos", "matmul", "--vocab-sizes", "20000", "--hidden-sizes",
+            "16", "--batch-sizes", "1024", "--repeats", "1", "--warmup", "1", "--out",
+            str(tmp_path), "--name", "memory", "--mos-components", "4", "--saved-mb", "0",
+            "--clock", "cpu"]  # fmt: skip
+    report = main(argv)
+    memory = {r["head"]: r["extra_peak_mb"] for r in report["results"]}
+    assert memory["matmul"] > 75  # its [N, V] logits and their gradient's stand-in
+    assert memory["softmax"] < memory["matmul"] / 2  # chunks, not [N, V]
+    assert memory["mos"] < memory["matmul"] / 2  # O(K N) statistics, chunks of [K N, V]
 
 
 def test_same_memory_mode_and_lm_scope(tmp_path):
@@ -37,19 +52,21 @@ def test_same_memory_mode_and_lm_scope(tmp_path):
 
 
 def test_cpu_clock_times_the_process(tmp_path):
-    argv = ["--heads", "softmax", "--vocab-sizes", "300", "--hidden-sizes", "16",
+    argv = ["--vocab-sizes", "300", "--hidden-sizes", "16",
             "--batch-sizes", "32", "--repeats", "2", "--warmup", "0", "--clock", "cpu",
-            "--out", str(tmp_path), "--name", "cpu"]  # fmt: skip
+            "--memory", "skip", "--flops", "skip", "--out", str(tmp_path), "--name", "cpu",
+            "--heads", "softmax", "matmul"]  # fmt: skip
     report = main(argv)
     assert report["args"]["clock"] == "cpu"
-    assert all(t > 0 for t in report["results"][0]["times_ms"])
+    assert all(t > 0 for r in report["results"] for t in r["times_ms"])
+    assert all(r["matmul_gflop"] is None for r in report["results"])  # not counted
 
 
 def test_mixed_precision_times_every_head_under_autocast(tmp_path):
     argv = ["--heads", "softmax", "mixtape", "mos", "adaptive", "torch_adaptive", "matmul",
             "--vocab-sizes", "300", "--hidden-sizes", "16", "--batch-sizes", "32",
             "--repeats", "1", "--warmup", "0", "--cutoffs", "50", "150", "--precision",
-            "bf16-mixed", "--out", str(tmp_path), "--name", "bf16"]  # fmt: skip
+            "bf16-mixed", "--memory", "skip", "--out", str(tmp_path), "--name", "bf16"]  # fmt: skip
     report = main(argv)
     assert {r["precision"] for r in report["results"]} == {"bf16-mixed"}
     assert len(report["results"]) == 6 and all(r["time_ms"] > 0 for r in report["results"])
@@ -68,14 +85,18 @@ def test_bare_matmul_under_autocast_returns_gradients_in_the_parameters_dtype():
     torch.testing.assert_close(x.grad, expected, rtol=5e-2, atol=5e-2)  # bf16 products
 
 
-def test_same_memory_search_stops_at_the_limit_when_everything_fits():
+def test_same_memory_search_stops_at_the_limit_when_everything_fits(monkeypatch):
     """A head that fits any batch: the search must end at the largest multiple of bptt
     under --max-batch (it used to loop for ever when the limit was not a power-of-two
-    multiple of bptt), and find nothing when even one sequence is over budget."""
+    multiple of bptt), and find nothing when even one sequence is over budget. The memory is
+    a stand-in, 1000 bytes per token (a tiny step's measured RSS can be 0: no new pages)."""
     import torch
 
+    import app.bench.run as bench_run
     from app.bench.run import largest_batch
     from app.bench.subjects import BenchOptions
+
+    monkeypatch.setattr(bench_run, "step_memory", lambda step, device, case: case[4] * 1000)
 
     targets = torch.zeros(200, dtype=torch.long)
     args = ("softmax", "head", 50, 8)
@@ -83,3 +104,39 @@ def test_same_memory_search_stops_at_the_limit_when_everything_fits():
     assert largest_batch(*args, budget=2**40, limit=100, **common) == 98
     assert largest_batch(*args, budget=2**40, limit=6, **common) == 0
     assert largest_batch(*args, budget=0, limit=100, **common) == 0
+    assert largest_batch(*args, budget=50_000, limit=100, **common) == 49  # 7 sequences
+
+
+def test_subject_names_are_checked_with_one_clear_error(capsys):
+    import pytest
+
+    from app.bench.run import parse_args
+    from app.bench.subjects import Subject, parse_subject
+
+    assert parse_subject("mixtape@cpu+compile") == Subject("mixtape", "cpu", True)
+    assert parse_subject("cce") == Subject("cce")
+    for bad in ("softmax@fast", "cce+compile", "matmul@cpu", "nohead"):
+        with pytest.raises(SystemExit):
+            parse_args(["--heads", bad])
+        assert "error:" in capsys.readouterr().err
+
+
+def test_peers_of_the_field_need_cuda_and_say_so():
+    import pytest
+
+    from app.bench.subjects import BenchOptions, build_head
+    from heads.errors import UserError
+
+    for peer in ("cce", "liger"):
+        with pytest.raises(UserError, match="pip install"):
+            build_head(peer, 8, 50, BenchOptions())
+
+
+def test_compiled_subject_counts_its_eager_twins_flops(tmp_path):
+    """A +compile subject: timed compiled, FLOPs counted on its eager twin (the same products)."""
+    argv = ["--heads", "softmax", "softmax+compile", "--vocab-sizes", "300", "--hidden-sizes",
+            "16", "--batch-sizes", "32", "--repeats", "1", "--warmup", "1", "--memory", "skip",
+            "--out", str(tmp_path), "--name", "compiled"]  # fmt: skip
+    report = main(argv)
+    flops = {r["head"]: r["matmul_gflop"] for r in report["results"]}
+    assert flops["softmax+compile"] == flops["softmax"] > 0

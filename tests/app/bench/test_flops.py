@@ -2,7 +2,6 @@ import torch
 
 from app.bench.flops import matmul_flops
 from app.bench.subjects import BenchOptions, build_head, step_fn
-from heads.cross_entropy import ROW_ALIGN
 
 
 def test_counts_the_in_place_and_vector_products_the_registry_lacks():
@@ -30,10 +29,19 @@ def _step(name, hidden, vocab, tokens, **options):
 
 def test_softmax_step_counts_its_three_products_and_the_bias_gradient():
     n, d, v = 64, 16, 300
-    padded = -(-v // ROW_ALIGN) * ROW_ALIGN  # the forward's logits rows are kept aligned
-    # forward h W^T, backward dL W and dL^T h; the bias gradient is a [V, N] x [N] product
-    expected = 2 * n * padded * d + 2 * 2 * n * v * d + 2 * n * v
+    # forward h W^T, backward dL W and dL^T h (the chunk is kept: no recomputed product); the
+    # bias gradient is a [V, N] x [N] product
+    expected = 3 * 2 * n * v * d + 2 * n * v
     assert matmul_flops(_step("softmax", d, v, n)) == expected
+
+
+def test_a_recomputed_chunk_costs_one_more_forward_product():
+    from heads.fused_cross_entropy import LossOptions
+
+    n, d, v = 64, 16, 300
+    step = _step("softmax", d, v, n)
+    step.module.loss_options = LossOptions(saved_bytes=0)
+    assert matmul_flops(step) == 4 * 2 * n * v * d + 2 * n * v
 
 
 def test_mixtape_step_counts_every_product_of_its_hand_written_backward():
@@ -48,8 +56,9 @@ def test_mixtape_step_counts_every_product_of_its_hand_written_backward():
         + n * k * d  # contexts mixed by the shared prior
         + n * d * (v - s)  # mixed . w_x, the rest
     )
-    bias_gradient = n * v
-    # every product is run three times (forward, and the gradient of each operand)
+    bias_gradient = n * (v - s)  # a product for the rare tokens (the frequent ones: a sum)
+    # every product is run three times (forward, and the gradient of each operand; the small
+    # blocks are kept, not recomputed)
     expected = 2 * (3 * forward + bias_gradient)
     options = {"mixtape_components": k, "mixtape_ratio": ratio}
     assert matmul_flops(_step("mixtape", d, v, n, **options)) == expected

@@ -1,0 +1,554 @@
+"""The fused linear + log-sum-exp primitive under every head's training loss.
+
+From hidden rows ``h [N, d]`` and an output matrix ``W [V, d]`` (+ bias ``b``), the per-row
+log-sum-exp of the logits ``z = h W^T + b``, the target's logit and (for label smoothing) the
+sum of the logits, without a ``[N, V]`` tensor:
+
+- the forward walks the vocabulary in column chunks (and, when ``N`` is very large, the rows
+  in tiles), each chunk's product followed by its row maximum and ``sum exp``; the chunks'
+  results combine as an online log-sum-exp, ``lse = m + log sum_c exp(m_c - m) s_c``;
+- the backward recomputes each chunk's product and writes ``dL/dz = g p + g_t onehot + g_s``
+  for that chunk only (``p = exp(z - lse)``), straight into the two products
+  ``dL/dh += dz W_c`` and ``dL/dW_c = dz^T h``: memory ``O(N chunk + N d)`` besides the
+  gradients themselves.
+- Chunk results may be kept for the backward instead of recomputed, up to a byte budget
+  (``LossOptions.saved_bytes``): small problems then run three products, as an unfused loss
+  does, and large ones four, in bounded memory.
+
+Under autocast the products run in the autocast dtype and everything else (maximum, exp, sums,
+log-sum-exp, the gradient of the logits) in float32; float64 stays float64. Rows are never
+branched on by value (no host sync): the loops depend on shapes only, so the function traces
+into one graph under ``torch.compile``.
+
+Backends (``LossOptions.backend``): ``torch`` (the portable path above, the default), ``cpu``
+(the same algorithm with the row passes in C and aligned products, ``heads/cpu_backend.py``;
+eager CPU runs only), and on CUDA the optional ``cce`` (Apple's cut-cross-entropy) and
+``liger`` (Liger-Kernel's fused linear cross-entropy), imported on first use.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from heads.cross_entropy import IGNORE_INDEX
+from heads.errors import HeadConfigError, UserError
+
+BACKENDS = ("auto", "torch", "cpu", "cce", "liger")
+
+# Working set of one chunk's logits (float32 entries): small enough on a CPU for the chunk's
+# passes to run from cache and for glibc to reuse the freed memory; on a GPU large enough for
+# the products to fill the device.
+_CHUNK_BYTES = {"cpu": 16 << 20}
+_ACCELERATOR_CHUNK_BYTES = 128 << 20
+# Chunk results kept for the backward instead of recomputed, per call (see LossOptions).
+DEFAULT_SAVED_BYTES = 128 << 20
+_MIN_COLUMNS = 128  # narrower chunks make the products inefficient: tile the rows instead
+_ALIGN = 16  # chunk widths are multiples of 16 columns (MKL and tensor cores prefer them)
+# exp below about -87 gives subnormal floats, 20-40x slower on x86 CPUs (in the exp and in the
+# products that read them). A class below the floor counts as exp(-60) = 9e-27 of the
+# row's largest term: 1e-21 relative at 100k classes, far below float32 rounding.
+EXP_FLOOR = -60.0
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """How a head's training loss runs (a task's ``loss_backend`` sets ``backend``).
+
+    backend: ``auto`` (= ``torch`` until other backends are measured faster), ``torch``,
+        ``cpu``, ``cce`` or ``liger`` (see the module docstring).
+    chunk_bytes: bytes of one chunk's float32 logits; None: 16 MiB on a CPU, 128 MiB on a GPU.
+    saved_bytes: chunk results the forward may keep for the backward instead of recomputing
+        them, per call (default 128 MiB; 0: always recompute).
+    columns, rows: force the chunk width and the row tile (tests, tuning); None: from bytes.
+    """
+
+    backend: str = "auto"
+    chunk_bytes: int | None = None
+    saved_bytes: int = DEFAULT_SAVED_BYTES
+    columns: int | None = None
+    rows: int | None = None
+
+    def __post_init__(self) -> None:
+        check_backend(self.backend)
+        for name in ("chunk_bytes", "columns", "rows"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise HeadConfigError(f"LossOptions.{name} must be a positive integer or None")
+        if not isinstance(self.saved_bytes, int) or self.saved_bytes < 0:
+            raise HeadConfigError("LossOptions.saved_bytes must be a non-negative integer")
+
+
+def check_backend(name: str) -> None:
+    if name not in BACKENDS:
+        raise HeadConfigError(
+            f"loss backend {name!r} is not one of {', '.join(BACKENDS)}: set loss_backend to one"
+        )
+
+
+class MissingBackendError(UserError, ImportError):
+    """An optional loss backend was asked for but its package (or device) is not there."""
+
+
+# -- chunking ---------------------------------------------------------------------------------
+def plan_tiles(
+    rows: int, columns: int, device: torch.device, options: LossOptions, entries_per_column=1
+) -> tuple[int | None, int]:
+    """``(row tile, chunk width)`` for ``[rows, columns]`` logits with ``entries_per_column``
+    float32 values held per entry (Mixtape's blocks hold ``2K``): the chunk's working set
+    stays near ``options.chunk_bytes``. Both only depend on the shapes."""
+    budget = options.chunk_bytes or _CHUNK_BYTES.get(device.type, _ACCELERATOR_CHUNK_BYTES)
+    entries = max(1, budget // (4 * entries_per_column))
+    width = options.columns
+    if width is None:
+        width = max(entries // max(rows, 1) // _ALIGN * _ALIGN, _MIN_COLUMNS)
+    width = max(1, min(width, columns))
+    tile = options.rows
+    if tile is None:  # all rows, unless even the narrowest chunk of them is over budget
+        tile = rows if rows * width <= entries else entries // width
+    return max(1, min(tile, rows)), width
+
+
+def spans(total: int, width: int | None) -> list[tuple[int, int]]:
+    """``[0, total)`` in consecutive ``(start, stop)`` spans of at most ``width``; one span
+    when ``width`` is None (a symbolic row count under ``torch.compile``: no loop on it)."""
+    if width is None:
+        return [(0, total)]
+    return [(start, min(total, start + width)) for start in range(0, total, width)]
+
+
+# -- the row passes (torch here; the CPU backend has C versions) --------------------------------
+class RowPasses:
+    """The elementwise passes of the loss over one chunk's float32/64 logits ``z [R, C]``.
+
+    ``logits``: ``h W^T + b`` in the compute dtype, returned in the accumulation dtype, written
+    into ``buffer`` (flat storage reused from chunk to chunk) when one is given.
+    ``exp_sum_``: in place ``z <- exp(max(z - m, floor))`` with ``m`` the row maximum; returns
+    ``(m, sum of the row)``. ``exp_shifted_``: in place ``z <- exp(max(z - shift, floor))``.
+    """
+
+    floor: float | None = None
+
+    def logits(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        accumulate: torch.dtype,
+        buffer: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        out = None if buffer is None else as_matrix(buffer, hidden.size(0), weight.size(0))
+        if hidden.dtype == accumulate:
+            if bias is None:
+                return torch.mm(hidden, weight.to(hidden.dtype).t(), out=out)
+            return torch.addmm(bias.to(accumulate), hidden, weight.to(hidden.dtype).t(), out=out)
+        z = torch.mm(hidden, weight.to(hidden.dtype).t())
+        z = z.to(accumulate) if out is None else out.copy_(z)
+        return z if bias is None else z.add_(bias.to(accumulate))
+
+    def exp_sum_(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top = z.amax(1)
+        return top, self._exp_(z, top).sum(1)
+
+    def exp_shifted_(self, z: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        return self._exp_(z, shift)
+
+    def _exp_(self, z: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        z.sub_(shift.unsqueeze(1))
+        if self.floor is not None:
+            z.clamp_(min=self.floor)
+        return z.exp_()
+
+
+def as_matrix(buffer: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """A contiguous ``[rows, columns]`` view of the start of a flat buffer."""
+    return buffer[: rows * columns].view(rows, columns)
+
+
+def chunk_buffer(like: torch.Tensor, rows: int, width: int, dtype: torch.dtype):
+    """Flat storage for the chunks that are not kept, reused from one to the next: a fresh
+    tensor per chunk costs a page fault per 4 KiB on a CPU (glibc maps large blocks anew) and
+    leaves freed blocks in the resident set. None under ``torch.compile``, which plans its
+    own buffers."""
+    if torch.compiler.is_compiling():
+        return None
+    return like.new_empty(rows * (-(-width // _ALIGN) * _ALIGN), dtype=dtype)
+
+
+class _CpuFloorPasses(RowPasses):
+    floor = EXP_FLOOR
+
+
+TORCH_PASSES = RowPasses()
+_TORCH_CPU_PASSES = _CpuFloorPasses()
+
+
+def _combine(
+    top: torch.Tensor, total: torch.Tensor, chunk_top: torch.Tensor, chunk_total: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online log-sum-exp: ``(m, s)`` and one more chunk's ``(m_c, s_c)`` into the pair with
+    ``m' = max(m, m_c)``, ``s' = s e^(m - m') + s_c e^(m_c - m')``."""
+    new_top = torch.maximum(top, chunk_top)
+    return new_top, total * torch.exp(top - new_top) + chunk_total * torch.exp(chunk_top - new_top)
+
+
+def accumulation_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float64 if any input is float64, else float32 (the reductions' dtype)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The products' dtype: the autocast dtype under autocast, else the inputs' common one."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device) and hidden.dtype != torch.float64:
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+class _LinearLSE(torch.autograd.Function):
+    """``(lse, z_target, sum_x z)`` per row of ``z = h W^T + b``; see the module docstring.
+
+    ``target`` entries outside ``[0, V)`` have no target logit (0) and no onehot gradient; the
+    log-sum-exp is computed for every row."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        target: torch.Tensor,
+        want_sum: bool,
+        dtype: torch.dtype,
+        tile: int | None,
+        width: int,
+        saved_bytes: int,
+        passes: RowPasses,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        acc = accumulation_dtype(hidden, weight)
+        n, v = hidden.size(0), weight.size(0)
+        h = hidden.to(dtype)
+        lse = hidden.new_empty(n, dtype=acc)
+        target_logit = hidden.new_zeros(n, dtype=acc)
+        logit_sum = hidden.new_zeros(n, dtype=acc)
+        kept: list[torch.Tensor] = []  # probabilities of the chunks kept for the backward
+        budget = saved_bytes
+        size = torch.finfo(acc).bits // 8
+        buffer = None
+        for r0, r1 in spans(n, tile):
+            rows_t = target[r0:r1]
+            top = hidden.new_full((r1 - r0,), -math.inf, dtype=acc)
+            total = hidden.new_zeros(r1 - r0, dtype=acc)
+            tile_kept = []
+            for c0, c1 in spans(v, width):
+                keep = False  # a prefix of the chunks is kept: the backward counts them
+                if budget > 0:
+                    budget -= (r1 - r0) * (c1 - c0) * size
+                    keep = budget >= 0
+                if not keep and buffer is None:
+                    buffer = chunk_buffer(hidden, r1 - r0, width, acc)
+                z = passes.logits(h[r0:r1], weight[c0:c1], None if bias is None else bias[c0:c1],
+                                  acc, None if keep else buffer)  # fmt: skip
+                inside = (rows_t >= c0) & (rows_t < c1)
+                column = (rows_t - c0).clamp(0, c1 - c0 - 1).unsqueeze(1)
+                target_logit[r0:r1] = torch.where(
+                    inside, z.gather(1, column).squeeze(1), target_logit[r0:r1]
+                )
+                if want_sum:
+                    logit_sum[r0:r1] += z.sum(1)
+                chunk_top, chunk_total = passes.exp_sum_(z)  # z now holds exp(z - m_c)
+                top, total = _combine(top, total, chunk_top, chunk_total)
+                if keep:
+                    tile_kept.append((z, chunk_top))
+            lse[r0:r1] = top + total.log()
+            for exps, shift in tile_kept:  # exp(z - m_c) e^(m_c - lse) = p
+                kept.append(exps.mul_(torch.exp(shift - lse[r0:r1]).unsqueeze(1)))
+        ctx.save_for_backward(hidden, weight, bias, target, lse, *kept)
+        ctx.kept_chunks = len(kept)
+        ctx.layout = dtype, tile, width, passes
+        ctx.want_sum = want_sum
+        return lse, target_logit, logit_sum
+
+    @staticmethod
+    def backward(ctx, grad_lse, grad_target, grad_sum):
+        hidden, weight, bias, target, lse, *kept = ctx.saved_tensors
+        dtype, tile, width, passes = ctx.layout
+        acc = lse.dtype
+        n, v = hidden.size(0), weight.size(0)
+        h = hidden.to(dtype)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        tiles = spans(n, tile)
+        # the first row tile writes dW and db, the others add to them (no rows: zeros)
+        new = weight.new_empty if tiles else weight.new_zeros
+        grad_h = hidden.new_empty(n, hidden.size(1), dtype=acc) if need_h else None
+        grad_w = new(v, weight.size(1), dtype=acc) if need_w else None
+        grad_b = new(v, dtype=acc) if need_b else None
+        # dL/dz = g p + g_t onehot_t + g_s. The row scale g goes onto h (for dW, once per tile)
+        # and onto the [R, d] product (for dh); the onehot and uniform terms are [R, d] / [V, d]
+        # updates after the chunks: no pass over [R, C] beyond computing p.
+        chunk, buffer = 0, None
+        for tile_index, (r0, r1) in enumerate(tiles):
+            rows_lse, h_r = lse[r0:r1], h[r0:r1]
+            g = grad_lse[r0:r1].to(acc)
+            scaled_h = (h_r.to(acc) * g.unsqueeze(1)).to(dtype)
+            product = None  # sum over chunks of p_c W_c, [R, d]
+            for c0, c1 in spans(v, width):
+                w = weight[c0:c1]
+                if chunk < ctx.kept_chunks:
+                    probs = kept[chunk]
+                else:
+                    if buffer is None:
+                        buffer = chunk_buffer(hidden, r1 - r0, width, acc)
+                    z = passes.logits(h_r, w, None if bias is None else bias[c0:c1], acc, buffer)
+                    probs = passes.exp_shifted_(z, rows_lse)
+                chunk += 1
+                probs_c = probs.to(dtype)
+                if need_h:
+                    step = torch.mm(probs_c, w.to(dtype))
+                    product = step.to(acc) if product is None else product.add_(step)
+                if need_w:
+                    _accumulate_mm(grad_w[c0:c1], probs_c.t(), scaled_h, tile_index > 0)
+                if need_b:
+                    if tile_index > 0:
+                        grad_b[c0:c1].addmv_(probs.t(), g)
+                    else:
+                        torch.mv(probs.t(), g, out=grad_b[c0:c1])
+            if need_h:
+                grad_h[r0:r1] = g.unsqueeze(1) * product
+        _add_target_terms(grad_h, grad_w, grad_b, h, weight, target, grad_target, acc)
+        if ctx.want_sum and grad_sum is not None:  # d(sum_x z_x)/dz = 1 everywhere
+            g_s = grad_sum.to(acc)
+            if need_h:
+                grad_h += g_s.unsqueeze(1) * weight.to(acc).sum(0)
+            if need_w:
+                grad_w += g_s @ h.to(acc)
+            if need_b:
+                grad_b += g_s.sum()
+        return (
+            None if grad_h is None else grad_h.to(hidden.dtype),
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
+            *([None] * 7),
+        )
+
+
+def _accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: bool) -> None:
+    """``out (+)= a b`` without a temporary where the dtypes allow."""
+    if out.dtype == a.dtype:
+        if add:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
+    elif add:
+        out += torch.mm(a, b).to(out.dtype)
+    else:
+        out.copy_(torch.mm(a, b))
+
+
+def _add_target_terms(grad_h, grad_w, grad_b, h, weight, target, grad_target, acc) -> None:
+    """The ``g_t onehot_t`` part of ``dL/dz``: ``dh += g_t W[t]``, ``dW[t] += g_t h``,
+    ``db[t] += g_t``, for rows whose target is inside ``[0, V)``."""
+    valid = (target >= 0) & (target < weight.size(0))
+    safe = torch.where(valid, target, 0)
+    g_t = torch.where(valid, grad_target.to(acc), 0.0)
+    if grad_h is not None:
+        grad_h += g_t.unsqueeze(1) * weight.index_select(0, safe).to(acc)
+    if grad_w is not None:
+        grad_w.index_add_(0, safe, g_t.unsqueeze(1) * h.to(acc))
+    if grad_b is not None:
+        grad_b.index_add_(0, safe, g_t)
+
+
+class LinearLSE(NamedTuple):
+    """Per-row results of :func:`linear_lse` (float32; float64 for float64 inputs)."""
+
+    lse: torch.Tensor  # log sum_x exp(z_x)
+    target_logit: torch.Tensor  # z_target, 0 where the target is outside [0, V)
+    logit_sum: torch.Tensor | None  # sum_x z_x, when asked for
+
+
+def linear_lse(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    target: torch.Tensor | None = None,
+    *,
+    logit_sum: bool = False,
+    options: LossOptions | None = None,
+    row_bound: int | None = None,
+) -> LinearLSE:
+    """Log-sum-exp, target logit and (``logit_sum=True``) logit sum of ``hidden W^T + b`` per
+    row, differentiable, without a ``[N, V]`` tensor (module docstring). A target outside
+    ``[0, V)`` (another block of the vocabulary, or ignored) just has no target logit.
+
+    ``row_bound``: the row count is data-dependent (rows gathered by value, e.g. an adaptive
+    tail cluster's) and at most this: the chunks are planned for it and the rows are not
+    tiled, so that under ``torch.compile`` nothing branches on the count."""
+    options = options or LossOptions()
+    _check_shapes(hidden, weight, bias, target)
+    if target is None:
+        target = torch.full((hidden.size(0),), -1, dtype=torch.long, device=hidden.device)
+    backend = resolve_backend(options.backend, hidden)
+    if backend in ("cce", "liger"):
+        return _external_lse(backend, hidden, weight, bias, target, logit_sum)
+    passes = row_passes(backend, hidden.device)
+    v = weight.size(0)
+    if row_bound is None:
+        tile, width = plan_tiles(hidden.size(0), v, hidden.device, options)
+        saved = options.saved_bytes
+    else:
+        (_, width), tile, saved = plan_tiles(row_bound, v, hidden.device, options), None, 0
+    lse, target_logit, total = _LinearLSE.apply(
+        hidden, weight, bias, target, logit_sum, compute_dtype(hidden, weight), tile, width,
+        saved, passes,
+    )  # fmt: skip
+    return LinearLSE(lse, target_logit, total if logit_sum else None)
+
+
+class CrossEntropyRows(NamedTuple):
+    """Per-row cross-entropy of :func:`linear_cross_entropy`, 0 at ignored rows."""
+
+    nll: torch.Tensor  # -log p_target (never smoothed)
+    smoothing: torch.Tensor | None  # mean_x(-log p_x), with label smoothing
+    lse: torch.Tensor  # log Z (any value at ignored rows)
+
+    def loss(self, label_smoothing: float = 0.0) -> torch.Tensor:
+        """``(1 - eps) nll + eps smoothing`` per row: its gradient is ``p - q`` with
+        ``q = (1 - eps) onehot + eps / V``."""
+        if not label_smoothing:
+            return self.nll
+        return (1 - label_smoothing) * self.nll + label_smoothing * self.smoothing
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    *,
+    label_smoothing: float = 0.0,
+    ignore_index: int = IGNORE_INDEX,
+    options: LossOptions | None = None,
+    row_bound: int | None = None,
+) -> CrossEntropyRows:
+    """Cross-entropy of ``softmax(hidden W^T + b)`` per row, fused and chunked (module
+    docstring): ``nll``, and with ``label_smoothing`` the smoothing term, both 0 (and with
+    zero gradient) where ``target == ignore_index``. Same values and gradients as
+    ``F.cross_entropy(F.linear(hidden, weight, bias), target, reduction="none")`` (tested)."""
+    if target is None:
+        raise ValueError("linear_cross_entropy needs a target [N]")
+    keep = target != ignore_index
+    parts = linear_lse(
+        hidden, weight, bias, torch.where(keep, target, -1),
+        logit_sum=bool(label_smoothing), options=options, row_bound=row_bound,
+    )  # fmt: skip
+    zero = torch.zeros_like(parts.lse)
+    nll = torch.where(keep, parts.lse - parts.target_logit, zero)
+    smoothing = None
+    if label_smoothing:
+        mean_logit = parts.logit_sum / weight.size(0)
+        smoothing = torch.where(keep, parts.lse - mean_logit, zero)
+    return CrossEntropyRows(nll, smoothing, parts.lse)
+
+
+def combine_lse(*parts: torch.Tensor) -> torch.Tensor:
+    """The log-sum-exp over several blocks of the vocabulary from each block's: their
+    ``logsumexp``, whose gradient hands every block its share ``exp(lse_b - lse)``."""
+    return torch.logsumexp(torch.stack(parts), dim=0)
+
+
+def _check_shapes(hidden, weight, bias, target) -> None:
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.size(1) != weight.size(1):
+        raise ValueError(
+            f"linear_lse expects hidden [N, d] and weight [V, d], got {tuple(hidden.shape)} "
+            f"and {tuple(weight.shape)}"
+        )
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"bias must be [V] = [{weight.size(0)}], got {tuple(bias.shape)}")
+    if target is not None and target.shape != hidden.shape[:1]:
+        raise ValueError(f"target must be [N] = [{hidden.size(0)}], got {tuple(target.shape)}")
+
+
+# -- backends ---------------------------------------------------------------------------------
+def resolve_backend(name: str, hidden: torch.Tensor) -> str:
+    """The backend that runs: ``auto`` is ``torch``; ``cpu`` falls back to ``torch`` off the
+    CPU and under ``torch.compile`` (its C passes are opaque to the compiler); ``cce`` and
+    ``liger`` need CUDA."""
+    check_backend(name)
+    if name == "auto":
+        return "torch"
+    if name == "cpu" and (hidden.device.type != "cpu" or torch.compiler.is_compiling()):
+        return "torch"
+    if name in ("cce", "liger") and hidden.device.type != "cuda":
+        raise MissingBackendError(
+            f"loss backend {name!r} runs on CUDA only (the tensors are on {hidden.device.type}):"
+            f" use loss_backend auto"
+        )
+    return name
+
+
+def row_passes(backend: str, device: torch.device) -> RowPasses:
+    if backend == "cpu":
+        from heads.cpu_backend import cpu_passes
+
+        return cpu_passes()
+    return _TORCH_CPU_PASSES if device.type == "cpu" else TORCH_PASSES
+
+
+def external_loss_function(name: str) -> Callable:
+    """CCE's ``linear_cross_entropy`` or Liger's ``liger_fused_linear_cross_entropy``, both
+    ``(h, W, target, bias=..., reduction=...)``; a one-line error when not installed."""
+    return _import_external(name)
+
+
+def _import_external(name: str) -> Callable:
+    try:
+        if name == "cce":
+            from cut_cross_entropy import linear_cross_entropy as function
+        else:
+            from liger_kernel.transformers.functional import (
+                liger_fused_linear_cross_entropy as function,
+            )
+    except ImportError as error:
+        package = {"cce": "cut-cross-entropy==25.1.1", "liger": "liger-kernel==0.8.5"}[name]
+        raise MissingBackendError(
+            f"loss backend {name!r} needs `pip install {package}` (CUDA and Triton): {error}"
+        ) from error
+    return function
+
+
+def _external_nll(name, hidden, weight, bias, target) -> torch.Tensor:
+    """Per-row NLL from CCE or Liger (``reduction="none"``), float32."""
+    function = _import_external(name)
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):  # both kernels want one dtype for h and W
+        dtype = torch.get_autocast_dtype(device)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    with torch.autocast(device, enabled=False):
+        nll = function(hidden, weight, target, bias=bias, reduction="none")
+    return nll.float()
+
+
+def _external_lse(name, hidden, weight, bias, target, want_sum) -> LinearLSE:
+    """``lse = nll(t') + z_t'`` for a valid ``t'`` in every row (the external kernels return
+    NLLs only): the ``z`` term's gradient cancels the onehot in the kernel's."""
+    acc = accumulation_dtype(hidden, weight)
+    valid = (target >= 0) & (target < weight.size(0))
+    safe = torch.where(valid, target, 0)
+    nll = _external_nll(name, hidden, weight, bias, safe).to(acc)
+    with torch.autocast(hidden.device.type, enabled=False):
+        h, w = hidden.to(acc), weight.to(acc)
+        logit = (h * w.index_select(0, safe)).sum(1)
+        if bias is not None:
+            logit = logit + bias.to(acc).index_select(0, safe)
+        total = None
+        if want_sum:
+            total = h @ w.sum(0) + (0.0 if bias is None else bias.to(acc).sum())
+    lse = nll + logit
+    return LinearLSE(lse, torch.where(valid, logit, torch.zeros_like(logit)), total)
