@@ -1,5 +1,6 @@
 """SVD-softmax on DS-Softmax experts (heads/ds_svd.py) against plain float64 references."""
 
+import copy
 import math
 
 import pytest
@@ -185,3 +186,19 @@ def test_bad_head_options():
         DSSoftmaxHead(8, 20, svd_rank=4, svd_candidates=2.0)
     assert DSSoftmaxHead(8, 20).svd_preview is None
     assert math.isclose(DSSoftmaxHead(8, 20, svd_rank=4).svd_preview.candidates, 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias", [False, True])
+def test_svd_topk_on_cuda_matches_cpu(bias):
+    """The PyTorch preview path on a GPU (previews built there too): the CPU's answers."""
+    head = svd_head(bias)
+    hidden = torch.randn(30, head.hidden_size, dtype=torch.float64)
+    expected = head.topk(hidden, 4)
+    cuda_head = copy.deepcopy(head).cuda()
+    batched = cuda_head.topk(hidden.cuda(), 4)
+    single = [cuda_head.topk(hidden[n : n + 1].cuda(), 4) for n in range(hidden.size(0))]
+    for values, indices in (batched, tuple(map(torch.cat, zip(*single, strict=True)))):
+        assert values.is_cuda
+        torch.testing.assert_close(values.cpu(), expected[0])
+        assert torch.equal(indices.cpu(), expected[1])
