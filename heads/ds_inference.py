@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from heads.ds_softmax import DSSoftmaxHead
 
 TopK = tuple[torch.Tensor, torch.Tensor]
+FLOAT32 = torch.float32
 # batches with at most this many queries per expert (on average) go through the C kernel
 NATIVE_QUERIES_PER_EXPERT = 8
 # stages timed by ds_topk_profile (heads/native/ds_topk.c), then the kernel's whole call
@@ -209,20 +210,17 @@ class DSInference:
     # -- entry points -------------------------------------------------------------------
     def native_topk(self, hidden: torch.Tensor, k: int) -> TopK | None:
         """The C paths when they apply (float32 CPU queries ``[n, d]``), else ``None``."""
-        native = self.native
-        if (
-            native is None
-            or type(k) is not int
-            or not 0 < k <= self.vocab_size
-            or hidden.dtype is not torch.float32
-            or hidden.dim() != 2
-            or hidden.size(1) != self.hidden_size
-            or not hidden.is_cpu
-        ):
+        native = self.native  # checks cheapest first: this runs before every batch-1 answer
+        if native is None or type(k) is not int or hidden.dtype is not FLOAT32:
+            return None
+        shape = hidden.shape
+        if len(shape) != 2 or shape[1] != self.hidden_size or not 0 < k <= self.vocab_size:
+            return None
+        if not hidden.is_cpu:
             return None
         if self.svd is not None:
             self.previews  # noqa: B018 (rebuilt if the parameters moved)
-        n = hidden.size(0)
+        n = shape[0]
         if n == 1:
             return native.one(hidden, k) if hidden.is_contiguous() else None
         # The kernel answers query by query, its expert's rows in cache after the group's

@@ -307,9 +307,12 @@ class DSSoftmaxHead(Head):
             super().check_state_dict(state)  # names the missing and unexpected keys
 
     def load_pretrained(self, state: Mapping[str, torch.Tensor]) -> bool:
-        """A DS head's state as it is, or a softmax's (``weight [V, d]``, optional ``bias``) as
-        every expert's start: the pretrain-then-replace recipe of appendix B."""
-        if super().load_pretrained(state):
+        """A DS head's state as it is, whatever its structure (a pruned, split head: this one
+        resizes to it, e.g. to fine-tune it with the backbone), or a softmax's (``weight
+        [V, d]``, optional ``bias``) as every expert's start: the pretrain-then-replace recipe
+        of appendix B."""
+        if set(state) == set(self.state_dict()):
+            self.load_state_dict(state)
             return True
         weight = state.get("weight")
         if weight is None or weight.shape != (self.vocab_size, self.hidden_size):

@@ -400,3 +400,16 @@ def test_copies_and_pickles_rebuild_the_inference_cache():
         values, indices = other.topk(hidden, 4)
         torch.testing.assert_close(values, expected[0])
         assert torch.equal(indices, expected[1])
+
+
+def test_load_pretrained_takes_a_ds_state_of_any_structure():
+    """A pruned, split DS head's state starts a fresh DS head (fine-tuning a DS model with its
+    backbone): the fresh head resizes to it."""
+    trained = pruned_head()
+    trained.split_experts(noise_std=0.01, generator=torch.Generator().manual_seed(0))
+    fresh = make_head(num_experts=2).double()
+    assert fresh.load_pretrained(trained.state_dict())
+    assert fresh.expert_sizes() == trained.expert_sizes()
+    hidden, _ = _inputs()
+    torch.testing.assert_close(fresh.log_prob(hidden), trained.log_prob(hidden))
+    assert not fresh.load_pretrained({"weight": torch.zeros(3, 3)})  # neither DS nor softmax

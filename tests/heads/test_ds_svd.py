@@ -202,3 +202,23 @@ def test_svd_topk_on_cuda_matches_cpu(bias):
         assert values.is_cuda
         torch.testing.assert_close(values.cpu(), expected[0])
         assert torch.equal(indices.cpu(), expected[1])
+
+
+def test_native_svd_topk_matches_the_float64_path_on_full_rank_experts():
+    """Where the preview is an approximation, the C kernel (float32, batch 1 and batched)
+    makes the same approximation as the float64 PyTorch path: same candidates, same top-k,
+    same normaliser over candidates' exact logits and the others' previews."""
+    head = svd_head(bias=True, dtype=torch.float32, rank=2)
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(head.weight.shape, generator=gen))
+    reference = copy.deepcopy(head).double()
+    hidden = torch.randn(40, head.hidden_size, generator=gen)
+    expected = reference.topk(hidden.double(), 4)
+    assert not torch.equal(expected[1], reference.log_prob(hidden.double()).topk(4).indices)
+    batched = head.topk(hidden, 4)
+    single = tuple(map(torch.cat, zip(*[head.topk(h[None], 4) for h in hidden], strict=True)))
+    for values, indices in (batched, single):
+        assert values.dtype == torch.float32
+        assert torch.equal(indices, expected[1])
+        torch.testing.assert_close(values.double(), expected[0], rtol=1e-4, atol=1e-4)
