@@ -21,6 +21,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter  # noqa: E402
 
 ACCURACY_K = (1, 5, 10)
 BAND_POINTS = 0.3
@@ -57,29 +58,38 @@ def plot(report: dict[str, Any], out: Path) -> Path:
                 ax.axvline(base_time / speedup, color="0.6", linestyle=":", linewidth=1)
                 ax.annotate(f"{speedup}x", (base_time / speedup, 0.02), xycoords=("data",
                             "axes fraction"), fontsize=7, color="0.4")  # fmt: skip
+            for name, metrics in quality.items():  # accuracy-only softmax checkpoints
+                if name not in report["latency"] and metric in metrics:
+                    ax.axhline(metrics[metric], color="0.5", linestyle="--", linewidth=0.8)
+                    ax.annotate(name, (0.01, metrics[metric]), xycoords=("axes fraction",
+                                "data"), fontsize=6, color="0.4", va="bottom")  # fmt: skip
             seen = set()
-            for name, times in report["latency"].items():
-                if name not in quality or metric not in quality[name]:
-                    continue
-                kind = kind_of(name)
+            timed = [n for n in report["latency"] if metric in quality.get(n, {})]
+            for i, name in enumerate(timed):
+                times, kind = report["latency"][name], kind_of(name)
                 color, marker = STYLE[kind]
                 ax.scatter(times[key], quality[name][metric], color=color, marker=marker,
                            label=None if kind in seen else kind, zorder=3)  # fmt: skip
                 seen.add(kind)
+                # alternate above/below: DS variants often share an accuracy
                 ax.annotate(name, (times[key], quality[name][metric]), fontsize=6,
-                            xytext=(3, 3), textcoords="offset points")  # fmt: skip
+                            xytext=(3, 4 if i % 2 else -9), textcoords="offset points")  # fmt: skip
             ax.set_xscale("log")
+            ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+            ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_title(f"top-{k}, {label}" + (f" ({batch_size})" if row else ""), fontsize=9)
             ax.set_xlabel("us per query (median)", fontsize=8)
             if col == 0:
                 ax.set_ylabel("test accuracy", fontsize=8)
             ax.tick_params(labelsize=7)
             ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=7, loc="lower right")
+    axes[0][0].legend(fontsize=7, loc="best")
     machine = report.get("machine", {})
+    load = machine.get("load_average_before", [float("nan")])[0]
     fig.suptitle(f"top-{report['args'].get('k', 10)} latency vs accuracy; {machine.get('device')}, "
                  f"{machine.get('threads')} thread(s), load average "
-                 f"{machine.get('load_average_before', ['?'])[0]}", fontsize=10)  # fmt: skip
+                 f"{load:.2f}", fontsize=10)  # fmt: skip
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
