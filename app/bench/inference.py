@@ -26,7 +26,8 @@ Two sources of heads:
 answers ``topk`` by SVD-softmax (``heads/ds_svd.py``): the paper's SVD-50 on experts over
 1,000 classes is ``16:0.5:1000``. ``breakdown`` splits the C kernel's batch-1 time into gate,
 expert rows, SVD candidate selection and normaliser/top-k, and the rest of a ``topk`` call
-(Python, allocation, ctypes) into ``python_overhead``.
+(Python, allocation, ctypes; and the memory stalls of a query whose expert's rows are not in
+cache, which the profile's back-to-back queries hide) into ``python_overhead``.
 """
 
 from __future__ import annotations
@@ -270,7 +271,9 @@ def breakdown(
 ) -> dict[str, dict[str, float]]:
     """Where a batch-1 top-k's time goes, per DS head served by the C kernel: the kernel's
     stages (microseconds per query, summed over ``queries``), and ``python_overhead``, the
-    median batch-1 time minus the kernel's (the ``topk`` call, its checks and allocations)."""
+    median batch-1 time minus the kernel's: the ``topk`` call, its checks and allocations
+    (about 4 us on this project's CPU), plus cache misses the back-to-back profile avoids.
+    Both are CPU time of one thread with ``--clock cpu``."""
     result = {}
     for name, head in heads.items():
         if not isinstance(head, DSSoftmaxHead) or queries.device.type != "cpu":
