@@ -117,7 +117,10 @@ def parse_svd(text: str) -> SVDPreview:
 
 
 def svd_name(name: str, spec: SVDPreview) -> str:
-    return f"{name}+svd{spec.rank}-{round(spec.candidates * 100)}"
+    """``ds+svd16-50`` for the paper's SVD-50 (experts over 1,000 classes), ``ds+svd16-10-over300``
+    with another threshold: every ``--svd`` gets its own row."""
+    over = "" if spec.min_classes == SVDPreview.min_classes else f"-over{spec.min_classes}"
+    return f"{name}+svd{spec.rank}-{round(spec.candidates * 100)}{over}"
 
 
 def named_paths(values: list[str] | None, kind: str) -> dict[str, str]:
@@ -413,6 +416,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "hidden_size", "experts", "expert_size"):  # fmt: skip
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    names = [svd_name("ds", spec) for spec in args.svd]
+    if len(set(names)) != len(names):
+        parser.error(f"--svd options name the same row twice ({', '.join(names)}): give "
+                     "distinct RANK:CANDIDATES[:MIN_CLASSES]")  # fmt: skip
     if args.device.startswith("cuda"):
         if not torch.cuda.is_available():
             parser.error("--device cuda: no CUDA device here")

@@ -15,10 +15,10 @@ def test_inference_mode_runs_through_app_bench(tmp_path):
             "--name", "smoke"]  # fmt: skip
     report = main(argv)
     saved = json.loads((tmp_path / "smoke.json").read_text())
-    assert saved["latency"].keys() == {"softmax", "softmax_1x", "ds", "ds+svd4-25"}
+    assert saved["latency"].keys() == {"softmax", "softmax_1x", "ds", "ds+svd4-25-over50"}
     assert saved["reference"] == "softmax"
-    assert saved["speedup_vs_softmax"].keys() == {"softmax_1x", "ds", "ds+svd4-25"}
-    assert saved["speedup_vs_softmax_1x"].keys() == {"softmax", "ds", "ds+svd4-25"}
+    assert saved["speedup_vs_softmax"].keys() == {"softmax_1x", "ds", "ds+svd4-25-over50"}
+    assert saved["speedup_vs_softmax_1x"].keys() == {"softmax", "ds", "ds+svd4-25-over50"}
     for row in saved["latency"].values():
         assert row["batch1_us_per_query"] > 0 and row["batched_us_per_query"] > 0
     speed = saved["speedup_vs_softmax"]["ds"]["batch1_us_per_query"]
@@ -27,7 +27,7 @@ def test_inference_mode_runs_through_app_bench(tmp_path):
                                   / times["ds"]["batch1_us_per_query"])  # fmt: skip
     # equal expert sizes: the speed-up is V / (|v| + K) whatever the utilisation
     assert report["quality"]["ds"]["flops_speedup"] == pytest.approx(500 / (80 + 8))
-    svd = report["quality"]["ds+svd4-25"]
+    svd = report["quality"]["ds+svd4-25-over50"]
     assert svd["svd"] == {"rank": 4, "candidates": 0.25, "min_classes": 50}
     assert svd["svd_experts"] == 8  # every 80-class expert is over 50 classes
     # W + n W / r + max(k, N) rows per query instead of n
@@ -38,7 +38,7 @@ def test_inference_mode_runs_through_app_bench(tmp_path):
     if saved["machine"]["native_kernel"]:
         stages = saved["breakdown"]["ds"]
         assert stages["same_answers"] and stages["kernel_total"] > 0
-        assert saved["breakdown"]["ds+svd4-25"]["svd_select"] > 0
+        assert saved["breakdown"]["ds+svd4-25-over50"]["svd_select"] > 0
 
 
 def test_bad_svd_spec_is_one_clear_error(capsys):
@@ -48,6 +48,9 @@ def test_bad_svd_spec_is_one_clear_error(capsys):
     with pytest.raises(SystemExit):
         main(["--mode", "inference", "--svd", "16:1.5"])
     assert "svd_candidates" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--mode", "inference", "--svd", "16:0.1", "--svd", "16:0.1:1000"])
+    assert "same row twice" in capsys.readouterr().err
 
 
 def test_plot_of_a_report(tmp_path):
@@ -158,7 +161,7 @@ def test_ptb_softmax_then_ds_then_inference_bench(tmp_path, monkeypatch, ptb_pat
     assert report["accuracy_vs_softmax_points"]["ds"]["acc_top1"] == pytest.approx(
         100 * (quality["ds"]["acc_top1"] - quality["softmax"]["acc_top1"])
     )
-    assert quality["ds+svd4-50"]["tokens"] == quality["ds"]["tokens"]
+    assert quality["ds+svd4-50-over1"]["tokens"] == quality["ds"]["tokens"]
     plot_main([str(tmp_path / "inference.json"), "--out", str(tmp_path / "plot.png")])
     assert (tmp_path / "plot.png").stat().st_size > 10_000
 
