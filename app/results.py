@@ -65,7 +65,7 @@ def link(path: Path, doc_dir: Path) -> str:
 
 def _machine(report: dict[str, Any]) -> str:
     machine = report.get("machine", {})
-    load = machine.get("load_average")
+    load = machine.get("load_average") or machine.get("load_average_before")
     bits = [machine.get("cuda") or machine.get("device"), machine.get("platform"),
             f"torch {machine.get('torch')}", f"{machine.get('threads')} threads",
             load and f"load average {load[0]:.1f}"]  # fmt: skip
@@ -148,36 +148,48 @@ def _is_inference_bench(report: dict[str, Any]) -> bool:
     return report.get("args", {}).get("mode") == "inference" and "latency" in report
 
 
+def _svd_flag(value: Any) -> Any:
+    """``--svd`` values as typed (``rank:candidates:min_classes``)."""
+    if isinstance(value, list):
+        return [_svd_flag(v) for v in value]
+    if isinstance(value, dict):
+        return f"{value['rank']}:{value['candidates']}:{value['min_classes']}"
+    return value
+
+
 def render_inference_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
-    latency = report["latency"]
-    keys = ["batch1_us_per_query", "batched_us_per_query", "batch1_us_per_query_min",
-            "batched_us_per_query_min"]  # fmt: skip
-    body = [[name, *(row.get(k, float("nan")) for k in keys)] for name, row in latency.items()]
+    args, nan = report["args"], float("nan")
+    latency, quality = report["latency"], report.get("quality", {})
+    speedup = report.get("speedup_vs_softmax") or report.get("latency_speedup", {})
+    points = report.get("accuracy_vs_softmax_points", {})
+    reference = report.get("reference", "softmax")
+    names = list(dict.fromkeys([*latency, *quality]))
+    body = []
+    for name in names:
+        timed, q = latency.get(name, {}), quality.get(name, {})
+        fast, delta = speedup.get(name, {}), points.get(name, {})
+        body.append([name, timed.get("batch1_us_per_query", nan),
+                     timed.get("batched_us_per_query", nan),
+                     fast.get("batch1_us_per_query", nan), fast.get("batched_us_per_query", nan),
+                     *(100 * q[a] if a in q else nan for a in ("acc_top1", "acc_top5",
+                                                               "acc_top10")),
+                     delta.get(f"acc_top{args['k']}", nan), q.get("num_experts", "-"),
+                     q.get("flops_speedup", nan)])  # fmt: skip
+    k, batch = args["k"], args["batch_size"]
+    header = ["model", "batch-1 us/query", f"batch-{batch} us/query", f"batch-1 x {reference}",
+              f"batch-{batch} x {reference}", "top-1 %", "top-5 %", "top-10 %",
+              f"top-{k} vs {reference} (points)", "experts", "FLOP speed-up"]  # fmt: skip
+    command = command_of("app.bench", {**args, "svd": _svd_flag(args.get("svd"))},
+                         skip=("out", "name"))  # fmt: skip
     parts = [
-        f"Top-k latency (k = {report['args']['k']}, batches of {report['args']['batch_size']}); "
-        f"{_machine(report)}.",
-        "```bash\n" + command_of("app.bench", report["args"], skip=("out", "name")) + "\n```",
-        table(
-            ["head", "batch-1 us/query", "batched us/query", "batch-1 min", "batched min"], body
-        ),  # fmt: skip
+        f"Top-{k} latency (median CPU time per query; speed-ups against `{reference}` timed in "
+        f"the same run) and test accuracy; {_machine(report)}.",
+        f"```bash\n{command}\n```",
+        table(header, body),
     ]
-    speedup = report.get("latency_speedup", {})
-    if speedup:
-        parts.append(
-            table(
-                ["DS speed-up against", *keys],
-                [[peer, *(v.get(k) for k in keys)] for peer, v in speedup.items()],
-            )
-        )
-    quality = report.get("quality", {})
-    if quality:
-        names = sorted({k for m in quality.values() for k, v in m.items()
-                        if isinstance(v, int | float)})  # fmt: skip
-        parts.append(
-            table(
-                ["model", *names], [[m, *(q.get(n, "") for n in names)] for m, q in quality.items()]
-            )
-        )
+    plot = path.with_suffix(".png")
+    if plot.exists():
+        parts.append(f"![{path.stem}]({link(plot, doc_dir)})")
     return "\n\n".join(parts)
 
 

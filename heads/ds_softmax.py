@@ -47,9 +47,10 @@ from heads.base import (
     float32_no_autocast,
     upcast,
 )
+from heads.ds_inference import DSInference
+from heads.ds_svd import SVDPreview
 from heads.errors import HeadConfigError
 from heads.fused_cross_entropy import linear_lse
-from heads.native import ds_topk_kernel
 
 
 def _float32(device: torch.device) -> contextlib.AbstractContextManager:
@@ -63,83 +64,6 @@ def _float32(device: torch.device) -> contextlib.AbstractContextManager:
 def _check_non_negative(name: str, value: float) -> None:
     if not isinstance(value, (int, float)) or value < 0:
         raise HeadConfigError(f"{name} must be a non-negative number, got {value!r}")
-
-
-class _InferenceCache:
-    """Inference-side copies of a head's structure (see ``DSSoftmaxHead._inference_cache``).
-
-    ``experts[k]``: detached views ``(W^(k) [|v_k|, d], b^(k) [|v_k|] or None, class ids)``.
-    ``padded``: every expert's rows padded to the largest expert, transposed,
-    ``([K, d, S], bias [K, S])``
-    with a ``-inf`` bias on padding, for the batched path; a copy, so it is rebuilt when the
-    parameters change (their version counter), and only built when padding at most doubles the
-    rows.
-    """
-
-    def __init__(self, head: DSSoftmaxHead) -> None:
-        weight, gate = head.weight.detach(), head.gate.detach()
-        self.gate = gate
-        self.dtype = weight.dtype
-        bounds = list(zip(head._offsets[:-1], head._offsets[1:], strict=True))
-        self.experts = [(*head._split_rows(weight[a:b]), head.row_class[a:b]) for a, b in bounds]
-        sizes = head.expert_sizes()
-        self.max_size, self.min_size = max(sizes), min(sizes)
-        self._head = head
-        self._padded_version: tuple[int, int] | None = None
-        self._padded: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.padded_classes: torch.Tensor | None = None
-        self._can_pad = len(sizes) * self.max_size <= 2 * weight.size(0)
-        self.native = self._native_topk(head, weight, gate)
-
-    def _native_topk(self, head: DSSoftmaxHead, weight: torch.Tensor, gate: torch.Tensor):
-        """The C batch-1 top-k (``heads/native/ds_topk.c``) bound to this structure, or
-        ``None`` (not float32 on CPU, no compiler): ``_topk_one`` then stays in PyTorch."""
-        if not (weight.device.type == "cpu" and weight.dtype == gate.dtype == torch.float32):
-            return None
-        if not (weight.is_contiguous() and gate.is_contiguous()):
-            return None
-        kernel = ds_topk_kernel()
-        if kernel is None:
-            return None
-        offsets = head.expert_offsets.to(torch.int64).contiguous()
-        row_class = head.row_class.to(torch.int64).contiguous()
-        self._native_storage = (weight, gate, offsets, row_class)  # the pointers stay valid
-        gate_ptr, weight_ptr = gate.data_ptr(), weight.data_ptr()
-        num_experts, row_size, bias = gate.size(0), head.row_size, int(head.bias)
-        offsets_ptr, class_ptr = offsets.data_ptr(), row_class.data_ptr()
-        scratch = max(num_experts, self.max_size)
-        d = head.hidden_size
-
-        def topk_one(hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-            values = torch.empty(1, k)
-            classes = torch.empty(1, k, dtype=torch.long)
-            taken = kernel(
-                hidden.data_ptr(), d, gate_ptr, num_experts, weight_ptr, row_size, bias,
-                offsets_ptr, class_ptr, k, scratch, values.data_ptr(), classes.data_ptr(),
-            )  # fmt: skip
-            return (values, classes) if taken == k else None
-
-        return topk_one
-
-    @property
-    def padded(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if not self._can_pad:
-            return None
-        head = self._head
-        version = (head.weight._version, head.gate._version)
-        if version != self._padded_version:
-            k, s = len(self.experts), self.max_size
-            ref = self.experts[0][0]
-            weight = ref.new_zeros(k, head.hidden_size, s)  # [K, d, S]: see _topk_padded
-            bias = ref.new_full((k, s), -math.inf)
-            classes = torch.zeros(k, s, dtype=torch.long, device=ref.device)
-            for e, (rows, b, c) in enumerate(self.experts):
-                weight[e, :, : rows.size(0)] = rows.T
-                bias[e, : rows.size(0)] = 0.0 if b is None else b
-                classes[e, : rows.size(0)] = c
-            self._padded, self.padded_classes = (weight, bias), classes
-            self._padded_version = version
-        return self._padded
 
 
 class DSSoftmaxHead(Head):
@@ -159,6 +83,14 @@ class DSSoftmaxHead(Head):
             lets DS start exactly from a softmax with a bias (pretrain-then-replace). The bias
             is stored as the row's last column, so it belongs to the row's lasso group and is
             pruned with it.
+        svd_rank: with a positive value, ``topk`` answers by SVD-softmax on the experts that
+            hold more than ``svd_min_classes`` classes: a preview with this many singular
+            directions (the paper's window width, 16), then exact logits for the best
+            ``svd_candidates`` share of the expert's classes (DS paper section 4.6, Table 3;
+            ``heads/ds_svd.py``). An inference option: ``log_prob`` and training are exact.
+            Default 0: exact ``topk``.
+        svd_candidates: share of an expert's classes given exact logits (SVD-50: 0.5).
+        svd_min_classes: experts up to this many classes stay exact (the paper: 1,000).
     """
 
     weight: nn.Parameter
@@ -176,6 +108,9 @@ class DSSoftmaxHead(Head):
         lambda_load: float = 10.0,
         init_std: float | None = None,
         bias: bool = False,
+        svd_rank: int = 0,
+        svd_candidates: float = 0.5,
+        svd_min_classes: int = 1000,
     ) -> None:
         super().__init__(hidden_size, vocab_size)
         check_positive_int("num_experts", num_experts)
@@ -201,6 +136,11 @@ class DSSoftmaxHead(Head):
         self.gate = nn.Parameter(torch.randn(num_experts, hidden_size) * std)
         self.register_buffer("row_class", torch.arange(vocab_size).repeat(num_experts))
         self.register_buffer("expert_offsets", torch.arange(num_experts + 1) * vocab_size)
+        if not isinstance(svd_rank, int) or svd_rank < 0:
+            raise HeadConfigError(f"svd_rank must be a non-negative integer, got {svd_rank!r}")
+        self.svd_preview = (
+            SVDPreview(svd_rank, svd_candidates, svd_min_classes) if svd_rank else None
+        )
         self._refresh_structure()
 
     # -- structure ----------------------------------------------------------------------
@@ -211,7 +151,7 @@ class DSSoftmaxHead(Head):
     def _refresh_structure(self) -> None:
         """Python-side copies of the structure: the inference path avoids tensor syncs."""
         self._offsets: list[int] = self.expert_offsets.tolist()
-        self._cache: _InferenceCache | None = None
+        self._cache: DSInference | None = None
 
     def _split_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(W, b)`` of packed rows (``b`` is ``None`` without ``bias``)."""
@@ -410,9 +350,12 @@ class DSSoftmaxHead(Head):
             super().check_state_dict(state)  # names the missing and unexpected keys
 
     def load_pretrained(self, state: Mapping[str, torch.Tensor]) -> bool:
-        """A DS head's state as it is, or a softmax's (``weight [V, d]``, optional ``bias``) as
-        every expert's start: the pretrain-then-replace recipe of appendix B."""
-        if super().load_pretrained(state):
+        """A DS head's state as it is, whatever its structure (a pruned, split head: this one
+        resizes to it, e.g. to fine-tune it with the backbone), or a softmax's (``weight
+        [V, d]``, optional ``bias``) as every expert's start: the pretrain-then-replace recipe
+        of appendix B."""
+        if set(state) == set(self.state_dict()):
+            self.load_state_dict(state)
             return True
         weight = state.get("weight")
         if weight is None or weight.shape != (self.vocab_size, self.hidden_size):
@@ -443,150 +386,50 @@ class DSSoftmaxHead(Head):
             return logits.log_softmax(dim=-1)
 
     def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k inside the selected expert only: a softmax over its ``|v_k|`` rows.
+        """Top-k inside the selected expert only: a softmax over its ``|v_k|`` rows
+        (``heads/ds_inference.py``), or SVD-softmax on the large experts when ``svd_rank``
+        is set (``heads/ds_svd.py``). No gradient flows through the answer.
 
         When the expert holds fewer than ``k`` classes the rest of the answer is classes
         outside it, with log-probability ``-inf`` (probability 0).
         """
-        cache = self._inference_cache()
-        if (  # batch 1 in float32/64 without autograd: the latency case
-            type(k) is int
-            and 0 < k <= self.vocab_size
-            and hidden.dim() == 2
-            and hidden.size(0) == 1
-            and hidden.size(1) == self.hidden_size
-            and not hidden.requires_grad
-            and hidden.dtype == cache.dtype
-        ):
-            if cache.native is not None and hidden.is_cpu and hidden.is_contiguous():
-                answer = cache.native(hidden, k)  # Eq. 1 and 2 in one C call, in float32
-                if answer is not None:  # else the expert holds fewer than k classes
-                    return answer
-            if not torch.is_autocast_enabled(hidden.device.type):
-                return self._topk_one(hidden[0], k)
+        inference = self._cache or self._inference_cache()
+        answer = inference.native_topk(hidden, k)  # the C kernel: checks its own inputs
+        if answer is not None:
+            return answer
         check_positive_int("k", k)
         if k > self.vocab_size:
             raise HeadConfigError(f"top-k with k={k} exceeds the vocabulary size {self.vocab_size}")
         self.check_inputs(hidden)
-        with torch.no_grad():
-            if hidden.size(0) == 1:
-                with _float32(hidden.device):
-                    gate_value, expert = (upcast(hidden) @ upcast(self.gate).T).softmax(-1).max(-1)
-                return self._expert_topk(int(expert), hidden, gate_value, k)
-            return self._topk_batched(hidden, k)
+        return inference.topk(hidden, k)
 
-    def _inference_cache(self) -> _InferenceCache:
+    def set_svd_preview(
+        self, rank: int | None, candidates: float = 0.5, min_classes: int = 1000
+    ) -> None:
+        """Answer ``topk`` by SVD-softmax on experts with more than ``min_classes`` classes:
+        a preview with ``rank`` singular directions, exact logits for the best ``candidates``
+        share of the classes (``heads/ds_svd.py``). ``rank=None`` (or 0): exact ``topk``."""
+        self.svd_preview = SVDPreview(rank, candidates, min_classes) if rank else None
+        self._cache = None
+
+    def _inference_cache(self) -> DSInference:
         """Detached per-expert views of the packed parameters, built once per structure:
         slicing a Parameter per query costs more than the expert's matrix-vector product.
         Views share storage, so optimizer steps and ``load_state_dict`` show through; a new
-        structure (``set_structure``, loading) and moving the storage (``_apply``: ``.to()``,
-        ``.double()``) drop the cache."""
+        structure (``set_structure``, loading), moving the storage (``_apply``: ``.to()``,
+        ``.double()``) and new SVD options drop the cache."""
         cache = self._cache
         if cache is None:
-            cache = self._cache = _InferenceCache(self)
+            cache = self._cache = DSInference(self, self.svd_preview)
         return cache
 
     def _apply(self, fn, *args, **kwargs):
         self._cache = None  # the parameters may move to new storage
         return super()._apply(fn, *args, **kwargs)
 
-    def _topk_one(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One query ``h [d]``: gate matvec, one (add)mv over the selected expert, a softmax
-        and top-k over ``|v_k|`` values, then the class ids. No grouping, no grad."""
-        cache = self._inference_cache()
-        gate_value, expert = torch.softmax(torch.mv(cache.gate, h), 0).max(0)  # Eq. 1
-        e, g = int(expert), float(gate_value)
-        rows, bias, classes = cache.experts[e]
-        # G_{k*} (W h + b) (Eq. 2). Scaling after the product: addmv's alpha/beta != 1 takes a
-        # path about 4x slower than the plain one on CPU (torch 2.13)
-        logits = torch.mv(rows, h) if bias is None else torch.addmv(bias, rows, h)
-        logits.mul_(g)
-        if k > classes.numel():
-            return self._top_of_expert(torch.log_softmax(logits, 0)[None], classes, k)
-        values, where = torch.log_softmax(logits, 0).topk(k)
-        return values[None], classes.take(where)[None]  # take: cheaper than advanced indexing
-
-    def _topk_batched(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queries grouped by expert with one sort. Where the experts' padded block is cheap
-        enough, all groups go through one batched matmul; otherwise one matmul per group."""
-        expert, gate_value = self.select(hidden)
-        n = hidden.size(0)
-        order = torch.argsort(expert, stable=True)
-        counts = torch.bincount(expert, minlength=self.num_experts)
-        cache = self._inference_cache()
-        if (
-            cache.padded is not None
-            and k <= cache.min_size
-            and not torch.is_autocast_enabled(hidden.device.type)
-            and hidden.dtype == self.weight.dtype
-        ):
-            # the padded matmul computes K x S_max x C_max products, the loop about n x S_max
-            # plus ~5 op calls per used expert: take the padded one when not much dearer
-            padded_cost = self.num_experts * cache.max_size * int(counts.max())
-            if padded_cost <= 4 * n * cache.max_size + self.num_experts * 20_000:
-                return self._topk_padded(hidden, k, expert, gate_value, order, counts)
-        counts_list = counts.tolist()
-        sorted_hidden, sorted_gate = hidden[order], gate_value[order]
-        parts_values, parts_classes, start = [], [], 0
-        for e, count in enumerate(counts_list):
-            if count:
-                rows = slice(start, start + count)
-                top_values, top_classes = self._expert_topk(
-                    e, sorted_hidden[rows], sorted_gate[rows], k
-                )
-                parts_values.append(top_values)
-                parts_classes.append(top_classes)
-                start += count
-        values, classes = torch.cat(parts_values), torch.cat(parts_classes)
-        return (
-            torch.empty_like(values).index_copy_(0, order, values),
-            torch.empty_like(classes).index_copy_(0, order, classes),
-        )
-
-    def _topk_padded(self, hidden, k, expert, gate_value, order, counts):
-        """All groups in one ``baddbmm``: every expert's rows padded to the largest expert
-        ``[K, d, S]`` against its queries padded to the largest group ``[K, C, d]``.
-        Padded rows carry a ``-inf`` bias, so they never reach the softmax or the top-k."""
-        cache = self._inference_cache()
-        weight, bias = cache.padded
-        n = hidden.size(0)
-        sorted_expert = expert[order]
-        # position of each (sorted) query inside its expert's group
-        rank = torch.arange(n, device=hidden.device) - (counts.cumsum(0) - counts)[sorted_expert]
-        queries = hidden.new_zeros(self.num_experts, int(counts.max()), self.hidden_size)
-        queries[sorted_expert, rank] = hidden[order]
-        # [K, C, d] @ [K, d, S]: the long axis last runs about 3x faster than [K, S, d] @ [K, d, C]
-        logits = torch.baddbmm(bias[:, None, :], queries, weight)[sorted_expert, rank]
-        log_probs = (logits * gate_value[order][:, None]).log_softmax(-1)  # Eq. 2, sorted order
-        values, where = log_probs.topk(k, dim=-1)
-        classes = cache.padded_classes[sorted_expert[:, None], where]
-        return (
-            torch.empty_like(values).index_copy_(0, order, values),
-            torch.empty_like(classes).index_copy_(0, order, classes),
-        )
-
-    def _expert_topk(self, e: int, hidden: torch.Tensor, gate_value: torch.Tensor, k: int):
-        rows, bias, classes = self._inference_cache().experts[e]
-        logits = F.linear(hidden, rows, bias)
-        with _float32(hidden.device):
-            log_probs = (upcast(logits) * upcast(gate_value)[:, None]).log_softmax(dim=-1)
-        return self._top_of_expert(log_probs, classes, k)
-
-    def _top_of_expert(self, log_probs: torch.Tensor, classes: torch.Tensor, k: int):
-        """Top-k of one expert's ``[n, |v_k|]`` log-probabilities, as class ids."""
-        take = min(k, classes.numel())
-        top_values, where = log_probs.topk(take, dim=-1)
-        top_classes = classes.take(where)
-        if take < k:  # fill with classes outside the expert: probability 0
-            outside = torch.ones(self.vocab_size, dtype=torch.bool, device=classes.device)
-            outside[classes] = False
-            extra = outside.nonzero().squeeze(1)[: k - take]
-            rows = log_probs.size(0)
-            top_values = torch.cat(
-                (top_values, top_values.new_full((rows, k - take), -math.inf)), 1
-            )
-            top_classes = torch.cat((top_classes, extra.expand(rows, -1)), 1)
-        return top_values, top_classes
+    def __getstate__(self) -> dict[str, Any]:
+        # copies and pickles rebuild the cache: it holds raw pointers into these parameters
+        return {**self.__dict__, "_cache": None}
 
     # -- regularisers -------------------------------------------------------------------
     def aux_loss(self, expert: torch.Tensor, gate_value: torch.Tensor) -> torch.Tensor:

@@ -1,29 +1,41 @@
 """Top-k inference benchmark: ``python -m app.bench --mode inference --help``.
 
 Times top-k retrieval per query, at batch 1 and batched, for DS-Softmax (gate, then a softmax
-over the selected expert's surviving classes) against the full softmax followed by ``topk``,
-on CPU (DS-Softmax paper, Table 1). ``softmax_1x`` is the same full softmax as a DS head with
-one expert over every class: at batch 1 it runs through the same C kernel as DS
-(``heads/native``), so DS's speed-up against it is what sparsity alone buys, while the one
-against ``softmax`` (``F.linear`` + ``log_softmax`` + ``topk``) is what a user of the plain
-softmax head gains. Heads are interleaved within each repeat so they share the
-machine's state; each figure is the median over repeats.
+over the selected expert's surviving classes), DS-Softmax with the SVD-softmax preview on its
+large experts, and the full softmax followed by ``topk`` (DS-Softmax paper, Tables 1 and 3).
+``softmax_1x`` is the same full softmax as a DS head with one expert over every class: at
+batch 1 it runs through the same C kernel as DS (``heads/native``), so DS's speed-up against
+it is what sparsity alone buys, while the one against ``softmax`` (``F.linear`` +
+``log_softmax`` + ``topk``) is what a user of the plain softmax head gains. Heads are
+interleaved block by block so they share the machine's state; each figure is the median over
+blocks and repeats, and ``*_min`` the fastest block (which other jobs disturb least).
 
 Two sources of heads:
 
-- trained language models: ``--ds-config/--ds-checkpoint`` and
-  ``--softmax-config/--softmax-checkpoint`` (the YAML configs of ``cli.py`` and checkpoints it
-  wrote). Both models are also evaluated on the data module's test split: top-1/5/10 accuracy
-  through ``head.topk``, expert utilisation ``u_k`` and the FLOP speed-up
-  ``|V| / (sum_k |v_k| u_k + K)``; the timed queries are the test split's context vectors.
+- trained language models: ``--softmax-config`` with one or more ``--softmax-checkpoint``,
+  ``--ds-config`` with one or more ``--ds-checkpoint`` (``NAME=PATH`` names a row), as
+  ``cli.py`` wrote them. Every model is evaluated on the test split: top-1/5/10 accuracy
+  through ``head.topk`` (for DS: expert utilisation ``u_k`` and the FLOP speed-up
+  ``|V| / (sum_k |v_k| u_k + K)``); the timed queries are the first DS model's test context
+  vectors. The first softmax is the reference of every ratio and accuracy difference.
 - synthetic (no checkpoints): a DS head with ``--experts`` experts of ``--expert-size`` random
-  classes each, and a softmax of the same ``V`` and ``d``, timed on random context vectors.
+  classes each, and a softmax of the same ``V`` and ``d``, timed on random context vectors
+  (random experts have no low-rank structure: SVD rows measure speed only).
+
+``--svd RANK:CANDIDATES[:MIN_CLASSES]`` (repeatable) adds, for every DS model, a copy that
+answers ``topk`` by SVD-softmax (``heads/ds_svd.py``): the paper's SVD-50 on experts over
+1,000 classes is ``16:0.5:1000``. ``breakdown`` splits the C kernel's batch-1 time into gate,
+expert rows, SVD candidate selection and normaliser/top-k, and the rest of a ``topk`` call
+(Python, allocation, ctypes; and the memory stalls of a query whose expert's rows are not in
+cache, which the profile's back-to-back queries hide) into ``python_overhead``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import os
 import platform
 import statistics
 import time
@@ -35,9 +47,11 @@ from torch import nn
 
 from app.lightning_cli import build
 from heads import DSSoftmaxHead, SoftmaxHead
-from heads.native import ds_topk_kernel
+from heads.ds_svd import SVDPreview, expert_cost
+from heads.native import ds_topk_kernels
 
 ACCURACY_K = (1, 5, 10)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def synthetic_ds_head(vocab: int, hidden: int, experts: int, expert_size: int, seed: int = 0):
@@ -83,6 +97,41 @@ def softmax_as_one_expert(softmax: SoftmaxHead) -> DSSoftmaxHead:
     return head.to(softmax.weight.dtype)
 
 
+def with_svd(head: DSSoftmaxHead, spec: SVDPreview) -> DSSoftmaxHead:
+    """A copy of ``head`` whose ``topk`` uses the SVD preview ``spec``."""
+    copied = copy.deepcopy(head)
+    copied.set_svd_preview(spec.rank, spec.candidates, spec.min_classes)
+    return copied
+
+
+def parse_svd(text: str) -> SVDPreview:
+    """``RANK:CANDIDATES[:MIN_CLASSES]``, e.g. ``16:0.5:1000`` (the paper's SVD-50)."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3):
+        raise argparse.ArgumentTypeError(f"--svd takes RANK:CANDIDATES[:MIN_CLASSES], got {text}")
+    try:
+        numbers = (int(parts[0]), float(parts[1]), *(int(p) for p in parts[2:]))
+        return SVDPreview(*numbers)
+    except ValueError as error:  # HeadConfigError is a ValueError
+        raise argparse.ArgumentTypeError(f"--svd {text}: {error}") from None
+
+
+def svd_name(name: str, spec: SVDPreview) -> str:
+    """``ds+svd16-50`` for the paper's SVD-50 (experts over 1,000 classes), ``ds+svd16-10-over300``
+    with another threshold: every ``--svd`` gets its own row."""
+    over = "" if spec.min_classes == SVDPreview.min_classes else f"-over{spec.min_classes}"
+    return f"{name}+svd{spec.rank}-{round(spec.candidates * 100)}{over}"
+
+
+def named_paths(values: list[str] | None, kind: str) -> dict[str, str]:
+    """``NAME=PATH`` or ``PATH`` arguments: names default to ``kind``, ``kind_2``, ..."""
+    named = {}
+    for i, value in enumerate(values or []):
+        name, _, path = value.rpartition("=") if "=" in value else ("", "", value)
+        named[name or (kind if i == 0 else f"{kind}_{i + 1}")] = path
+    return named
+
+
 def load_lm(config: str, checkpoint: str):
     """Model and data module as ``cli.py`` builds them from ``config``, weights from
     ``checkpoint``."""
@@ -97,12 +146,15 @@ def load_lm(config: str, checkpoint: str):
 
 
 @torch.inference_mode()
-def evaluate_lm(model, datamodule, keep_queries: int, max_batches: int | None) -> dict[str, Any]:
-    """Top-k accuracy on the test split through ``head.topk``; utilisation for DS heads."""
+def evaluate_lm(
+    model, datamodule, heads: dict[str, nn.Module], keep_queries: int, max_batches: int | None
+) -> dict[str, Any]:
+    """Top-k accuracy on the test split through ``head.topk`` for each of ``heads`` (the
+    model's own head and variants of it) on the model's context vectors; utilisation for DS
+    heads. Returns ``{"metrics": {name: ...}, "queries": [keep_queries, d]}``."""
     datamodule.setup("test")
-    head = model.head
-    hits = torch.zeros(len(ACCURACY_K), dtype=torch.float64)
-    counts = torch.zeros(getattr(head, "num_experts", 1), dtype=torch.float64)
+    hits = {name: torch.zeros(len(ACCURACY_K), dtype=torch.float64) for name in heads}
+    counts = torch.zeros(getattr(model.head, "num_experts", 1), dtype=torch.float64)
     total, state, kept = 0, None, []
     for index, (inputs, targets) in enumerate(datamodule.test_dataloader()):
         if max_batches is not None and index >= max_batches:
@@ -111,35 +163,54 @@ def evaluate_lm(model, datamodule, keep_queries: int, max_batches: int | None) -
         hidden, targets = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
         keep = targets != -100
         hidden, targets = hidden[keep], targets[keep]
-        _, indices = head.topk(hidden, max(ACCURACY_K))
-        found = indices == targets[:, None]
-        for i, k in enumerate(ACCURACY_K):
-            hits[i] += found[:, :k].any(dim=1).sum()
+        for name, head in heads.items():
+            _, indices = head.topk(hidden, max(ACCURACY_K))
+            found = indices == targets[:, None]
+            for i, k in enumerate(ACCURACY_K):
+                hits[name][i] += found[:, :k].any(dim=1).sum()
         total += targets.numel()
-        if isinstance(head, DSSoftmaxHead):
-            expert, _ = head.select(hidden)
-            counts += torch.bincount(expert, minlength=head.num_experts).double()
+        if isinstance(model.head, DSSoftmaxHead):
+            expert, _ = model.head.select(hidden)
+            counts += torch.bincount(expert, minlength=model.head.num_experts).double()
         if sum(h.size(0) for h in kept) < keep_queries:
             kept.append(hidden)
-    result: dict[str, Any] = {
-        f"acc_top{k}": float(hits[i] / max(total, 1)) for i, k in enumerate(ACCURACY_K)
-    }
-    result["tokens"] = total
-    if isinstance(head, DSSoftmaxHead):
-        utilisation = counts / counts.sum().clamp_min(1)
-        result.update(ds_structure(head, utilisation))
-    return {"metrics": result, "queries": torch.cat(kept)[:keep_queries]}
+    metrics = {}
+    for name, head in heads.items():
+        result: dict[str, Any] = {
+            f"acc_top{k}": float(hits[name][i] / max(total, 1)) for i, k in enumerate(ACCURACY_K)
+        }
+        result["tokens"] = total
+        if isinstance(head, DSSoftmaxHead):
+            result.update(ds_structure(head, counts / counts.sum().clamp_min(1)))
+        metrics[name] = result
+    return {"metrics": metrics, "queries": torch.cat(kept)[:keep_queries]}
 
 
-def ds_structure(head: DSSoftmaxHead, utilisation: torch.Tensor) -> dict[str, Any]:
+def ds_structure(head: DSSoftmaxHead, utilisation: torch.Tensor, k: int = 10) -> dict[str, Any]:
+    """Experts, utilisation and FLOP speed-ups; with an SVD preview, also the speed-up of
+    its top-``k`` (``heads.ds_svd.expert_cost``) and how many experts use the preview."""
     sizes = head.expert_sizes()
-    return {
+    result = {
         "num_experts": head.num_experts,
         "expert_sizes": sizes,
         "utilisation": utilisation.tolist(),
         "flops_speedup": head.flops_speedup(utilisation),
         "rows_over_softmax": sum(sizes) / head.vocab_size,
     }
+    spec = head.svd_preview
+    if spec is not None:
+        costs = torch.tensor([expert_cost(n, head.row_size, spec, k) for n in sizes])
+        expected = float((costs.double() * utilisation.double()).sum()) + head.num_experts
+        result["svd"] = {"rank": spec.rank, "candidates": spec.candidates,
+                         "min_classes": spec.min_classes}  # fmt: skip
+        result["svd_experts"] = sum(spec.applies_to(n, head.row_size) for n in sizes)
+        result[f"svd_flops_speedup_top{k}"] = head.vocab_size / expected
+    return result
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @torch.inference_mode()
@@ -151,6 +222,7 @@ def time_topk(
     repeats: int,
     warmup: int,
     block: int = 100,
+    clock: str = "wall",
 ) -> dict[str, dict[str, float]]:
     """Per-query latency (us) of ``head.topk``: one query at a time, and in batches.
 
@@ -158,28 +230,34 @@ def time_topk(
     heads interleaved block by block so they share the machine's state. ``*_us_per_query`` is
     the median over all blocks and repeats; ``*_min`` the fastest block, which a machine
     shared with other jobs disturbs least (a whole pass rarely escapes preemption)."""
+    now, device = CLOCKS[clock], queries.device
     singles = {name: [] for name in heads}
     batched = {name: [] for name in heads}
     n = queries.size(0)
+    rows = [queries[i : i + 1] for i in range(n)]  # sliced once: not part of any head's time
     for repeat in range(warmup + repeats):
         for start in range(0, n, block):
+            stop = min(start + block, n)
             for name, head in heads.items():
-                stop = min(start + block, n)
-                began = time.perf_counter()
+                _sync(device)
+                began = now()
                 for i in range(start, stop):
-                    head.topk(queries[i : i + 1], k)
-                single = (time.perf_counter() - began) / (stop - start)
+                    head.topk(rows[i], k)
+                _sync(device)
                 if repeat >= warmup:
-                    singles[name].append(single * 1e6)
+                    singles[name].append((now() - began) / (stop - start) * 1e6)
         for start in range(0, n, block * batch_size):
+            stop = min(start + block * batch_size, n)
+            starts = range(start, stop, batch_size)
+            batches = [queries[i : min(i + batch_size, stop)] for i in starts]
             for name, head in heads.items():
-                stop = min(start + block * batch_size, n)
-                began = time.perf_counter()
-                for i in range(start, stop, batch_size):
-                    head.topk(queries[i : min(i + batch_size, stop)], k)
-                batch = (time.perf_counter() - began) / (stop - start)
+                _sync(device)
+                began = now()
+                for batch in batches:
+                    head.topk(batch, k)
+                _sync(device)
                 if repeat >= warmup:
-                    batched[name].append(batch * 1e6)
+                    batched[name].append((now() - began) / (stop - start) * 1e6)
     return {
         name: {
             "batch1_us_per_query": statistics.median(singles[name]),
@@ -191,46 +269,106 @@ def time_topk(
     }
 
 
+def breakdown(
+    heads: dict[str, nn.Module], queries: torch.Tensor, k: int, latency: dict[str, dict]
+) -> dict[str, dict[str, float]]:
+    """Where a batch-1 top-k's time goes, per DS head served by the C kernel: the kernel's
+    stages (microseconds per query, summed over ``queries``), and ``python_overhead``, the
+    median batch-1 time minus the kernel's: the ``topk`` call, its checks and allocations
+    (about 4 us on this project's CPU), plus cache misses the back-to-back profile avoids.
+    Both are CPU time of one thread with ``--clock cpu``."""
+    result = {}
+    for name, head in heads.items():
+        if not isinstance(head, DSSoftmaxHead) or queries.device.type != "cpu":
+            continue
+        profiled = head._inference_cache().profile(queries, k)
+        if profiled is None:
+            continue
+        (_, classes), stages = profiled
+        # the profile answers as topk does: a check that the stages timed the real path
+        _, expected = head.topk(queries, k)
+        stages["same_answers"] = bool(torch.equal(classes, expected))
+        stages["python_overhead"] = latency[name]["batch1_us_per_query"] - stages["kernel_total"]
+        result[name] = stages
+    return result
+
+
+def ratios(latency: dict[str, dict[str, float]], reference: str) -> dict[str, dict[str, float]]:
+    """``reference``'s time over each other head's, per timing key."""
+    base = latency[reference]
+    return {
+        name: {key: base[key] / times[key] for key in times}
+        for name, times in latency.items()
+        if name != reference
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    report: dict[str, Any] = {"args": vars(args)}
-    if args.ds_checkpoint or args.softmax_checkpoint:
-        if not (args.ds_config and args.ds_checkpoint and args.softmax_config
-                and args.softmax_checkpoint):  # fmt: skip
-            raise SystemExit("error: give --ds-config, --ds-checkpoint, --softmax-config and "
-                             "--softmax-checkpoint together")  # fmt: skip
-        evaluated = {}
-        for name in ("softmax", "ds"):
-            model, datamodule = load_lm(getattr(args, f"{name}_config"),
-                                        getattr(args, f"{name}_checkpoint"))  # fmt: skip
-            print(f"evaluating {name} on the test split", flush=True)
-            evaluated[name] = (model.head, evaluate_lm(model, datamodule, args.queries,
-                                                       args.max_eval_batches))  # fmt: skip
-        heads = {name: head for name, (head, _) in evaluated.items()}
-        report["quality"] = {name: ev["metrics"] for name, (_, ev) in evaluated.items()}
-        queries = evaluated["ds"][1]["queries"]
+    device = torch.device(args.device)
+    report: dict[str, Any] = {"args": vars(args).copy()}
+    report["args"]["svd"] = [vars(spec) for spec in args.svd]
+    load_before = os.getloadavg()
+    softmax_paths = named_paths(args.softmax_checkpoint, "softmax")
+    ds_paths = named_paths(args.ds_checkpoint, "ds")
+    heads: dict[str, nn.Module] = {}
+    if softmax_paths or ds_paths:
+        if not (args.softmax_config and softmax_paths and args.ds_config and ds_paths):
+            raise SystemExit("error: give --softmax-config, --softmax-checkpoint, --ds-config and "
+                             "--ds-checkpoint together")  # fmt: skip
+        quality, queries = {}, None
+        for kind, paths in (("softmax", softmax_paths), ("ds", ds_paths)):
+            for name, path in paths.items():
+                model, datamodule = load_lm(getattr(args, f"{kind}_config"), path)
+                variants = {name: model.head}
+                if kind == "ds":
+                    variants.update({svd_name(name, s): with_svd(model.head, s) for s in args.svd})
+                print(f"evaluating {', '.join(variants)} on the test split", flush=True)
+                evaluated = evaluate_lm(model, datamodule, variants, args.queries,
+                                        args.max_eval_batches)  # fmt: skip
+                quality.update(evaluated["metrics"])
+                if kind == "ds" and queries is None:
+                    queries = evaluated["queries"]
+                # extra softmax checkpoints are quality references: same latency as the first
+                if kind == "ds" or not heads:
+                    heads.update(variants)
+        reference = next(iter(softmax_paths))
+        report["quality"] = quality
+        report["accuracy_vs_softmax_points"] = {
+            name: {key: 100 * (metrics[key] - quality[reference][key])
+                   for key in (f"acc_top{k}" for k in ACCURACY_K)}
+            for name, metrics in quality.items() if name != reference
+        }  # fmt: skip
     else:
         ds = synthetic_ds_head(args.vocab_size, args.hidden_size, args.experts, args.expert_size)
-        softmax = SoftmaxHead(args.hidden_size, args.vocab_size)
-        heads = {"softmax": softmax, "ds": ds}
+        reference = "softmax"
+        heads = {"softmax": SoftmaxHead(args.hidden_size, args.vocab_size), "ds": ds}
+        heads.update({svd_name("ds", s): with_svd(ds, s) for s in args.svd})
         queries = torch.randn(args.queries, args.hidden_size)
         expert, _ = ds.select(queries)
         counts = torch.bincount(expert, minlength=ds.num_experts).double()
-        report["quality"] = {"ds": ds_structure(ds, counts / counts.sum())}
-    heads["softmax_1x"] = softmax_as_one_expert(heads["softmax"])
+        report["quality"] = {name: ds_structure(head, counts / counts.sum())
+                             for name, head in heads.items() if name != "softmax"}  # fmt: skip
+    report["reference"] = reference
+    heads["softmax_1x"] = softmax_as_one_expert(heads[reference])
     for head in heads.values():
-        head.eval()
+        head.eval().to(device)
+    queries = queries.to(device)
     report["latency"] = time_topk(heads, queries, args.k, args.batch_size, args.repeats,
-                                  args.warmup, args.block)  # fmt: skip
-    ds_times = report["latency"]["ds"]
-    report["latency_speedup"] = {  # DS against the PyTorch softmax, then against softmax_1x
-        peer: {key: report["latency"][peer][key] / ds_times[key] for key in ds_times}
-        for peer in ("softmax", "softmax_1x")
+                                  args.warmup, args.block, args.clock)  # fmt: skip
+    report["speedup_vs_softmax"] = ratios(report["latency"], reference)
+    report["speedup_vs_softmax_1x"] = ratios(report["latency"], "softmax_1x")
+    report["breakdown"] = breakdown(heads, queries, args.k, report["latency"])
+    report["machine"] = {
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "native_kernel": ds_topk_kernels() is not None,
+        "load_average_before": list(load_before),
+        "load_average_after": list(os.getloadavg()),
     }
-    report["native_kernel"] = ds_topk_kernel() is not None
-    report["machine"] = {"platform": platform.platform(), "torch": torch.__version__,
-                         "threads": torch.get_num_threads()}  # fmt: skip
     return report
 
 
@@ -241,10 +379,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--mode", choices=["inference"], default="inference")
-    parser.add_argument("--ds-config", help="cli.py YAML of the DS-Softmax language model")
-    parser.add_argument("--ds-checkpoint")
-    parser.add_argument("--softmax-config", help="cli.py YAML of the softmax language model")
-    parser.add_argument("--softmax-checkpoint")
+    parser.add_argument("--ds-config", help="cli.py YAML of the DS-Softmax language model(s)")
+    parser.add_argument("--ds-checkpoint", action="append",
+                        help="[NAME=]PATH, repeatable (e.g. one per mitosis stage)")  # fmt: skip
+    parser.add_argument("--softmax-config", help="cli.py YAML of the softmax language model(s)")
+    parser.add_argument("--softmax-checkpoint", action="append",
+                        help="[NAME=]PATH, repeatable: the first is the reference, the others "
+                             "are evaluated for accuracy only")  # fmt: skip
+    parser.add_argument("--svd", action="append", type=parse_svd, default=[],
+                        help="RANK:CANDIDATES[:MIN_CLASSES], repeatable: a DS+SVD row per DS "
+                             "model (the paper's SVD-50: 16:0.5:1000)")  # fmt: skip
     parser.add_argument("--max-eval-batches", type=int, default=None,
                         help="evaluate on the first N test batches only")  # fmt: skip
     parser.add_argument("--vocab-size", type=int, default=10_000, help="synthetic heads")
@@ -256,6 +400,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--queries", type=int, default=500, help="timed context vectors")
     parser.add_argument("--batch-size", type=int, default=100, help="batched timing")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU rows")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall: elapsed time; cpu: process CPU time, steadier on a shared "
+                             "machine (one thread)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--block", type=int, default=100,
                         help="queries (batch 1) or batches timed together; heads interleave "
@@ -268,6 +416,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "hidden_size", "experts", "expert_size"):  # fmt: skip
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    names = [svd_name("ds", spec) for spec in args.svd]
+    if len(set(names)) != len(names):
+        parser.error(f"--svd options name the same row twice ({', '.join(names)}): give "
+                     "distinct RANK:CANDIDATES[:MIN_CLASSES]")  # fmt: skip
+    if args.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device here")
+        if args.clock == "cpu":
+            parser.error("--clock cpu measures the host only: use --clock wall on a GPU")
     return args
 
 
@@ -276,18 +433,31 @@ def print_report(report: dict[str, Any]) -> None:
         shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in metrics.items()
                  if k not in ("expert_sizes", "utilisation")}  # fmt: skip
         print(f"{name}: {shown}")
+    for name, delta in report.get("accuracy_vs_softmax_points", {}).items():
+        print(f"{name}: points vs softmax " + ", ".join(f"{k} {v:+.2f}" for k, v in delta.items()))
     keys = ("batch1_us_per_query", "batched_us_per_query", "batch1_us_per_query_min",
             "batched_us_per_query_min")  # fmt: skip
     widths = (12, 12, 14, 14)
-    print(f"\n{'us/query':<18}{'batch-1':>12}{'batched':>12}{'batch-1 min':>14}{'batched min':>14}")
+    width = max(18, *(len(name) + 10 for name in report["latency"]))
+    print(f"\n{'us/query':<{width}}{'batch-1':>12}{'batched':>12}{'batch-1 min':>14}"
+          f"{'batched min':>14}")  # fmt: skip
     for name, row in report["latency"].items():
         cells = (f"{row[key]:>{w}.1f}" for key, w in zip(keys, widths, strict=True))
-        print(f"{name:<18}" + "".join(cells))
-    for peer, speed in report["latency_speedup"].items():
-        cells = (f"{speed[key]:>{w - 1}.2f}x" for key, w in zip(keys, widths, strict=True))
-        print(f"{'DS vs ' + peer:<18}" + "".join(cells))
-    kernel = "C kernel" if report["native_kernel"] else "PyTorch (no C compiler)"
-    print(f"batch-1 DS and softmax_1x top-k ran through: {kernel}")
+        print(f"{name:<{width}}" + "".join(cells))
+    for peer in ("softmax", "softmax_1x"):
+        for name, speed in report[f"speedup_vs_{peer}"].items():
+            if name.startswith("softmax"):
+                continue
+            cells = (f"{speed[key]:>{w - 1}.2f}x" for key, w in zip(keys, widths, strict=True))
+            print(f"{name + ' vs ' + peer:<{width}}" + "".join(cells))
+    for name, stages in report["breakdown"].items():
+        shown = ", ".join(f"{k} {v:.1f}" for k, v in stages.items() if isinstance(v, float))
+        print(f"batch-1 us/query, {name}: {shown}")
+    kernel = "C kernel" if report["machine"]["native_kernel"] else "PyTorch (no C compiler)"
+    print(
+        f"DS and softmax_1x top-k ran through: {kernel}; load average before/after: "
+        f"{report['machine']['load_average_before']} / {report['machine']['load_average_after']}"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Small C kernels for the paths where eager PyTorch's overhead, not arithmetic, sets the time.
 
-- ``ds_topk.c``: the batch-1 DS-Softmax top-k. Its arithmetic takes a few microseconds, and
-  eager PyTorch's per-call overhead dominates.
+- ``ds_topk.c``: the DS-Softmax top-k, one query or a batch sorted by expert (with the SVD
+  preview of large experts). At batch 1 its arithmetic takes a few microseconds, where eager
+  PyTorch's per-call overhead would dominate.
 - ``softmax_rows.c``: the in-place softmax passes of the opt-in CPU loss backend
   (``heads/cpu_backend.py``), one read and one write per row instead of five passes.
 
@@ -100,17 +101,56 @@ def _library(stem: str, extra_flags: tuple[str, ...], what: str) -> ctypes.CDLL 
         return None
 
 
+class DSPlan(ctypes.Structure):
+    """``ds_plan`` of ``ds_topk.c``: a DS head's structure, described once, passed by address."""
+
+    _fields_ = [
+        ("d", ctypes.c_int64),
+        ("n_experts", ctypes.c_int64),
+        ("row_stride", ctypes.c_int64),
+        ("has_bias", ctypes.c_int64),
+        ("max_rows", ctypes.c_int64),
+        ("gate", ctypes.c_void_p),
+        ("weight", ctypes.c_void_p),
+        ("offsets", ctypes.c_void_p),
+        ("row_class", ctypes.c_void_p),
+        ("preview_rank", ctypes.c_void_p),
+        ("candidates", ctypes.c_void_p),
+        ("basis_offsets", ctypes.c_void_p),
+        ("preview_offsets", ctypes.c_void_p),
+        ("basis", ctypes.c_void_p),
+        ("preview", ctypes.c_void_p),
+    ]
+
+
+@dataclass(frozen=True)
+class DSTopkKernels:
+    """``ds_topk_one``, ``ds_topk_batch`` and ``ds_topk_profile`` from ``ds_topk.c``
+    (signatures there)."""
+
+    one: ctypes._CFuncPtr
+    batch: ctypes._CFuncPtr
+    profile: ctypes._CFuncPtr
+
+
 @cache
-def ds_topk_kernel() -> ctypes._CFuncPtr | None:
-    """``ds_topk_one`` from ``ds_topk.c`` (signature there), or ``None`` when unavailable."""
-    library = _library("ds_topk", (), "DS-Softmax batch-1 top-k")
+def ds_topk_kernels() -> DSTopkKernels | None:
+    """The DS-Softmax top-k kernels, or ``None`` when unavailable. OpenMP (batches with more
+    than one thread) shares PyTorch's ``libgomp.so.1``, as ``softmax_rows_kernels`` does."""
+    library = _library("ds_topk", ("-fopenmp",), "DS-Softmax top-k")
     if library is None:
         return None
-    kernel = library.ds_topk_one
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    kernel.argtypes = [ptr, i64, ptr, i64, ptr, i64, ctypes.c_int32, ptr, ptr, i64, i64, ptr, ptr]
-    kernel.restype = i64
-    return kernel
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+    one = library.ds_topk_one
+    one.argtypes = [ptr, ptr, i64, ptr, ptr]
+    one.restype = i64
+    batch = library.ds_topk_batch
+    batch.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, i32]
+    batch.restype = i64
+    profile = library.ds_topk_profile
+    profile.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr]
+    profile.restype = i64
+    return DSTopkKernels(one, batch, profile)
 
 
 @dataclass(frozen=True)

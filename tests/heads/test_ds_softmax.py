@@ -173,9 +173,9 @@ def test_topk_paths_agree_with_the_dense_reference(bias):
         reference = head.log_prob(hidden).topk(4)
         padded = head.topk(hidden, 4)
         assert head._inference_cache().padded is not None  # the padded path was taken
-        head._inference_cache()._can_pad = False
+        head._inference_cache().can_pad = False
         looped = head.topk(hidden, 4)
-        head._inference_cache()._can_pad = True
+        head._inference_cache().can_pad = True
         single = [head.topk(hidden[n : n + 1], 4) for n in range(hidden.size(0))]
         for values, indices in (padded, looped, tuple(map(torch.cat, zip(*single, strict=True)))):
             torch.testing.assert_close(values, reference.values)
@@ -418,3 +418,39 @@ def test_language_model_starts_ds_from_a_softmax_checkpoint(tmp_path):
         )
     with pytest.raises(CheckpointPathError, match="pretrained_checkpoint"):
         LanguageModel(fresh, make_head(), pretrained_checkpoint=str(tmp_path / "missing.ckpt"))
+
+
+def test_copies_and_pickles_rebuild_the_inference_cache():
+    """The cache holds raw pointers into the parameters (the C kernel's plan): a deep copy or
+    a pickled head must not share it, and answers the same."""
+    import copy
+    import io
+
+    head = pruned_head(dtype=torch.float32)
+    hidden, _ = _inputs(dtype=torch.float32)
+    expected = head.topk(hidden, 4)
+    copied = copy.deepcopy(head)
+    assert copied._cache is None and head._cache is not None
+    buffer = io.BytesIO()
+    torch.save(head, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        head.weight.zero_()  # the copies own their parameters
+    for other in (copied, loaded):
+        values, indices = other.topk(hidden, 4)
+        torch.testing.assert_close(values, expected[0])
+        assert torch.equal(indices, expected[1])
+
+
+def test_load_pretrained_takes_a_ds_state_of_any_structure():
+    """A pruned, split DS head's state starts a fresh DS head (fine-tuning a DS model with its
+    backbone): the fresh head resizes to it."""
+    trained = pruned_head()
+    trained.split_experts(noise_std=0.01, generator=torch.Generator().manual_seed(0))
+    fresh = make_head(num_experts=2).double()
+    assert fresh.load_pretrained(trained.state_dict())
+    assert fresh.expert_sizes() == trained.expert_sizes()
+    hidden, _ = _inputs()
+    torch.testing.assert_close(fresh.log_prob(hidden), trained.log_prob(hidden))
+    assert not fresh.load_pretrained({"weight": torch.zeros(3, 3)})  # neither DS nor softmax

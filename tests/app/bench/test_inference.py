@@ -11,15 +11,84 @@ from heads import SoftmaxHead
 def test_inference_mode_runs_through_app_bench(tmp_path):
     argv = ["--mode", "inference", "--vocab-size", "500", "--hidden-size", "16", "--experts", "8",
             "--expert-size", "80", "--queries", "20", "--batch-size", "8", "--repeats", "2",
-            "--warmup", "0", "--out", str(tmp_path), "--name", "smoke"]  # fmt: skip
+            "--warmup", "0", "--svd", "4:0.25:50", "--clock", "cpu", "--out", str(tmp_path),
+            "--name", "smoke"]  # fmt: skip
     report = main(argv)
     saved = json.loads((tmp_path / "smoke.json").read_text())
-    assert saved["latency"].keys() == {"softmax", "softmax_1x", "ds"}
-    assert saved["latency_speedup"].keys() == {"softmax", "softmax_1x"}
+    assert saved["latency"].keys() == {"softmax", "softmax_1x", "ds", "ds+svd4-25-over50"}
+    assert saved["reference"] == "softmax"
+    assert saved["speedup_vs_softmax"].keys() == {"softmax_1x", "ds", "ds+svd4-25-over50"}
+    assert saved["speedup_vs_softmax_1x"].keys() == {"softmax", "ds", "ds+svd4-25-over50"}
     for row in saved["latency"].values():
         assert row["batch1_us_per_query"] > 0 and row["batched_us_per_query"] > 0
+    speed = saved["speedup_vs_softmax"]["ds"]["batch1_us_per_query"]
+    times = saved["latency"]
+    assert speed == pytest.approx(times["softmax"]["batch1_us_per_query"]
+                                  / times["ds"]["batch1_us_per_query"])  # fmt: skip
     # equal expert sizes: the speed-up is V / (|v| + K) whatever the utilisation
     assert report["quality"]["ds"]["flops_speedup"] == pytest.approx(500 / (80 + 8))
+    svd = report["quality"]["ds+svd4-25-over50"]
+    assert svd["svd"] == {"rank": 4, "candidates": 0.25, "min_classes": 50}
+    assert svd["svd_experts"] == 8  # every 80-class expert is over 50 classes
+    # W + n W / r + max(k, N) rows per query instead of n
+    expected = 500 / ((4 + 80 * 4 / 16 + 20) + 8)
+    assert svd["svd_flops_speedup_top10"] == pytest.approx(expected)
+    assert saved["args"]["svd"] == [{"rank": 4, "candidates": 0.25, "min_classes": 50}]
+    assert len(saved["machine"]["load_average_before"]) == 3
+    if saved["machine"]["native_kernel"]:
+        stages = saved["breakdown"]["ds"]
+        assert stages["same_answers"] and stages["kernel_total"] > 0
+        assert saved["breakdown"]["ds+svd4-25-over50"]["svd_select"] > 0
+
+
+def test_bad_svd_spec_is_one_clear_error(capsys):
+    with pytest.raises(SystemExit):
+        main(["--mode", "inference", "--svd", "16"])
+    assert "RANK:CANDIDATES" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--mode", "inference", "--svd", "16:1.5"])
+    assert "svd_candidates" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--mode", "inference", "--svd", "16:0.1", "--svd", "16:0.1:1000"])
+    assert "same row twice" in capsys.readouterr().err
+
+
+def test_plot_of_a_report(tmp_path):
+    """The plot reads the JSON the benchmark writes (here shaped as a checkpoint run's) and
+    refuses a report without accuracy."""
+    from app.bench.inference_plot import main as plot_main
+
+    def timings(us):
+        return {"batch1_us_per_query": us, "batched_us_per_query": us / 4,
+                "batch1_us_per_query_min": us, "batched_us_per_query_min": us / 4}  # fmt: skip
+
+    accuracy = {"softmax": (0.25, 0.44, 0.52), "ds": (0.25, 0.44, 0.519),
+                "ds+svd16-50": (0.248, 0.43, 0.51)}  # fmt: skip
+    report = {
+        "args": {"k": 10, "batch_size": 100},
+        "reference": "softmax",
+        "quality": {
+            name: dict(zip(("acc_top1", "acc_top5", "acc_top10"), acc, strict=True))
+            for name, acc in accuracy.items()
+        },
+        "latency": {
+            "softmax": timings(330.0),
+            "softmax_1x": timings(290.0),
+            "ds": timings(16.0),
+            "ds+svd16-50": timings(11.0),
+        },
+        "machine": {"device": "cpu", "threads": 1, "load_average_before": [1.0, 1.0, 1.0]},
+    }
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    written = plot_main([str(path)])
+    assert written == tmp_path / "report.png" and written.stat().st_size > 10_000
+    for metrics in report["quality"].values():
+        for key in ("acc_top1", "acc_top5", "acc_top10"):
+            del metrics[key]
+    path.write_text(json.dumps(report))
+    with pytest.raises(SystemExit, match="no accuracy"):
+        plot_main([str(path)])
 
 
 @pytest.mark.parametrize("projection", [False, True])
@@ -61,6 +130,7 @@ TINY = [
 def test_ptb_softmax_then_ds_then_inference_bench(tmp_path, monkeypatch, ptb_path):
     """The whole recipe at toy size: softmax LM, DS from its checkpoint (configs/ds/ptb_ds.yaml
     with mitosis and pruning), then the inference bench evaluating both checkpoints."""
+    from app.bench.inference_plot import main as plot_main
     from cli import main as cli_main
 
     repo = __import__("pathlib").Path(__file__).resolve().parents[3]
@@ -81,9 +151,29 @@ def test_ptb_softmax_then_ds_then_inference_bench(tmp_path, monkeypatch, ptb_pat
                    "--softmax-checkpoint", str(softmax_ckpt),
                    "--ds-config", str(next(tmp_path.glob("ptb_ds/*/config.yaml"))),
                    "--ds-checkpoint", str(ds_ckpt), "--max-eval-batches", "2",
+                   "--svd", "4:0.5:1",
                    "--queries", "10", "--repeats", "1", "--warmup", "0",
                    "--out", str(tmp_path)])  # fmt: skip
     quality = report["quality"]
     assert 0 <= quality["ds"]["acc_top1"] <= quality["ds"]["acc_top10"] <= 1
     assert quality["ds"]["num_experts"] == 4
     assert quality["softmax"]["tokens"] == quality["ds"]["tokens"] > 0
+    assert report["accuracy_vs_softmax_points"]["ds"]["acc_top1"] == pytest.approx(
+        100 * (quality["ds"]["acc_top1"] - quality["softmax"]["acc_top1"])
+    )
+    assert quality["ds+svd4-50-over1"]["tokens"] == quality["ds"]["tokens"]
+    plot_main([str(tmp_path / "inference.json"), "--out", str(tmp_path / "plot.png")])
+    assert (tmp_path / "plot.png").stat().st_size > 10_000
+
+
+@pytest.mark.gpu
+def test_inference_bench_on_cuda(tmp_path):
+    """The GPU rows: heads and queries on the device, timings synchronised."""
+    argv = ["--mode", "inference", "--vocab-size", "500", "--hidden-size", "16", "--experts", "8",
+            "--expert-size", "80", "--queries", "20", "--batch-size", "8", "--repeats", "1",
+            "--warmup", "0", "--svd", "4:0.25:50", "--device", "cuda",
+            "--out", str(tmp_path)]  # fmt: skip
+    report = main(argv)
+    assert report["machine"]["device"] != "cpu"
+    assert report["breakdown"] == {}  # the C kernel's profile is a CPU figure
+    assert all(row["batch1_us_per_query"] > 0 for row in report["latency"].values())

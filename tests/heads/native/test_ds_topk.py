@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from heads.ds_softmax import DSSoftmaxHead
-from heads.native import ds_topk_kernel
+from heads.native import ds_topk_kernels
 
 needs_compiler = pytest.mark.skipif(
     not any(shutil.which(c) for c in ("cc", "gcc", "clang")),
@@ -18,9 +18,9 @@ needs_compiler = pytest.mark.skipif(
 def fresh_kernel(monkeypatch, tmp_path):
     """An empty build cache and no memoised kernel, restored afterwards."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    ds_topk_kernel.cache_clear()
+    ds_topk_kernels.cache_clear()
     yield tmp_path
-    ds_topk_kernel.cache_clear()
+    ds_topk_kernels.cache_clear()
 
 
 def uneven_head(bias: bool, hidden: int = 37, vocab: int = 300, seed: int = 0) -> DSSoftmaxHead:
@@ -50,7 +50,7 @@ def test_native_topk_matches_the_pytorch_path_and_the_dense_reference(bias):
                 query = hidden[n : n + 1]
                 k = min(5, head.expert_sizes()[int(chosen[n])])
                 values, classes = head.topk(query, k)
-                torch_values, torch_classes = head._topk_one(query[0], k)
+                torch_values, torch_classes = head._inference_cache().topk_one(query[0], k)
                 torch.testing.assert_close(values, torch_values, rtol=1e-5, atol=1e-5)
                 assert torch.equal(classes, torch_classes)
                 top = reference[n].topk(k)
@@ -95,7 +95,7 @@ def test_native_topk_under_autocast_and_with_a_strided_query():
 
 def test_disabled_by_environment(fresh_kernel, monkeypatch):
     monkeypatch.setenv("LM_HEADS_NATIVE", "0")
-    assert ds_topk_kernel() is None
+    assert ds_topk_kernels() is None
     head = uneven_head(bias=False)
     assert head._inference_cache().native is None
     hidden = torch.randn(1, head.hidden_size)
@@ -107,17 +107,108 @@ def test_disabled_by_environment(fresh_kernel, monkeypatch):
 
 def test_a_failing_compiler_leaves_the_pytorch_path(fresh_kernel, monkeypatch, caplog):
     monkeypatch.setenv("CC", "false")  # exists everywhere, always fails
-    assert ds_topk_kernel() is None
-    assert "DS-Softmax batch-1 top-k: native kernel not built" in caplog.text
+    assert ds_topk_kernels() is None
+    assert "DS-Softmax top-k: native kernel not built" in caplog.text
     assert not list(fresh_kernel.rglob("*.so"))
 
 
 @needs_compiler
 def test_built_once_into_the_user_cache(fresh_kernel):
-    assert ds_topk_kernel() is not None
+    assert ds_topk_kernels() is not None
     built = list(fresh_kernel.rglob("ds_topk_*.so"))
     assert len(built) == 1
-    ds_topk_kernel.cache_clear()
+    ds_topk_kernels.cache_clear()
     stamp = built[0].stat().st_mtime_ns
-    assert ds_topk_kernel() is not None  # loaded, not rebuilt
+    assert ds_topk_kernels() is not None  # loaded, not rebuilt
     assert built[0].stat().st_mtime_ns == stamp
+
+
+def spy_on_batches(head: DSSoftmaxHead) -> list[int]:
+    """Records the batch sizes the C batch kernel answers for ``head``."""
+    native = head._inference_cache().native
+    calls, batch = [], native.batch
+
+    def recorded(hidden, k):
+        calls.append(hidden.size(0))
+        return batch(hidden, k)
+
+    native.batch = recorded
+    return calls
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_batch_matches_the_dense_reference(bias, threads):
+    """Batches sorted by expert in C: the dense distribution's top-k, rows whose expert is
+    smaller than k completed as the PyTorch path does, queries with a row stride."""
+    head = uneven_head(bias)
+    calls = spy_on_batches(head)
+    gen = torch.Generator().manual_seed(2)
+    wide = torch.randn(40, head.hidden_size + 3, generator=gen)
+    hidden = wide[:, : head.hidden_size]  # row stride d + 3, unit column stride
+    reference = head.log_prob(hidden.contiguous())
+    sizes = torch.tensor(head.expert_sizes())[head.select(hidden)[0]]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        values, classes = head.topk(hidden, 5)
+    finally:
+        torch.set_num_threads(previous)
+    assert calls == [40]  # the C kernel answered the whole batch
+    for n in range(40):
+        take = min(5, int(sizes[n]))
+        top = reference[n].topk(take)
+        torch.testing.assert_close(values[n, :take], top.values, rtol=1e-5, atol=1e-5)
+        assert torch.equal(classes[n, :take], top.indices)
+        assert torch.isinf(values[n, take:]).all()  # outside the expert: probability 0
+        assert len(set(classes[n].tolist())) == 5
+    assert (sizes < 5).any() and (sizes >= 5).any()  # both cases were exercised
+
+
+@needs_compiler
+def test_many_queries_per_expert_go_to_the_per_expert_products():
+    head = uneven_head(bias=False)
+    calls = spy_on_batches(head)
+    hidden = torch.randn(500, head.hidden_size)  # ~80 per expert: matrix products pay more
+    values, classes = head.topk(hidden, 1)
+    assert calls == []
+    top = head.log_prob(hidden).topk(1)
+    torch.testing.assert_close(values, top.values)
+    assert torch.equal(classes, top.indices)
+
+
+@needs_compiler
+def test_profile_times_the_batch_1_path():
+    head = uneven_head(bias=True)
+    hidden = torch.randn(50, head.hidden_size)
+    sizes = torch.tensor(head.expert_sizes())[head.select(hidden)[0]]
+    hidden = hidden[sizes >= 3]
+    (values, classes), stages = head._inference_cache().profile(hidden, 3)
+    answers = [head.topk(hidden[n : n + 1], 3) for n in range(hidden.size(0))]
+    torch.testing.assert_close(values, torch.cat([v for v, _ in answers]))
+    assert torch.equal(classes, torch.cat([c for _, c in answers]))
+    assert set(stages) == {"gate", "expert_rows", "svd_select", "normalise_topk", "kernel_total"}
+    assert all(t >= 0 for t in stages.values()) and stages["svd_select"] == 0  # no preview
+    parts = stages["gate"] + stages["expert_rows"] + stages["normalise_topk"]
+    assert 0 < parts <= stages["kernel_total"]
+
+
+@needs_compiler
+@pytest.mark.parametrize("scale", [1.0, 30.0])
+def test_native_log_probabilities_are_float_accurate(scale):
+    """The kernel's own (vectorised) exp and its log-sum-exp: values within float32 rounding
+    of a float64 softmax of the same float32 inputs, also with logits of a few hundred."""
+    head = uneven_head(bias=True)
+    with torch.no_grad():
+        head.weight.mul_(scale)
+    hidden = torch.randn(60, head.hidden_size)
+    sizes = torch.tensor(head.expert_sizes())[head.select(hidden)[0]]
+    hidden = hidden[sizes >= 3]
+    exact = head.double()  # the same float32 numbers, computed in float64
+    reference = exact.log_prob(hidden.double())
+    head = exact.float()
+    values = torch.cat([head.topk(hidden[n : n + 1], 3)[0] for n in range(hidden.size(0))])
+    largest_logit = reference.nan_to_num(neginf=0).abs().amax(1, keepdim=True)
+    error = (values.double() - reference.topk(3).values).abs()
+    assert (error <= 2e-6 * (1 + largest_logit)).all()
