@@ -11,6 +11,8 @@ options that differ between runs. Schema (paths relative to the repository root)
       mixtape:                         # a mapping with the fragment and head-only options
         head: configs/heads/mixtape.yaml
         overrides: {model.init_args.head.init_args.gate_noise: 0.0}
+      mos:                             # or a base of its own (a whole experiment per head)
+        base: configs/lm/awd_ptb_mos.yaml
     seeds: [1, 2, 3]
     overrides: {trainer.precision: bf16-mixed}   # --key value for every run
     budget: {max_epochs: 6}            # trainer options (trainer.<key>), shown in the report
@@ -65,8 +67,9 @@ class StudyConfigError(UserError, ValueError):
 @dataclass(frozen=True)
 class HeadEntry:
     label: str
-    fragment: str  # a head fragment, given as --model.head FILE
+    fragment: str | None  # a head fragment, given as --model.head FILE
     overrides: dict[str, Any] = field(default_factory=dict)
+    base: list[str] | None = None  # this head's own base configs instead of the grid's
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,10 @@ class Grid:
             for seed in self.seeds
         ]
 
+    def run_base(self, run: RunSpec) -> list[str]:
+        """The config files a run's fit starts from."""
+        return list(run.head.base) if run.head.base is not None else list(self.base)
+
     def run_overrides(self, run: RunSpec) -> dict[str, Any]:
         """All ``--key value`` options of a run, later ones winning: the grid's, the budget,
         the variant's, the head's."""
@@ -172,11 +179,22 @@ def _heads(value: Any, path: Path | str, root: Path) -> list[HeadEntry]:
             raise _fail(path, f"head label {label!r} must match [A-Za-z0-9_.-]+")
         if isinstance(spec, str):
             spec = {"head": spec}
-        if not isinstance(spec, Mapping) or set(spec) - {"head", "overrides"} or "head" not in spec:
-            raise _fail(path, f"heads.{label} must be a fragment path or {{head, overrides}}")
-        fragment = _config_file(spec["head"], f"heads.{label}", path, root)
+        if (
+            not isinstance(spec, Mapping)
+            or set(spec) - {"head", "overrides", "base"}
+            or not ("head" in spec or "base" in spec)
+        ):
+            raise _fail(path, f"heads.{label} must be a fragment path or {{head, base, overrides}}")
+        fragment = None
+        if "head" in spec:
+            fragment = _config_file(spec["head"], f"heads.{label}", path, root)
+        base = (
+            _config_list(spec["base"], f"heads.{label}.base", path, root)
+            if ("base" in spec)
+            else None
+        )
         overrides = _mapping(spec.get("overrides"), f"heads.{label}.overrides", path)
-        entries.append(HeadEntry(label, fragment, overrides))
+        entries.append(HeadEntry(label, fragment, overrides, base))
     return entries
 
 
@@ -234,13 +252,15 @@ def parse_grid(content: Any, path: Path | str = "<grid>", root: Path = REPO) -> 
     unknown = set(content) - _KEYS
     if unknown:
         raise _fail(path, f"unknown keys {sorted(unknown)} (known: {sorted(_KEYS)})")
-    for key in ("name", "base", "heads", "seeds"):
+    for key in ("name", "heads", "seeds"):
         if key not in content:
             raise _fail(path, f"missing {key!r}")
     name = content["name"]
     if not isinstance(name, str) or not _NAME.match(name):
         raise _fail(path, f"name must match [A-Za-z0-9_.-]+, got {name!r}")
     heads = _heads(content["heads"], path, root)
+    if "base" not in content and any(h.base is None for h in heads):
+        raise _fail(path, "missing 'base' (needed by every head without a base of its own)")
     variants_raw = _mapping(content.get("variants"), "variants", path)
     variants = {}
     for label, options in variants_raw.items():
@@ -263,7 +283,7 @@ def parse_grid(content: Any, path: Path | str = "<grid>", root: Path = REPO) -> 
     return Grid(
         name=name,
         description=str(content.get("description", "")),
-        base=_config_list(content["base"], "base", path, root),
+        base=_config_list(content["base"], "base", path, root) if "base" in content else [],
         heads=heads,
         seeds=_seeds(content["seeds"], path),
         overrides=_mapping(content.get("overrides"), "overrides", path),

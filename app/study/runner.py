@@ -217,9 +217,10 @@ def execute_run(grid: Grid, run: RunSpec, run_dir: Path, env: dict[str, str]) ->
         "seed": run.seed,
         "overrides": grid.run_overrides(run),
     }
-    head = ["--model.head", run.head.fragment]
+    head = [] if run.head.fragment is None else ["--model.head", run.head.fragment]
     try:
-        stage = executor.fit("fit", list(grid.base), head + override_args(grid.run_overrides(run)))
+        extra = head + override_args(grid.run_overrides(run))
+        stage = executor.fit("fit", grid.run_base(run), extra)
         result["fit"] = stage
         final_version, best = "fit", stage["best_checkpoint"]
         if grid.finetune is not None:
