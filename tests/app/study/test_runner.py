@@ -50,7 +50,8 @@ def test_every_run_is_fitted_tested_and_collected(study):
 def test_progress_line_per_run_and_strict_json_on_disk(study):
     grid, out, document, lines = study
     assert len(lines) == 4
-    assert all(re.match(r"\[\d/4\] (softmax|mixtape) seed [12]: test/ppl \d+\.\d\d", x) for x in lines)
+    line = re.compile(r"\[\d/4\] (softmax|mixtape) seed [12]: test/ppl \d+\.\d\d")
+    assert all(line.match(x) for x in lines)
 
     def no_nan(constant):
         raise AssertionError(f"non-standard JSON constant {constant}")
