@@ -22,10 +22,10 @@ def test_warm_up_then_inverse_square_root():
 
 def test_configure_optimizers_steps_it_every_step_and_plateau_every_epoch():
     params = [torch.nn.Parameter(torch.zeros(1))]
-    step = configure_optimizers(params, lambda p: torch.optim.Adam(p),
-                                lambda o: InverseSquareRootLR(o, 10))  # fmt: skip
-    epoch = configure_optimizers(params, lambda p: torch.optim.Adam(p),
-                                 lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o))  # fmt: skip
+    adam = torch.optim.Adam
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
+    step = configure_optimizers(params, adam, lambda o: InverseSquareRootLR(o, 10))
+    epoch = configure_optimizers(params, adam, plateau)
     assert step["lr_scheduler"]["interval"] == "step"
     assert epoch["lr_scheduler"]["interval"] == "epoch"
     with pytest.raises(ValueError, match="warmup_steps"):
