@@ -33,6 +33,7 @@ from heads.base import (
     check_label_smoothing,
     check_positive_int,
     float32_no_autocast,
+    output_bias,
     upcast,
 )
 from heads.cross_entropy import IGNORE_INDEX
@@ -93,6 +94,12 @@ class MixtapeHead(SingleSoftmaxHead):
         gate_noise: std of the Gaussian noise added to gate pre-activations in training.
         weight_norm_scale: if set, ``U_k`` is weight-normalised per row with this constant
             scale (the paper's choice for language modelling).
+        zipf_bias_init: start the output bias ``b_x`` at the centred log-probabilities of a
+            Zipf law over the frequency-sorted ids (``b_x = -log(x + 1) + const``) instead of
+            zeros. Without it, the first updates fit the unigram through the bounded
+            ``tanh`` contexts: Adam drives the backbone's outputs and ``H_k g_c`` to
+            saturation, the gradient through both tanh vanishes and training sits on a
+            context-free plateau (issue 18's seed-7 run; see ``zipf_log_prior``).
     """
 
     def __init__(
@@ -107,6 +114,7 @@ class MixtapeHead(SingleSoftmaxHead):
         context_dropout: float = 0.0,
         gate_noise: float = 0.0,
         weight_norm_scale: float | None = None,
+        zipf_bias_init: bool = True,
     ) -> None:
         super().__init__(hidden_size, vocab_size)
         if (
@@ -152,11 +160,12 @@ class MixtapeHead(SingleSoftmaxHead):
         self.gate_bias = nn.Parameter(torch.zeros(self.num_frequent, self.num_gates))
         # Eq. 2: token embeddings w_x and bias
         self.weight = nn.Parameter(torch.empty(vocab_size, embedding_size))
-        self.bias = nn.Parameter(torch.zeros(vocab_size))
+        self.bias = output_bias(vocab_size, zipf_bias_init)
         self.gate_dropout = nn.Dropout(gate_dropout)
         self.context_dropout = nn.Dropout(context_dropout)
         nn.init.normal_(self.weight, std=embedding_size**-0.5)
         nn.init.normal_(self.gate_embedding, std=gate_embedding_size**-0.5)
+        self.zipf_bias_init = zipf_bias_init
 
     def _gate_projection_weight(self) -> torch.Tensor:
         weight = self.gate_projection.weight

@@ -22,6 +22,7 @@ from heads.base import (
     check_label_smoothing,
     check_positive_int,
     float32_no_autocast,
+    output_bias,
     upcast,
 )
 from heads.cross_entropy import IGNORE_INDEX
@@ -49,6 +50,9 @@ class MoSHead(Head):
             Default: ``hidden_size``.
         context_dropout: dropout on ``h_{c,k}`` (MoS's "dropoutl").
         bias: per-class bias in each component softmax.
+        zipf_bias_init: start the bias at the centred log-probabilities of a Zipf law over the
+            frequency-sorted ids (``heads.base.zipf_log_prior``), as every head with a bias
+            does, so that head comparisons start alike; False: at zero.
     """
 
     def __init__(
@@ -59,6 +63,7 @@ class MoSHead(Head):
         embedding_size: int | None = None,
         context_dropout: float = 0.0,
         bias: bool = True,
+        zipf_bias_init: bool = True,
     ) -> None:
         super().__init__(hidden_size, vocab_size)
         check_positive_int("num_components", num_components)
@@ -70,7 +75,8 @@ class MoSHead(Head):
         self.prior = nn.Linear(hidden_size, num_components, bias=False)  # U
         self.context_dropout = nn.Dropout(context_dropout)
         self.weight = nn.Parameter(torch.empty(vocab_size, embedding_size))
-        self.bias = nn.Parameter(torch.zeros(vocab_size)) if bias else None
+        self.bias = output_bias(vocab_size, zipf_bias_init) if bias else None
+        self.zipf_bias_init = zipf_bias_init
         nn.init.normal_(self.weight, std=embedding_size**-0.5)
 
     def _mixture(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.base import HeadOutput, SingleSoftmaxHead, check_label_smoothing, check_positive_int
+from heads.base import (
+    HeadOutput,
+    SingleSoftmaxHead,
+    check_label_smoothing,
+    check_positive_int,
+    output_bias,
+)
 from heads.fused_cross_entropy import linear_cross_entropy
 
 
@@ -20,6 +26,9 @@ class SoftmaxHead(SingleSoftmaxHead):
             ``hidden_size`` a linear projection maps the context first (needed for weight
             tying with a smaller input embedding). Default: ``hidden_size``.
         bias: learn a per-class bias ``b``.
+        zipf_bias_init: start the bias at the centred log-probabilities of a Zipf law over the
+            frequency-sorted ids (``heads.base.zipf_log_prior``), as every head with a bias
+            does, so that head comparisons start alike; False: at zero.
     """
 
     def __init__(
@@ -28,6 +37,7 @@ class SoftmaxHead(SingleSoftmaxHead):
         vocab_size: int,
         embedding_size: int | None = None,
         bias: bool = True,
+        zipf_bias_init: bool = True,
     ) -> None:
         super().__init__(hidden_size, vocab_size)
         embedding_size = hidden_size if embedding_size is None else embedding_size
@@ -37,7 +47,8 @@ class SoftmaxHead(SingleSoftmaxHead):
             nn.Linear(hidden_size, embedding_size) if embedding_size != hidden_size else None
         )
         self.weight = nn.Parameter(torch.empty(vocab_size, embedding_size))
-        self.bias = nn.Parameter(torch.zeros(vocab_size)) if bias else None
+        self.bias = output_bias(vocab_size, zipf_bias_init) if bias else None
+        self.zipf_bias_init = zipf_bias_init
         nn.init.normal_(self.weight, std=embedding_size**-0.5)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -131,8 +131,13 @@ class LanguageModel(HeadTask):
         metric.update(output.loss.detach(), weight=tokens)
         self._update_word_nll(stage, output.nll.detach(), targets.reshape(-1))
         loss = output.loss + output.aux_loss
+        extra = self.backbone.extra_loss()  # e.g. AWD-LSTM's AR/TAR (training only)
+        if extra is not None:
+            loss = loss + extra
         check_finite_loss(loss, stage, self.global_step, self.head)
         if stage == "train":
+            if extra is not None:
+                self.log("train/backbone_reg", extra)
             self.log("train/loss", output.loss, prog_bar=True)
             self.log("train/ppl_batch", output.loss.exp())
             if output.aux_loss.requires_grad:

@@ -9,19 +9,44 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 
+class InverseSquareRootLR(torch.optim.lr_scheduler.LRScheduler):
+    """The Transformer's schedule (Vaswani et al. 2017, Eq. 3, in fairseq's form): the learning
+    rate grows linearly to the optimizer's ``lr`` over ``warmup_steps`` optimizer steps, then
+    decays as ``lr * sqrt(warmup_steps / step)``. Stepped after every optimizer step
+    (``interval = "step"``)."""
+
+    interval = "step"
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, warmup_steps: int = 4000, last_epoch: int = -1
+    ) -> None:
+        if warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be >= 1, got {warmup_steps}")
+        self.warmup_steps = warmup_steps
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self) -> list[float]:
+        step = max(1, self.last_epoch + 1)  # the step about to be taken, 1-based
+        factor = min(step / self.warmup_steps, (self.warmup_steps / step) ** 0.5)
+        return [base * factor for base in self.base_lrs]
+
+
 def configure_optimizers(
     parameters: Iterable[torch.nn.Parameter],
     optimizer: OptimizerCallable,
     scheduler: LRSchedulerCallable | None,
 ) -> Any:
     """The injected optimizer, and the scheduler stepped per epoch on ``val/loss`` (which
-    ``ReduceLROnPlateau`` needs and other schedulers ignore)."""
+    ``ReduceLROnPlateau`` needs and other schedulers ignore), or per optimizer step for a
+    scheduler that says so (``interval = "step"``, e.g. :class:`InverseSquareRootLR`)."""
     built = optimizer(parameters)
     if scheduler is None:
         return built
+    schedule = scheduler(built)
+    interval = getattr(schedule, "interval", "epoch")
     return {
         "optimizer": built,
-        "lr_scheduler": {"scheduler": scheduler(built), "monitor": "val/loss", "interval": "epoch"},
+        "lr_scheduler": {"scheduler": schedule, "monitor": "val/loss", "interval": interval},
     }
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from sacrebleu.metrics import BLEU
 from torchmetrics import MeanMetric
@@ -44,8 +45,11 @@ class Translation(HeadTask):
             plain NLL.
         tie_weights: share the head's output embeddings with the decoder's input embedding.
         beam_size: beam of ``test`` (1 = greedy).
-        val_beam_size: beam for validation BLEU (greedy by default: cheap, every epoch);
-            0 skips decoding in validation.
+        val_beam_size: beam for validation BLEU (greedy by default: cheap); 0 skips decoding
+            in validation.
+        bleu_every_n_epochs: decode the validation set (and log ``val/bleu``) after every n-th
+            epoch only: a checkpoint chosen by validation BLEU (``ModelCheckpoint(monitor=
+            "val/bleu", mode="max")``) then needs ``every_n_epochs`` a multiple of n.
         length_penalty: alpha of the GNMT length penalty in beam search.
         max_length_a, max_length_b: longest translation, ``a * source_length + b`` tokens.
         num_samples: sample translations logged per validation / test.
@@ -67,6 +71,7 @@ class Translation(HeadTask):
         tie_weights: bool = False,
         beam_size: int = 4,
         val_beam_size: int = 1,
+        bleu_every_n_epochs: int = 1,
         length_penalty: float = 0.6,
         max_length_a: float = 1.5,
         max_length_b: int = 10,
@@ -85,6 +90,10 @@ class Translation(HeadTask):
             raise ModelConfigError(
                 f"beam_size must be >= 1 and val_beam_size >= 0, got {beam_size}, {val_beam_size}"
             )
+        if bleu_every_n_epochs < 1:
+            raise ModelConfigError(
+                f"model.bleu_every_n_epochs must be >= 1, got {bleu_every_n_epochs}"
+            )
         if tie_weights:
             head.tie_output_embedding(backbone.embedding.weight)
         # Only structural options go to hparams (see LanguageModel): decoding options must
@@ -97,6 +106,7 @@ class Translation(HeadTask):
                 "scheduler",
                 "beam_size",
                 "val_beam_size",
+                "bleu_every_n_epochs",
                 "length_penalty",
                 "max_length_a",
                 "max_length_b",
@@ -114,6 +124,7 @@ class Translation(HeadTask):
         self.label_smoothing = label_smoothing
         self.beam_size = beam_size
         self.val_beam_size = val_beam_size
+        self.bleu_every_n_epochs = bleu_every_n_epochs
         self.length_penalty = length_penalty
         self.max_length_a = max_length_a
         self.max_length_b = max_length_b
@@ -175,7 +186,28 @@ class Translation(HeadTask):
                 self._translations[index] = ids
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._eval_step(batch, "val", self.val_beam_size)
+        self._eval_step(batch, "val", self.val_beam_size if self._decodes_validation() else 0)
+
+    def _decodes_validation(self) -> bool:
+        """Whether this validation decodes (BLEU): every ``bleu_every_n_epochs``-th epoch, and
+        always outside fitting (``validate``)."""
+        trainer = self._trainer
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return True
+        return (trainer.current_epoch + 1) % self.bleu_every_n_epochs == 0
+
+    def on_fit_start(self) -> None:
+        # ModelCheckpoint would stop the run with a vaguer message on the first validation
+        # that did not decode
+        for callback in self.trainer.checkpoint_callbacks:
+            every = getattr(callback, "_every_n_epochs", 1) or 1
+            bleu = getattr(callback, "monitor", None) == "val/bleu"
+            if bleu and every % self.bleu_every_n_epochs:
+                raise ModelConfigError(
+                    f"ModelCheckpoint(monitor='val/bleu') saves every {every} epochs but BLEU "
+                    f"is computed every {self.bleu_every_n_epochs} (model.bleu_every_n_epochs): "
+                    f"set the checkpoint's every_n_epochs to a multiple of it"
+                )
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._eval_step(batch, "test", self.beam_size)

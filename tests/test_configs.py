@@ -1,11 +1,13 @@
 """Every shipped YAML under configs/ parses against the CLI (``--print_config``), so no config
-can rot: experiment files on their own, fragments plugged into an experiment of their kind."""
+can rot: experiment files on their own, fragments plugged into an experiment of their kind.
+Study grids (``configs/studies``) are not CLI configs: the runner's own schema validates them."""
 
 from pathlib import Path
 
 import pytest
 
 from app.lightning_cli import make_cli
+from app.study import load_grid
 from tests.conftest import REPO
 
 CONFIGS = REPO / "configs"
@@ -20,6 +22,7 @@ HOSTS = {
     "presets": ("configs/lm/ptb_softmax.yaml", "--config"),
 }
 MT_HEADS = "configs/mt/multi30k_softmax.yaml"
+STUDIES = "studies"  # grids of python -m app.study, not CLI configs
 
 
 def shipped(folders) -> list[Path]:
@@ -34,7 +37,13 @@ def print_config(args: list[str], capsys) -> str:
 
 
 def test_every_folder_is_known():
-    assert {p.name for p in CONFIGS.iterdir() if p.is_dir()} == {*EXPERIMENTS, *HOSTS}
+    assert {p.name for p in CONFIGS.iterdir() if p.is_dir()} == {*EXPERIMENTS, *HOSTS, STUDIES}
+
+
+@pytest.mark.parametrize("grid", shipped([STUDIES]), ids=lambda p: f"studies/{p.name}")
+def test_study_grid_is_valid(grid):
+    loaded = load_grid(grid)
+    assert loaded.name == grid.stem and loaded.runs()
 
 
 @pytest.mark.parametrize("config", shipped(EXPERIMENTS), ids=lambda p: f"{p.parent.name}/{p.name}")

@@ -5,6 +5,7 @@ from app.callbacks.ds_pruning import DSPruning
 from app.callbacks.epoch_timer import EpochTimer
 from app.callbacks.lightrnn_reassignment import LightRNNTableReassignment
 from app.callbacks.mitosis import Mitosis
+from app.callbacks.nt_asgd import NTASGD
 from app.callbacks.prediction_writer import PredictionWriter
 from app.callbacks.throughput import TokenThroughputMonitor
 
@@ -14,6 +15,7 @@ __all__ = [
     "EpochTimer",
     "LightRNNTableReassignment",
     "Mitosis",
+    "NTASGD",
     "PredictionWriter",
     "TokenThroughputMonitor",
     "TopKAccuracy",

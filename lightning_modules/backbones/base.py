@@ -40,6 +40,11 @@ class LMBackbone(nn.Module):
     def forward(self, tokens: torch.Tensor, state: Any = None) -> tuple[torch.Tensor, Any]:
         raise NotImplementedError
 
+    def extra_loss(self) -> torch.Tensor | None:
+        """A regulariser of the last training forward for the task to add to the loss (AWD-LSTM's
+        activation regularisation), or None. Read once per training step, after ``forward``."""
+        return None
+
     @staticmethod
     def detach_state(state: Any) -> Any:
         """Cut the graph between BPTT windows, keeping the values."""

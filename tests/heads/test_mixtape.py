@@ -323,3 +323,54 @@ def test_compiles_without_graph_breaks():
             gate_noise=0.1, gate_dropout=0.1, context_dropout=0.1, weight_norm_scale=1.0
         )  # fmt: skip
     )
+
+
+def test_bias_starts_at_the_centred_zipf_log_prior():
+    head = MixtapeHead(8, 50)
+    ranks = torch.arange(1, 51, dtype=torch.float64)
+    expected = -ranks.log() + ranks.log().mean()
+    torch.testing.assert_close(head.bias.double(), expected, rtol=0, atol=1e-6)
+    assert torch.count_nonzero(MixtapeHead(8, 50, zipf_bias_init=False).bias) == 0
+
+
+def _ptb_saturation(ptb_data, zipf_bias_init: bool, steps: int = 20, d: int = 64):
+    """Issue 18's Mixtape failure, small: a tied 2-layer LSTM (the issue's dropouts) on PTB
+    with Adam 5e-3 for ``steps`` updates; returns the mean |g_c| of the backbone's outputs and
+    the share of context pre-activations ``|H_k g_c| > 3`` (saturated tanh, Eq. 5)."""
+    from datamodules.bptt import BPTTBatches
+    from lightning_modules.backbones import LSTMBackbone
+
+    torch.manual_seed(1)
+    vocab = ptb_data.vocab_size
+    dropouts = {"input_dropout": 0.4, "hidden_dropout": 0.3, "output_dropout": 0.4}
+    backbone = LSTMBackbone(vocab, d, d, 2, **dropouts)
+    gates = {"gate_dropout": 0.1, "context_dropout": 0.2, "gate_noise": 0.05}
+    head = MixtapeHead(d, vocab, gate_embedding_size=16, weight_norm_scale=1.0,
+                       zipf_bias_init=zipf_bias_init, **gates)  # fmt: skip
+    head.tie_output_embedding(backbone.embedding.weight)
+    params = [*backbone.parameters(), *(p for p in head.parameters() if p is not head.weight)]
+    optimizer = torch.optim.Adam(params, lr=5e-3)
+    state = None
+    for step, (x, y) in enumerate(BPTTBatches(ptb_data.split_tokens("train"), 20, 35)):
+        if step == steps:
+            break
+        hidden, state = backbone(x, state)
+        state = [(h.detach(), c.detach()) for h, c in state]
+        loss = head(hidden.reshape(-1, d), y.reshape(-1)).loss
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.25)
+        optimizer.step()
+    g = hidden.detach().reshape(-1, d)
+    with torch.no_grad():
+        return float(g.abs().mean()), float((head.context(g).abs() > 3).float().mean())
+
+
+def test_zipf_bias_keeps_the_contexts_out_of_saturation(ptb_data, one_thread):
+    """Regression (issue 18): with a zero bias the first updates fit the unigram through the
+    bounded tanh contexts and saturate them and the LSTM (measured: |g| 0.88-0.95, 68-78% of
+    |H g| > 3 over seeds 1-3; loss stuck near the unigram's); with the Zipf prior neither."""
+    g_abs, saturated = _ptb_saturation(ptb_data, zipf_bias_init=True)
+    assert g_abs < 0.3 and saturated < 0.05
+    g_abs_zero, saturated_zero = _ptb_saturation(ptb_data, zipf_bias_init=False)
+    assert g_abs_zero > 0.6 and saturated_zero > 0.3  # the failure this test guards against

@@ -131,3 +131,52 @@ def test_a_tiny_model_learns_to_translate_the_toy_corpus(data, tmp_path, head_cl
     trainer.test(model, datamodule=data)
     # (the toy sentences are too short for 4-gram BLEU: compare the text)
     assert (tmp_path / "translations.txt").read_text().splitlines() == data.references("test")
+
+
+def test_bleu_schedule_and_the_checkpoint_chosen_by_validation_bleu(data, tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    model = make(data, bleu_every_n_epochs=2, val_beam_size=1)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="val/bleu", mode="max",
+                                 every_n_epochs=2, save_top_k=1)  # fmt: skip
+    trainer = L.Trainer(max_epochs=6, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False,
+                        callbacks=[checkpoint], num_sanity_val_steps=0,
+                        default_root_dir=tmp_path)  # fmt: skip
+    decoded_epochs, bleu = [], {}
+    original_translate, original_log = model.translate, model.log
+
+    def counting_translate(batch, beam_size):
+        decoded_epochs.append(trainer.current_epoch)
+        return original_translate(batch, beam_size)
+
+    def recording_log(name, value, *args, **kwargs):
+        if name == "val/bleu":
+            bleu[trainer.current_epoch] = float(value)
+        return original_log(name, value, *args, **kwargs)
+
+    model.translate, model.log = counting_translate, recording_log
+    trainer.fit(model, datamodule=data)
+    assert sorted(set(decoded_epochs)) == [1, 3, 5]  # validation decodes every second epoch
+    assert sorted(bleu) == [1, 3, 5]
+    assert checkpoint.best_model_score == pytest.approx(max(bleu.values()))
+    best_epoch = max(bleu, key=bleu.get)
+    saved = torch.load(checkpoint.best_model_path, map_location="cpu", weights_only=False)
+    assert saved["epoch"] == best_epoch
+    # outside fitting, validation always decodes
+    decoded_epochs.clear()
+    trainer.validate(model, datamodule=data, verbose=False)
+    assert decoded_epochs
+
+
+def test_bleu_checkpoint_out_of_step_with_the_schedule_is_one_clear_error(data, tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    model = make(data, bleu_every_n_epochs=2)
+    trainer = L.Trainer(max_epochs=2, logger=False, enable_progress_bar=False,
+                        callbacks=[ModelCheckpoint(dirpath=tmp_path, monitor="val/bleu")],
+                        use_distributed_sampler=False, default_root_dir=tmp_path)  # fmt: skip
+    with pytest.raises(ModelConfigError, match="every_n_epochs to a multiple"):
+        trainer.fit(model, datamodule=data)
+    with pytest.raises(ModelConfigError, match="bleu_every_n_epochs"):
+        make(data, bleu_every_n_epochs=0)

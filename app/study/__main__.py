@@ -1,0 +1,109 @@
+"""``python -m app.study run|render|check``: the experiment runner's command line.
+
+python -m app.study run configs/studies/ptb_medium_gpu.yaml --parallel 3
+python -m app.study render runs/studies/ptb_medium_gpu/study.json --images docs/results
+python -m app.study check configs/studies/*.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from app.study.grid import load_grid
+from app.study.report import render_markdown
+from app.study.runner import run_study
+from heads.errors import UserError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m app.study",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run a grid (finished runs are skipped)")
+    run.add_argument("grid", help="a study grid YAML (configs/studies/*.yaml)")
+    run.add_argument("--out", default="runs/studies", help="runs go to OUT/<study name>/")
+    run.add_argument("--parallel", type=int, default=1, help="runs at once")
+    run.add_argument(
+        "--devices",
+        default=None,
+        help="CUDA device ids to spread runs over, e.g. 0,1 (default: all; "
+        "'none' runs without pinning)",
+    )
+    run.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="OMP_NUM_THREADS of each run (CPU runs side by side)",
+    )
+    run.add_argument(
+        "--rerun-failed",
+        action="store_true",
+        help="run again the runs that failed (not the diverged ones)",
+    )
+    run.add_argument("--json", default=None, help="also copy the study JSON here")
+    run.add_argument(
+        "--images",
+        default=None,
+        help="render the report: PNGs here, markdown beside the study JSON",
+    )
+    render = commands.add_parser("render", help="markdown + PNGs of a study JSON")
+    render.add_argument("study_json")
+    render.add_argument("--images", default=None, help="PNG folder (default: beside the JSON)")
+    render.add_argument("--link-prefix", default="", help="prefix of the image links")
+    render.add_argument("--markdown", default=None, help="write the markdown here (else print)")
+    check = commands.add_parser("check", help="validate grid files")
+    check.add_argument("grids", nargs="+")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "check":
+            for path in args.grids:
+                grid = load_grid(path)
+                print(
+                    f"{path}: {len(grid.runs())} runs ({len(grid.heads)} heads x "
+                    f"{max(1, len(grid.variants))} variants x {len(grid.seeds)} seeds)"
+                )
+            return 0
+        if args.command == "run":
+            grid = load_grid(args.grid)
+            devices = None
+            if args.devices is not None:
+                devices = [] if args.devices == "none" else args.devices.split(",")
+            study = run_study(
+                grid, Path(args.out), args.parallel, devices, args.threads, args.rerun_failed
+            )
+            study_json = Path(args.out) / grid.name / "study.json"
+            if args.json:
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(study_json, args.json)
+            if args.images:
+                markdown = render_markdown(study, args.images)
+                (study_json.parent / "report.md").write_text(markdown)
+                print(markdown)
+            bad = [r for r in study["runs"] if r["status"] != "ok"]
+            return 1 if any(r["status"] == "failed" for r in bad) else 0
+        study = json.loads(Path(args.study_json).read_text())
+        images = args.images or str(Path(args.study_json).parent)
+        markdown = render_markdown(study, images, args.link_prefix)
+        if args.markdown:
+            Path(args.markdown).write_text(markdown)
+        else:
+            print(markdown)
+        return 0
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

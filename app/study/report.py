@@ -1,0 +1,293 @@
+"""A study's JSON as markdown and plots: the table (mean +- std over seeds), each head against
+the baseline, validation curves with bands, and quality against training time.
+
+``render_markdown(study, image_dir)`` is what the results doc includes: it writes the PNGs
+into ``image_dir`` and returns markdown that links them (through ``link_prefix``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from scipy import stats  # noqa: E402
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return math.nan, math.nan
+    mean = statistics.fmean(values)
+    return mean, statistics.stdev(values) if len(values) > 1 else math.nan
+
+
+def _final_stage(run: Mapping[str, Any]) -> Mapping[str, Any]:
+    return run.get("finetune") or run.get("fit") or {}
+
+
+def _curve(run: Mapping[str, Any]) -> list[dict[str, float]]:
+    """The run's validation points over all its fit stages, epochs counted on."""
+    points, offset, seconds = [], 0, 0.0
+    for stage in (run.get("fit"), run.get("finetune")):
+        if not stage:
+            continue
+        curve = stage.get("curve") or []
+        for point in curve:
+            shifted = dict(point)
+            shifted["epoch"] = point["epoch"] + offset
+            shifted["train_s"] = (point.get("train_s") or 0.0) + seconds
+            points.append(shifted)
+        if curve:
+            offset += curve[-1]["epoch"] + 1
+            seconds += curve[-1].get("train_s") or 0.0
+    return points
+
+
+def labels(study: Mapping[str, Any]) -> list[str]:
+    return list(dict.fromkeys(run["label"] for run in study["runs"]))
+
+
+def summarize(study: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row per label (head or head+variant) over its seeds."""
+    metric, curve_metric = study["metric"], study["curve_metric"]
+    pick = min if study["mode"] == "min" else max
+    rows = []
+    for label in labels(study):
+        runs = [r for r in study["runs"] if r["label"] == label]
+        ok = [r for r in runs if r["status"] == "ok"]
+        values = [r["test"][metric] for r in ok]
+        best_val = []
+        for run in ok:
+            curve = [p[curve_metric] for p in _curve(run) if p.get(curve_metric) is not None]
+            if curve:
+                best_val.append(pick(curve))
+        train_s = [r["train_s"] for r in ok if r.get("train_s")]
+        epochs = [len(_curve(r)) for r in ok]
+        per_epoch = [s / e for s, e in zip(train_s, epochs, strict=False) if e]
+        ranks = [r["rank"]["rank"] for r in ok if r.get("rank")]
+        rows.append(
+            {
+                "label": label,
+                "runs": len(runs),
+                "ok": len(ok),
+                "diverged": sum(r["status"] == "diverged" for r in runs),
+                "failed": sum(r["status"] == "failed" for r in runs),
+                "unstable": sum(bool(r.get("unstable")) for r in runs),
+                "seeds": [r["seed"] for r in ok],
+                "values": values,
+                "metric": _mean_std(values),
+                "best_val": _mean_std(best_val),
+                "train_s": _mean_std(train_s),
+                "epoch_s": _mean_std(per_epoch),
+                "epochs": _mean_std([float(e) for e in epochs]),
+                "rank": sorted(ranks),
+                "parameters": next((_final_stage(r).get("parameters") for r in ok), None),
+            }
+        )
+    return rows
+
+
+def compare(study: Mapping[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each label against the baseline: difference of means, whether it exceeds one standard
+    deviation (the larger of the two groups') in the better direction, Welch's t-test."""
+    base = next((r for r in rows if r["label"] == study["baseline"]), None)
+    if base is None or base["ok"] == 0:
+        return []
+    better = -1.0 if study["mode"] == "min" else 1.0
+    out = []
+    for row in rows:
+        if row is base or row["ok"] == 0:
+            continue
+        delta = row["metric"][0] - base["metric"][0]
+        spread = max(row["metric"][1], base["metric"][1])
+        p_value = math.nan
+        if row["ok"] > 1 and base["ok"] > 1:
+            p_value = float(stats.ttest_ind(row["values"], base["values"], equal_var=False).pvalue)
+        out.append(
+            {
+                "label": row["label"],
+                "delta": delta,
+                "spread": spread,
+                "better_by_more_than_one_std": bool(
+                    math.isfinite(spread) and better * delta > spread
+                ),
+                "p_value": p_value,
+            }
+        )
+    return out
+
+
+def _fmt(pair: tuple[float, float], digits: int = 2) -> str:
+    mean, std = pair
+    if math.isnan(mean):
+        return "-"
+    if math.isnan(std):
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def plot_curves(study: Mapping[str, Any], path: Path) -> None:
+    """Validation metric per epoch: the mean over a label's finished runs, a band of one
+    standard deviation, each run's own curve thin (so a diverging seed stays visible)."""
+    metric = study["curve_metric"]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for index, label in enumerate(labels(study)):
+        color = f"C{index}"
+        runs = [r for r in study["runs"] if r["label"] == label and r.get("fit")]
+        by_epoch: dict[int, list[float]] = {}
+        for run in runs:
+            curve = [p for p in _curve(run) if p.get(metric) is not None]
+            ax.plot(
+                [p["epoch"] + 1 for p in curve],
+                [p[metric] for p in curve],
+                color=color,
+                alpha=0.3,
+                linewidth=0.8,
+            )
+            for point in curve:
+                by_epoch.setdefault(point["epoch"], []).append(point[metric])
+        if not by_epoch:
+            continue
+        epochs = sorted(by_epoch)
+        means = [statistics.fmean(by_epoch[e]) for e in epochs]
+        stds = [statistics.stdev(by_epoch[e]) if len(by_epoch[e]) > 1 else 0 for e in epochs]
+        x = [e + 1 for e in epochs]
+        ax.plot(x, means, color=color, label=f"{label} (n={len(runs)})", linewidth=2)
+        ax.fill_between(
+            x,
+            [m - s for m, s in zip(means, stds, strict=True)],
+            [m + s for m, s in zip(means, stds, strict=True)],
+            color=color,
+            alpha=0.2,
+        )
+    ax.set_xlabel("epoch")
+    ax.set_ylabel(metric)
+    if "ppl" in metric:
+        ax.set_yscale("log")
+    ax.set_title(f"{study['name']}: validation (mean ± std over seeds)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_quality_vs_time(study: Mapping[str, Any], rows: list[dict[str, Any]], path: Path) -> None:
+    """Test metric against training time (minutes, validation excluded), mean ± std each way."""
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for index, row in enumerate(rows):
+        (x, dx), (y, dy) = row["train_s"], row["metric"]
+        if math.isnan(x) or math.isnan(y):
+            continue
+        ax.errorbar(
+            x / 60,
+            y,
+            xerr=0 if math.isnan(dx) else dx / 60,
+            yerr=0 if math.isnan(dy) else dy,
+            fmt="o",
+            color=f"C{index}",
+            capsize=4,
+            label=f"{row['label']} (n={row['ok']})",
+        )
+    ax.set_xlabel("training time (min, validation excluded)")
+    ax.set_ylabel(study["metric"])
+    ax.set_title(f"{study['name']}: quality vs training time")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _where(study: Mapping[str, Any]) -> str:
+    env = study.get("environment", {})
+    gpus = env.get("gpus") or []
+    device = ", ".join(gpus) if gpus else f"CPU ({env.get('cpu_count', '?')} cores)"
+    load = env.get("load_average")
+    load_text = f", load average {load[0]} at the start" if load else ""
+    commit = (env.get("git_commit") or "unknown")[:10]
+    return f"{device}, torch {env.get('torch', '?')}, commit {commit}{load_text}"
+
+
+def render_markdown(study: Mapping[str, Any], image_dir: Path | str, link_prefix: str = "") -> str:
+    """Markdown for a study (table, comparison, plots); the PNGs are written to ``image_dir``
+    as ``<name>_curves.png`` and ``<name>_quality_vs_time.png`` and linked as
+    ``<link_prefix><file>``."""
+    image_dir = Path(image_dir)
+    image_dir.mkdir(parents=True, exist_ok=True)
+    name, metric = study["name"], study["metric"]
+    rows = summarize(study)
+    reference = study.get("reference") or {}
+    ref_values = reference.get("values", {})
+    lines = [f"### Study `{name}`", ""]
+    if study.get("description"):
+        lines += [study["description"], ""]
+    budget = ", ".join(f"{k}={v}" for k, v in (study.get("budget") or {}).items()) or "see grid"
+    lines += [f"Budget: {budget}. Ran on: {_where(study)}.", ""]
+    header = [
+        "head",
+        "n (ok/runs)",
+        f"{metric} mean ± std",
+        f"best {study['curve_metric']}",
+        "epochs",
+        "train s/epoch",
+        "train min",
+        "rank",
+    ]
+    if ref_values:
+        header.append(f"paper ({reference.get('source', '')})")
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        notes = [f"{row[k]} {k}" for k in ("diverged", "failed", "unstable") if row[k]]
+        count = f"{row['ok']}/{row['runs']}" + (f" ({', '.join(notes)})" if notes else "")
+        train_min = (row["train_s"][0] / 60, row["train_s"][1] / 60)
+        cells = [
+            row["label"],
+            count,
+            _fmt(row["metric"]),
+            _fmt(row["best_val"]),
+            _fmt(row["epochs"], 1),
+            _fmt(row["epoch_s"], 1),
+            _fmt(train_min, 1),
+            "/".join(map(str, row["rank"])) or "-",
+        ]
+        if ref_values:
+            value = ref_values.get(row["label"].split("+")[0])
+            cells.append("-" if value is None else f"{value}")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    comparisons = compare(study, rows)
+    if comparisons:
+        direction = "lower" if study["mode"] == "min" else "higher"
+        lines.append(f"Against `{study['baseline']}` ({metric}, {direction} is better):")
+        lines.append("")
+        for c in comparisons:
+            verdict = (
+                f"{direction} by more than one std"
+                if c["better_by_more_than_one_std"]
+                else f"not {direction} by more than one std"
+            )
+            p_text = "" if math.isnan(c["p_value"]) else f", Welch's t-test p = {c['p_value']:.3f}"
+            lines.append(
+                f"- `{c['label']}`: {c['delta']:+.2f} (std {c['spread']:.2f}): {verdict}{p_text}"
+            )
+        lines.append("")
+    per_seed = ", ".join(
+        f"{row['label']} " + "/".join(f"{v:.2f}" for v in row["values"]) for row in rows
+    )
+    lines += [f"Per seed ({metric}, seeds in grid order): {per_seed}.", ""]
+    curves, quality = f"{name}_curves.png", f"{name}_quality_vs_time.png"
+    plot_curves(study, image_dir / curves)
+    plot_quality_vs_time(study, rows, image_dir / quality)
+    lines += [
+        f"![validation curves]({link_prefix}{curves})",
+        f"![quality vs training time]({link_prefix}{quality})",
+        "",
+    ]
+    return "\n".join(lines)

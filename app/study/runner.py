@@ -1,0 +1,425 @@
+"""Runs a study grid through the CLI: per run ``python cli.py fit`` (optionally a fine-tuning
+fit from the best checkpoint), ``python cli.py test --ckpt_path <best>`` and optionally
+``python -m app.rank``, each in a subprocess, N at once on the devices present.
+
+Every run has its own folder ``<out>/<study>/<label>/seed<seed>/`` holding the logs of each
+subprocess, TensorBoard and CSV logs, checkpoints and ``result.json``. A run with a
+``result.json`` whose status is ``ok`` or ``diverged`` is finished and skipped when the study
+is run again; a fit that was cut short resumes from its ``last.ckpt``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from app.study.collect import (
+    checkpoint_summary,
+    last_values,
+    max_regression,
+    read_metrics,
+    validation_curve,
+)
+from app.study.grid import REPO, Grid, RunSpec, override_args
+
+RESULT = "result.json"
+FINISHED = ("ok", "diverged")
+# the message of lightning_modules.errors.NonFiniteLossError, printed by cli.py
+_DIVERGED = "non-finite"
+
+
+def _loggers(
+    run_dir: Path, version: str, csv_version: str, tensorboard: bool = True
+) -> dict[str, Any]:
+    """TensorBoard (first: checkpoints and the saved config go beside its files) and CSV
+    (what the runner reads back). A resumed fit logs to a new CSV version: CSVLogger deletes
+    the metrics file of the version it is given."""
+    loggers = []
+    if tensorboard:
+        loggers.append(
+            {
+                "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                "init_args": {"save_dir": str(run_dir), "name": "tensorboard", "version": version},
+            }
+        )
+    loggers.append(
+        {
+            "class_path": "lightning.pytorch.loggers.CSVLogger",
+            "init_args": {"save_dir": str(run_dir), "name": "csv", "version": csv_version},
+        }
+    )
+    return {"trainer": {"default_root_dir": str(run_dir), "logger": loggers}}
+
+
+def _write_config(path: Path, content: dict[str, Any]) -> str:
+    path.write_text(yaml.safe_dump(content, sort_keys=False))
+    return str(path)
+
+
+def _csv_versions(run_dir: Path, version: str) -> list[Path]:
+    """The metrics files of a fit stage's attempts, first one first."""
+    found = [
+        p
+        for p in (run_dir / "csv").glob(f"{version}*/metrics.csv")
+        if p.parent.name == version or p.parent.name.startswith(f"{version}.")
+    ]
+    return sorted(found, key=lambda p: (p.parent.name != version, len(p.parent.name), p))
+
+
+def _saved_config(run_dir: Path, version: str) -> Path:
+    """The config LightningCLI saved for a fit (beside the first logger's files)."""
+    return run_dir / "tensorboard" / version / "config.yaml"
+
+
+class StageFailed(Exception):
+    def __init__(self, stage: str, status: str, message: str) -> None:
+        super().__init__(message)
+        self.stage, self.status = stage, status
+
+
+class RunExecutor:
+    """Runs the stages of one run in subprocesses, in the repository root."""
+
+    def __init__(self, grid: Grid, run: RunSpec, run_dir: Path, env: dict[str, str]) -> None:
+        self.grid, self.run, self.run_dir, self.env = grid, run, run_dir, env
+        self.commands: dict[str, list[str]] = {}
+        self.wall_s: dict[str, float] = {}
+
+    def _call(self, stage: str, args: list[str]) -> None:
+        self.commands[stage] = args
+        start = time.perf_counter()
+        with (self.run_dir / f"{stage}.log").open("w") as log:
+            log.write(" ".join(args) + "\n\n")
+            log.flush()
+            code = subprocess.call(args, cwd=REPO, env=self.env, stdout=log, stderr=log)
+        self.wall_s[stage] = round(time.perf_counter() - start, 2)
+        if code != 0:
+            tail = (self.run_dir / f"{stage}.log").read_text().strip().splitlines()[-1:]
+            message = tail[0] if tail else f"exit status {code}"
+            status = "diverged" if _DIVERGED in message else "failed"
+            raise StageFailed(stage, status, f"{stage} exited with {code}: {message[-500:]}")
+
+    def fit(self, version: str, configs: list[str], extra: list[str]) -> dict[str, Any]:
+        """One fit (resumed from its ``last.ckpt`` when one is there), then what it left."""
+        run_dir = self.run_dir
+        checkpoints = run_dir / "tensorboard" / version / "checkpoints"
+        resume = []
+        if (checkpoints / "last.ckpt").is_file():
+            resume = ["--ckpt_path", str(checkpoints / "last.ckpt")]
+        attempt = len(_csv_versions(run_dir, version))
+        csv_version = version if attempt == 0 else f"{version}.{attempt}"
+        loggers = _write_config(
+            run_dir / f"{version}_loggers.yaml", _loggers(run_dir, version, csv_version)
+        )
+        args = [sys.executable, "cli.py", "fit"]
+        args += [a for config in configs for a in ("--config", config)]
+        args += [*extra, "--config", loggers, "--seed_everything", str(self.run.seed), *resume]
+        args += ["--trainer.enable_progress_bar", "false"]
+        self._call(version, args)
+        last = checkpoints / "last.ckpt"
+        if not last.is_file():
+            raise StageFailed(version, "failed", f"{version} wrote no {last}")
+        summary = checkpoint_summary(last)
+        if "best_checkpoint" not in summary:
+            summary["best_checkpoint"] = str(last)  # no monitored checkpoint: the last one
+        rows = [
+            row for path in _csv_versions(run_dir, version) for row in read_metrics(path)
+        ]  # the first attempt's rows, then a resumed one's
+        curve = validation_curve(rows, self.grid.curve_metric)
+        summary["curve"] = curve
+        summary["train_s"] = curve[-1]["train_s"] if curve else None
+        summary["max_regression"] = max_regression(curve, self.grid.curve_metric, self.grid.mode)
+        return summary
+
+    def test(self, fit_version: str, checkpoint: str) -> dict[str, float]:
+        run_dir = self.run_dir
+        loggers = _write_config(
+            run_dir / "test_loggers.yaml", _loggers(run_dir, "test", "test", tensorboard=False)
+        )
+        config = str(_saved_config(run_dir, fit_version))
+        args = [
+            sys.executable,
+            "cli.py",
+            "test",
+            "--config",
+            config,
+            "--config",
+            loggers,
+            "--ckpt_path",
+            checkpoint,
+            "--trainer.enable_progress_bar",
+            "false",
+        ]
+        self._call("test", args)
+        values = last_values(read_metrics(run_dir / "csv" / "test" / "metrics.csv"), "test/")
+        if self.grid.metric not in values:
+            raise StageFailed("test", "failed", f"the test logged no {self.grid.metric}")
+        return values
+
+    def rank(self, fit_version: str, checkpoint: str) -> dict[str, Any]:
+        spec = self.grid.rank
+        out = self.run_dir / "rank"
+        args = [
+            sys.executable,
+            "-m",
+            "app.rank",
+            "--config",
+            str(_saved_config(self.run_dir, fit_version)),
+            "--ckpt",
+            checkpoint,
+            "--contexts",
+            str(spec["contexts"]),
+            "--split",
+            spec["split"],
+            "--out",
+            str(out),
+            "--label",
+            self.run.label,
+        ]
+        self._call("rank", args)
+        report = json.loads((out / "rank.json").read_text())
+        keep = (
+            "rank",
+            "contexts",
+            "hidden_size",
+            "vocab_size",
+            "tolerance",
+            "split",
+            "softmax_bound",
+            "relative_ranks",
+        )
+        return {**{k: report[k] for k in keep}, "json": str(out / "rank.json")}
+
+
+def execute_run(grid: Grid, run: RunSpec, run_dir: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Fit (and fine-tune), test the best checkpoint, rank it: the run's ``result.json`` data."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    executor = RunExecutor(grid, run, run_dir, env)
+    result: dict[str, Any] = {
+        "schema": "study-run/1",
+        "study": grid.name,
+        "label": run.label,
+        "head": run.head.label,
+        "variant": run.variant,
+        "seed": run.seed,
+        "overrides": grid.run_overrides(run),
+    }
+    head = [] if run.head.fragment is None else ["--model.head", run.head.fragment]
+    try:
+        extra = head + override_args(grid.run_overrides(run))
+        stage = executor.fit("fit", grid.run_base(run), extra)
+        result["fit"] = stage
+        final_version, best = "fit", stage["best_checkpoint"]
+        if grid.finetune is not None:
+            saved = str(_saved_config(run_dir, "fit"))
+            extra = override_args(grid.finetune["overrides"])
+            extra += ["--model.init_args.pretrained_checkpoint", best]
+            stage = executor.fit("finetune", [saved, *grid.finetune["configs"]], extra)
+            result["finetune"] = stage
+            final_version, best = "finetune", stage["best_checkpoint"]
+        result["test"] = executor.test(final_version, best)
+        result["tested_checkpoint"] = best
+        if grid.rank is not None:
+            result["rank"] = executor.rank(final_version, best)
+        result["status"] = "ok"
+    except StageFailed as failure:
+        result.update(status=failure.status, error=str(failure), failed_stage=failure.stage)
+    stages = [result[s] for s in ("fit", "finetune") if s in result]
+    result["train_s"] = sum(s["train_s"] or 0.0 for s in stages) if stages else None
+    result["max_regression"] = max((s["max_regression"] for s in stages), default=None)
+    if result["max_regression"] is not None:
+        result["unstable"] = result["max_regression"] > grid.instability_threshold
+    result["commands"] = executor.commands
+    result["wall_s"] = executor.wall_s
+    result["device"] = env.get("STUDY_DEVICE", "cpu")
+    result = finite_json(result)
+    (run_dir / RESULT).write_text(json.dumps(result, indent=1, allow_nan=False))
+    return result
+
+
+def finite_json(value: Any) -> Any:
+    """``value`` with every non-finite float (a diverged loss, an endless regression) as None,
+    so that the JSON stays standard."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_json(v) for v in value]
+    return value
+
+
+def load_result(run_dir: Path) -> dict[str, Any] | None:
+    path = run_dir / RESULT
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def progress_line(index: int, total: int, result: dict[str, Any], grid: Grid, note: str) -> str:
+    head = f"[{index}/{total}] {result['label']} seed {result['seed']}:"
+    if result["status"] != "ok":
+        return f"{head} {result['status'].upper()} ({result.get('error', '')}) {note}".rstrip()
+    curve = result.get("finetune", result.get("fit", {})).get("curve", [])
+    pick = min if grid.mode == "min" else max
+    best = pick(curve, key=lambda p: p[grid.curve_metric]) if curve else None
+    text = f"{head} {grid.metric} {result['test'][grid.metric]:.2f}"
+    if best is not None:
+        text += f", best {grid.curve_metric} {best[grid.curve_metric]:.2f} @ epoch {best['epoch']}"
+    if result.get("train_s"):
+        text += f", train {result['train_s']:.0f} s"
+    if result.get("unstable"):
+        worse = result["max_regression"]
+        worse = "non-finite" if worse is None else f"{worse:.0%} worse than its best"
+        text += f", UNSTABLE (validation {worse})"
+    if "rank" in result:
+        text += f", rank {result['rank']['rank']}"
+    return f"{text} {note}".rstrip()
+
+
+def _device_slots(parallel: int, devices: Sequence[str] | None) -> list[str | None]:
+    """One entry per concurrent run: a CUDA device id to pin it to, or None (CPU / let it
+    choose). Runs share devices round robin when there are more runs than devices."""
+    if devices is None:
+        import torch
+
+        devices = [str(i) for i in range(torch.cuda.device_count())]
+    if not devices:
+        return [None] * parallel
+    return [devices[i % len(devices)] for i in range(parallel)]
+
+
+def _run_env(slot: str | None, threads: int | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("PYTHONPATH", str(REPO))
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    if slot is not None:
+        env["CUDA_VISIBLE_DEVICES"] = slot
+        env["STUDY_DEVICE"] = f"cuda:{slot}"
+    return env
+
+
+def environment() -> dict[str, Any]:
+    """Where the study ran: what its numbers must be labelled with."""
+    import torch
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+    }
+    if hasattr(os, "getloadavg"):
+        info["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    try:
+        info["git_commit"] = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        info["git_commit"] = None
+    return info
+
+
+def study_document(grid: Grid, results: list[dict[str, Any]], env: dict[str, Any]) -> dict:
+    """The study's JSON: the grid, where it ran and every run's result (without commands)."""
+    return {
+        "schema": "study/1",
+        "name": grid.name,
+        "description": grid.description,
+        "metric": grid.metric,
+        "mode": grid.mode,
+        "curve_metric": grid.curve_metric,
+        "baseline": grid.baseline,
+        "budget": grid.budget,
+        "overrides": grid.overrides,
+        "reference": grid.reference,
+        "instability_threshold": grid.instability_threshold,
+        "grid": grid.raw,
+        "environment": env,
+        "runs": [_compact(r) for r in results],
+    }
+
+
+def _compact(result: dict[str, Any]) -> dict[str, Any]:
+    """A run as the study JSON keeps it: no command lines or local paths."""
+    drop = {"commands", "tested_checkpoint", "schema", "study"}
+    compact = {k: v for k, v in result.items() if k not in drop}
+    for stage in ("fit", "finetune"):
+        if stage in compact:
+            compact[stage] = {k: v for k, v in compact[stage].items() if k != "best_checkpoint"}
+    if "rank" in compact:
+        compact["rank"] = {k: v for k, v in compact["rank"].items() if k != "json"}
+    return compact
+
+
+def run_study(
+    grid: Grid,
+    out: Path,
+    parallel: int = 1,
+    devices: Sequence[str] | None = None,
+    threads: int | None = None,
+    rerun_failed: bool = False,
+    echo: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run every unfinished run of ``grid`` under ``out/<name>/``; returns the study document
+    (also written to ``out/<name>/study.json`` after every run)."""
+    if parallel < 1:
+        raise ValueError(f"parallel must be >= 1, got {parallel}")
+    study_dir = out / grid.name
+    study_dir.mkdir(parents=True, exist_ok=True)
+    runs = grid.runs()
+    total = len(runs)
+    results: dict[int, dict[str, Any]] = {}
+    pending = []
+    for index, run in enumerate(runs, 1):
+        previous = load_result(study_dir / run.relative_dir)
+        done = previous is not None and previous["status"] in FINISHED
+        if previous is not None and (done or not rerun_failed):
+            results[index] = previous
+            echo(progress_line(index, total, previous, grid, "(finished before: skipped)"))
+        else:
+            pending.append((index, run))
+    env_info = environment()
+    slots: queue.Queue[str | None] = queue.Queue()
+    for slot in _device_slots(parallel, devices):
+        slots.put(slot)
+    lock = threading.Lock()
+
+    def write_document() -> dict[str, Any]:
+        ordered = [results[i] for i in sorted(results)]
+        document = study_document(grid, ordered, env_info)
+        (study_dir / "study.json").write_text(json.dumps(document, indent=1))
+        return document
+
+    def work(index: int, run: RunSpec) -> None:
+        slot = slots.get()
+        try:
+            start = time.perf_counter()
+            result = execute_run(grid, run, study_dir / run.relative_dir, _run_env(slot, threads))
+            note = f"({time.perf_counter() - start:.0f} s{f', cuda:{slot}' if slot else ''})"
+            with lock:
+                results[index] = result
+                echo(progress_line(index, total, result, grid, note))
+                write_document()
+        finally:
+            slots.put(slot)
+
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        for future in [pool.submit(work, index, run) for index, run in pending]:
+            future.result()
+    return write_document()
