@@ -238,11 +238,89 @@ def render_data_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
     ])  # fmt: skip
 
 
+# -- the experiment runner (python -m app.study) and its rank diagnostic (python -m app.rank) ----
+def _is_study(report: dict[str, Any]) -> bool:
+    return str(report.get("schema", "")).startswith("study/")
+
+
+def render_study(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
+    from app.study.report import render_markdown
+
+    prefix = link(path.parent, doc_dir) + "/"
+    text = render_markdown(report, path.parent, link_prefix=prefix)
+    return text.split("\n", 1)[1].lstrip("\n")  # the section already has its title
+
+
+def _is_rank(report: dict[str, Any]) -> bool:
+    return str(report.get("schema", "")).startswith("rank/")
+
+
+def render_rank(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
+    relative = report.get("relative_ranks", {})
+    return "\n\n".join([
+        f"Softmax-bottleneck diagnostic (`python -m app.rank`) of `{report['head']}` "
+        f"({report['checkpoint']}): singular values of the row-centred log-probability matrix "
+        f"over {report['contexts']} {report['split']} contexts; a softmax over d inputs has "
+        f"rank <= d + 1.",
+        table(["numerical rank", "softmax bound", "V",
+               *(f"above {t} x sigma_1" for t in relative)],
+              [[report["rank"], report["softmax_bound"], report["vocab_size"],
+                *relative.values()]]),
+    ])  # fmt: skip
+
+
+# -- one-off demonstrations with a schema of their own -------------------------------------------
+def _is_bleu_demo(report: dict[str, Any]) -> bool:
+    return str(report.get("schema", "")).startswith("bleu_checkpoint_demo/")
+
+
+def render_bleu_demo(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
+    curve = report["validation_curve"]
+    test = report["test"]
+    return "\n\n".join([
+        f"{report['what']} ({report.get('device', '')}).",
+        "```bash\n" + "\n".join(report["commands"]) + "\n```",
+        table(["epoch", "step", "val/bleu", "val/loss"],
+              [[r["epoch"], r["step"], r["val/bleu"], r["val/loss"]] for r in curve]),
+        f"Kept checkpoint: `{report['chosen_checkpoint']}`; its test BLEU "
+        f"{test['test/bleu']:.2f} (beam {test.get('beam_size')}, {test.get('lines')} lines).",
+    ])  # fmt: skip
+
+
+def _is_mixtape_stability(report: dict[str, Any]) -> bool:
+    return str(report.get("schema", "")).startswith("mixtape_stability_cpu/")
+
+
+def render_mixtape_stability(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
+    rows = [[start, r["seed"], r["g_abs"], r["context_saturated"]]
+            for start, runs in report["mixtape"].items() for r in runs]  # fmt: skip
+    others = report.get("other_heads_seed1", {})
+    other_rows = [[name, v.get("train_loss", "-"), v.get("g_abs", "-"),
+                   v.get("context_saturated", "-")]
+                  for name, v in others.items() if isinstance(v, dict)]  # fmt: skip
+    parts = [
+        report["setting"],
+        table(["Mixtape bias start", "seed", "mean abs g_c", "share of saturated contexts"], rows),
+    ]
+    if other_rows:
+        parts += [
+            others.get("note", ""),
+            table(
+                ["head, bias start (seed 1)", "train loss", "mean abs g_c", "saturated"], other_rows
+            ),
+        ]
+    return "\n\n".join(parts)
+
+
 RENDERERS: list[tuple[Callable[[dict[str, Any]], bool], Renderer]] = [
     (_is_training_bench, render_training_bench),
     (_is_inference_bench, render_inference_bench),
     (_is_data_bench, render_data_bench),
     (_is_memory_targets, render_memory_targets),
+    (_is_study, render_study),
+    (_is_rank, render_rank),
+    (_is_bleu_demo, render_bleu_demo),
+    (_is_mixtape_stability, render_mixtape_stability),
 ]
 
 
