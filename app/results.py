@@ -112,6 +112,7 @@ def render_training_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> 
         f"Mode `{args['mode']}`, scope `{args['scope']}`, precision `{args.get('precision')}`, "
         f"clock `{args.get('clock', 'wall')}`, median of {args['repeats']} repeats; "
         f"{_machine(report)}.",
+        # malloc_tuned: recorded in args by older runs, never a flag
         "```bash\n" + command_of("app.bench", args, skip=("out", "name", "malloc_tuned")) + "\n```",
         table(header, body),
         f"![{path.stem}]({link(plot, doc_dir)})",

@@ -20,10 +20,9 @@ log-sum-exp, the gradient of the logits) in float32; float64 stays float64. Rows
 branched on by value (no host sync): the loops depend on shapes only, so the function traces
 into one graph under ``torch.compile``.
 
-Backends (``LossOptions.backend``): ``torch`` (the portable path above, the default), ``cpu``
-(the same algorithm with the row passes in C and aligned products, ``heads/cpu_backend.py``;
-eager CPU runs only), and on CUDA the optional ``cce`` (Apple's cut-cross-entropy) and
-``liger`` (Liger-Kernel's fused linear cross-entropy), imported on first use.
+Backends (``LossOptions.backend``): ``torch`` (the portable path above, the default), and on
+CUDA the optional ``cce`` (Apple's cut-cross-entropy) and ``liger`` (Liger-Kernel's fused
+linear cross-entropy), imported on first use.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ import torch
 from heads.cross_entropy import IGNORE_INDEX
 from heads.errors import HeadConfigError, UserError
 
-BACKENDS = ("auto", "torch", "cpu", "cce", "liger")
+BACKENDS = ("auto", "torch", "cce", "liger")
 
 # Working set of one chunk's logits (float32 entries): small enough on a CPU for the chunk's
 # passes to run from cache and for glibc to reuse the freed memory; on a GPU large enough for
@@ -60,7 +59,7 @@ class LossOptions:
     """How a head's training loss runs (a task's ``loss_backend`` sets ``backend``).
 
     backend: ``auto`` (= ``torch`` until other backends are measured faster), ``torch``,
-        ``cpu``, ``cce`` or ``liger`` (see the module docstring).
+        ``cce`` or ``liger`` (see the module docstring).
     chunk_bytes: bytes of one chunk's float32 logits; None: 16 MiB on a CPU, 128 MiB on a GPU.
     saved_bytes: chunk results the forward may keep for the backward instead of recomputing
         them, per call (default 128 MiB; 0: always recompute).
@@ -121,7 +120,7 @@ def spans(total: int, width: int | None) -> list[tuple[int, int]]:
     return [(start, min(total, start + width)) for start in range(0, total, width)]
 
 
-# -- the row passes (torch here; the CPU backend has C versions) --------------------------------
+# -- the row passes ---------------------------------------------------------------------------
 class RowPasses:
     """The elementwise passes of the loss over one chunk's float32/64 logits ``z [R, C]``.
 
@@ -396,7 +395,7 @@ def linear_lse(
     backend = resolve_backend(options.backend, hidden)
     if backend in ("cce", "liger"):
         return _external_lse(backend, hidden, weight, bias, target, logit_sum)
-    passes = row_passes(backend, hidden.device)
+    passes = row_passes(hidden.device)
     v = weight.size(0)
     if row_bound is None:
         tile, width = plan_tiles(hidden.size(0), v, hidden.device, options)
@@ -476,13 +475,9 @@ def _check_shapes(hidden, weight, bias, target) -> None:
 
 # -- backends ---------------------------------------------------------------------------------
 def resolve_backend(name: str, hidden: torch.Tensor) -> str:
-    """The backend that runs: ``auto`` is ``torch``; ``cpu`` falls back to ``torch`` off the
-    CPU and under ``torch.compile`` (its C passes are opaque to the compiler); ``cce`` and
-    ``liger`` need CUDA."""
+    """The backend that runs: ``auto`` is ``torch``; ``cce`` and ``liger`` need CUDA."""
     check_backend(name)
     if name == "auto":
-        return "torch"
-    if name == "cpu" and (hidden.device.type != "cpu" or torch.compiler.is_compiling()):
         return "torch"
     if name in ("cce", "liger") and hidden.device.type != "cuda":
         raise MissingBackendError(
@@ -492,11 +487,8 @@ def resolve_backend(name: str, hidden: torch.Tensor) -> str:
     return name
 
 
-def row_passes(backend: str, device: torch.device) -> RowPasses:
-    if backend == "cpu":
-        from heads.cpu_backend import cpu_passes
-
-        return cpu_passes()
+def row_passes(device: torch.device) -> RowPasses:
+    """The portable passes, with the exp floor on a CPU (``EXP_FLOOR``)."""
     return _TORCH_CPU_PASSES if device.type == "cpu" else TORCH_PASSES
 
 

@@ -414,8 +414,8 @@ def mixtape_frequent_lse(
     from heads.fused_cross_entropy import LinearLSE
 
     n, k, _ = contexts.shape
-    backend = resolve_backend(options.backend, contexts)
-    passes = row_passes("torch" if backend in ("cce", "liger") else backend, contexts.device)
+    resolve_backend(options.backend, contexts)  # checked (cce/liger: CUDA only); torch passes
+    passes = row_passes(contexts.device)
     # a block holds [N, K-1, w] gates, [N, K, w] values and [N, w] logits: 2K floats a column
     _, width = plan_tiles(n, weight.size(0), contexts.device, options, entries_per_column=2 * k)
     saved = options.saved_bytes

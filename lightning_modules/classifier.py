@@ -32,7 +32,7 @@ class Classifier(HeadTask):
         top_k: accuracies to report.
         compile: ``torch.compile`` the backbone and the head (true, or torch.compile's keyword
             arguments); see ``HeadTask``.
-        loss_backend: the head's fused-loss backend (auto, torch, cpu, cce, liger); see
+        loss_backend: the head's fused-loss backend (auto, torch, cce, liger); see
             ``HeadTask``.
     """
 

@@ -38,8 +38,7 @@ class HeadTask(L.LightningModule):
       fused loss loops over shapes only; adaptive and DS group sizes are the only
       data-dependent values, captured as such). ``log_prob`` / ``topk`` stay eager.
     - ``loss_backend`` (every task's option): the head's fused-loss backend
-      (``heads/fused_cross_entropy.py``); ``cpu`` also fixes glibc's malloc thresholds for a
-      CPU run (``heads/cpu_backend.py``).
+      (``heads/fused_cross_entropy.py``).
     """
 
     backbone: torch.nn.Module
@@ -87,10 +86,6 @@ class HeadTask(L.LightningModule):
         if stage != "fit" or self._trainer is None:
             return
         trainer = self.trainer
-        if self.loss_backend == "cpu" and trainer.strategy.root_device.type == "cpu":
-            from heads.cpu_backend import tune_glibc_malloc
-
-            tune_glibc_malloc()
         datamodule = getattr(trainer, "datamodule", None)
         self.head.setup(
             HeadSetup(

@@ -54,8 +54,8 @@ class LanguageModel(HeadTask):
         freeze_backbone: train the head only.
         compile: ``torch.compile`` the backbone and the head (true, or torch.compile's keyword
             arguments such as ``{mode: max-autotune}``); see ``HeadTask``.
-        loss_backend: the head's fused-loss backend: auto, torch, cpu (opt-in CPU speed code),
-            cce or liger (CUDA, optional packages); see ``HeadTask``.
+        loss_backend: the head's fused-loss backend: auto, torch, cce or liger (CUDA,
+            optional packages); see ``HeadTask``.
     """
 
     def __init__(

@@ -57,7 +57,7 @@ class Translation(HeadTask):
             ``<log dir>/translations_test.txt``.
         compile: ``torch.compile`` the backbone and the head (true, or torch.compile's keyword
             arguments); see ``HeadTask``.
-        loss_backend: the head's fused-loss backend (auto, torch, cpu, cce, liger); see
+        loss_backend: the head's fused-loss backend (auto, torch, cce, liger); see
             ``HeadTask``.
     """
 

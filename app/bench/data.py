@@ -122,10 +122,7 @@ def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
     """Build the data module of ``spec`` and make it ready to serve a first training batch:
     ``prepare`` runs ``prepare_data`` (all splits), ``cached`` runs ``setup("fit")``."""
     from datamodules import LanguageModelingDataModule
-    from heads.cpu_backend import tune_glibc_malloc
 
-    if spec.get("malloc_tuning", False):
-        tune_glibc_malloc()  # as the cpu loss backend does
     counter = _Counter()
     logger = logging.getLogger("datamodules")
     logger.setLevel(logging.INFO)
@@ -230,7 +227,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cache = Path(args.cache_dir) if args.cache_dir else Path(tempfile.mkdtemp("-data-cache"))
         entry: dict[str, Any] = {"vocab": vocab}
         try:
-            spec = {"data": {**data, "cache_dir": str(cache)}, "malloc_tuning": args.malloc_tuning}
+            spec = {"data": {**data, "cache_dir": str(cache)}}
             print(f"[{vocab}] first preparation (empty cache {cache}) ...", flush=True)
             entry["prepare"] = phase({**spec, "phase": "prepare"})
             print(f"[{vocab}] {_line(entry['prepare'])}", flush=True)
@@ -294,11 +291,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=0,
         help="N > 1: also start N processes together on an empty cache",
-    )
-    parser.add_argument(
-        "--malloc-tuning",
-        action="store_true",
-        help="glibc malloc tuned as the cpu loss backend does (heads/cpu_backend.py)",
     )
     parser.add_argument("--corpus-dir", default=None, help="where the corpus is written once")
     parser.add_argument(

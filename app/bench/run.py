@@ -16,7 +16,7 @@ step takes above the memory in use before it (``app/bench/memory.py``: peak RSS 
 the caching allocator's peak on CUDA), which same-memory mode fits to the budget.
 
 Subjects (``--heads``) are named ``<head>[@<backend>][+compile]`` (``app/bench/subjects.py``):
-e.g. ``softmax softmax@cpu softmax+compile cce liger matmul``.
+e.g. ``softmax softmax+compile softmax@cce cce liger matmul``.
 """
 
 from __future__ import annotations
@@ -223,8 +223,7 @@ def run(args: argparse.Namespace) -> dict:
         "machine": {"platform": platform.platform(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "device": str(device),
                     "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                    "load_average": _load_average(), "malloc_tuned": args.malloc_tuned,
-                    "memory_method": memory_method},
+                    "load_average": _load_average(), "memory_method": memory_method},
     }  # fmt: skip
 
 
@@ -264,7 +263,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--loss-backend",
         choices=BACKENDS,
         default="auto",
-        help="fused-loss backend of our heads without an @backend (cpu: also glibc malloc)",
+        help="fused-loss backend of our heads without an @backend",
     )
     parser.add_argument(
         "--saved-mb",
@@ -381,12 +380,6 @@ def main(argv: list[str] | None = None) -> dict:
     from app.bench.report import print_table, save_plot
 
     args = parse_args(argv)
-    args.malloc_tuned = False
-    uses_cpu_backend = args.loss_backend == "cpu" or any("@cpu" in h for h in args.heads)
-    if uses_cpu_backend and args.device == "cpu":  # part of the opt-in CPU backend
-        from heads.cpu_backend import tune_glibc_malloc
-
-        args.malloc_tuned = tune_glibc_malloc()
     report = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
 A subject is named ``<head>[@<backend>][+compile]``: one of our heads (``HEADS``) with its
 fused loss on a given backend (``heads/fused_cross_entropy.py``; default ``--loss-backend``)
-and/or under ``torch.compile``, e.g. ``softmax@cpu`` or ``mixtape+compile``; or a peer
+and/or under ``torch.compile``, e.g. ``softmax@cce`` or ``mixtape+compile``; or a peer
 (``PEERS``): PyTorch's adaptive softmax, the bare matmul (the machine's limit), and on CUDA
 the field's fused linear cross-entropy kernels on the softmax, Apple's cut-cross-entropy
 (``cce``) and Liger-Kernel's (``liger``).

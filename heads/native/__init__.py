@@ -3,8 +3,6 @@
 - ``ds_topk.c``: the DS-Softmax top-k, one query or a batch sorted by expert (with the SVD
   preview of large experts). At batch 1 its arithmetic takes a few microseconds, where eager
   PyTorch's per-call overhead would dominate.
-- ``softmax_rows.c``: the in-place softmax passes of the opt-in CPU loss backend
-  (``heads/cpu_backend.py``), one read and one write per row instead of five passes.
 
 Each shared library is built with the system C compiler (``$CC``, else ``cc``/``gcc``) into a
 per-user cache keyed by the source, the flags and the CPU, and loaded with ctypes, so no
@@ -136,7 +134,8 @@ class DSTopkKernels:
 @cache
 def ds_topk_kernels() -> DSTopkKernels | None:
     """The DS-Softmax top-k kernels, or ``None`` when unavailable. OpenMP (batches with more
-    than one thread) shares PyTorch's ``libgomp.so.1``, as ``softmax_rows_kernels`` does."""
+    than one thread): PyTorch has loaded its ``libgomp.so.1`` already, so the library shares
+    that runtime and its threads."""
     library = _library("ds_topk", ("-fopenmp",), "DS-Softmax top-k")
     if library is None:
         return None
@@ -151,28 +150,3 @@ def ds_topk_kernels() -> DSTopkKernels | None:
     profile.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr]
     profile.restype = i64
     return DSTopkKernels(one, batch, profile)
-
-
-@dataclass(frozen=True)
-class SoftmaxRowsKernels:
-    """``softmax_rows`` and ``exp_shifted_rows`` from ``softmax_rows.c`` (signatures there)."""
-
-    softmax_rows: ctypes._CFuncPtr
-    exp_shifted_rows: ctypes._CFuncPtr
-
-
-@cache
-def softmax_rows_kernels() -> SoftmaxRowsKernels | None:
-    """The softmax-pass kernels, or ``None`` when unavailable. OpenMP: PyTorch has loaded
-    its ``libgomp.so.1`` already, so the library shares that runtime and its threads."""
-    library = _library("softmax_rows", ("-fopenmp",), "the losses' softmax passes")
-    if library is None:
-        return None
-    i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_float
-    softmax = library.softmax_rows
-    softmax.argtypes = [ptr, i64, i64, i64, f32, ptr, ptr, i32]
-    softmax.restype = None
-    shifted = library.exp_shifted_rows
-    shifted.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, i32]
-    shifted.restype = None
-    return SoftmaxRowsKernels(softmax, shifted)

@@ -223,28 +223,6 @@ def test_backend_errors_are_one_line():
         assert isinstance(raised.value, UserError) and "\n" not in str(raised.value)
 
 
-def test_cpu_backend_equals_the_portable_path_in_float32():
-    """The opt-in CPU backend (C passes, aligned products) gives the portable path's values and
-    gradients, kept and recomputed chunks alike (70 rows: the aligned products apply)."""
-    gen = torch.Generator().manual_seed(7)
-    hidden = torch.randn(70, 24, generator=gen).requires_grad_()
-    weight = (0.3 * torch.randn(397, 24, generator=gen)).requires_grad_()
-    bias = torch.randn(397, generator=gen).requires_grad_()
-    target = torch.randint(0, 397, (70,), generator=gen)
-    target[3] = IGNORE_INDEX
-    results = []
-    for backend in ("torch", "cpu"):
-        for saved in (0, 1 << 30):
-            options = LossOptions(backend=backend, columns=100, saved_bytes=saved)
-            out = linear_cross_entropy(hidden, weight, bias, target, label_smoothing=0.1,
-                                       options=options)  # fmt: skip
-            grads = torch.autograd.grad(out.loss(0.1).sum(), (hidden, weight, bias))
-            results.append((out.nll.detach(), out.smoothing.detach(), *grads))
-    for other in results[1:]:
-        for a, c in zip(results[0], other, strict=True):
-            torch.testing.assert_close(c, a, rtol=2e-5, atol=2e-6)
-
-
 def test_compiles_into_one_graph_without_breaks():
     """The training step's loss traces into one graph (forward and backward) under
     torch.compile: loops over shapes only, no host syncs; and it gives the eager values."""

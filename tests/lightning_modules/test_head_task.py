@@ -83,8 +83,8 @@ def test_a_missing_pretrained_checkpoint_is_named(tmp_path):
 def test_loss_backend_reaches_the_head_and_is_checked():
     from heads.errors import HeadConfigError
 
-    task = LanguageModel(LSTMBackbone(30, 8, 8), SoftmaxHead(8, 30), loss_backend="cpu")
-    assert task.head.loss_options.backend == "cpu"
+    task = LanguageModel(LSTMBackbone(30, 8, 8), SoftmaxHead(8, 30), loss_backend="torch")
+    assert task.head.loss_options.backend == "torch"
     assert model().head.loss_options.backend == "auto"
     with pytest.raises(HeadConfigError, match="loss backend 'fastest' is not one of"):
         LanguageModel(LSTMBackbone(30, 8, 8), SoftmaxHead(8, 30), loss_backend="fastest")
