@@ -21,6 +21,16 @@ from typing import Any
 RESULTS = Path("docs/results")
 OUT = Path("docs/results.md")
 
+# notes for files measured with options since removed (their commands no longer take them)
+REMOVED_CPU_BACKEND = (
+    "The `@cpu` rows measured the opt-in CPU loss backend; it was removed because these rows "
+    "show it no faster than the portable path.",
+)
+REMOVED_MALLOC_TUNING = (
+    "Measured with glibc malloc tuning (`--malloc-tuning`), an option removed with the CPU "
+    "loss backend.",
+)
+
 # a renderer gets the report, its JSON path and the folder of the markdown file (for links)
 Renderer = Callable[[dict[str, Any], Path, Path], str]
 
@@ -114,6 +124,7 @@ def render_training_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> 
         f"{_machine(report)}.",
         # malloc_tuned: recorded in args by older runs, never a flag
         "```bash\n" + command_of("app.bench", args, skip=("out", "name", "malloc_tuned")) + "\n```",
+        *REMOVED_CPU_BACKEND * any("@cpu" in h for h in args.get("heads", [])),
         table(header, body),
         f"![{path.stem}]({link(plot, doc_dir)})",
     ])  # fmt: skip
@@ -234,7 +245,8 @@ def render_data_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
         "machine), peak RSS of the whole process."
         if load else f"{corpus['tokens']:,} training tokens.",
         "```bash\n" + command_of("app.bench", options, skip=("out", "name", "corpus_dir",
-                                 "cache_dir")) + "\n```",
+                                 "cache_dir", "malloc_tuning")) + "\n```",
+        *REMOVED_MALLOC_TUNING * bool(options.get("malloc_tuning")),
         table(header, body),
     ])  # fmt: skip
 
