@@ -62,8 +62,10 @@ def test_test_on_checkpoint_beats_untrained_model(trained, ptb_path):
     untrained_ppl = run("test", "ptb_softmax", ptb_path, *common)
     trained_ppl = float(trained_ppl.trainer.callback_metrics["test/ppl"])
     untrained_ppl = float(untrained_ppl.trainer.callback_metrics["test/ppl"])
-    assert trained_ppl < 0.2 * untrained_ppl, (trained_ppl, untrained_ppl)
-    assert untrained_ppl > 5000  # about uniform over 10k words
+    # an untrained head already predicts the unigram's shape (its bias starts at the Zipf
+    # log-prior: PTB's unigram perplexity is about 700, uniform would be 10,000)
+    assert 300 < untrained_ppl < 2000, untrained_ppl
+    assert trained_ppl < 0.9 * untrained_ppl, (trained_ppl, untrained_ppl)
 
 
 def test_test_and_validate_never_read_the_training_split(trained, ptb_path, monkeypatch, tmp_path):

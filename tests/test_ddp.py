@@ -117,8 +117,9 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path
     report("softmax", single, ddp)
     assert single["step"] == ddp["step"] == 11  # 12 steps, logged 0-based
     assert ddp["val/loss"] == pytest.approx(single["val/loss"], rel=1e-4)
-    # an untrained model is at log(10k) = 9.21: the 12 steps did train
-    assert single["val/loss"] < math.log(10_000) - 0.2
+    # uniform over 10k words is log(10k) = 9.21; the Zipf-started head begins near the
+    # unigram's ~6.5 and must not have left it upwards in 12 steps
+    assert single["val/loss"] < 6.6
     assert_ranks_agree(tmp_path / "ddp")
 
 
@@ -159,7 +160,7 @@ def test_every_head_under_ddp_matches_one_process(head, tmp_path, ptb_path):
     ddp = fit(tmp_path / "ddp", ptb_path, CONFIG[head], *extra, steps=6, devices=2)
     report(head, single, ddp)
     assert ddp["val/loss"] == pytest.approx(single["val/loss"], rel=1e-4)
-    assert single["val/loss"] < math.log(10_000)  # below uniform: the steps trained
+    assert single["val/loss"] < math.log(10_000)  # a working model: below uniform
     assert_ranks_agree(tmp_path / "ddp")
 
 

@@ -15,7 +15,8 @@ def make(src_vocab: int, tgt_vocab: int, seed: int = 0):
     backbone = Seq2SeqTransformer(src_vocab, tgt_vocab, model_size=D, num_heads=2,
                                   encoder_layers=1, decoder_layers=1, feedforward_size=32,
                                   dropout=0.0)  # fmt: skip
-    head = SoftmaxHead(D, tgt_vocab)
+    # uniform toy tokens, not frequency-sorted ids: a zero bias start, not the Zipf one
+    head = SoftmaxHead(D, tgt_vocab, zipf_bias_init=False)
     with torch.no_grad():  # a random model that does not stop at once
         head.bias[0] = -1.0
     return backbone.eval(), head.eval()
