@@ -11,7 +11,7 @@ import warnings
 
 from app.console import show_data_log
 from app.lightning_cli import AppCLI, make_cli
-from heads.errors import UserError
+from heads.errors import user_error
 
 
 def main(argv: list[str] | None = None) -> AppCLI:
@@ -22,17 +22,6 @@ def main(argv: list[str] | None = None) -> AppCLI:
     warnings.filterwarnings("ignore", ".*LeafSpec.*is deprecated.*")
     show_data_log()  # data cache hits and misses
     return make_cli(sys.argv[1:] if argv is None else argv)
-
-
-def user_error(exc: BaseException) -> UserError | None:
-    """The user error at the root of ``exc`` (jsonargparse wraps them), if any."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, UserError):
-            return exc
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return None
 
 
 def console_main(argv: list[str] | None = None) -> int:

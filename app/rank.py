@@ -262,12 +262,15 @@ def main(argv: Sequence[str] | None = None) -> RankReport:
 
 
 def console_main(argv: Sequence[str] | None = None) -> int:
-    from heads.errors import UserError
+    from heads.errors import user_error
 
     try:
         main(argv)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except Exception as exc:
+        cause = user_error(exc)
+        if cause is None:
+            raise
+        print(f"error: {cause}", file=sys.stderr)
         return 2
     return 0
 

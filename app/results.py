@@ -89,16 +89,10 @@ def _is_training_bench(report: dict[str, Any]) -> bool:
     )
 
 
-def _peer(rows: list[dict], row: dict, head: str) -> dict | None:
-    return next((r for r in rows if r["head"] == head and r["vocab_size"] == row["vocab_size"]
-                 and r["hidden_size"] == row["hidden_size"]), None)  # fmt: skip
-
-
 def render_training_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
-    from app.bench.report import save_plot
+    from app.bench.report import row_figures, save_plot
 
     rows = report["results"]
-    nan = float("nan")
     # "extra_peak_mb": memory a step adds to the process (older files: the process's peak)
     memory_key = "extra_peak_mb" if rows and "extra_peak_mb" in rows[0] else "peak_memory_mb"
     header = ["head", "V", "d", "tokens", "ms / batch", "us / token", "x softmax", "GFLOP",
@@ -106,15 +100,10 @@ def render_training_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> 
               "extra peak MiB" if memory_key == "extra_peak_mb" else "peak MiB"]  # fmt: skip
     body = []
     for row in rows:
-        softmax, matmul = _peer(rows, row, "softmax"), _peer(rows, row, "matmul")
-        rel = row["time_per_token_us"] / softmax["time_per_token_us"] if softmax else nan
-        rate = (row["matmul_gflop_per_s"] / matmul["matmul_gflop_per_s"] * 100
-                if matmul and row.get("matmul_gflop_per_s") else nan)  # fmt: skip
-        memory = row.get(memory_key)
+        rel, gflop, rate, memory = row_figures(rows, row, memory_key)
         body.append([row["head"], row["vocab_size"], row["hidden_size"], row["tokens"],
-                     row["time_ms"], row["time_per_token_us"], rel,
-                     row.get("matmul_gflop") or nan, rate,
-                     nan if memory is None else memory])  # fmt: skip
+                     row["time_ms"], row["time_per_token_us"], rel, gflop, rate,
+                     memory])  # fmt: skip
     plot = path.with_suffix(".png")
     save_plot(report, plot)
     args = report["args"]
@@ -210,11 +199,6 @@ def _is_data_bench(report: dict[str, Any]) -> bool:
     return report.get("mode") == "data" and "results" in report
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2] if ordered else float("nan")
-
-
 def render_data_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
     corpus, options, machine = report["corpus"], report["options"], report.get("machine", {})
     header = ["vocab", "classes", "train tokens", "first prepare s", "peak RSS GiB",
@@ -230,7 +214,7 @@ def render_data_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
         epoch = next((c["epoch_read_s"] for c in cached if c.get("epoch_read_s")), None)
         body.append([
             row["vocab"], prepare["vocab_size"], prepare["tokens"]["train"], prepare["wall_s"],
-            prepare["peak_rss_gib"], _median([c["wall_s"] for c in cached]),
+            prepare["peak_rss_gib"], row["cached_wall_s"],
             max((c["peak_rss_gib"] for c in cached), default=float("nan")),
             float("nan") if epoch is None else epoch,
             max((c["wall_s"] for c in together), default=float("nan")),

@@ -11,6 +11,17 @@ class UserError(Exception):
     """An error the user fixes in their config, data or command line; its message names what."""
 
 
+def user_error(exc: BaseException | None) -> UserError | None:
+    """The user error at the root of ``exc`` (jsonargparse and ``build()`` wrap them), if any."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, UserError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 class HeadConfigError(UserError, ValueError):
     """A head option that cannot work (bad K, ratio, sizes...)."""
 

@@ -35,23 +35,23 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import platform
 import statistics
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from app.bench.timing import CLOCKS, check_clock, time_once
 from app.lightning_cli import build
+from app.machine import load_average
 from heads import DSSoftmaxHead, SoftmaxHead
 from heads.ds_svd import SVDPreview, expert_cost
 from heads.native import ds_topk_kernels
 
 ACCURACY_K = (1, 5, 10)
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def synthetic_ds_head(vocab: int, hidden: int, experts: int, expert_size: int, seed: int = 0):
@@ -208,9 +208,9 @@ def ds_structure(head: DSSoftmaxHead, utilisation: torch.Tensor, k: int = 10) ->
     return result
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _topk_each(head: nn.Module, inputs: list[torch.Tensor], k: int) -> None:
+    for queries in inputs:
+        head.topk(queries, k)
 
 
 @torch.inference_mode()
@@ -239,25 +239,17 @@ def time_topk(
         for start in range(0, n, block):
             stop = min(start + block, n)
             for name, head in heads.items():
-                _sync(device)
-                began = now()
-                for i in range(start, stop):
-                    head.topk(rows[i], k)
-                _sync(device)
+                seconds = time_once(partial(_topk_each, head, rows[start:stop], k), device, now)
                 if repeat >= warmup:
-                    singles[name].append((now() - began) / (stop - start) * 1e6)
+                    singles[name].append(seconds / (stop - start) * 1e6)
         for start in range(0, n, block * batch_size):
             stop = min(start + block * batch_size, n)
             starts = range(start, stop, batch_size)
             batches = [queries[i : min(i + batch_size, stop)] for i in starts]
             for name, head in heads.items():
-                _sync(device)
-                began = now()
-                for batch in batches:
-                    head.topk(batch, k)
-                _sync(device)
+                seconds = time_once(partial(_topk_each, head, batches, k), device, now)
                 if repeat >= warmup:
-                    batched[name].append((now() - began) / (stop - start) * 1e6)
+                    batched[name].append(seconds / (stop - start) * 1e6)
     return {
         name: {
             "batch1_us_per_query": statistics.median(singles[name]),
@@ -309,7 +301,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     report: dict[str, Any] = {"args": vars(args).copy()}
     report["args"]["svd"] = [vars(spec) for spec in args.svd]
-    load_before = os.getloadavg()
+    load_before = load_average()
     softmax_paths = named_paths(args.softmax_checkpoint, "softmax")
     ds_paths = named_paths(args.ds_checkpoint, "ds")
     heads: dict[str, nn.Module] = {}
@@ -366,8 +358,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "native_kernel": ds_topk_kernels() is not None,
-        "load_average_before": list(load_before),
-        "load_average_after": list(os.getloadavg()),
+        "load_average_before": load_before,
+        "load_average_after": load_average(),
     }
     return report
 
@@ -420,11 +412,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if len(set(names)) != len(names):
         parser.error(f"--svd options name the same row twice ({', '.join(names)}): give "
                      "distinct RANK:CANDIDATES[:MIN_CLASSES]")  # fmt: skip
-    if args.device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            parser.error("--device cuda: no CUDA device here")
-        if args.clock == "cpu":
-            parser.error("--clock cpu measures the host only: use --clock wall on a GPU")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    check_clock(parser, args.clock, args.device)
     return args
 
 

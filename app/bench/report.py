@@ -16,22 +16,30 @@ def _peer(rows: list[dict], row: dict, head: str) -> dict | None:
                  and r["hidden_size"] == row["hidden_size"]), None)  # fmt: skip
 
 
+def row_figures(rows: list[dict], row: dict, memory_key: str = "extra_peak_mb") -> tuple:
+    """``row``'s derived figures, nan where not measured: time per token over the softmax's
+    (same V and d), the step's matrix-product GFLOP, their rate in % of the bare matmul row's,
+    and the step's memory (``memory_key``: older files hold the process's peak instead)."""
+    nan = float("nan")
+    softmax, matmul = _peer(rows, row, "softmax"), _peer(rows, row, "matmul")
+    rel = row["time_per_token_us"] / softmax["time_per_token_us"] if softmax else nan
+    gflop = row.get("matmul_gflop")  # None: --flops skip
+    rate = nan
+    if matmul and row.get("matmul_gflop_per_s") and matmul.get("matmul_gflop_per_s"):
+        rate = row["matmul_gflop_per_s"] / matmul["matmul_gflop_per_s"] * 100
+    memory = row.get(memory_key)
+    return rel, nan if gflop is None else gflop, rate, nan if memory is None else memory
+
+
 def print_table(report: dict) -> None:
     """One line per row. ``x softmax``: time per token over the softmax's; ``GFLOP``: the
     step's matrix products; ``% matmul``: their rate over the bare matmul row's; ``extra
     MiB``: the step's extra peak memory (``app/bench/memory.py``)."""
     rows = report["results"]
-    nan = float("nan")
     print(f"\n{'head':<22}{'V':>8}{'d':>6}{'tokens':>8}{'ms/batch':>11}{'us/token':>10}"
           f"{'x softmax':>11}{'GFLOP':>9}{'% matmul':>10}{'extra MiB':>11}")  # fmt: skip
     for row in rows:
-        softmax, matmul = _peer(rows, row, "softmax"), _peer(rows, row, "matmul")
-        rel = row["time_per_token_us"] / softmax["time_per_token_us"] if softmax else nan
-        gflop = nan if row["matmul_gflop"] is None else row["matmul_gflop"]  # --flops skip
-        rate = nan
-        if matmul and row["matmul_gflop"] is not None and matmul["matmul_gflop"] is not None:
-            rate = row["matmul_gflop_per_s"] / matmul["matmul_gflop_per_s"] * 100
-        memory = nan if row.get("extra_peak_mb") is None else row["extra_peak_mb"]
+        rel, gflop, rate, memory = row_figures(rows, row)
         print(f"{row['head']:<22}{row['vocab_size']:>8}{row['hidden_size']:>6}{row['tokens']:>8}"
               f"{row['time_ms']:>11.2f}{row['time_per_token_us']:>10.3f}{rel:>11.2f}"
               f"{gflop:>9.1f}{rate:>10.0f}{memory:>11.1f}")  # fmt: skip

@@ -44,6 +44,8 @@ from app.bench.subjects import (
     parse_subject,
     step_fn,
 )
+from app.bench.timing import CLOCKS, check_clock, time_once
+from app.machine import load_average
 from heads.adaptive_cutoffs import zipf_probabilities
 from heads.fused_cross_entropy import BACKENDS
 
@@ -61,24 +63,6 @@ def make_targets(kind: str, vocab: int, count: int, generator: torch.Generator) 
         tokens = LanguageModelingDataModule(path=str(PTB_TRAIN.parent)).split_tokens("train")
         return tokens[:count].long().remainder(vocab)  # int32 on disk; heads take int64
     raise ValueError(f"unknown targets {kind!r}: zipf or ptb")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-# wall: elapsed time. cpu: this process's CPU time (its threads summed), which other jobs on
-# a shared machine barely disturb; on a GPU only wall time means anything.
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-
-
-def time_once(step, device: torch.device, clock=time.perf_counter) -> float:
-    _sync(device)
-    start = clock()
-    step()
-    _sync(device)
-    return clock() - start
 
 
 def build_case(name, scope, vocab, hidden, tokens, targets, options, device, bptt,
@@ -223,17 +207,8 @@ def run(args: argparse.Namespace) -> dict:
         "machine": {"platform": platform.platform(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "device": str(device),
                     "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                    "load_average": _load_average(), "memory_method": memory_method},
+                    "load_average": load_average(), "memory_method": memory_method},
     }  # fmt: skip
-
-
-def _load_average() -> list[float] | None:
-    import os
-
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 def _flops(name, step, args, vocab, hidden, tokens, targets, options, device) -> int:
@@ -343,8 +318,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if min(args.vocab_sizes + args.hidden_sizes + args.batch_sizes) <= 0:
         parser.error("sizes must be positive")
-    if args.clock == "cpu" and args.device.startswith("cuda"):
-        parser.error("--clock cpu measures the host only: use --clock wall on a GPU")
+    check_clock(parser, args.clock, args.device)
     for name in args.heads:
         try:
             parse_subject(name)

@@ -16,7 +16,7 @@ from pathlib import Path
 from app.study.grid import load_grid
 from app.study.report import render_markdown
 from app.study.runner import run_study
-from heads.errors import UserError
+from heads.errors import user_error
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -100,8 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(markdown)
         return 0
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except Exception as exc:
+        cause = user_error(exc)
+        if cause is None:
+            raise
+        print(f"error: {cause}", file=sys.stderr)
         return 2
 
 

@@ -62,14 +62,17 @@ def summarize(study: Mapping[str, Any]) -> list[dict[str, Any]]:
         runs = [r for r in study["runs"] if r["label"] == label]
         ok = [r for r in runs if r["status"] == "ok"]
         values = [r["test"][metric] for r in ok]
-        best_val = []
+        best_val, train_s, epochs, per_epoch = [], [], [], []
         for run in ok:
-            curve = [p[curve_metric] for p in _curve(run) if p.get(curve_metric) is not None]
+            points = _curve(run)
+            curve = [p[curve_metric] for p in points if p.get(curve_metric) is not None]
             if curve:
                 best_val.append(pick(curve))
-        train_s = [r["train_s"] for r in ok if r.get("train_s")]
-        epochs = [len(_curve(r)) for r in ok]
-        per_epoch = [s / e for s, e in zip(train_s, epochs, strict=False) if e]
+            epochs.append(len(points))
+            if run.get("train_s"):
+                train_s.append(run["train_s"])
+                if points:  # seconds per epoch: only where the run has both
+                    per_epoch.append(run["train_s"] / len(points))
         ranks = [r["rank"]["rank"] for r in ok if r.get("rank")]
         rows.append(
             {

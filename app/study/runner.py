@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from app.machine import load_average
 from app.study.collect import (
     checkpoint_summary,
     last_values,
@@ -208,6 +209,7 @@ def execute_run(grid: Grid, run: RunSpec, run_dir: Path, env: dict[str, str]) ->
     """Fit (and fine-tune), test the best checkpoint, rank it: the run's ``result.json`` data."""
     run_dir.mkdir(parents=True, exist_ok=True)
     executor = RunExecutor(grid, run, run_dir, env)
+    overrides = grid.run_overrides(run)
     result: dict[str, Any] = {
         "schema": "study-run/1",
         "study": grid.name,
@@ -215,11 +217,11 @@ def execute_run(grid: Grid, run: RunSpec, run_dir: Path, env: dict[str, str]) ->
         "head": run.head.label,
         "variant": run.variant,
         "seed": run.seed,
-        "overrides": grid.run_overrides(run),
+        "overrides": overrides,
     }
     head = [] if run.head.fragment is None else ["--model.head", run.head.fragment]
     try:
-        extra = head + override_args(grid.run_overrides(run))
+        extra = head + override_args(overrides)
         stage = executor.fit("fit", grid.run_base(run), extra)
         result["fit"] = stage
         final_version, best = "fit", stage["best_checkpoint"]
@@ -324,8 +326,8 @@ def environment() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
     }
-    if hasattr(os, "getloadavg"):
-        info["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    if (load := load_average()) is not None:
+        info["load_average"] = load
     try:
         info["git_commit"] = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True

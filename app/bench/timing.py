@@ -1,0 +1,34 @@
+"""Timing shared by the benchmarks: the clocks, a device sync, one timed call."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+# wall: elapsed time. cpu: this process's CPU time (its threads summed), which other jobs on
+# a shared machine barely disturb; on a GPU only wall time means anything.
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously); a no-op elsewhere."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_once(step: Callable[[], object], device: torch.device, clock=time.perf_counter) -> float:
+    """Seconds of one ``step()`` on ``clock``, the device synced before and after."""
+    sync(device)
+    start = clock()
+    step()
+    sync(device)
+    return clock() - start
+
+
+def check_clock(parser: argparse.ArgumentParser, clock: str, device: str) -> None:
+    """``--clock cpu`` on a GPU device: a parser error (CPU time misses the GPU's work)."""
+    if clock == "cpu" and device.startswith("cuda"):
+        parser.error("--clock cpu measures the host only: use --clock wall on a GPU")
