@@ -109,6 +109,12 @@ class AdaptiveSoftmaxHead(Head):
         # cluster starts, to find each target's cluster in forward (moves with the module)
         starts = torch.tensor(cutoffs[:-1], device=factory.get("device"))
         self.register_buffer("cluster_starts", starts, persistent=False)
+        # how often each head row counts in sum_x log P(x) (``_smoothing``): once per
+        # short-list word, |C_i| times for cluster i's entry; integers, which no dtype cast of
+        # the module rounds
+        sizes = [stop - start for start, stop in zip(cutoffs, cutoffs[1:], strict=False)]
+        counts = torch.tensor([1] * self.shortlist_size + sizes, device=factory.get("device"))
+        self.register_buffer("head_counts", counts, persistent=False)
         d = self.hidden_size
         self.head = nn.Linear(d, self.shortlist_size + self.num_clusters, self.head_bias, **factory)
         self.tail = nn.ModuleList()
@@ -311,9 +317,7 @@ class AdaptiveSoftmaxHead(Head):
         with float32_no_autocast(hidden.device):
             dtype = head_lse.dtype
             h, w = hidden.to(dtype), head.weight.to(dtype)
-            # how often each head row counts in sum_x log P(x): once per short-list word, |C_i|
-            # times for cluster i's entry
-            counts = h.new_tensor([1.0] * self.shortlist_size + sizes)
+            counts = self.head_counts.to(dtype)
             total = h @ (counts @ w)
             if head.bias is not None:
                 total = total + counts @ head.bias.to(dtype)
@@ -321,11 +325,8 @@ class AdaptiveSoftmaxHead(Head):
             for tail, size in zip(self.tail, sizes, strict=True):
                 projected = tail[0](hidden)
                 weight = tail[1].weight
-                log_normaliser = linear_lse(projected, weight, options=self.loss_options).lse
-                total = (
-                    total + projected.to(dtype) @ weight.to(dtype).sum(0)
-                    - size * log_normaliser.to(dtype)
-                )  # fmt: skip
+                parts = linear_lse(projected, weight, logit_sum=True, options=self.loss_options)
+                total = total + parts.logit_sum.to(dtype) - size * parts.lse.to(dtype)
         return -total / self.vocab_size
 
     def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:

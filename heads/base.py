@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from heads.cross_entropy import HALF_DTYPES, IGNORE_INDEX, cross_entropy_nll
+from heads.cross_entropy import HALF_DTYPES, IGNORE_INDEX
 from heads.errors import CheckpointMismatchError, HeadConfigError
 from heads.fused_cross_entropy import LossOptions
 
@@ -261,8 +261,9 @@ class Head(nn.Module):
 class SingleSoftmaxHead(Head):
     """A head whose distribution is one softmax over ``logits(hidden) [N, V]``.
 
-    Subclasses implement :meth:`logits`; normalisation and loss run here, in float32.
-    Their output embeddings live in ``self.weight`` ``[V, d]`` and can be tied.
+    Subclasses implement :meth:`logits` (and a fused training ``forward``); normalisation runs
+    here, in float32. Their output embeddings live in ``self.weight`` ``[V, d]`` and can be
+    tied.
     """
 
     weight: nn.Parameter
@@ -275,22 +276,6 @@ class SingleSoftmaxHead(Head):
         logits = self.logits(hidden)
         with float32_no_autocast(hidden.device):
             return upcast(logits).log_softmax(dim=-1)
-
-    def forward(
-        self, hidden: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0
-    ) -> HeadOutput:
-        self.check_inputs(hidden, target)
-        check_label_smoothing(label_smoothing)
-        logits = self.logits(hidden)
-        with float32_no_autocast(hidden.device):
-            nll = cross_entropy_nll(logits, target)  # float32 inside
-            smoothing = None
-            if label_smoothing:
-                # mean_x(-log p_x) = logsumexp(z) - mean_x(z); logsumexp(z) = nll + z_target
-                logits = upcast(logits)
-                log_normaliser = nll + self.gather_target(logits, target)
-                smoothing = log_normaliser - logits.mean(-1)
-        return self.output(nll, target, smoothing=smoothing, label_smoothing=label_smoothing)
 
     def tie_output_embedding(self, weight: nn.Parameter) -> None:
         self._tie("weight", weight)

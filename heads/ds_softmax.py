@@ -30,7 +30,6 @@ Two distributions, equal while no row has been pruned:
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -44,21 +43,12 @@ from heads.base import (
     HeadOutput,
     check_label_smoothing,
     check_positive_int,
-    float32_no_autocast,
     upcast,
 )
-from heads.ds_inference import DSInference
+from heads.ds_inference import DSInference, float32_context
 from heads.ds_svd import SVDPreview
 from heads.errors import HeadConfigError
 from heads.fused_cross_entropy import linear_lse
-
-
-def _float32(device: torch.device) -> contextlib.AbstractContextManager:
-    """``float32_no_autocast``, skipped when autocast is off: entering an autocast context
-    costs about as much as the whole batch-1 expert softmax."""
-    if torch.is_autocast_enabled(device.type):
-        return float32_no_autocast(device)
-    return contextlib.nullcontext()
 
 
 def _check_non_negative(name: str, value: float) -> None:
@@ -228,7 +218,7 @@ class DSSoftmaxHead(Head):
     # -- gate (Eq. 1) -------------------------------------------------------------------
     def select(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(expert [N], G_{k*}(h) [N])``: top-1 expert and its normalised gate value (Eq. 1)."""
-        with _float32(hidden.device):
+        with float32_context(hidden.device):
             gates = (upcast(hidden) @ upcast(self.gate).T).softmax(dim=-1)
         expert = gates.argmax(dim=-1)
         return expert, gates.gather(1, expert[:, None]).squeeze(1)
@@ -255,7 +245,7 @@ class DSSoftmaxHead(Head):
         if self.bias:  # [h, 1] against [W_c, b_c]: no column slice of the rows to backpropagate
             hidden = torch.cat((hidden, hidden.new_ones(hidden.size(0), 1)), dim=1)
         logits = F.linear(hidden, rows)  # the one matmul of this group (bf16 under autocast)
-        with _float32(hidden.device):
+        with float32_context(hidden.device):
             return upcast(gate_value)[:, None] * upcast(logits)
 
     def _expert_loss(
@@ -272,7 +262,7 @@ class DSSoftmaxHead(Head):
         through the fused primitive. ``G W h = W (G h)``, so the gate scales the rows fed to it
         (with the bias column: ``[G h, G] . [W_c, b_c]``); pruned classes are zero logits, the
         constant ``log(V - |v_k|)`` in the log-sum-exp (Algorithm 1, line 9)."""
-        with _float32(hidden.device):
+        with float32_context(hidden.device):
             scaled = upcast(hidden)
             if self.bias:
                 scaled = torch.cat((scaled, scaled.new_ones(scaled.size(0), 1)), dim=1)
@@ -382,7 +372,7 @@ class DSSoftmaxHead(Head):
                 (idx[:, None], self.expert_classes(k)[None, :]),
                 self._expert_logits(experts[k], hidden[idx], gate_value[idx]),
             )
-        with _float32(hidden.device):
+        with float32_context(hidden.device):
             return logits.log_softmax(dim=-1)
 
     def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -434,7 +424,7 @@ class DSSoftmaxHead(Head):
     # -- regularisers -------------------------------------------------------------------
     def aux_loss(self, expert: torch.Tensor, gate_value: torch.Tensor) -> torch.Tensor:
         """``lambda_lasso L_lasso + lambda_expert L_expert + lambda_load L_load`` (section 3.3)."""
-        with _float32(self.weight.device):
+        with float32_context(self.weight.device):
             weight = upcast(self.weight)
             total = weight.new_zeros(())
             if self.lambda_lasso or self.lambda_expert:

@@ -121,51 +121,42 @@ def spans(total: int, width: int | None) -> list[tuple[int, int]]:
 
 
 # -- the row passes ---------------------------------------------------------------------------
-class RowPasses:
-    """The elementwise passes of the loss over one chunk's float32/64 logits ``z [R, C]``.
-
-    ``logits``: ``h W^T + b`` in the compute dtype, returned in the accumulation dtype, written
-    into ``buffer`` (flat storage reused from chunk to chunk) when one is given.
-    ``exp_sum_``: in place ``z <- exp(max(z - m, floor))`` with ``m`` the row maximum; returns
-    ``(m, sum of the row)``. ``exp_shifted_``: in place ``z <- exp(max(z - shift, floor))``.
-    """
-
-    floor: float | None = None
-
-    def logits(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        accumulate: torch.dtype,
-        buffer: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        out = None if buffer is None else as_matrix(buffer, hidden.size(0), weight.size(0))
-        if hidden.dtype == accumulate:
-            if bias is None:
-                return torch.mm(hidden, weight.to(hidden.dtype).t(), out=out)
-            return torch.addmm(bias.to(accumulate), hidden, weight.to(hidden.dtype).t(), out=out)
-        z = torch.mm(hidden, weight.to(hidden.dtype).t())
-        z = z.to(accumulate) if out is None else out.copy_(z)
-        return z if bias is None else z.add_(bias.to(accumulate))
-
-    def exp_sum_(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        top = z.amax(1)
-        return top, self._exp_(z, top).sum(1)
-
-    def exp_shifted_(self, z: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-        return self._exp_(z, shift)
-
-    def _exp_(self, z: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-        z.sub_(shift.unsqueeze(1))
-        if self.floor is not None:
-            z.clamp_(min=self.floor)
-        return z.exp_()
+# The elementwise passes of the loss over one chunk's float32/64 logits ``z [R, C]``. On a CPU
+# the exps are floored at ``EXP_FLOOR``.
+def chunk_logits(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    accumulate: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``h W^T + b`` in the compute dtype (``hidden``'s), returned in the accumulation dtype,
+    written into the start of ``out`` (flat storage reused from chunk to chunk) when given."""
+    if out is not None:
+        rows, columns = hidden.size(0), weight.size(0)
+        out = out[: rows * columns].view(rows, columns)
+    if hidden.dtype == accumulate:
+        if bias is None:
+            return torch.mm(hidden, weight.to(hidden.dtype).t(), out=out)
+        return torch.addmm(bias.to(accumulate), hidden, weight.to(hidden.dtype).t(), out=out)
+    z = torch.mm(hidden, weight.to(hidden.dtype).t())
+    z = z.to(accumulate) if out is None else out.copy_(z)
+    return z if bias is None else z.add_(bias.to(accumulate))
 
 
-def as_matrix(buffer: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
-    """A contiguous ``[rows, columns]`` view of the start of a flat buffer."""
-    return buffer[: rows * columns].view(rows, columns)
+def exp_sum_(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place ``z <- exp(z - m)`` with ``m`` the row maximum (floored on a CPU); returns
+    ``(m, sum of the row)``."""
+    top = z.amax(1)
+    return top, exp_shifted_(z, top).sum(1)
+
+
+def exp_shifted_(z: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """In place ``z <- exp(z - shift)`` per row, ``exp(max(z - shift, EXP_FLOOR))`` on a CPU."""
+    z.sub_(shift.unsqueeze(1))
+    if z.device.type == "cpu":
+        z.clamp_(min=EXP_FLOOR)
+    return z.exp_()
 
 
 def chunk_buffer(like: torch.Tensor, rows: int, width: int, dtype: torch.dtype):
@@ -175,18 +166,10 @@ def chunk_buffer(like: torch.Tensor, rows: int, width: int, dtype: torch.dtype):
     own buffers."""
     if torch.compiler.is_compiling():
         return None
-    return like.new_empty(rows * (-(-width // _ALIGN) * _ALIGN), dtype=dtype)
+    return like.new_empty(rows * width, dtype=dtype)
 
 
-class _CpuFloorPasses(RowPasses):
-    floor = EXP_FLOOR
-
-
-TORCH_PASSES = RowPasses()
-_TORCH_CPU_PASSES = _CpuFloorPasses()
-
-
-def _combine(
+def combine_chunk(
     top: torch.Tensor, total: torch.Tensor, chunk_top: torch.Tensor, chunk_total: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Online log-sum-exp: ``(m, s)`` and one more chunk's ``(m_c, s_c)`` into the pair with
@@ -226,7 +209,6 @@ class _LinearLSE(torch.autograd.Function):
         tile: int | None,
         width: int,
         saved_bytes: int,
-        passes: RowPasses,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         acc = accumulation_dtype(hidden, weight)
         n, v = hidden.size(0), weight.size(0)
@@ -250,8 +232,8 @@ class _LinearLSE(torch.autograd.Function):
                     keep = budget >= 0
                 if not keep and buffer is None:
                     buffer = chunk_buffer(hidden, r1 - r0, width, acc)
-                z = passes.logits(h[r0:r1], weight[c0:c1], None if bias is None else bias[c0:c1],
-                                  acc, None if keep else buffer)  # fmt: skip
+                z = chunk_logits(h[r0:r1], weight[c0:c1], None if bias is None else bias[c0:c1],
+                                 acc, None if keep else buffer)  # fmt: skip
                 inside = (rows_t >= c0) & (rows_t < c1)
                 column = (rows_t - c0).clamp(0, c1 - c0 - 1).unsqueeze(1)
                 target_logit[r0:r1] = torch.where(
@@ -259,8 +241,8 @@ class _LinearLSE(torch.autograd.Function):
                 )
                 if want_sum:
                     logit_sum[r0:r1] += z.sum(1)
-                chunk_top, chunk_total = passes.exp_sum_(z)  # z now holds exp(z - m_c)
-                top, total = _combine(top, total, chunk_top, chunk_total)
+                chunk_top, chunk_total = exp_sum_(z)  # z now holds exp(z - m_c)
+                top, total = combine_chunk(top, total, chunk_top, chunk_total)
                 if keep:
                     tile_kept.append((z, chunk_top))
             lse[r0:r1] = top + total.log()
@@ -268,14 +250,14 @@ class _LinearLSE(torch.autograd.Function):
                 kept.append(exps.mul_(torch.exp(shift - lse[r0:r1]).unsqueeze(1)))
         ctx.save_for_backward(hidden, weight, bias, target, lse, *kept)
         ctx.kept_chunks = len(kept)
-        ctx.layout = dtype, tile, width, passes
+        ctx.layout = dtype, tile, width
         ctx.want_sum = want_sum
         return lse, target_logit, logit_sum
 
     @staticmethod
     def backward(ctx, grad_lse, grad_target, grad_sum):
         hidden, weight, bias, target, lse, *kept = ctx.saved_tensors
-        dtype, tile, width, passes = ctx.layout
+        dtype, tile, width = ctx.layout
         acc = lse.dtype
         n, v = hidden.size(0), weight.size(0)
         h = hidden.to(dtype)
@@ -303,8 +285,8 @@ class _LinearLSE(torch.autograd.Function):
                 else:
                     if buffer is None:
                         buffer = chunk_buffer(hidden, r1 - r0, width, acc)
-                    z = passes.logits(h_r, w, None if bias is None else bias[c0:c1], acc, buffer)
-                    probs = passes.exp_shifted_(z, rows_lse)
+                    z = chunk_logits(h_r, w, None if bias is None else bias[c0:c1], acc, buffer)
+                    probs = exp_shifted_(z, rows_lse)
                 chunk += 1
                 probs_c = probs.to(dtype)
                 if need_h:
@@ -332,7 +314,7 @@ class _LinearLSE(torch.autograd.Function):
             None if grad_h is None else grad_h.to(hidden.dtype),
             None if grad_w is None else grad_w.to(weight.dtype),
             None if grad_b is None else grad_b.to(bias.dtype),
-            *([None] * 7),
+            *([None] * 6),
         )
 
 
@@ -395,7 +377,6 @@ def linear_lse(
     backend = resolve_backend(options.backend, hidden)
     if backend in ("cce", "liger"):
         return _external_lse(backend, hidden, weight, bias, target, logit_sum)
-    passes = row_passes(hidden.device)
     v = weight.size(0)
     if row_bound is None:
         tile, width = plan_tiles(hidden.size(0), v, hidden.device, options)
@@ -404,7 +385,7 @@ def linear_lse(
         (_, width), tile, saved = plan_tiles(row_bound, v, hidden.device, options), None, 0
     lse, target_logit, total = _LinearLSE.apply(
         hidden, weight, bias, target, logit_sum, compute_dtype(hidden, weight), tile, width,
-        saved, passes,
+        saved,
     )  # fmt: skip
     return LinearLSE(lse, target_logit, total if logit_sum else None)
 
@@ -475,8 +456,8 @@ def _check_shapes(hidden, weight, bias, target) -> None:
 
 # -- backends ---------------------------------------------------------------------------------
 def resolve_backend(name: str, hidden: torch.Tensor) -> str:
-    """The backend that runs: ``auto`` is ``torch``; ``cce`` and ``liger`` need CUDA."""
-    check_backend(name)
+    """The backend that runs: ``auto`` is ``torch``; ``cce`` and ``liger`` need CUDA (the name
+    itself is checked by ``LossOptions``)."""
     if name == "auto":
         return "torch"
     if name in ("cce", "liger") and hidden.device.type != "cuda":
@@ -487,18 +468,9 @@ def resolve_backend(name: str, hidden: torch.Tensor) -> str:
     return name
 
 
-def row_passes(device: torch.device) -> RowPasses:
-    """The portable passes, with the exp floor on a CPU (``EXP_FLOOR``)."""
-    return _TORCH_CPU_PASSES if device.type == "cpu" else TORCH_PASSES
-
-
 def external_loss_function(name: str) -> Callable:
     """CCE's ``linear_cross_entropy`` or Liger's ``liger_fused_linear_cross_entropy``, both
     ``(h, W, target, bias=..., reduction=...)``; a one-line error when not installed."""
-    return _import_external(name)
-
-
-def _import_external(name: str) -> Callable:
     try:
         if name == "cce":
             from cut_cross_entropy import linear_cross_entropy as function
@@ -516,7 +488,7 @@ def _import_external(name: str) -> Callable:
 
 def _external_nll(name, hidden, weight, bias, target) -> torch.Tensor:
     """Per-row NLL from CCE or Liger (``reduction="none"``), float32."""
-    function = _import_external(name)
+    function = external_loss_function(name)
     device = hidden.device.type
     if torch.is_autocast_enabled(device):  # both kernels want one dtype for h and W
         dtype = torch.get_autocast_dtype(device)

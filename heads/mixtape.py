@@ -39,15 +39,18 @@ from heads.base import (
 from heads.cross_entropy import IGNORE_INDEX
 from heads.errors import HeadConfigError
 from heads.fused_cross_entropy import (
-    RowPasses,
+    LinearLSE,
     accumulation_dtype,
     chunk_buffer,
+    chunk_logits,
+    combine_chunk,
     combine_lse,
     compute_dtype,
+    exp_shifted_,
+    exp_sum_,
     linear_lse,
     plan_tiles,
     resolve_backend,
-    row_passes,
     spans,
 )
 
@@ -411,17 +414,14 @@ def mixtape_frequent_lse(
     """``(lse, target logit, logit sum or None)`` per row over the S frequent tokens' gated
     logits (Eq. 2-4), block by block over the S columns with nothing ``[N, K, S]`` kept
     beyond ``options.saved_bytes``. ``target`` outside ``[0, S)``: no target logit."""
-    from heads.fused_cross_entropy import LinearLSE
-
     n, k, _ = contexts.shape
-    resolve_backend(options.backend, contexts)  # checked (cce/liger: CUDA only); torch passes
-    passes = row_passes(contexts.device)
+    resolve_backend(options.backend, contexts)  # cce/liger: CUDA only; the torch path runs
     # a block holds [N, K-1, w] gates, [N, K, w] values and [N, w] logits: 2K floats a column
     _, width = plan_tiles(n, weight.size(0), contexts.device, options, entries_per_column=2 * k)
     saved = options.saved_bytes
     lse, target_logit, total = _MixtapeFrequentLSE.apply(
         gate_inputs, gate_weights, contexts, weight, bias, target, logit_sum,
-        compute_dtype(contexts, weight), width, saved, float(gate_noise), passes,
+        compute_dtype(contexts, weight), width, saved, float(gate_noise),
     )  # fmt: skip
     return LinearLSE(lse, target_logit, total if logit_sum else None)
 
@@ -446,18 +446,17 @@ def _frequent_block(
     place, which leaves ``left - right`` in each node's left slot for the backward
     (``_tree_levels``); the bias after the tree (``sum_k pi = 1``), on ``[N, w]`` only."""
     n, k = shape
-    dtype = flat_inputs.dtype
     width = weight.size(0)
     gates_out = values_out = logits_out = None
     if buffer is not None:
         sizes = [n * (k - 1) * width, n * k * width, n * width]
         gates_out, values_out, logits_out = buffer[: sum(sizes)].split(sizes)
-    gammas = _product(flat_inputs, gate_weights.to(dtype).t(), acc, gates_out)
+    gammas = chunk_logits(flat_inputs, gate_weights, None, acc, gates_out)
     gammas = gammas.view(n, k - 1, width)
     if noise is not None:
         gammas.add_(noise, alpha=noise_std)
     gammas.sigmoid_()
-    values = _product(flat_contexts, weight.to(dtype).t(), acc, values_out).view(n, k, width)
+    values = chunk_logits(flat_contexts, weight, None, acc, values_out).view(n, k, width)
     logits = None
     for left, right, gamma in _tree_levels(values, gammas):
         left.sub_(right)
@@ -469,16 +468,6 @@ def _frequent_block(
             logits = torch.addcmul(right, gamma, left, out=logits_out.view(n, 1, width))
             logits = logits.view(n, width)
     return gammas, values, logits.add_(bias.to(acc))
-
-
-def _product(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype, out: torch.Tensor | None):
-    """``a b`` in ``a``'s dtype, returned in ``acc`` (into the flat ``out`` when given)."""
-    if out is None:
-        return torch.mm(a, b).to(acc)
-    out = out.view(a.size(0), b.size(1))
-    if a.dtype == acc:
-        return torch.mm(a, b, out=out)
-    return out.copy_(torch.mm(a, b))
 
 
 def _into(out: torch.Tensor, op, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -556,7 +545,6 @@ class _MixtapeFrequentLSE(torch.autograd.Function):
         width: int,
         saved_bytes: int,
         noise_std: float,
-        passes: RowPasses,
     ):
         acc = accumulation_dtype(contexts, weight)
         n, k, d = contexts.shape
@@ -594,10 +582,8 @@ class _MixtapeFrequentLSE(torch.autograd.Function):
             target_logit = torch.where(inside, logits.gather(1, column).squeeze(1), target_logit)
             if want_sum:
                 logit_sum += logits.sum(1)
-            block_top, block_total = passes.exp_sum_(logits)  # logits now hold their exps
-            new_top = torch.maximum(top, block_top)
-            total = total * torch.exp(top - new_top) + block_total * torch.exp(block_top - new_top)
-            top = new_top
+            block_top, block_total = exp_sum_(logits)  # logits now hold their exps
+            top, total = combine_chunk(top, total, block_top, block_total)
             if keep:
                 blocks.append((gammas, values, logits, block_top))
         lse = top + total.log()
@@ -609,7 +595,7 @@ class _MixtapeFrequentLSE(torch.autograd.Function):
             *noise_kept, *kept,
         )  # fmt: skip
         ctx.counts = len(noise_kept), len(blocks)
-        ctx.layout = dtype, width, noise_std, passes
+        ctx.layout = dtype, width, noise_std
         ctx.want_sum = want_sum
         return lse, target_logit, logit_sum
 
@@ -620,7 +606,7 @@ class _MixtapeFrequentLSE(torch.autograd.Function):
         )
         num_noise, num_kept = ctx.counts
         noise_kept, kept = rest[:num_noise], rest[num_noise:]
-        dtype, width, noise_std, passes = ctx.layout
+        dtype, width, noise_std = ctx.layout
         acc = lse.dtype
         n, k, d = contexts.shape
         s = weight.size(0)
@@ -658,7 +644,7 @@ class _MixtapeFrequentLSE(torch.autograd.Function):
                         flat_inputs, flat_contexts, gate_weights[a:b], weight[a:b], bias[a:b],
                         noise, noise_std, (n, k), acc, buffer,
                     )  # fmt: skip
-                    grad = passes.exp_shifted_(logits, lse).mul_(g)
+                    grad = exp_shifted_(logits, lse).mul_(g)
                 inside = (target >= a) & (target < b)
                 column = (target - a).clamp(0, w - 1).unsqueeze(1)
                 grad.scatter_add_(1, column, g_t * inside.unsqueeze(1))
@@ -689,5 +675,5 @@ class _MixtapeFrequentLSE(torch.autograd.Function):
             grad_contexts.view(contexts.shape).to(contexts.dtype),
             grad_weight.to(weight.dtype),
             grad_bias.to(bias.dtype),
-            *([None] * 7),
+            *([None] * 6),
         )
