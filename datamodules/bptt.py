@@ -60,14 +60,6 @@ class BPTTBatches(IterableDataset):
         self.streams = tokens[start : start + streams * stream_len].view(streams, stream_len)
         self.bptt = bptt
 
-    @classmethod
-    def of_streams(cls, streams: torch.Tensor, bptt: int) -> BPTTBatches:
-        """Windows over streams already laid out (``[streams, stream_len]``)."""
-        batches = cls.__new__(cls)
-        IterableDataset.__init__(batches)
-        batches.streams, batches.bptt = streams, bptt
-        return batches
-
     def __len__(self) -> int:
         return num_windows(self.streams.size(1), self.bptt)
 

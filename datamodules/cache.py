@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import tokenizers
 from filelock import FileLock, Timeout
 
 from datamodules.errors import DataCacheError
@@ -51,6 +52,8 @@ CACHE_ENV = "OUTPUT_HEADS_DATA_CACHE"
 # Bump when what an entry holds, or how it is computed, changes: old entries are then ignored.
 FORMAT_VERSION = 1
 IDS_DTYPE = np.dtype("<i4")
+# Ids re-mapped at a time (:meth:`CacheEntry.remap`).
+_REMAP_CHUNK = 1 << 24
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -61,6 +64,27 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
         return Path(os.environ[CACHE_ENV]).expanduser()
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return base / "output-heads" / "data"
+
+
+def vocab_options(level: str, bpe_vocab_size: int, max_vocab_size: int | None) -> dict[str, Any]:
+    """The vocabulary options a cache entry is keyed by: ``level`` ``bpe`` (size, tokenizers
+    version) or ``word`` (maximum size)."""
+    if level == "bpe":
+        return {"type": "bpe", "size": bpe_vocab_size, "tokenizers": tokenizers.__version__}
+    return {"type": "word", "max_size": max_vocab_size}
+
+
+class SourceIdentities:
+    """For a data module with a ``source`` (``datamodules/text_source.py``) and an
+    ``_identity`` dict: each part's identity, read once."""
+
+    source: Any
+    _identity: dict[str, dict[str, Any]]
+
+    def _identity_of(self, part: str) -> dict[str, Any]:
+        if part not in self._identity:
+            self._identity[part] = self.source.identity(part)
+        return self._identity[part]
 
 
 def splits_to_prepare(trainer: Any, stage: str | None = None) -> tuple[str, ...]:
@@ -188,6 +212,20 @@ class CacheEntry:
                         np.save(handle, np.asarray(offsets, dtype=np.int64))
                 meta["lines"] = len(offsets) - 1
         self.write_json(f"{part}.json", {"tokens": count, **meta})
+        return count
+
+    def remap(
+        self, temp: str, part: str, mapping: Callable[[np.ndarray], np.ndarray], **meta: Any
+    ) -> int:
+        """Write ``part`` as ``mapping`` of the temporary part ``temp``'s ids (a chunk at a
+        time; its line offsets kept, if it has them), then delete ``temp``. Returns the number
+        of ids."""
+        ids = self.ids(temp)
+        offsets = np.array(self.offsets(temp)) if self.has(f"{temp}.offsets.npy") else None
+        chunks = (mapping(ids[i : i + _REMAP_CHUNK]) for i in range(0, len(ids), _REMAP_CHUNK))
+        count = self.write_ids(part, chunks, offsets=offsets, **meta)
+        del ids, chunks
+        self.remove(temp)
         return count
 
     def remove(self, part: str) -> None:

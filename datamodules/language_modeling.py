@@ -9,12 +9,17 @@ from typing import Any
 
 import lightning as L
 import numpy as np
-import tokenizers
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from datamodules.bptt import BPTTBatches, num_windows, stream_layout
-from datamodules.cache import CacheEntry, cache_root, splits_to_prepare
+from datamodules.cache import (
+    CacheEntry,
+    SourceIdentities,
+    cache_root,
+    splits_to_prepare,
+    vocab_options,
+)
 from datamodules.errors import DataConfigError, VocabularyMismatchError
 from datamodules.resumable import ResumableLoader
 from datamodules.text_source import (
@@ -23,7 +28,7 @@ from datamodules.text_source import (
     text_source,
     tokenizers_progress,
 )
-from datamodules.vocab import BPEVocab, WordVocab
+from datamodules.vocab import BPEVocab, WordVocab, vocab_from_state
 from datamodules.vocab.bpe import StreamEncoder
 from datamodules.vocab.hybrid_lightrnn import HybridLightRNNVocab
 from datamodules.vocab.word import count_words
@@ -33,8 +38,6 @@ log = logging.getLogger(__name__)
 
 VOCABS = ("word", "bpe", "hybrid_lightrnn")
 Vocab = WordVocab | BPEVocab | HybridLightRNNVocab
-# Ids re-mapped at a time (BPE's tokenizer ids -> frequency-ranked ids).
-_REMAP_CHUNK = 1 << 24
 
 
 class _LiveBPTT(IterableDataset):
@@ -69,10 +72,10 @@ class _LiveBPTT(IterableDataset):
         if self.split == "train":
             self.data.install_scheduled_lightrnn_cells()
         streams = self.data.rank_streams(self.split, self.batch_size, self.rank, self.world_size)
-        yield from BPTTBatches.of_streams(streams, self.bptt)
+        yield from BPTTBatches(streams.reshape(-1), streams.size(0), self.bptt)
 
 
-class LanguageModelingDataModule(L.LightningDataModule):
+class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
     """Serves contiguous BPTT batches ``(input [B, T], target [B, T])`` for train/valid/test.
 
     The corpus is prepared once (``prepare_data``, rank 0; or on first use): the vocabulary is
@@ -184,11 +187,6 @@ class LanguageModelingDataModule(L.LightningDataModule):
             )
         return self._source
 
-    def _identity_of(self, split: str) -> dict[str, Any]:
-        if split not in self._identity:
-            self._identity[split] = self.source.identity(split)
-        return self._identity[split]
-
     @property
     def _level(self) -> str:
         """What the cache holds: word ids (word and Hybrid-LightRNN) or BPE ids."""
@@ -200,11 +198,7 @@ class LanguageModelingDataModule(L.LightningDataModule):
         (each split's ids also record the identity of the file they come from)."""
         if self._cache is None:
             hp = self.hparams
-            if self._level == "bpe":
-                options = {"type": "bpe", "size": hp.bpe_vocab_size}
-                options["tokenizers"] = tokenizers.__version__
-            else:
-                options = {"type": "word", "max_size": hp.max_vocab_size}
+            options = vocab_options(self._level, hp.bpe_vocab_size, hp.max_vocab_size)
             material = {"task": "lm", "train": self._identity_of("train"), "vocab": options}
             label = f"{self.source.label}-{self._level}"
             self._cache = CacheEntry(cache_root(hp.cache_dir), label, material)
@@ -228,7 +222,7 @@ class LanguageModelingDataModule(L.LightningDataModule):
             cache = self.cache
             what = f"the {self._level} vocabulary of {self.source.label!r}"
             cache.ensure(lambda: cache.has("vocab.json"), self._build_vocab, what)
-            base = _vocab_from_state(cache.read_json("vocab.json"))
+            base = vocab_from_state(cache.read_json("vocab.json"))
             if hp.vocab != "hybrid_lightrnn":
                 return base
             return HybridLightRNNVocab.from_words(
@@ -271,17 +265,7 @@ class LanguageModelingDataModule(L.LightningDataModule):
 
             cache.write_ids("train.theirs", theirs())
             vocab = BPEVocab.from_counts(tokenizer, counts)
-            theirs_ids = cache.ids("train.theirs")
-            cache.write_ids(
-                "train",
-                (
-                    vocab.to_ours(theirs_ids[i : i + _REMAP_CHUNK])
-                    for i in range(0, len(theirs_ids), _REMAP_CHUNK)
-                ),
-                source=self._identity_of("train"),
-            )
-            del theirs_ids
-            cache.remove("train.theirs")
+            cache.remap("train.theirs", "train", vocab.to_ours, source=self._identity_of("train"))
         cache.write_json("vocab.json", vocab.state_dict())
 
     @property
@@ -355,8 +339,20 @@ class LanguageModelingDataModule(L.LightningDataModule):
     @property
     def token_counts(self) -> np.ndarray:
         """Training count of every class id the head predicts (``[vocab_size]``, int64): what a
-        head's ``setup`` may use, e.g. adaptive ``cutoffs: auto`` ranks classes by it."""
-        return np.bincount(self.split_tokens("train").numpy(), minlength=self.vocab_size)
+        head's ``setup`` may use, e.g. adaptive ``cutoffs: auto`` ranks classes by it. Read off
+        the vocabulary (it holds the training counts of its words or BPE tokens): a Hybrid-
+        LightRNN code counts every word it stands for (a frequent word's own code, or a rare
+        word's row and column)."""
+        vocab = self.vocab
+        word_counts = np.asarray(self._token_vocab.counts, dtype=np.int64)
+        if not isinstance(vocab, HybridLightRNNVocab):
+            return word_counts
+        counts = torch.zeros(len(vocab), dtype=torch.long)
+        codes, per_word = vocab.word_codes, torch.from_numpy(word_counts)
+        for column in codes.unbind(1):  # first codes, then second codes (-1: none)
+            used = column >= 0
+            counts.index_add_(0, column[used], per_word[used])
+        return counts.numpy()
 
     def split_word_ids(self, split: str) -> torch.Tensor:
         """Word ids of a split (word and Hybrid-LightRNN vocabularies), int32."""
@@ -448,7 +444,7 @@ class LanguageModelingDataModule(L.LightningDataModule):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = _vocab_from_state(state_dict["vocab"])
+        saved = vocab_from_state(state_dict["vocab"])
         current = self.vocab
         if isinstance(saved, HybridLightRNNVocab) and isinstance(current, HybridLightRNNVocab):
             if saved.same_structure(current):
@@ -465,12 +461,3 @@ class LanguageModelingDataModule(L.LightningDataModule):
                 f"point data.path at the corpus the checkpoint was trained on, and data.vocab "
                 f"and its options at the checkpoint's ({state_dict['vocab'].get('type')})"
             )
-
-
-def _vocab_from_state(state: dict[str, Any]) -> Vocab:
-    kind = state.get("type", "word")
-    if kind == "bpe":
-        return BPEVocab.from_state_dict(state)
-    if kind == "hybrid_lightrnn":
-        return HybridLightRNNVocab.from_state_dict(state)
-    return WordVocab.from_state_dict(state)

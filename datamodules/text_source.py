@@ -49,10 +49,15 @@ def looks_local(path: str) -> bool:
     return Path(path).expanduser().exists() or path.startswith((".", "/", "~"))
 
 
-def find_split_files(folder: Path, files: dict[str, str] | None) -> dict[str, Path]:
-    """Map each split to its file inside ``folder`` (given names, or found by name)."""
+def require_folder(folder: Path) -> None:
+    """Raise the data-path error unless ``folder`` is a folder."""
     if not folder.is_dir():
         raise DataPathError(f"data path {str(folder)!r} does not exist or is not a folder")
+
+
+def find_split_files(folder: Path, files: dict[str, str] | None) -> dict[str, Path]:
+    """Map each split to its file inside ``folder`` (given names, or found by name)."""
+    require_folder(folder)
     found: dict[str, Path] = {}
     for split in SPLITS:
         if files and split in files:
@@ -158,8 +163,19 @@ def _progress(total: int, desc: str | None, unit: str):
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, disable=desc is None)
 
 
+class _LineBatches:
+    """What every source builds on its ``line_batches``."""
+
+    def line_batches(self, part: str, desc: str | None = None) -> Iterator[list[str]]:
+        raise NotImplementedError
+
+    def lines(self, part: str) -> list[str]:
+        """All lines of a part, in order."""
+        return [line for batch in self.line_batches(part) for line in batch]
+
+
 @dataclass(frozen=True)
-class TextFiles:
+class TextFiles(_LineBatches):
     """Local UTF-8 text files, one example per line."""
 
     files: dict[str, Path]
@@ -185,12 +201,9 @@ class TextFiles:
                     ) from exc
                 yield split_text_lines(text)
 
-    def lines(self, part: str) -> list[str]:
-        return [line for batch in self.line_batches(part) for line in batch]
-
 
 @dataclass(frozen=True)
-class HubColumns:
+class HubColumns(_LineBatches):
     """Parts of HuggingFace datasets: ``part -> (dataset, column)``, where the column is a
     name or a ``(struct column, field)`` pair (WMT's ``translation: {de: ..., en: ...}``)."""
 
@@ -225,9 +238,6 @@ class HubColumns:
                 rows = values.to_pylist()
                 bar.update(len(rows))
                 yield [row if row is not None else "" for row in rows]
-
-    def lines(self, part: str) -> list[str]:
-        return [line for batch in self.line_batches(part) for line in batch]
 
 
 def _stat(path: Path) -> dict[str, int]:

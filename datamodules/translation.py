@@ -22,12 +22,17 @@ from typing import Any, Literal
 
 import lightning as L
 import numpy as np
-import tokenizers
 import torch
 from datasets import Dataset, DatasetDict
 from torch.utils.data import DataLoader, Sampler
 
-from datamodules.cache import CacheEntry, cache_root, splits_to_prepare
+from datamodules.cache import (
+    CacheEntry,
+    SourceIdentities,
+    cache_root,
+    splits_to_prepare,
+    vocab_options,
+)
 from datamodules.errors import (
     DataConfigError,
     DataPathError,
@@ -40,9 +45,10 @@ from datamodules.text_source import (
     count_lines,
     load_hub_splits,
     looks_local,
+    require_folder,
     tokenizers_progress,
 )
-from datamodules.vocab import EOS, BPEVocab, WordVocab
+from datamodules.vocab import EOS, BPEVocab, WordVocab, vocab_from_state
 from datamodules.vocab.bpe import StreamEncoder
 from datamodules.vocab.word import count_words
 from heads import IGNORE_INDEX
@@ -54,7 +60,6 @@ SPLITS = ("train", "valid", "test")
 SIDES = ("source", "target")
 # Multi30k's file prefixes (task 1): train.de, val.de, test_2016_flickr.de ...
 DEFAULT_FILES = {"train": "train", "valid": "val", "test": "test_2016_flickr"}
-_REMAP_CHUNK = 1 << 24
 
 
 def _misaligned(split: str, files: Sequence[str], counts: Sequence[int], how: str = "has"):
@@ -81,8 +86,7 @@ def parallel_text_source(
     """
     if looks_local(path):
         folder = Path(path).expanduser()
-        if not folder.is_dir():
-            raise DataPathError(f"data path {str(folder)!r} does not exist or is not a folder")
+        require_folder(folder)
         prefixes = {**DEFAULT_FILES, **(files or {})}
         found: dict[str, Path] = {}
         for split in SPLITS:
@@ -299,7 +303,7 @@ def collate_pairs(items: list[dict[str, Any]], pad_id: int, bos_id: int) -> dict
 Vocab = WordVocab | BPEVocab
 
 
-class TranslationDataModule(L.LightningDataModule):
+class TranslationDataModule(SourceIdentities, L.LightningDataModule):
     """Serves padded, length-bucketed batches of parallel sentences (see :func:`collate_pairs`).
 
     Ids: every sentence ends in ``<eos>``; the decoder starts from ``<eos>`` as BOS (so no
@@ -394,21 +398,12 @@ class TranslationDataModule(L.LightningDataModule):
             )
         return self._source
 
-    def _identity_of(self, part: str) -> dict[str, Any]:
-        if part not in self._identity:
-            self._identity[part] = self.source.identity(part)
-        return self._identity[part]
-
     @property
     def cache(self) -> CacheEntry:
         """This corpus's cache entry: keyed by the training files and the vocabulary options."""
         if self._cache is None:
             hp = self.hparams
-            if hp.vocab == "bpe":
-                options = {"type": "bpe", "size": hp.bpe_vocab_size}
-                options["tokenizers"] = tokenizers.__version__
-            else:
-                options = {"type": "word", "max_size": hp.max_vocab_size}
+            options = vocab_options(hp.vocab, hp.bpe_vocab_size, hp.max_vocab_size)
             options["joint"] = hp.joint_vocab
             train = {side: self._identity_of(f"train.{side}") for side in SIDES}
             material = {"task": "mt", "train": train, "vocab": options}
@@ -452,8 +447,8 @@ class TranslationDataModule(L.LightningDataModule):
             except ValueError as exc:
                 option = "data.bpe_vocab_size" if hp.vocab == "bpe" else "data.max_vocab_size"
                 raise DataConfigError(f"data.vocab={hp.vocab} ({option}): {exc}") from exc
-            source = _vocab_from_state(states["source"])
-            target = source if hp.joint_vocab else _vocab_from_state(states["target"])
+            source = vocab_from_state(states["source"])
+            target = source if hp.joint_vocab else vocab_from_state(states["target"])
             self._vocabs = (source, target)
         return self._vocabs
 
@@ -510,15 +505,8 @@ class TranslationDataModule(L.LightningDataModule):
             cache.write_ids(f"train.{side}.theirs", theirs(side))
         vocab = BPEVocab.from_counts(tokenizer, counts)
         for side in sides:
-            temp = f"train.{side}.theirs"
-            ids, offsets = cache.ids(temp), np.array(cache.offsets(temp))
-            remapped = (
-                vocab.to_ours(ids[i : i + _REMAP_CHUNK]) for i in range(0, len(ids), _REMAP_CHUNK)
-            )
             identity = self._identity_of(f"train.{side}")
-            cache.write_ids(f"train.{side}", remapped, offsets=offsets, source=identity)
-            del ids
-            cache.remove(temp)
+            cache.remap(f"train.{side}.theirs", f"train.{side}", vocab.to_ours, source=identity)
         return vocab
 
     @property
@@ -545,7 +533,11 @@ class TranslationDataModule(L.LightningDataModule):
     @property
     def token_counts(self) -> np.ndarray:
         """Training count of every target id (``[vocab_size]``, int64): what a head's ``setup``
-        may use, e.g. adaptive ``cutoffs: auto`` ranks classes by it."""
+        may use, e.g. adaptive ``cutoffs: auto`` ranks classes by it. A target vocabulary of its
+        own holds exactly these counts; a joint one counts the source side too, so the training
+        target ids are counted then."""
+        if not self.hparams.joint_vocab:
+            return np.asarray(self.target_vocab.counts, dtype=np.int64)
         ids, _ = self._part("train", SIDES[1])
         return np.bincount(np.asarray(ids), minlength=self.vocab_size)
 
@@ -679,7 +671,7 @@ class TranslationDataModule(L.LightningDataModule):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for side, ours in (("source", self.source_vocab), ("target", self.target_vocab)):
-            saved = _vocab_from_state(state_dict[f"{side}_vocab"])
+            saved = vocab_from_state(state_dict[f"{side}_vocab"])
             if type(saved) is not type(ours) or saved.itos != ours.itos:
                 raise VocabularyMismatchError(
                     f"the checkpoint was trained with another {side} vocabulary "
@@ -689,9 +681,3 @@ class TranslationDataModule(L.LightningDataModule):
                     f"{ours.fingerprint()}); point data.path at the corpus the checkpoint was "
                     f"trained on and use the same data.vocab options"
                 )
-
-
-def _vocab_from_state(state: dict[str, Any]) -> Vocab:
-    if state.get("type") == "bpe":
-        return BPEVocab.from_state_dict(state)
-    return WordVocab.from_state_dict(state)
