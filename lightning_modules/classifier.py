@@ -10,7 +10,6 @@ from torch import nn
 from torchmetrics import MeanMetric
 
 from heads import Head
-from lightning_modules.checks import check_hidden_sizes
 from lightning_modules.errors import ModelConfigError
 from lightning_modules.head_task import HeadTask
 
@@ -46,8 +45,7 @@ class Classifier(HeadTask):
         compile: bool | dict[str, Any] = False,
         loss_backend: str = "auto",
     ) -> None:
-        super().__init__()
-        check_hidden_sizes(head, getattr(backbone, "output_size", None))
+        super().__init__(backbone, head, optimizer, scheduler, compile, loss_backend)
         top_k = tuple(k for k in top_k if k <= head.vocab_size)
         if not top_k:
             raise ModelConfigError(
@@ -56,12 +54,7 @@ class Classifier(HeadTask):
         self.save_hyperparameters(
             ignore=["backbone", "head", "optimizer", "scheduler", "compile", "loss_backend"]
         )
-        self.backbone = backbone
-        self.head = head
-        self.configure_training(compile, loss_backend)
         self.top_k = top_k
-        self.optimizer_factory = optimizer
-        self.scheduler_factory = scheduler
         self.metrics = nn.ModuleDict(
             {
                 f"{stage}_{name}": MeanMetric()

@@ -14,7 +14,12 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from heads import Head, HeadSetup
 from heads.fused_cross_entropy import check_backend
-from lightning_modules.checks import HEAD_KEY, check_checkpoint_head, head_class_name
+from lightning_modules.checks import (
+    HEAD_KEY,
+    check_checkpoint_head,
+    check_hidden_sizes,
+    head_class_name,
+)
 from lightning_modules.errors import ModelConfigError
 from lightning_modules.optimization import configure_optimizers
 
@@ -39,6 +44,10 @@ class HeadTask(L.LightningModule):
       data-dependent values, captured as such). ``log_prob`` / ``topk`` stay eager.
     - ``loss_backend`` (every task's option): the head's fused-loss backend
       (``heads/fused_cross_entropy.py``).
+
+    Each task calls ``super().__init__`` first (which checks the head against the backbone's
+    ``output_size`` and records the options common to every task), then saves its own
+    hyperparameters.
     """
 
     backbone: torch.nn.Module
@@ -46,11 +55,26 @@ class HeadTask(L.LightningModule):
     optimizer_factory: OptimizerCallable
     scheduler_factory: LRSchedulerCallable | None
     compile_options: dict[str, Any] | None = None
-    loss_backend: str = "auto"
+
+    def __init__(
+        self,
+        backbone: torch.nn.Module,
+        head: Head,
+        optimizer: OptimizerCallable,
+        scheduler: LRSchedulerCallable | None,
+        compile: CompileOption,
+        loss_backend: str,
+    ) -> None:
+        super().__init__()
+        check_hidden_sizes(head, getattr(backbone, "output_size", None))
+        self.backbone = backbone
+        self.head = head
+        self.configure_training(compile, loss_backend)
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
 
     def configure_training(self, compile: CompileOption, loss_backend: str) -> None:
-        """Record the ``compile`` and ``loss_backend`` options (called by each task's
-        ``__init__`` once ``self.head`` is set)."""
+        """Record the ``compile`` and ``loss_backend`` options (once ``self.head`` is set)."""
         check_backend(loss_backend)
         if isinstance(compile, dict):
             self.compile_options = dict(compile)
@@ -63,12 +87,11 @@ class HeadTask(L.LightningModule):
                 f"model.compile must be true, false or torch.compile's keyword arguments, got "
                 f"{compile!r}"
             )
-        self.loss_backend = loss_backend
         self.head.loss_options = replace(self.head.loss_options, backend=loss_backend)
         self._compiled = False
 
     def configure_model(self) -> None:
-        if self.compile_options is None or getattr(self, "_compiled", False):
+        if self.compile_options is None or self._compiled:
             return
         # adaptive cluster and DS expert sizes are counted on the device: captured as
         # data-dependent sizes instead of breaking the graph

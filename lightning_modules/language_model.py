@@ -12,7 +12,7 @@ from torchmetrics import MeanMetric, SumMetric
 from datamodules.resumable import ResumableLoader
 from heads import Head
 from lightning_modules.backbones import LMBackbone
-from lightning_modules.checks import check_finite_loss, check_hidden_sizes
+from lightning_modules.checks import check_finite_loss
 from lightning_modules.errors import CheckpointPathError, ModelConfigError
 from lightning_modules.head_task import HeadTask
 from lightning_modules.optimization import step_schedulers_skipped_by_resume
@@ -73,8 +73,7 @@ class LanguageModel(HeadTask):
         compile: bool | dict[str, Any] = False,
         loss_backend: str = "auto",
     ) -> None:
-        super().__init__()
-        check_hidden_sizes(head, backbone.output_size)
+        super().__init__(backbone, head, optimizer, scheduler, compile, loss_backend)
         if tie_weights:
             head.tie_output_embedding(backbone.embedding.weight)
         if temperature <= 0:
@@ -99,15 +98,10 @@ class LanguageModel(HeadTask):
         self.predict_top_k = predict_top_k
         self.generate_tokens = generate_tokens
         self.temperature = temperature
-        self.backbone = backbone
-        self.head = head
-        self.configure_training(compile, loss_backend)
         if pretrained_checkpoint is not None:
             self.load_pretrained(pretrained_checkpoint)
         if freeze_backbone:
             self.backbone.requires_grad_(False)
-        self.optimizer_factory = optimizer
-        self.scheduler_factory = scheduler
         self._state: dict[str, Any] = {}
         self.metrics = torch.nn.ModuleDict(
             {stage: MeanMetric() for stage in ("train_nll", "val_nll", "test_nll")}

@@ -16,7 +16,7 @@ from torchmetrics import MeanMetric
 
 from heads import IGNORE_INDEX, Head
 from lightning_modules.backbones.seq2seq import Seq2SeqTransformer
-from lightning_modules.checks import check_finite_loss, check_hidden_sizes
+from lightning_modules.checks import check_finite_loss
 from lightning_modules.decoding import DecodeConfig, beam_search, greedy_decode
 from lightning_modules.errors import ModelConfigError
 from lightning_modules.head_task import HeadTask
@@ -80,8 +80,7 @@ class Translation(HeadTask):
         compile: bool | dict[str, Any] = False,
         loss_backend: str = "auto",
     ) -> None:
-        super().__init__()
-        check_hidden_sizes(head, backbone.output_size)
+        super().__init__(backbone, head, optimizer, scheduler, compile, loss_backend)
         if not 0.0 <= label_smoothing < 1.0:
             raise ModelConfigError(
                 f"model.label_smoothing must be in [0, 1), got {label_smoothing}"
@@ -116,11 +115,6 @@ class Translation(HeadTask):
                 "loss_backend",
             ]
         )
-        self.backbone = backbone
-        self.head = head
-        self.configure_training(compile, loss_backend)
-        self.optimizer_factory = optimizer
-        self.scheduler_factory = scheduler
         self.label_smoothing = label_smoothing
         self.beam_size = beam_size
         self.val_beam_size = val_beam_size
@@ -142,7 +136,10 @@ class Translation(HeadTask):
         target = batch["target_output"].reshape(-1)
         eps = self.label_smoothing if self.training else 0.0  # evaluation: the plain NLL
         output = self.head(hidden, target, label_smoothing=eps)
-        mean_nll = output.nll.sum() / (target != IGNORE_INDEX).sum().clamp_min(1)
+        if eps == 0.0:  # the loss is then the mean NLL
+            mean_nll = output.loss
+        else:
+            mean_nll = output.nll.sum() / (target != IGNORE_INDEX).sum().clamp_min(1)
         return mean_nll, output.loss + output.aux_loss
 
     def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:

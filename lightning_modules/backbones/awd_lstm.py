@@ -25,8 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from lightning_modules.backbones.base import LMBackbone
-from lightning_modules.backbones.lstm import LockedDropout, _cpu_recurrence_in_float32
+from lightning_modules.backbones.lstm import LSTMBackbone
 from lightning_modules.errors import ModelConfigError
 
 
@@ -58,7 +57,7 @@ class WeightDroppedLSTM(nn.Module):
             return functional_call(self.lstm, {"weight_hh_l0": dropped}, (x, state))
 
 
-class AWDLSTMBackbone(LMBackbone):
+class AWDLSTMBackbone(LSTMBackbone):
     """Embedding -> ``num_layers`` weight-dropped LSTMs -> context vectors.
 
     Defaults are the AWD-LSTM's PTB settings (Merity et al. 2018); the MoS setting is
@@ -82,8 +81,6 @@ class AWDLSTMBackbone(LMBackbone):
         tar_beta: temporal activation regularisation weight on the last layer's output.
     """
 
-    carries_state = True
-
     @classmethod
     def output_size_from(cls, init_args: Mapping[str, Any]) -> int:
         return init_args.get("output_size") or init_args.get("embedding_size", 400)
@@ -103,7 +100,6 @@ class AWDLSTMBackbone(LMBackbone):
         ar_alpha: float = 2.0,
         tar_beta: float = 1.0,
     ) -> None:
-        super().__init__()
         if num_layers < 1:
             raise ModelConfigError(f"AWDLSTMBackbone num_layers must be >= 1, got {num_layers}")
         for name, value in (
@@ -118,19 +114,23 @@ class AWDLSTMBackbone(LMBackbone):
             raise ModelConfigError(
                 f"AWDLSTMBackbone ar_alpha and tar_beta must be >= 0, got {ar_alpha}, {tar_beta}"
             )
-        self.output_size = embedding_size if output_size is None else output_size
-        self.embedding = nn.Embedding(vocab_size, embedding_size)
-        nn.init.uniform_(self.embedding.weight, -0.1, 0.1)
-        sizes = [embedding_size] + [hidden_size] * (num_layers - 1) + [self.output_size]
-        self.layers = nn.ModuleList(
-            WeightDroppedLSTM(sizes[i], sizes[i + 1], weight_dropout) for i in range(num_layers)
+        self.weight_dropout = weight_dropout  # read by _layer, during LSTMBackbone.__init__
+        super().__init__(
+            vocab_size,
+            embedding_size,
+            hidden_size,
+            num_layers,
+            embedding_size if output_size is None else output_size,
+            input_dropout,
+            hidden_dropout,
+            output_dropout,
         )
         self.embedding_dropout = embedding_dropout
-        self.input_dropout = LockedDropout(input_dropout)
-        self.hidden_dropout = LockedDropout(hidden_dropout)
-        self.output_dropout = LockedDropout(output_dropout)
         self.ar_alpha, self.tar_beta = ar_alpha, tar_beta
         self._extra_loss: torch.Tensor | None = None
+
+    def _layer(self, input_size: int, hidden_size: int) -> nn.Module:
+        return WeightDroppedLSTM(input_size, hidden_size, self.weight_dropout)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         embedded = self.embedding(tokens)
@@ -144,14 +144,7 @@ class AWDLSTMBackbone(LMBackbone):
     def forward(
         self, tokens: torch.Tensor, state: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        x = self.input_dropout(self._embed(tokens))
-        new_state = []
-        with _cpu_recurrence_in_float32(x):
-            for i, layer in enumerate(self.layers):
-                x, layer_state = layer(x, None if state is None else state[i])
-                new_state.append(layer_state)
-                if i < len(self.layers) - 1:
-                    x = self.hidden_dropout(x)
+        x, new_state = self._recur(tokens, state)
         output = self.output_dropout(x)
         if self.training and (self.ar_alpha > 0 or self.tar_beta > 0):
             self._extra_loss = self._activation_regularisation(x, output)

@@ -67,17 +67,23 @@ class LSTMBackbone(LMBackbone):
         self.embedding = nn.Embedding(vocab_size, embedding_size)
         nn.init.uniform_(self.embedding.weight, -0.1, 0.1)
         sizes = [embedding_size] + [hidden_size] * (num_layers - 1) + [self.output_size]
-        self.layers = nn.ModuleList(
-            nn.LSTM(sizes[i], sizes[i + 1], batch_first=True) for i in range(num_layers)
-        )
+        self.layers = nn.ModuleList(self._layer(sizes[i], sizes[i + 1]) for i in range(num_layers))
         self.input_dropout = LockedDropout(input_dropout)
         self.hidden_dropout = LockedDropout(hidden_dropout)
         self.output_dropout = LockedDropout(output_dropout)
 
-    def forward(
-        self, tokens: torch.Tensor, state: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    def _layer(self, input_size: int, hidden_size: int) -> nn.Module:
+        """One recurrent layer, called as ``layer(x, state) -> (x, state)``."""
+        return nn.LSTM(input_size, hidden_size, batch_first=True)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embedding(tokens)
+
+    def _recur(
+        self, tokens: torch.Tensor, state: list[tuple[torch.Tensor, torch.Tensor]] | None
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        x = self.input_dropout(self.embedding(tokens))
+        """(the last layer's output before its dropout, the new state of every layer)."""
+        x = self.input_dropout(self._embed(tokens))
         new_state = []
         with _cpu_recurrence_in_float32(x):
             for i, layer in enumerate(self.layers):
@@ -85,7 +91,13 @@ class LSTMBackbone(LMBackbone):
                 new_state.append(layer_state)
                 if i < len(self.layers) - 1:
                     x = self.hidden_dropout(x)
-        return self.output_dropout(x), new_state
+        return x, new_state
+
+    def forward(
+        self, tokens: torch.Tensor, state: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        raw, new_state = self._recur(tokens, state)
+        return self.output_dropout(raw), new_state
 
 
 def _cpu_recurrence_in_float32(x: torch.Tensor) -> contextlib.AbstractContextManager:

@@ -376,3 +376,16 @@ CUDA_CHECKS = [check_cuda_matches_cpu, check_cuda_bf16_mixed, check_cuda_16_mixe
 ALL_CHECKS = CPU_CHECKS + [
     pytest.param(check, marks=pytest.mark.gpu, id=check.__name__) for check in CUDA_CHECKS
 ]
+
+# the contract as a parametrisation: ``@each_check`` then ``run_check(check, make, fused)``
+each_check = pytest.mark.parametrize("check", ALL_CHECKS, ids=lambda c: c.__name__)
+
+
+def run_check(
+    check: Callable[[Callable[[], Head]], None],
+    make: Callable[[], Head],
+    fused: Callable[[Callable[[], Head]], Callable[[], Head]] | None = None,
+) -> None:
+    """``check`` on the heads ``make`` builds (through ``fused`` when given), seeded."""
+    torch.manual_seed(0)
+    check(fused(make) if fused else make)

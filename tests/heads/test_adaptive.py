@@ -1,3 +1,5 @@
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -6,13 +8,14 @@ from heads import HeadConfigError, HeadSetup, adaptive
 from heads.adaptive import AdaptiveSoftmaxHead
 from heads.errors import CheckpointMismatchError
 from tests.heads.contract import (
-    ALL_CHECKS,
     HIDDEN,
     VOCAB,
     check_compiles_without_graph_breaks,
     check_loss_matches_reference,
     check_training_keeps_no_vocabulary_rows,
     chunked,
+    each_check,
+    run_check,
 )
 
 COST = {"c": 0.05, "lam": 1e-6, "k0b0": 5000.0}
@@ -20,19 +23,15 @@ COST = {"c": 0.05, "lam": 1e-6, "k0b0": 5000.0}
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.mark.parametrize("check", ALL_CHECKS, ids=lambda c: c.__name__)
+@each_check
 @pytest.mark.parametrize(
     "cutoffs, fused",
     [([5], None), ([4, 11], None), ([12], chunked)],
     ids=["one_cluster", "two_clusters", "one_cluster_chunked"],
 )
 def test_contract(check, cutoffs, fused):
-    torch.manual_seed(0)
-
-    def make():
-        return AdaptiveSoftmaxHead(HIDDEN, VOCAB, cutoffs=cutoffs, div_value=2.0)
-
-    check(fused(make) if fused else make)
+    make = partial(AdaptiveSoftmaxHead, HIDDEN, VOCAB, cutoffs=cutoffs, div_value=2.0)
+    run_check(check, make, fused)
 
 
 def copy_into_torch(ours: AdaptiveSoftmaxHead, div: float) -> torch.nn.AdaptiveLogSoftmaxWithLoss:

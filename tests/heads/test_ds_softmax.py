@@ -1,4 +1,5 @@
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -8,7 +9,6 @@ from heads import HeadConfigError
 from heads.ds_softmax import DSSoftmaxHead
 from heads.softmax import SoftmaxHead
 from tests.heads.contract import (
-    ALL_CHECKS,
     HIDDEN,
     ROWS,
     VOCAB,
@@ -17,6 +17,8 @@ from tests.heads.contract import (
     check_loss_matches_reference,
     check_training_keeps_no_vocabulary_rows,
     chunked,
+    each_check,
+    run_check,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -26,7 +28,7 @@ def make_head(**options) -> DSSoftmaxHead:
     return DSSoftmaxHead(HIDDEN, VOCAB, **options)
 
 
-@pytest.mark.parametrize("check", ALL_CHECKS, ids=lambda c: c.__name__)
+@each_check
 @pytest.mark.parametrize(
     "options, fused",
     [
@@ -38,12 +40,7 @@ def make_head(**options) -> DSSoftmaxHead:
     ids=["k1", "k3_lasso", "k2_bias", "k3_bias_chunked"],
 )
 def test_contract(check, options, fused):
-    torch.manual_seed(0)
-
-    def make():
-        return make_head(**options)
-
-    check(fused(make) if fused else make)
+    run_check(check, partial(make_head, **options), fused)
 
 
 def pruned_head(dtype=torch.float64, keep_every_class=True) -> DSSoftmaxHead:

@@ -1,3 +1,5 @@
+from functools import partial
+
 import pytest
 import torch
 
@@ -6,13 +8,14 @@ from heads.base import SingleSoftmaxHead
 from heads.fused_cross_entropy import LossOptions
 from heads.mixtape import sigmoid_tree_priors
 from tests.heads.contract import (
-    ALL_CHECKS,
     HIDDEN,
     VOCAB,
     check_compiles_without_graph_breaks,
     check_loss_matches_reference,
     check_training_keeps_no_vocabulary_rows,
     chunked,
+    each_check,
+    run_check,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -23,7 +26,7 @@ def make_head(**options) -> MixtapeHead:
     return MixtapeHead(HIDDEN, VOCAB, **{**defaults, **options})
 
 
-@pytest.mark.parametrize("check", ALL_CHECKS, ids=lambda c: c.__name__)
+@each_check
 @pytest.mark.parametrize(
     "options, fused",
     [
@@ -35,12 +38,7 @@ def make_head(**options) -> MixtapeHead:
     ids=["shared_gates", "no_sharing", "k8_weight_norm", "shared_gates_chunked"],
 )
 def test_contract(check, options, fused):
-    torch.manual_seed(0)
-
-    def make():
-        return make_head(**options)
-
-    check(fused(make) if fused else make)
+    run_check(check, partial(make_head, **options), fused)
 
 
 def reference_log_prob(head: MixtapeHead, g: torch.Tensor) -> torch.Tensor:

@@ -3,13 +3,14 @@ import torch
 
 from heads import MoSHead, mos
 from tests.heads.contract import (
-    ALL_CHECKS,
     HIDDEN,
     VOCAB,
     check_compiles_without_graph_breaks,
     check_loss_matches_reference,
     check_training_keeps_no_vocabulary_rows,
     chunked,
+    each_check,
+    run_check,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -19,11 +20,10 @@ def make_head(**options) -> MoSHead:
     return MoSHead(HIDDEN, VOCAB, **{"num_components": 3, "embedding_size": 5, **options})
 
 
-@pytest.mark.parametrize("check", ALL_CHECKS, ids=lambda c: c.__name__)
+@each_check
 @pytest.mark.parametrize("fused", [None, chunked], ids=["one_chunk", "chunked"])
 def test_contract(check, fused):
-    torch.manual_seed(0)
-    check(fused(make_head) if fused else make_head)
+    run_check(check, make_head, fused)
 
 
 def plain_log_prob(head: MoSHead, g: torch.Tensor) -> torch.Tensor:

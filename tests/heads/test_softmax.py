@@ -1,31 +1,29 @@
+from functools import partial
+
 import pytest
 import torch
 
 from heads import HeadConfigError, SoftmaxHead
 from tests.heads.contract import (
-    ALL_CHECKS,
     HIDDEN,
     VOCAB,
     check_compiles_without_graph_breaks,
     check_loss_matches_reference,
     check_training_keeps_no_vocabulary_rows,
     chunked,
+    each_check,
+    run_check,
 )
 
 
-@pytest.mark.parametrize("check", ALL_CHECKS, ids=lambda c: c.__name__)
+@each_check
 @pytest.mark.parametrize(
     "embedding_size, fused",
     [(None, None), (4, None), (4, chunked)],
     ids=["no_projection", "projection", "projection_chunked"],
 )
 def test_contract(check, embedding_size, fused):
-    torch.manual_seed(0)
-
-    def make():
-        return SoftmaxHead(HIDDEN, VOCAB, embedding_size=embedding_size)
-
-    check(fused(make) if fused else make)
+    run_check(check, partial(SoftmaxHead, HIDDEN, VOCAB, embedding_size=embedding_size), fused)
 
 
 def plain_log_prob(head: SoftmaxHead, hidden: torch.Tensor) -> torch.Tensor:
