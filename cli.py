@@ -9,9 +9,9 @@ from __future__ import annotations
 import sys
 import warnings
 
-from app.console import show_data_log
+from app.console import exit_status, show_data_log
 from app.lightning_cli import AppCLI, make_cli
-from heads.errors import user_error
+from heads.errors import user_error  # noqa: F401 (re-exported: `from cli import user_error`)
 
 
 def main(argv: list[str] | None = None) -> AppCLI:
@@ -25,15 +25,7 @@ def main(argv: list[str] | None = None) -> AppCLI:
 
 
 def console_main(argv: list[str] | None = None) -> int:
-    try:
-        main(argv)
-    except Exception as exc:
-        cause = user_error(exc)
-        if cause is None:
-            raise
-        print(f"error: {cause}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_status(lambda: main(argv))
 
 
 if __name__ == "__main__":

@@ -262,17 +262,9 @@ def main(argv: Sequence[str] | None = None) -> RankReport:
 
 
 def console_main(argv: Sequence[str] | None = None) -> int:
-    from heads.errors import user_error
+    from app.console import exit_status
 
-    try:
-        main(argv)
-    except Exception as exc:
-        cause = user_error(exc)
-        if cause is None:
-            raise
-        print(f"error: {cause}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_status(lambda: main(argv))
 
 
 if __name__ == "__main__":

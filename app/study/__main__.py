@@ -13,10 +13,10 @@ import shutil
 import sys
 from pathlib import Path
 
+from app.console import exit_status
 from app.study.grid import load_grid
 from app.study.report import render_markdown
 from app.study.runner import run_study
-from heads.errors import user_error
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,47 +65,44 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        if args.command == "check":
-            for path in args.grids:
-                grid = load_grid(path)
-                print(
-                    f"{path}: {len(grid.runs())} runs ({len(grid.heads)} heads x "
-                    f"{max(1, len(grid.variants))} variants x {len(grid.seeds)} seeds)"
-                )
-            return 0
-        if args.command == "run":
-            grid = load_grid(args.grid)
-            devices = None
-            if args.devices is not None:
-                devices = [] if args.devices == "none" else args.devices.split(",")
-            study = run_study(
-                grid, Path(args.out), args.parallel, devices, args.threads, args.rerun_failed
+    return exit_status(lambda: _command(args))
+
+
+def _command(args: argparse.Namespace) -> int:
+    if args.command == "check":
+        for path in args.grids:
+            grid = load_grid(path)
+            print(
+                f"{path}: {len(grid.runs())} runs ({len(grid.heads)} heads x "
+                f"{max(1, len(grid.variants))} variants x {len(grid.seeds)} seeds)"
             )
-            study_json = Path(args.out) / grid.name / "study.json"
-            if args.json:
-                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(study_json, args.json)
-            if args.images:
-                markdown = render_markdown(study, args.images)
-                (study_json.parent / "report.md").write_text(markdown)
-                print(markdown)
-            bad = [r for r in study["runs"] if r["status"] != "ok"]
-            return 1 if any(r["status"] == "failed" for r in bad) else 0
-        study = json.loads(Path(args.study_json).read_text())
-        images = args.images or str(Path(args.study_json).parent)
-        markdown = render_markdown(study, images, args.link_prefix)
-        if args.markdown:
-            Path(args.markdown).write_text(markdown)
-        else:
-            print(markdown)
         return 0
-    except Exception as exc:
-        cause = user_error(exc)
-        if cause is None:
-            raise
-        print(f"error: {cause}", file=sys.stderr)
-        return 2
+    if args.command == "run":
+        grid = load_grid(args.grid)
+        devices = None
+        if args.devices is not None:
+            devices = [] if args.devices == "none" else args.devices.split(",")
+        study = run_study(
+            grid, Path(args.out), args.parallel, devices, args.threads, args.rerun_failed
+        )
+        study_json = Path(args.out) / grid.name / "study.json"
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(study_json, args.json)
+        if args.images:
+            markdown = render_markdown(study, args.images)
+            (study_json.parent / "report.md").write_text(markdown)
+            print(markdown)
+        bad = [r for r in study["runs"] if r["status"] != "ok"]
+        return 1 if any(r["status"] == "failed" for r in bad) else 0
+    study = json.loads(Path(args.study_json).read_text())
+    images = args.images or str(Path(args.study_json).parent)
+    markdown = render_markdown(study, images, args.link_prefix)
+    if args.markdown:
+        Path(args.markdown).write_text(markdown)
+    else:
+        print(markdown)
+    return 0
 
 
 if __name__ == "__main__":
