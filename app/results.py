@@ -36,6 +36,8 @@ Renderer = Callable[[dict[str, Any], Path, Path], str]
 
 
 def _format(value: Any) -> str:
+    if value is None:
+        return "-"
     if isinstance(value, float):
         if math.isnan(value):
             return "-"
@@ -109,38 +111,15 @@ def render_training_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> 
     args = report["args"]
     return "\n\n".join([
         f"Mode `{args['mode']}`, scope `{args['scope']}`, precision `{args.get('precision')}`, "
-        f"clock `{args.get('clock', 'wall')}`, median of {args['repeats']} repeats; "
-        f"{_machine(report)}.",
+        + ("not timed (`--time skip`: one warm-up step, then the memory); "
+           if args.get("time") == "skip" else
+           f"clock `{args.get('clock', 'wall')}`, median of {args['repeats']} repeats; ")
+        + f"{_machine(report)}.",
         # malloc_tuned: recorded in args by older runs, never a flag
         "```bash\n" + command_of("app.bench", args, skip=("out", "name", "malloc_tuned")) + "\n```",
         *REMOVED_CPU_BACKEND * any("@cpu" in h for h in args.get("heads", [])),
         table(header, body),
         f"![{path.stem}]({link(plot, doc_dir)})",
-    ])  # fmt: skip
-
-
-# -- memory targets (one training step's extra peak memory per head) --------------------------
-def _is_memory_targets(report: dict[str, Any]) -> bool:
-    rows = report.get("results") or [{}]
-    return "method_script" in report and "target_mb" in rows[0]
-
-
-def render_memory_targets(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
-    before = report.get("before_from_issue_mb", {})
-    body = [[r["head"], r["vocab_size"], r["hidden_size"], r["tokens"], r["extra_peak_mb"],
-             r["target_mb"] or "-", "-" if r["target_mb"] is None else
-             ("yes" if r["meets_target"] else "no"),
-             before.get(f"{r['head']}@{r['tokens']}", "-")] for r in report["results"]]  # fmt: skip
-    loads = [m.get("load_average", [float("nan")])[0] for m in report.get("machine", [])]
-    return "\n\n".join([
-        f"{report['what'][0].upper()}{report['what'][1:]}. One process per head, one thread, "
-        "peak RSS reset after a warm-up "
-        f"step (load average {min(loads, default=float('nan')):.1f}-"
-        f"{max(loads, default=float('nan')):.1f}); the measuring script is stored in the JSON "
-        "(`method_script`).",
-        f"```bash\n{report['command']}\n```",
-        table(["head", "V", "d", "tokens", "extra peak MiB", "target MiB", "met",
-               "before (MiB)"], body),  # fmt: skip
     ])  # fmt: skip
 
 
@@ -313,7 +292,6 @@ RENDERERS: list[tuple[Callable[[dict[str, Any]], bool], Renderer]] = [
     (_is_training_bench, render_training_bench),
     (_is_inference_bench, render_inference_bench),
     (_is_data_bench, render_data_bench),
-    (_is_memory_targets, render_memory_targets),
     (_is_study, render_study),
     (_is_rank, render_rank),
     (_is_bleu_demo, render_bleu_demo),

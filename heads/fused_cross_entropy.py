@@ -27,7 +27,6 @@ linear cross-entropy), imported on first use.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -47,6 +46,9 @@ _ACCELERATOR_CHUNK_BYTES = 128 << 20
 # Chunk results kept for the backward instead of recomputed, per call (see LossOptions).
 DEFAULT_SAVED_BYTES = 128 << 20
 _MIN_COLUMNS = 128  # narrower chunks make the products inefficient: tile the rows instead
+# The backward builds dL/dz in one pass over the logits where V <= _FOLD_RATIO d, instead of
+# scaling [R, d] rows (five [R, d] passes and temporaries, measured slower there).
+_FOLD_RATIO = 4
 _ALIGN = 16  # chunk widths are multiples of 16 columns (MKL and tensor cores prefer them)
 # exp below about -87 gives subnormal floats, 20-40x slower on x86 CPUs (in the exp and in the
 # products that read them). A class below the floor counts as exp(-60) = 9e-27 of the
@@ -64,6 +66,8 @@ class LossOptions:
     saved_bytes: chunk results the forward may keep for the backward instead of recomputing
         them, per call (default 128 MiB; 0: always recompute).
     columns, rows: force the chunk width and the row tile (tests, tuning); None: from bytes.
+    fold: how the backward forms ``dL/dz``: True, chunk by chunk in one pass over the logits;
+        False, by scaling ``[N, d]`` rows; None: True where ``V <= 4 d`` (tests, tuning).
     """
 
     backend: str = "auto"
@@ -71,6 +75,7 @@ class LossOptions:
     saved_bytes: int = DEFAULT_SAVED_BYTES
     columns: int | None = None
     rows: int | None = None
+    fold: bool | None = None
 
     def __post_init__(self) -> None:
         check_backend(self.backend)
@@ -209,21 +214,20 @@ class _LinearLSE(torch.autograd.Function):
         tile: int | None,
         width: int,
         saved_bytes: int,
+        fold: bool | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         acc = accumulation_dtype(hidden, weight)
         n, v = hidden.size(0), weight.size(0)
         h = hidden.to(dtype)
-        lse = hidden.new_empty(n, dtype=acc)
-        target_logit = hidden.new_zeros(n, dtype=acc)
-        logit_sum = hidden.new_zeros(n, dtype=acc)
+        # per row tile: log-sum-exp, target logit, logit sum (one tile in the common case)
+        tiles: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         kept: list[torch.Tensor] = []  # probabilities of the chunks kept for the backward
         budget = saved_bytes
         size = torch.finfo(acc).bits // 8
         buffer = None
         for r0, r1 in spans(n, tile):
             rows_t = target[r0:r1]
-            top = hidden.new_full((r1 - r0,), -math.inf, dtype=acc)
-            total = hidden.new_zeros(r1 - r0, dtype=acc)
+            top = total = picked = row_sum = None
             tile_kept = []
             for c0, c1 in spans(v, width):
                 keep = False  # a prefix of the chunks is kept: the backward counts them
@@ -236,22 +240,32 @@ class _LinearLSE(torch.autograd.Function):
                                  acc, None if keep else buffer)  # fmt: skip
                 inside = (rows_t >= c0) & (rows_t < c1)
                 column = (rows_t - c0).clamp(0, c1 - c0 - 1).unsqueeze(1)
-                target_logit[r0:r1] = torch.where(
-                    inside, z.gather(1, column).squeeze(1), target_logit[r0:r1]
+                picked = torch.where(
+                    inside, z.gather(1, column).squeeze(1), 0.0 if picked is None else picked
                 )
                 if want_sum:
-                    logit_sum[r0:r1] += z.sum(1)
+                    row_sum = z.sum(1) if row_sum is None else row_sum.add_(z.sum(1))
                 chunk_top, chunk_total = exp_sum_(z)  # z now holds exp(z - m_c)
-                top, total = combine_chunk(top, total, chunk_top, chunk_total)
+                if top is None:
+                    top, total = chunk_top, chunk_total
+                else:
+                    top, total = combine_chunk(top, total, chunk_top, chunk_total)
                 if keep:
                     tile_kept.append((z, chunk_top))
-            lse[r0:r1] = top + total.log()
+            tile_lse = top + total.log()
             for exps, shift in tile_kept:  # exp(z - m_c) e^(m_c - lse) = p
-                kept.append(exps.mul_(torch.exp(shift - lse[r0:r1]).unsqueeze(1)))
+                kept.append(exps.mul_(torch.exp(shift - tile_lse).unsqueeze(1)))
+            tiles.append((tile_lse, picked, row_sum))
+        lse, target_logit, logit_sum = (  # zeros: no rows, or no logit sum asked for
+            _join([part[i] for part in tiles]) if tiles and (i < 2 or want_sum)
+            else hidden.new_zeros(n, dtype=acc)
+            for i in range(3)
+        )  # fmt: skip
         ctx.save_for_backward(hidden, weight, bias, target, lse, *kept)
         ctx.kept_chunks = len(kept)
         ctx.layout = dtype, tile, width
         ctx.want_sum = want_sum
+        ctx.fold = fold
         return lse, target_logit, logit_sum
 
     @staticmethod
@@ -269,25 +283,46 @@ class _LinearLSE(torch.autograd.Function):
         grad_h = hidden.new_empty(n, hidden.size(1), dtype=acc) if need_h else None
         grad_w = new(v, weight.size(1), dtype=acc) if need_w else None
         grad_b = new(v, dtype=acc) if need_b else None
-        # dL/dz = g p + g_t onehot_t + g_s. The row scale g goes onto h (for dW, once per tile)
-        # and onto the [R, d] product (for dh); the onehot and uniform terms are [R, d] / [V, d]
-        # updates after the chunks: no pass over [R, C] beyond computing p.
+        g_s = grad_sum.to(acc) if ctx.want_sum and grad_sum is not None else None
+        # dL/dz = g p + g_t onehot_t + g_s. Narrow vocabularies (at most _FOLD_RATIO d
+        # columns) build it chunk by chunk, one pass over [R, C]; wide ones put the row scale
+        # g on h (for dW) and on the [R, d] product (for dh), and the onehot and uniform
+        # terms are [R, d] / [V, d] updates after the chunks: no pass over [R, C] beyond p.
+        fold = ctx.fold if ctx.fold is not None else v <= _FOLD_RATIO * weight.size(1)
         chunk, buffer = 0, None
         for tile_index, (r0, r1) in enumerate(tiles):
-            rows_lse, h_r = lse[r0:r1], h[r0:r1]
+            rows_lse, h_r, rows_t = lse[r0:r1], h[r0:r1], target[r0:r1]
             g = grad_lse[r0:r1].to(acc)
-            scaled_h = (h_r.to(acc) * g.unsqueeze(1)).to(dtype)
+            if fold:
+                g_t = grad_target[r0:r1].to(acc)
+                g_s_r = None if g_s is None else g_s[r0:r1]
+            else:
+                scaled_h = (h_r.to(acc) * g.unsqueeze(1)).to(dtype)
             product = None  # sum over chunks of p_c W_c, [R, d]
             for c0, c1 in spans(v, width):
                 w = weight[c0:c1]
-                if chunk < ctx.kept_chunks:
+                kept_chunk = chunk < ctx.kept_chunks
+                if buffer is None and (fold or not kept_chunk):
+                    buffer = chunk_buffer(hidden, r1 - r0, width, acc)
+                if kept_chunk:
                     probs = kept[chunk]
                 else:
-                    if buffer is None:
-                        buffer = chunk_buffer(hidden, r1 - r0, width, acc)
                     z = chunk_logits(h_r, w, None if bias is None else bias[c0:c1], acc, buffer)
                     probs = exp_shifted_(z, rows_lse)
                 chunk += 1
+                if fold:
+                    dz = _fold_chunk(probs, kept_chunk, buffer, g, g_t, rows_t, c0, c1, g_s_r)
+                    dz_c = dz.to(dtype)
+                    if need_h:
+                        _accumulate_mm(grad_h[r0:r1], dz_c, w.to(dtype), c0 > 0)
+                    if need_w:
+                        _accumulate_mm(grad_w[c0:c1], dz_c.t(), h_r, tile_index > 0)
+                    if need_b:
+                        if tile_index > 0:
+                            grad_b[c0:c1] += dz.sum(0)
+                        else:
+                            torch.sum(dz, 0, out=grad_b[c0:c1])
+                    continue
                 probs_c = probs.to(dtype)
                 if need_h:
                     step = torch.mm(probs_c, w.to(dtype))
@@ -299,22 +334,22 @@ class _LinearLSE(torch.autograd.Function):
                         grad_b[c0:c1].addmv_(probs.t(), g)
                     else:
                         torch.mv(probs.t(), g, out=grad_b[c0:c1])
-            if need_h:
-                grad_h[r0:r1] = g.unsqueeze(1) * product
-        _add_target_terms(grad_h, grad_w, grad_b, h, weight, target, grad_target, acc)
-        if ctx.want_sum and grad_sum is not None:  # d(sum_x z_x)/dz = 1 everywhere
-            g_s = grad_sum.to(acc)
-            if need_h:
-                grad_h += g_s.unsqueeze(1) * weight.to(acc).sum(0)
-            if need_w:
-                grad_w += g_s @ h.to(acc)
-            if need_b:
-                grad_b += g_s.sum()
+            if need_h and not fold:
+                torch.mul(product, g.unsqueeze(1), out=grad_h[r0:r1])
+        if not fold:
+            _add_target_terms(grad_h, grad_w, grad_b, h, weight, target, grad_target, acc)
+            if g_s is not None:  # d(sum_x z_x)/dz = 1 everywhere
+                if need_h:
+                    grad_h += g_s.unsqueeze(1) * weight.to(acc).sum(0)
+                if need_w:
+                    grad_w += g_s @ h.to(acc)
+                if need_b:
+                    grad_b += g_s.sum()
         return (
             None if grad_h is None else grad_h.to(hidden.dtype),
             None if grad_w is None else grad_w.to(weight.dtype),
             None if grad_b is None else grad_b.to(bias.dtype),
-            *([None] * 6),
+            *([None] * 7),
         )
 
 
@@ -329,6 +364,29 @@ def _accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: boo
         out += torch.mm(a, b).to(out.dtype)
     else:
         out.copy_(torch.mm(a, b))
+
+
+def _join(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The row tiles' results as one ``[N]`` (no copy for one tile)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _fold_chunk(probs, kept, buffer, g, g_t, target, c0, c1, g_s) -> torch.Tensor:
+    """``dL/dz = g p + g_t onehot_t + g_s`` of one chunk ``[c0, c1)``, in the chunk buffer
+    (a kept chunk is read, never written: a retained graph may run the backward again)."""
+    scale = g.unsqueeze(1)
+    dz = torch.mul(probs, scale, out=_view(buffer, probs)) if kept else probs.mul_(scale)
+    inside = (target >= c0) & (target < c1)
+    column = (target - c0).clamp(0, c1 - c0 - 1).unsqueeze(1)
+    dz.scatter_add_(1, column, torch.where(inside, g_t, 0.0).unsqueeze(1))
+    if g_s is not None:
+        dz.add_(g_s.unsqueeze(1))
+    return dz
+
+
+def _view(buffer: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    """The start of the flat ``buffer`` shaped like ``like`` (None under torch.compile)."""
+    return None if buffer is None else buffer[: like.numel()].view_as(like)
 
 
 def _add_target_terms(grad_h, grad_w, grad_b, h, weight, target, grad_target, acc) -> None:
@@ -385,7 +443,7 @@ def linear_lse(
         (_, width), tile, saved = plan_tiles(row_bound, v, hidden.device, options), None, 0
     lse, target_logit, total = _LinearLSE.apply(
         hidden, weight, bias, target, logit_sum, compute_dtype(hidden, weight), tile, width,
-        saved,
+        saved, options.fold,
     )  # fmt: skip
     return LinearLSE(lse, target_logit, total if logit_sum else None)
 

@@ -22,7 +22,9 @@ def row_figures(rows: list[dict], row: dict, memory_key: str = "extra_peak_mb") 
     and the step's memory (``memory_key``: older files hold the process's peak instead)."""
     nan = float("nan")
     softmax, matmul = _peer(rows, row, "softmax"), _peer(rows, row, "matmul")
-    rel = row["time_per_token_us"] / softmax["time_per_token_us"] if softmax else nan
+    rel = nan  # no softmax row, or not timed (--time skip)
+    if softmax and row.get("time_per_token_us") and softmax.get("time_per_token_us"):
+        rel = row["time_per_token_us"] / softmax["time_per_token_us"]
     gflop = row.get("matmul_gflop")  # None: --flops skip
     rate = nan
     if matmul and row.get("matmul_gflop_per_s") and matmul.get("matmul_gflop_per_s"):
@@ -32,17 +34,21 @@ def row_figures(rows: list[dict], row: dict, memory_key: str = "extra_peak_mb") 
 
 
 def print_table(report: dict) -> None:
-    """One line per row. ``x softmax``: time per token over the softmax's; ``GFLOP``: the
-    step's matrix products; ``% matmul``: their rate over the bare matmul row's; ``extra
-    MiB``: the step's extra peak memory (``app/bench/memory.py``)."""
+    """One line per row (``-`` where not measured). ``x softmax``: time per token over the
+    softmax's; ``GFLOP``: the step's matrix products; ``% matmul``: their rate over the bare
+    matmul row's; ``extra MiB``: the step's extra peak memory (``app/bench/memory.py``)."""
     rows = report["results"]
     print(f"\n{'head':<22}{'V':>8}{'d':>6}{'tokens':>8}{'ms/batch':>11}{'us/token':>10}"
           f"{'x softmax':>11}{'GFLOP':>9}{'% matmul':>10}{'extra MiB':>11}")  # fmt: skip
     for row in rows:
         rel, gflop, rate, memory = row_figures(rows, row)
         print(f"{row['head']:<22}{row['vocab_size']:>8}{row['hidden_size']:>6}{row['tokens']:>8}"
-              f"{row['time_ms']:>11.2f}{row['time_per_token_us']:>10.3f}{rel:>11.2f}"
-              f"{gflop:>9.1f}{rate:>10.0f}{memory:>11.1f}")  # fmt: skip
+              f"{_number(row['time_ms'], 11, 2)}{_number(row['time_per_token_us'], 10, 3)}"
+              f"{rel:>11.2f}{gflop:>9.1f}{rate:>10.0f}{memory:>11.1f}")  # fmt: skip
+
+
+def _number(value: float | None, width: int, decimals: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.{decimals}f}"
 
 
 def save_plot(report: dict, path: Path) -> None:
@@ -52,7 +58,9 @@ def save_plot(report: dict, path: Path) -> None:
     for head in heads:
         mine = sorted((r for r in rows if r["head"] == head), key=lambda r: r["vocab_size"])
         vocab = [r["vocab_size"] for r in mine]
-        ax_time.plot(vocab, [r["time_per_token_us"] for r in mine], marker="o", label=head)
+        timed = [float("nan") if r.get("time_per_token_us") is None else r["time_per_token_us"]
+                 for r in mine]  # fmt: skip
+        ax_time.plot(vocab, timed, marker="o", label=head)
         memory = [float("nan") if r.get("extra_peak_mb") is None else r["extra_peak_mb"]
                   for r in mine]  # fmt: skip
         ax_mem.plot(vocab, memory, marker="o", label=head)

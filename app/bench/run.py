@@ -140,13 +140,14 @@ def run(args: argparse.Namespace) -> dict:
         saved_bytes=None if args.saved_mb is None else int(args.saved_mb * 2**20),
     )  # fmt: skip
     results = []
+    tokens_for = _tokens_for(args.tokens_for, args.heads)
     configs = [(v, d, b) for v in args.vocab_sizes for d in args.hidden_sizes
                for b in args.batch_sizes]  # fmt: skip
     for index, (vocab, hidden, batch) in enumerate(configs, start=1):
         print(f"[{index}/{len(configs)}] V={vocab} d={hidden} batch={batch}", flush=True)
-        max_tokens = max(batch, args.max_batch)
+        max_tokens = max(batch, args.max_batch, *tokens_for.values())
         targets = make_targets(args.targets, vocab, max_tokens, torch.Generator().manual_seed(1))
-        tokens = {name: batch for name in args.heads}
+        tokens = {name: tokens_for.get(name, batch) for name in args.heads}
         if args.mode == "same-memory":
             budget = int(args.memory_budget_mb * 2**20)
             for name in args.heads:
@@ -155,13 +156,24 @@ def run(args: argparse.Namespace) -> dict:
                     args.bptt, args.max_batch, args.precision,
                 )  # fmt: skip
                 print(f"  {name}: {tokens[name]} tokens fit {args.memory_budget_mb} MiB")
+        names = [name for name in args.heads if tokens[name] > 0]
+        case_of = {name: (name, args.scope, vocab, hidden, tokens[name], targets, options,
+                          device, args.bptt, args.precision) for name in names}  # fmt: skip
+        if args.time == "skip":  # one case at a time: only one head's memory is held
+            for name in names:
+                torch.manual_seed(0)
+                module, step = build_case(*case_of[name])
+                step()  # warm: lazy initialisation and compilation are not the step's memory
+                results.append(_row(name, module, step, None, args, case_of[name]))
+                memory = results[-1]["extra_peak_mb"]
+                print(f"  {name}: {tokens[name]} tokens, extra peak "
+                      f"{'-' if memory is None else f'{memory:.1f}'} MiB", flush=True)  # fmt: skip
+                del module, step
+            continue
         cases = {}
-        for name in args.heads:
-            if tokens[name] == 0:
-                continue
+        for name in names:
             torch.manual_seed(0)
-            cases[name] = build_case(name, args.scope, vocab, hidden, tokens[name], targets,
-                                     options, device, args.bptt, args.precision)  # fmt: skip
+            cases[name] = build_case(*case_of[name])
         for _ in range(args.warmup):
             for _, step in cases.values():
                 step()
@@ -173,30 +185,7 @@ def run(args: argparse.Namespace) -> dict:
                 step()
                 times[name].append(time_once(step, device, CLOCKS[args.clock]))
         for name, (module, step) in cases.items():
-            median = statistics.median(times[name])
-            flops = None  # not counted (--flops skip)
-            if args.flops == "count":
-                flops = _flops(name, step, args, vocab, hidden, tokens[name], targets, options,
-                               device)  # fmt: skip
-            memory = None
-            if args.memory == "measure":
-                case = (name, args.scope, vocab, hidden, tokens[name], targets, options, device,
-                        args.bptt, args.precision)  # fmt: skip
-                memory = step_memory(step, device, case) / 2**20
-            row = {
-                "head": name, "vocab_size": vocab, "hidden_size": hidden,
-                "tokens": tokens[name], "scope": args.scope, "mode": args.mode,
-                "precision": args.precision,
-                "time_ms": median * 1e3, "time_per_token_us": median / tokens[name] * 1e6,
-                "times_ms": [t * 1e3 for t in times[name]],
-                "matmul_gflop": None if flops is None else flops / 1e9,
-                "matmul_gflop_per_s": None if flops is None else flops / median / 1e9,
-                "extra_peak_mb": memory,
-                "parameters": sum(p.numel() for p in module.parameters()),
-            }  # fmt: skip
-            if hasattr(module, "cutoffs"):
-                row["cutoffs"] = module.cutoffs
-            results.append(row)
+            results.append(_row(name, module, step, times[name], args, case_of[name]))
     memory_method = (
         "cuda_allocator"
         if device.type == "cuda"
@@ -209,6 +198,33 @@ def run(args: argparse.Namespace) -> dict:
                     "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                     "load_average": load_average(), "memory_method": memory_method},
     }  # fmt: skip
+
+
+def _row(name, module, step, times: list[float] | None, args, case: tuple) -> dict:
+    """One result row: the median time (None with ``--time skip``), and the FLOPs and memory
+    of one more step where asked for."""
+    _, scope, vocab, hidden, tokens, targets, options, device, _, precision = case
+    median = None if times is None else statistics.median(times)
+    flops = None  # not counted (--flops skip)
+    if args.flops == "count":
+        flops = _flops(name, step, args, vocab, hidden, tokens, targets, options, device)
+    memory = None
+    if args.memory == "measure":
+        memory = step_memory(step, device, case) / 2**20
+    row = {
+        "head": name, "vocab_size": vocab, "hidden_size": hidden, "tokens": tokens,
+        "scope": scope, "mode": args.mode, "precision": precision,
+        "time_ms": None if median is None else median * 1e3,
+        "time_per_token_us": None if median is None else median / tokens * 1e6,
+        "times_ms": None if times is None else [t * 1e3 for t in times],
+        "matmul_gflop": None if flops is None else flops / 1e9,
+        "matmul_gflop_per_s": None if flops is None or median is None else flops / median / 1e9,
+        "extra_peak_mb": memory,
+        "parameters": sum(p.numel() for p in module.parameters()),
+    }  # fmt: skip
+    if hasattr(module, "cutoffs"):
+        row["cutoffs"] = module.cutoffs
+    return row
 
 
 def _flops(name, step, args, vocab, hidden, tokens, targets, options, device) -> int:
@@ -251,6 +267,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["measure", "skip"],
         default="measure",
         help="extra peak memory of a step per row (app/bench/memory.py)",
+    )
+    parser.add_argument(
+        "--time",
+        choices=["measure", "skip"],
+        default="measure",
+        help="skip: no timed steps, one warm-up step then the memory (and FLOPs) per row",
+    )
+    parser.add_argument(
+        "--tokens-for",
+        nargs="+",
+        default=[],
+        metavar="SUBJECT=TOKENS",
+        help="tokens per step for one subject instead of --batch-sizes, e.g. mos=2048",
     )
     parser.add_argument(
         "--flops",
@@ -328,7 +357,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--saved-mb must be >= 0")
     if args.mode == "same-memory" and args.memory == "skip":
         parser.error("same-memory mode fits the measured memory: drop --memory skip")
+    if args.time == "skip" and args.memory == "skip" and args.flops == "skip":
+        parser.error("--time skip with --memory skip and --flops skip measures nothing")
+    _tokens_for(args.tokens_for, args.heads, parser.error)  # checked here, used in run
     return args
+
+
+def _tokens_for(pairs: list[str], subjects: list[str], error=None) -> dict[str, int]:
+    """``["mos=2048", ...]`` -> ``{"mos": 2048}``, each subject one of ``--heads``."""
+    tokens = {}
+    for pair in pairs:
+        name, _, count = pair.partition("=")
+        if name not in subjects or not count.isdigit() or int(count) <= 0:
+            (error or _raise)(f"--tokens-for {pair!r}: want SUBJECT=TOKENS with a subject of "
+                              f"--heads ({' '.join(subjects)}) and a positive count")  # fmt: skip
+        tokens[name] = int(count)
+    return tokens
+
+
+def _raise(message: str) -> None:
+    raise ValueError(message)
 
 
 def _mode(argv: list[str]) -> str | None:

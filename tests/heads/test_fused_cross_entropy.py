@@ -21,12 +21,18 @@ from heads.fused_cross_entropy import (
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # how the chunks run: one chunk kept (small problems), chunks of 5 columns and tiles of 4 rows
-# recomputed in the backward (V = 23 is not a multiple of 5), and the same partly kept
+# recomputed in the backward (V = 23 is not a multiple of 5), and the same partly kept; each
+# with dL/dz folded chunk by chunk (fold) and with the row scale on [N, d] (rows)
+_LAYOUTS = {
+    "one_chunk_kept": {},
+    "recomputed": {"columns": 5, "rows": 4, "saved_bytes": 0},
+    "partly_kept": {"columns": 5, "rows": 4, "saved_bytes": 2 * 4 * 5 * 8},
+    "tall_chunks": {"columns": 23, "rows": 1, "saved_bytes": 0},
+}
 OPTIONS = {
-    "one_chunk_kept": LossOptions(),
-    "recomputed": LossOptions(columns=5, rows=4, saved_bytes=0),
-    "partly_kept": LossOptions(columns=5, rows=4, saved_bytes=2 * 4 * 5 * 8),
-    "tall_chunks": LossOptions(columns=23, rows=1, saved_bytes=0),
+    f"{name}-{mode}": LossOptions(**layout, fold=mode == "fold")
+    for name, layout in _LAYOUTS.items()
+    for mode in ("fold", "rows")
 }
 
 
@@ -94,7 +100,7 @@ def test_lse_target_logit_and_sum_are_the_plain_ones():
     hidden, weight, b, target = _case(9, seed=2)
     target[4] = -1
     logits = F.linear(hidden, weight, b)
-    out = linear_lse(hidden, weight, b, target, logit_sum=True, options=OPTIONS["recomputed"])
+    out = linear_lse(hidden, weight, b, target, logit_sum=True, options=OPTIONS["recomputed-rows"])
     torch.testing.assert_close(out.lse, logits.logsumexp(-1))
     expected = torch.where(target >= 0, logits.gather(1, target.clamp_min(0)[:, None])[:, 0], 0.0)
     torch.testing.assert_close(out.target_logit, expected)
@@ -133,7 +139,14 @@ def test_a_peaked_softmax_is_exact_in_log_space(saved):
         torch.testing.assert_close(g, w)
 
 
-@pytest.mark.parametrize("options", [OPTIONS["partly_kept"], OPTIONS["one_chunk_kept"]])
+@pytest.mark.parametrize(
+    "options",
+    [
+        OPTIONS[f"{layout}-{mode}"]
+        for layout in ("partly_kept", "one_chunk_kept")
+        for mode in ("fold", "rows")
+    ],
+)
 def test_a_retained_graph_gives_the_same_gradients_twice(options):
     """The backward leaves the kept chunks as it found them."""
     hidden, weight, b, target = _case(8, seed=5)
@@ -145,7 +158,8 @@ def test_a_retained_graph_gives_the_same_gradients_twice(options):
         torch.testing.assert_close(a, c, rtol=0, atol=0)
 
 
-def test_bf16_autocast_products_with_float32_statistics():
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "rows"])
+def test_bf16_autocast_products_with_float32_statistics(fold):
     """Under CPU bf16 autocast: float32 outputs and float32 gradients of float32 inputs; the
     values are float32 math on the bf16 product (what autocast's ``F.linear`` gives), the
     gradients those of float32 math to bf16 precision."""
@@ -156,8 +170,9 @@ def test_bf16_autocast_products_with_float32_statistics():
     target = torch.randint(0, 301, (33,), generator=gen)
     target[5] = IGNORE_INDEX
     with torch.autocast("cpu", dtype=torch.bfloat16):
+        options = LossOptions(columns=64, saved_bytes=0, fold=fold)
         out = linear_cross_entropy(hidden, weight, bias, target, label_smoothing=0.1,
-                                   options=LossOptions(columns=64, saved_bytes=0))  # fmt: skip
+                                   options=options)  # fmt: skip
     assert out.nll.dtype == out.smoothing.dtype == out.lse.dtype == torch.float32
     with torch.no_grad():
         product = (hidden.bfloat16() @ weight.bfloat16().T).float() + bias
@@ -223,20 +238,29 @@ def test_backend_errors_are_one_line():
         assert isinstance(raised.value, UserError) and "\n" not in str(raised.value)
 
 
-def test_compiles_into_one_graph_without_breaks():
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "rows"])
+def test_compiles_into_one_graph_without_breaks(fold):
     """The training step's loss traces into one graph (forward and backward) under
-    torch.compile: loops over shapes only, no host syncs; and it gives the eager values."""
+    torch.compile: loops over shapes only, no host syncs; and it gives the eager values and
+    gradients."""
     import torch._dynamo
 
     hidden, weight, b, target = _case(12, classes=40, seed=8)
     target[2] = IGNORE_INDEX
-    options = LossOptions(columns=16, saved_bytes=12 * 16 * 8)
+    options = LossOptions(columns=16, saved_bytes=12 * 16 * 8, fold=fold)
 
     def loss(h, w, bb, t):
-        return linear_cross_entropy(h, w, bb, t, label_smoothing=0.1, options=options).loss(0.1)
+        out = linear_cross_entropy(h, w, bb, t, label_smoothing=0.1, options=options)
+        return out.loss(0.1).sum()
 
     explained = torch._dynamo.explain(loss)(hidden, weight, b, target)
     assert explained.graph_count == 1 and explained.graph_break_count == 0
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    got = torch.autograd.grad(compiled(hidden, weight, b, target), (hidden, weight, b))
+    want = torch.autograd.grad(loss(hidden, weight, b, target), (hidden, weight, b))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
     torch._dynamo.reset()
 
 

@@ -39,6 +39,26 @@ def test_extra_peak_memory_is_measured_not_estimated(tmp_path):
     assert memory["mos"] < memory["matmul"] / 2  # O(K N) statistics, chunks of [K N, V]
 
 
+def test_memory_only_rows_with_tokens_per_subject(tmp_path):
+    """``--time skip``: no timed steps, the memory of one step per subject, each at its own
+    token count (``--tokens-for``); the JSON renders with ``-`` for the times."""
+    from app.results import render_training_bench
+
+    argv = ["--heads", "softmax", "mos", "matmul", "--vocab-sizes", "20000", "--hidden-sizes",
+            "16", "--batch-sizes", "1024", "--tokens-for", "mos=256", "--time", "skip",
+            "--flops", "skip", "--mos-components", "4", "--saved-mb", "0", "--out",
+            str(tmp_path), "--name", "memory"]  # fmt: skip
+    report = main(argv)
+    rows = {r["head"]: r for r in report["results"]}
+    assert {name: r["tokens"] for name, r in rows.items()} == {
+        "softmax": 1024, "mos": 256, "matmul": 1024}  # fmt: skip
+    assert all(r["time_ms"] is None and r["times_ms"] is None for r in rows.values())
+    assert rows["matmul"]["extra_peak_mb"] > 75  # [1024, 20000] float32 logits, kept
+    assert rows["softmax"]["extra_peak_mb"] < rows["matmul"]["extra_peak_mb"] / 2
+    text = render_training_bench(report, tmp_path / "memory.json", tmp_path)
+    assert "not timed" in text and "| mos | 20000 | 16 | 256 | - | - |" in text
+
+
 def test_same_memory_mode_and_lm_scope(tmp_path):
     argv = ["--heads", "softmax", "mos", "--vocab-sizes", "400", "--hidden-sizes", "16",
             "--mode", "same-memory", "--memory-budget-mb", "2", "--scope", "lm", "--bptt", "8",
