@@ -297,12 +297,12 @@ class AdaptiveSoftmaxHead(Head):
                     continue  # the loss only touches the clusters this batch needs
                 projected = tail[0](tail_hidden[start : start + size])  # d -> d / div^i
                 relative = tail_target[start : start + size] - self.cutoffs[i - 1]
-                cluster_nll.append(
-                    linear_cross_entropy(
-                        projected, tail[1].weight, None, relative, options=self.loss_options,
-                        row_bound=hidden.size(0) if compiling else None,
-                    ).nll
+                # every row here has a target in the cluster: no ignored rows to mask
+                parts = linear_lse(
+                    projected, tail[1].weight, None, relative, options=self.loss_options,
+                    row_bound=hidden.size(0) if compiling else None,
                 )  # fmt: skip
+                cluster_nll.append(parts.lse - parts.target_logit)
                 start += size
             nll = nll.index_add(0, tail_rows, torch.cat(cluster_nll).to(nll.dtype))
         return self.output(nll, target, smoothing=smoothing, label_smoothing=label_smoothing)

@@ -128,6 +128,12 @@ def spans(total: int, width: int | None) -> list[tuple[int, int]]:
 # -- the row passes ---------------------------------------------------------------------------
 # The elementwise passes of the loss over one chunk's float32/64 logits ``z [R, C]``. On a CPU
 # the exps are floored at ``EXP_FLOOR``.
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)`` without a dispatcher call when it already is (the loss's loops make
+    dozens of these per call, most of them no-ops)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def chunk_logits(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -142,11 +148,13 @@ def chunk_logits(
         out = out[: rows * columns].view(rows, columns)
     if hidden.dtype == accumulate:
         if bias is None:
-            return torch.mm(hidden, weight.to(hidden.dtype).t(), out=out)
-        return torch.addmm(bias.to(accumulate), hidden, weight.to(hidden.dtype).t(), out=out)
-    z = torch.mm(hidden, weight.to(hidden.dtype).t())
-    z = z.to(accumulate) if out is None else out.copy_(z)
-    return z if bias is None else z.add_(bias.to(accumulate))
+            return torch.mm(hidden, as_dtype(weight, hidden.dtype).t(), out=out)
+        return torch.addmm(
+            as_dtype(bias, accumulate), hidden, as_dtype(weight, hidden.dtype).t(), out=out
+        )
+    z = torch.mm(hidden, as_dtype(weight, hidden.dtype).t())
+    z = as_dtype(z, accumulate) if out is None else out.copy_(z)
+    return z if bias is None else z.add_(as_dtype(bias, accumulate))
 
 
 def exp_sum_(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,7 +226,7 @@ class _LinearLSE(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         acc = accumulation_dtype(hidden, weight)
         n, v = hidden.size(0), weight.size(0)
-        h = hidden.to(dtype)
+        h = as_dtype(hidden, dtype)
         # per row tile: log-sum-exp, target logit, logit sum (one tile in the common case)
         tiles: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         kept: list[torch.Tensor] = []  # probabilities of the chunks kept for the backward
@@ -274,7 +282,7 @@ class _LinearLSE(torch.autograd.Function):
         dtype, tile, width = ctx.layout
         acc = lse.dtype
         n, v = hidden.size(0), weight.size(0)
-        h = hidden.to(dtype)
+        h = as_dtype(hidden, dtype)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
         tiles = spans(n, tile)
@@ -283,7 +291,7 @@ class _LinearLSE(torch.autograd.Function):
         grad_h = hidden.new_empty(n, hidden.size(1), dtype=acc) if need_h else None
         grad_w = new(v, weight.size(1), dtype=acc) if need_w else None
         grad_b = new(v, dtype=acc) if need_b else None
-        g_s = grad_sum.to(acc) if ctx.want_sum and grad_sum is not None else None
+        g_s = as_dtype(grad_sum, acc) if ctx.want_sum and grad_sum is not None else None
         # dL/dz = g p + g_t onehot_t + g_s. Narrow vocabularies (at most _FOLD_RATIO d
         # columns) build it chunk by chunk, one pass over [R, C]; wide ones put the row scale
         # g on h (for dW) and on the [R, d] product (for dh), and the onehot and uniform
@@ -292,12 +300,12 @@ class _LinearLSE(torch.autograd.Function):
         chunk, buffer = 0, None
         for tile_index, (r0, r1) in enumerate(tiles):
             rows_lse, h_r, rows_t = lse[r0:r1], h[r0:r1], target[r0:r1]
-            g = grad_lse[r0:r1].to(acc)
+            g = as_dtype(grad_lse[r0:r1], acc)
             if fold:
-                g_t = grad_target[r0:r1].to(acc)
+                g_t = as_dtype(grad_target[r0:r1], acc)
                 g_s_r = None if g_s is None else g_s[r0:r1]
             else:
-                scaled_h = (h_r.to(acc) * g.unsqueeze(1)).to(dtype)
+                scaled_h = as_dtype(as_dtype(h_r, acc) * g.unsqueeze(1), dtype)
             product = None  # sum over chunks of p_c W_c, [R, d]
             for c0, c1 in spans(v, width):
                 w = weight[c0:c1]
@@ -312,9 +320,9 @@ class _LinearLSE(torch.autograd.Function):
                 chunk += 1
                 if fold:
                     dz = _fold_chunk(probs, kept_chunk, buffer, g, g_t, rows_t, c0, c1, g_s_r)
-                    dz_c = dz.to(dtype)
+                    dz_c = as_dtype(dz, dtype)
                     if need_h:
-                        _accumulate_mm(grad_h[r0:r1], dz_c, w.to(dtype), c0 > 0)
+                        _accumulate_mm(grad_h[r0:r1], dz_c, as_dtype(w, dtype), c0 > 0)
                     if need_w:
                         _accumulate_mm(grad_w[c0:c1], dz_c.t(), h_r, tile_index > 0)
                     if need_b:
@@ -323,10 +331,10 @@ class _LinearLSE(torch.autograd.Function):
                         else:
                             torch.sum(dz, 0, out=grad_b[c0:c1])
                     continue
-                probs_c = probs.to(dtype)
+                probs_c = as_dtype(probs, dtype)
                 if need_h:
-                    step = torch.mm(probs_c, w.to(dtype))
-                    product = step.to(acc) if product is None else product.add_(step)
+                    step = torch.mm(probs_c, as_dtype(w, dtype))
+                    product = as_dtype(step, acc) if product is None else product.add_(step)
                 if need_w:
                     _accumulate_mm(grad_w[c0:c1], probs_c.t(), scaled_h, tile_index > 0)
                 if need_b:
@@ -340,15 +348,15 @@ class _LinearLSE(torch.autograd.Function):
             _add_target_terms(grad_h, grad_w, grad_b, h, weight, target, grad_target, acc)
             if g_s is not None:  # d(sum_x z_x)/dz = 1 everywhere
                 if need_h:
-                    grad_h += g_s.unsqueeze(1) * weight.to(acc).sum(0)
+                    grad_h += g_s.unsqueeze(1) * as_dtype(weight, acc).sum(0)
                 if need_w:
-                    grad_w += g_s @ h.to(acc)
+                    grad_w += g_s @ as_dtype(h, acc)
                 if need_b:
                     grad_b += g_s.sum()
         return (
-            None if grad_h is None else grad_h.to(hidden.dtype),
-            None if grad_w is None else grad_w.to(weight.dtype),
-            None if grad_b is None else grad_b.to(bias.dtype),
+            None if grad_h is None else as_dtype(grad_h, hidden.dtype),
+            None if grad_w is None else as_dtype(grad_w, weight.dtype),
+            None if grad_b is None else as_dtype(grad_b, bias.dtype),
             *([None] * 7),
         )
 
@@ -394,11 +402,11 @@ def _add_target_terms(grad_h, grad_w, grad_b, h, weight, target, grad_target, ac
     ``db[t] += g_t``, for rows whose target is inside ``[0, V)``."""
     valid = (target >= 0) & (target < weight.size(0))
     safe = torch.where(valid, target, 0)
-    g_t = torch.where(valid, grad_target.to(acc), 0.0)
+    g_t = torch.where(valid, as_dtype(grad_target, acc), 0.0)
     if grad_h is not None:
-        grad_h += g_t.unsqueeze(1) * weight.index_select(0, safe).to(acc)
+        grad_h += g_t.unsqueeze(1) * as_dtype(weight.index_select(0, safe), acc)
     if grad_w is not None:
-        grad_w.index_add_(0, safe, g_t.unsqueeze(1) * h.to(acc))
+        grad_w.index_add_(0, safe, g_t.unsqueeze(1) * as_dtype(h, acc))
     if grad_b is not None:
         grad_b.index_add_(0, safe, g_t)
 
