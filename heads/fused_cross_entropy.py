@@ -322,9 +322,9 @@ class _LinearLSE(torch.autograd.Function):
                     dz = _fold_chunk(probs, kept_chunk, buffer, g, g_t, rows_t, c0, c1, g_s_r)
                     dz_c = as_dtype(dz, dtype)
                     if need_h:
-                        _accumulate_mm(grad_h[r0:r1], dz_c, as_dtype(w, dtype), c0 > 0)
+                        accumulate_mm(grad_h[r0:r1], dz_c, as_dtype(w, dtype), c0 > 0)
                     if need_w:
-                        _accumulate_mm(grad_w[c0:c1], dz_c.t(), h_r, tile_index > 0)
+                        accumulate_mm(grad_w[c0:c1], dz_c.t(), h_r, tile_index > 0)
                     if need_b:
                         if tile_index > 0:
                             grad_b[c0:c1] += dz.sum(0)
@@ -333,10 +333,12 @@ class _LinearLSE(torch.autograd.Function):
                     continue
                 probs_c = as_dtype(probs, dtype)
                 if need_h:
-                    step = torch.mm(probs_c, as_dtype(w, dtype))
-                    product = as_dtype(step, acc) if product is None else product.add_(step)
+                    if product is None:
+                        product = as_dtype(torch.mm(probs_c, as_dtype(w, dtype)), acc)
+                    else:  # no [R, d] temporary per chunk where the dtypes allow
+                        accumulate_mm(product, probs_c, as_dtype(w, dtype), True)
                 if need_w:
-                    _accumulate_mm(grad_w[c0:c1], probs_c.t(), scaled_h, tile_index > 0)
+                    accumulate_mm(grad_w[c0:c1], probs_c.t(), scaled_h, tile_index > 0)
                 if need_b:
                     if tile_index > 0:
                         grad_b[c0:c1].addmv_(probs.t(), g)
@@ -361,7 +363,7 @@ class _LinearLSE(torch.autograd.Function):
         )
 
 
-def _accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: bool) -> None:
+def accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: bool) -> None:
     """``out (+)= a b`` without a temporary where the dtypes allow."""
     if out.dtype == a.dtype:
         if add:

@@ -40,7 +40,9 @@ from heads.cross_entropy import IGNORE_INDEX
 from heads.errors import HeadConfigError
 from heads.fused_cross_entropy import (
     LinearLSE,
+    accumulate_mm,
     accumulation_dtype,
+    as_dtype,
     chunk_buffer,
     chunk_logits,
     combine_chunk,
@@ -616,8 +618,10 @@ class _MixtapeFrequentLSE(torch.autograd.Function):
         inside_any = (target >= 0) & (target < s)
         g_t = torch.where(inside_any, grad_target.to(acc), 0.0).unsqueeze(1)
         g_s = grad_sum.to(acc).unsqueeze(1) if ctx.want_sum and grad_sum is not None else None
-        grad_contexts = torch.zeros(n * k, d, dtype=acc, device=contexts.device)
-        grad_inputs = torch.zeros(flat_inputs.shape, dtype=acc, device=contexts.device)
+        # the first block writes the input gradients, the others add to them
+        new = torch.empty if s else torch.zeros
+        grad_contexts = new(n * k, d, dtype=acc, device=contexts.device)
+        grad_inputs = new(flat_inputs.shape, dtype=acc, device=contexts.device)
         grad_weight = torch.empty(weight.shape, dtype=acc, device=weight.device)
         grad_gate_weights = torch.empty(gate_weights.shape, dtype=acc, device=weight.device)
         grad_bias = torch.empty(s, dtype=acc, device=weight.device)
@@ -665,10 +669,13 @@ class _MixtapeFrequentLSE(torch.autograd.Function):
                     _into(grad_gate, torch.mul, grad_right, gamma).mul_(diff)
                 flat_values = grad_values.view(n * k, w).to(dtype)
                 flat_gates = grad_gates.view(n * (k - 1), w).to(dtype)
-                grad_contexts += torch.mm(flat_values, weight[a:b].to(dtype)).to(acc)
-                grad_weight[a:b] = torch.mm(flat_values.t(), flat_contexts)
-                grad_inputs += torch.mm(flat_gates, gate_weights[a:b].to(dtype)).to(acc)
-                grad_gate_weights[a:b] = torch.mm(flat_gates.t(), flat_inputs)
+                # straight into the gradients: no [N K, d] temporary per block
+                later = index > 0
+                accumulate_mm(grad_contexts, flat_values, as_dtype(weight[a:b], dtype), later)
+                accumulate_mm(grad_weight[a:b], flat_values.t(), flat_contexts, False)
+                gates_w = as_dtype(gate_weights[a:b], dtype)
+                accumulate_mm(grad_inputs, flat_gates, gates_w, later)
+                accumulate_mm(grad_gate_weights[a:b], flat_gates.t(), flat_inputs, False)
         return (
             grad_inputs.view(gate_inputs.shape).to(gate_inputs.dtype),
             grad_gate_weights.to(gate_weights.dtype),
