@@ -1,3 +1,6 @@
-from app.bench.run import main
+import sys
 
-main()
+from app.bench.run import main
+from app.console import exit_status
+
+sys.exit(exit_status(main))

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from app.bench.timing import CLOCKS, check_clock, time_once
+from app.bench.timing import CLOCKS, check_clock, check_device, time_once
 from app.lightning_cli import build
 from app.machine import load_average
 from heads import DSSoftmaxHead, SoftmaxHead
@@ -414,6 +414,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "distinct RANK:CANDIDATES[:MIN_CLASSES]")  # fmt: skip
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
+    check_device(parser, args.device)
     check_clock(parser, args.clock, args.device)
     return args
 

@@ -44,7 +44,7 @@ from app.bench.subjects import (
     parse_subject,
     step_fn,
 )
-from app.bench.timing import CLOCKS, check_clock, time_once
+from app.bench.timing import CLOCKS, check_clock, check_device, time_once
 from app.machine import load_average
 from heads.adaptive_cutoffs import zipf_probabilities
 from heads.fused_cross_entropy import BACKENDS
@@ -347,6 +347,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if min(args.vocab_sizes + args.hidden_sizes + args.batch_sizes) <= 0:
         parser.error("sizes must be positive")
+    check_device(parser, args.device)
     check_clock(parser, args.clock, args.device)
     for name in args.heads:
         try:

@@ -32,3 +32,13 @@ def check_clock(parser: argparse.ArgumentParser, clock: str, device: str) -> Non
     """``--clock cpu`` on a GPU device: a parser error (CPU time misses the GPU's work)."""
     if clock == "cpu" and device.startswith("cuda"):
         parser.error("--clock cpu measures the host only: use --clock wall on a GPU")
+
+
+def check_device(parser: argparse.ArgumentParser, device: str) -> None:
+    """A parser error for a device this machine has not got (one line, not a traceback)."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as error:
+        parser.error(f"--device {device}: {error}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {device}: no CUDA device here (torch {torch.__version__})")

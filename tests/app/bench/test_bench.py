@@ -159,3 +159,20 @@ def test_compiled_subject_counts_its_eager_twins_flops(tmp_path):
     report = main(argv)
     flops = {r["head"]: r["matmul_gflop"] for r in report["results"]}
     assert flops["softmax+compile"] == flops["softmax"] > 0
+
+
+def test_a_device_or_backend_this_machine_lacks_is_one_line(capsys, tmp_path):
+    """No traceback for what the user asked and the machine has not got."""
+    import pytest
+    import torch
+
+    from app.console import exit_status
+
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as stopped:
+            main(["--device", "cuda", "--heads", "softmax"])
+        assert stopped.value.code == 2 and "no CUDA device here" in capsys.readouterr().err
+    argv = ["--device", "cpu", "--heads", "softmax@cce", "--vocab-sizes", "100", "--hidden-sizes",
+            "8", "--batch-sizes", "8", "--out", str(tmp_path)]  # fmt: skip
+    assert exit_status(lambda: main(argv)) == 2
+    assert "error: loss backend 'cce' runs on CUDA only" in capsys.readouterr().err
