@@ -54,8 +54,11 @@ def table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-def command_of(module: str, args: dict[str, Any], skip: tuple[str, ...] = ()) -> str:
-    """The command line that reproduces a run from its recorded ``args`` (argparse names)."""
+def command_of(
+    module: str, args: dict[str, Any], skip: tuple[str, ...] = (), repeated: tuple[str, ...] = ()
+) -> str:
+    """The command line that reproduces a run from its recorded ``args`` (argparse names);
+    ``repeated``: list options given once per value (argparse's ``append``)."""
     parts = [f"python -m {module}"]
     for key, value in args.items():
         if key in skip or value is None or value is False:
@@ -63,6 +66,8 @@ def command_of(module: str, args: dict[str, Any], skip: tuple[str, ...] = ()) ->
         flag = "--" + key.replace("_", "-")
         if value is True:
             parts.append(flag)
+        elif isinstance(value, list) and key in repeated:
+            parts.extend(f"{flag} {v}" for v in value)
         elif isinstance(value, list):
             parts.append(flag + " " + " ".join(str(v) for v in value))
         else:
@@ -160,10 +165,12 @@ def render_inference_bench(report: dict[str, Any], path: Path, doc_dir: Path) ->
               f"batch-{batch} x {reference}", "top-1 %", "top-5 %", "top-10 %",
               f"top-{k} vs {reference} (points)", "experts", "FLOP speed-up"]  # fmt: skip
     command = command_of("app.bench", {**args, "svd": _svd_flag(args.get("svd"))},
-                         skip=("out", "name"))  # fmt: skip
+                         skip=("out", "name"),
+                         repeated=("ds_checkpoint", "softmax_checkpoint", "svd"))  # fmt: skip
     parts = [
         f"Top-{k} latency (median CPU time per query; speed-ups against `{reference}` timed in "
         f"the same run) and test accuracy; {_machine(report)}.",
+        *([f"Checkpoints: {report['recipe']}"] if report.get("recipe") else []),
         f"```bash\n{command}\n```",
         table(header, body),
     ]
