@@ -61,7 +61,7 @@ def command_of(
     ``repeated``: list options given once per value (argparse's ``append``)."""
     parts = [f"python -m {module}"]
     for key, value in args.items():
-        if key in skip or value is None or value is False:
+        if key in skip or value is None or value is False or value == []:
             continue
         flag = "--" + key.replace("_", "-")
         if value is True:

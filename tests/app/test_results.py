@@ -52,8 +52,9 @@ def test_table_and_command_formatting():
         "| a | b |\n| --- | --- |\n| 1.23 | x |\n| 12,346 | 1 2 |"
     )
     assert command_of("app.x", {"k": 3, "flag": True, "off": False, "none": None,
-                                "sizes": [1, 2], "out": "o"}, skip=("out",)) == (
-        "python -m app.x --k 3 --flag --sizes 1 2"
+                                "sizes": [1, 2], "out": "o", "empty": [], "each": ["a", "b"]},
+                      skip=("out",), repeated=("each",)) == (
+        "python -m app.x --k 3 --flag --sizes 1 2 --each a --each b"
     )  # fmt: skip
 
 
