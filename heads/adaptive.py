@@ -29,6 +29,7 @@ from heads.base import (
     HeadSetup,
     check_label_smoothing,
     float32_no_autocast,
+    sort_into_groups,
     upcast,
 )
 from heads.errors import CheckpointMismatchError, HeadConfigError
@@ -278,15 +279,8 @@ class AdaptiveSoftmaxHead(Head):
         # One sort groups the rows by cluster (ignored and short-list rows first), so each
         # tail cluster is a contiguous slice of one gather: one index_select (and one
         # scatter in its backward) for all tail clusters instead of one per cluster.
-        order = torch.argsort(cluster)
-        # rows per cluster (ignored first): a fixed-length count, so that under torch.compile
-        # the sizes are the only data-dependent values (no data-dependent output shapes)
-        counts = torch.zeros(self.num_clusters + 2, dtype=torch.long, device=target.device)
-        sizes = counts.scatter_add_(0, cluster + 1, torch.ones_like(cluster)).tolist()
+        order, sizes = sort_into_groups(cluster + 1, self.num_clusters + 2)  # ignored first
         compiling = torch.compiler.is_compiling()
-        if compiling:
-            for size in sizes:
-                torch._check(size >= 0)
         tail_rows = order[sizes[0] + sizes[1] :]
         if compiling or tail_rows.numel():
             tail_hidden = hidden.index_select(0, tail_rows)

@@ -93,6 +93,20 @@ def output_bias(vocab_size: int, zipf_bias_init: bool) -> nn.Parameter:
     return nn.Parameter(start)
 
 
+def sort_into_groups(labels: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, list[int]]:
+    """Row indices sorted by ``labels`` (in ``[0, num_groups)``) and each group's size, so
+    that group g is one contiguous slice of ``order``. The sizes come from a fixed-length
+    count: under ``torch.compile`` they are the only data-dependent values (no data-dependent
+    output shapes)."""
+    order = torch.argsort(labels, stable=True)
+    counts = torch.zeros(num_groups, dtype=torch.long, device=labels.device)
+    sizes = counts.scatter_add_(0, labels, torch.ones_like(labels)).tolist()
+    if torch.compiler.is_compiling():
+        for size in sizes:
+            torch._check(size >= 0)
+    return order, sizes
+
+
 def check_positive_int(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise HeadConfigError(f"{name} must be a positive integer, got {value!r}")

@@ -43,8 +43,10 @@ from heads.base import (
     HeadOutput,
     check_label_smoothing,
     check_positive_int,
+    sort_into_groups,
     upcast,
 )
+from heads.cross_entropy import IGNORE_INDEX
 from heads.ds_inference import DSInference, float32_context
 from heads.ds_svd import SVDPreview
 from heads.errors import HeadConfigError
@@ -224,14 +226,15 @@ class DSSoftmaxHead(Head):
         return expert, gates.gather(1, expert[:, None]).squeeze(1)
 
     def _groups(self, expert: torch.Tensor):
-        """Tokens grouped by selected expert: ``(k, token indices)`` for each used expert."""
-        order = torch.argsort(expert, stable=True)
-        counts = torch.bincount(expert, minlength=self.num_experts).tolist()
-        start = 0
-        for k, count in enumerate(counts):
-            if count:
-                yield k, order[start : start + count]
-                start += count
+        """Tokens grouped by selected expert: ``(k, token indices)`` for each used expert, and
+        under ``torch.compile`` for every expert (an empty group costs little; skipping it
+        would branch on the data)."""
+        order, sizes = sort_into_groups(expert, self.num_experts)
+        compiling, start = torch.compiler.is_compiling(), 0
+        for k, size in enumerate(sizes):
+            if compiling or size:
+                yield k, order[start : start + size]
+            start += size
 
     def _expert_rows(self) -> tuple[torch.Tensor, ...]:
         """Each expert's rows, differentiable. One ``split`` per step: its backward writes one
@@ -287,10 +290,10 @@ class DSSoftmaxHead(Head):
         self.check_inputs(hidden, target)
         check_label_smoothing(label_smoothing)
         expert, gate_value = self.select(hidden)
-        ids = torch.where(target != -100, target, -1)
+        ids = torch.where(target != IGNORE_INDEX, target, -1)
         parts, smooth_parts, positions, experts = [], [], [], self._expert_rows()
         compiling = torch.compiler.is_compiling()
-        for k, idx in self._training_groups(expert, compiling):
+        for k, idx in self._groups(expert):
             part = self._expert_loss(
                 k, experts[k], hidden[idx], gate_value[idx], ids[idx], bool(label_smoothing),
                 row_bound=hidden.size(0) if compiling else None,
@@ -305,29 +308,13 @@ class DSSoftmaxHead(Head):
         smoothing = None
         if label_smoothing:
             smoothing = torch.zeros_like(nll).scatter(0, order, torch.cat(smooth_parts))
-        keep = target != -100
+        keep = target != IGNORE_INDEX
         # ignored rows weigh 0 in the load balance (a mask, not a selection: no shape that
         # depends on the data)
         aux = self.aux_loss(expert, torch.where(keep, gate_value, torch.zeros_like(gate_value)))
         return self.output(
             nll, target, aux_loss=aux, smoothing=smoothing, label_smoothing=label_smoothing
         )
-
-    def _training_groups(self, expert: torch.Tensor, compiling: bool):
-        """``(k, token indices)`` per expert, as ``_groups``, from a fixed-length count: under
-        ``torch.compile`` the counts are the only data-dependent values and every expert is
-        visited (an empty group costs little); eagerly, unused experts are skipped."""
-        order = torch.argsort(expert, stable=True)
-        counts = torch.zeros(self.num_experts, dtype=torch.long, device=expert.device)
-        counts = counts.scatter_add_(0, expert, torch.ones_like(expert)).tolist()
-        start = 0
-        for k, count in enumerate(counts):
-            if compiling:
-                torch._check(count >= 0)
-            elif count == 0:
-                continue
-            yield k, order[start : start + count]
-            start += count
 
     def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:
         """The sparse inference distribution, dense: ``-inf`` outside the selected expert."""

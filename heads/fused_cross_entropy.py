@@ -172,6 +172,14 @@ def exp_shifted_(z: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     return z.exp_()
 
 
+def target_columns(target: torch.Tensor, start: int, stop: int):
+    """``(inside, column)`` of targets for the columns ``[start, stop)``: whether each row's
+    target falls there, and its column in the chunk (clamped to a valid one where not),
+    ``[R, 1]`` for ``gather``/``scatter_add_``."""
+    inside = (target >= start) & (target < stop)
+    return inside, (target - start).clamp(0, stop - start - 1).unsqueeze(1)
+
+
 def chunk_buffer(like: torch.Tensor, rows: int, width: int, dtype: torch.dtype):
     """Flat storage for the chunks that are not kept, reused from one to the next: a fresh
     tensor per chunk costs a page fault per 4 KiB on a CPU (glibc maps large blocks anew) and
@@ -246,8 +254,7 @@ class _LinearLSE(torch.autograd.Function):
                     buffer = chunk_buffer(hidden, r1 - r0, width, acc)
                 z = chunk_logits(h[r0:r1], weight[c0:c1], None if bias is None else bias[c0:c1],
                                  acc, None if keep else buffer)  # fmt: skip
-                inside = (rows_t >= c0) & (rows_t < c1)
-                column = (rows_t - c0).clamp(0, c1 - c0 - 1).unsqueeze(1)
+                inside, column = target_columns(rows_t, c0, c1)
                 picked = torch.where(
                     inside, z.gather(1, column).squeeze(1), 0.0 if picked is None else picked
                 )
@@ -386,8 +393,7 @@ def _fold_chunk(probs, kept, buffer, g, g_t, target, c0, c1, g_s) -> torch.Tenso
     (a kept chunk is read, never written: a retained graph may run the backward again)."""
     scale = g.unsqueeze(1)
     dz = torch.mul(probs, scale, out=_view(buffer, probs)) if kept else probs.mul_(scale)
-    inside = (target >= c0) & (target < c1)
-    column = (target - c0).clamp(0, c1 - c0 - 1).unsqueeze(1)
+    inside, column = target_columns(target, c0, c1)
     dz.scatter_add_(1, column, torch.where(inside, g_t, 0.0).unsqueeze(1))
     if g_s is not None:
         dz.add_(g_s.unsqueeze(1))

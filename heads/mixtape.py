@@ -54,6 +54,7 @@ from heads.fused_cross_entropy import (
     plan_tiles,
     resolve_backend,
     spans,
+    target_columns,
 )
 
 
@@ -579,8 +580,7 @@ class _MixtapeFrequentLSE(torch.autograd.Function):
                 flat_inputs, flat_contexts, gate_weights[a:b], weight[a:b], bias[a:b], noise,
                 noise_std, (n, k), acc, None if keep else buffer,
             )  # fmt: skip
-            inside = (target >= a) & (target < b)
-            column = (target - a).clamp(0, b - a - 1).unsqueeze(1)
+            inside, column = target_columns(target, a, b)
             target_logit = torch.where(inside, logits.gather(1, column).squeeze(1), target_logit)
             if want_sum:
                 logit_sum += logits.sum(1)
@@ -649,8 +649,7 @@ class _MixtapeFrequentLSE(torch.autograd.Function):
                         noise, noise_std, (n, k), acc, buffer,
                     )  # fmt: skip
                     grad = exp_shifted_(logits, lse).mul_(g)
-                inside = (target >= a) & (target < b)
-                column = (target - a).clamp(0, w - 1).unsqueeze(1)
+                inside, column = target_columns(target, a, b)
                 grad.scatter_add_(1, column, g_t * inside.unsqueeze(1))
                 if g_s is not None:
                     grad.add_(g_s)

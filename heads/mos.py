@@ -28,7 +28,10 @@ from heads.base import (
 from heads.cross_entropy import IGNORE_INDEX
 from heads.fused_cross_entropy import (
     LossOptions,
+    accumulate_mm,
     accumulation_dtype,
+    as_dtype,
+    chunk_logits,
     compute_dtype,
     linear_lse,
     plan_tiles,
@@ -189,7 +192,10 @@ class _MixtureLogProbSum(torch.autograd.Function):
         flat = contexts.reshape(n * k, d).to(dtype)
         a = shift.to(acc).unsqueeze(-1)
         g = grad_total.to(acc).view(n, 1, 1)
-        grad_flat = torch.zeros(n * k, d, dtype=acc, device=contexts.device)
+        # the first chunk writes the contexts' gradient, the others add to it
+        grad_flat = (torch.empty if weight.size(0) else torch.zeros)(
+            n * k, d, dtype=acc, device=contexts.device
+        )
         grad_weight = torch.empty(weight.shape, dtype=acc, device=weight.device)
         grad_bias = None
         if bias is not None:
@@ -201,8 +207,8 @@ class _MixtureLogProbSum(torch.autograd.Function):
             grad_shift += r.sum(-1)
             r_flat = r.view(n * k, c1 - c0)
             r_c = r_flat.to(dtype)
-            grad_flat += torch.mm(r_c, weight[c0:c1].to(dtype)).to(acc)
-            grad_weight[c0:c1] = torch.mm(r_c.t(), flat)
+            accumulate_mm(grad_flat, r_c, as_dtype(weight[c0:c1], dtype), c0 > 0)
+            accumulate_mm(grad_weight[c0:c1], r_c.t(), flat, False)
             if grad_bias is not None:
                 torch.sum(r_flat, 0, out=grad_bias[c0:c1])
         return (
@@ -216,6 +222,5 @@ class _MixtureLogProbSum(torch.autograd.Function):
 
 
 def _chunk(flat, weight, bias, c0, c1, acc) -> torch.Tensor:
-    """``h W_c^T + b_c`` for columns ``[c0, c1)``, the product in ``flat``'s dtype."""
-    z = torch.mm(flat, weight[c0:c1].to(flat.dtype).t()).to(acc)
-    return z if bias is None else z.add_(bias[c0:c1].to(acc))
+    """``h W_c^T + b_c`` for columns ``[c0, c1)``: the primitive's own chunk product."""
+    return chunk_logits(flat, weight[c0:c1], None if bias is None else bias[c0:c1], acc)

@@ -360,24 +360,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("same-memory mode fits the measured memory: drop --memory skip")
     if args.time == "skip" and args.memory == "skip" and args.flops == "skip":
         parser.error("--time skip with --memory skip and --flops skip measures nothing")
-    _tokens_for(args.tokens_for, args.heads, parser.error)  # checked here, used in run
+    try:  # checked here, used in run
+        _tokens_for(args.tokens_for, args.heads)
+    except ValueError as error:
+        parser.error(str(error))
     return args
 
 
-def _tokens_for(pairs: list[str], subjects: list[str], error=None) -> dict[str, int]:
-    """``["mos=2048", ...]`` -> ``{"mos": 2048}``, each subject one of ``--heads``."""
+def _tokens_for(pairs: list[str], subjects: list[str]) -> dict[str, int]:
+    """``["mos=2048", ...]`` -> ``{"mos": 2048}``, each subject one of ``--heads``; a
+    ``ValueError`` naming the bad pair otherwise."""
     tokens = {}
     for pair in pairs:
         name, _, count = pair.partition("=")
         if name not in subjects or not count.isdigit() or int(count) <= 0:
-            (error or _raise)(f"--tokens-for {pair!r}: want SUBJECT=TOKENS with a subject of "
-                              f"--heads ({' '.join(subjects)}) and a positive count")  # fmt: skip
+            raise ValueError(f"--tokens-for {pair!r}: want SUBJECT=TOKENS with a subject of "
+                             f"--heads ({' '.join(subjects)}) and a positive count")  # fmt: skip
         tokens[name] = int(count)
     return tokens
-
-
-def _raise(message: str) -> None:
-    raise ValueError(message)
 
 
 def _mode(argv: list[str]) -> str | None:
