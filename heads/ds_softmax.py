@@ -507,6 +507,38 @@ class DSSoftmaxHead(Head):
         return rows, alive_experts
 
     @torch.no_grad()
+    def set_expert_classes(
+        self, expert: torch.Tensor, classes: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Give the experts new class sets: one row per pair ``(expert[i], classes[i])`` (any
+        order; duplicates count once). A row that existed keeps its weights; a new one starts
+        at zero, bias included: the logit 0 that Algorithm 1 gives a pruned class in the
+        training loss, so adding rows leaves that loss unchanged. An expert given no class is
+        removed with its gate row. Returns the old indices of the new ``(rows, gate rows)``,
+        ``-1`` for a new row (optimizers must be rebuilt, see ``app/callbacks/ds_optim.py``).
+        """
+        device = self.weight.device
+        expert, classes = expert.to(device, torch.long), classes.to(device, torch.long)
+        if expert.shape != classes.shape or expert.dim() != 1 or expert.numel() == 0:
+            raise HeadConfigError("expert and classes must be non-empty 1-D tensors of one size")
+        if not (0 <= int(expert.min()) and int(expert.max()) < self.num_experts):
+            raise HeadConfigError(f"expert ids must lie in [0, {self.num_experts})")
+        if not (0 <= int(classes.min()) and int(classes.max()) < self.vocab_size):
+            raise HeadConfigError(f"class ids must lie in [0, {self.vocab_size})")
+        # one key per (expert, class): the packed rows are sorted by it already
+        keys = torch.unique(expert * self.vocab_size + classes)  # sorted: expert, then class
+        old_keys = self.row_expert() * self.vocab_size + self.row_class
+        where = torch.searchsorted(old_keys, keys).clamp_max(old_keys.numel() - 1)
+        source = torch.where(old_keys[where] == keys, where, -1)
+        weight = self.weight.new_zeros(keys.numel(), self.row_size)
+        kept = source >= 0
+        weight[kept] = self.weight[source[kept]]
+        sizes = torch.bincount(keys // self.vocab_size, minlength=self.num_experts)
+        alive = (sizes > 0).nonzero().squeeze(1)
+        self.set_structure(weight, keys % self.vocab_size, sizes[alive], self.gate[alive])
+        return source, alive
+
+    @torch.no_grad()
     def split_experts(
         self,
         noise_std: float,

@@ -2,6 +2,7 @@
 
 from app.callbacks.ds_monitor import DSMonitor, TopKAccuracy
 from app.callbacks.ds_pruning import DSPruning
+from app.callbacks.ds_target_classes import DSTargetClasses
 from app.callbacks.epoch_timer import EpochTimer
 from app.callbacks.lightrnn_reassignment import LightRNNTableReassignment
 from app.callbacks.mitosis import Mitosis
@@ -12,6 +13,7 @@ from app.callbacks.throughput import TokenThroughputMonitor
 __all__ = [
     "DSMonitor",
     "DSPruning",
+    "DSTargetClasses",
     "EpochTimer",
     "LightRNNTableReassignment",
     "Mitosis",

@@ -32,10 +32,10 @@ def rebuild_optimizers(
     """Rebuild the optimizers through Lightning after parameters were replaced.
 
     ``old_parameters``: ``named_parameters()`` taken before the change. ``sources[name]``: for a
-    replaced parameter, the old row index of each new row; its per-row optimizer state (e.g.
-    Adam moments) is carried over by those indices. Unchanged parameters keep their state,
-    and the param groups' hyper-parameters (a learning rate a scheduler lowered) and the
-    schedulers' states carry over too.
+    replaced parameter, the old row index of each new row (``-1``: a new row, fresh state);
+    its per-row optimizer state (e.g. Adam moments) is carried over by those indices.
+    Unchanged parameters keep their state, and the param groups' hyper-parameters (a learning
+    rate a scheduler lowered) and the schedulers' states carry over too.
     """
     if not trainer.optimizers:
         return
@@ -62,7 +62,7 @@ def rebuild_optimizers(
             if name in sources:
                 rows, old_shape = sources[name], old_parameters[name].shape
                 state = {
-                    key: value[rows].clone()
+                    key: _take_rows(value, rows)
                     if isinstance(value, torch.Tensor) and value.shape == old_shape
                     else value
                     for key, value in state.items()
@@ -70,6 +70,13 @@ def rebuild_optimizers(
             opt.state[param] = state
     for config, old in zip(trainer.lr_scheduler_configs, old_schedulers, strict=False):
         config.scheduler.load_state_dict(old)
+
+
+def _take_rows(value: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``value[rows]``, zero where ``rows`` is ``-1`` (a row that did not exist)."""
+    rows = rows.to(value.device)
+    taken = value[rows.clamp_min(0)]
+    return taken.masked_fill_((rows < 0).view(-1, *([1] * (taken.dim() - 1))), 0)
 
 
 def rewrap_distributed_model(trainer: L.Trainer) -> None:

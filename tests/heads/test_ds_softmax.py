@@ -270,6 +270,59 @@ def test_prune_star_variant_may_drop_classes():
     assert head.prune(gamma=1e-2, keep_every_class=False) is None  # nothing left to prune
 
 
+def test_set_expert_classes_adds_zero_rows_that_leave_the_training_loss_unchanged():
+    head = pruned_head()
+    hidden, target = _inputs()
+    before, dense = head(hidden, target).loss, head.training_log_prob(hidden)
+    had = head.membership()
+    weight = head.weight.detach().clone()
+    wanted = had.clone()
+    wanted[0, :] = True  # expert 0 gets every class back
+    rows, gate_rows = head.set_expert_classes(*wanted.nonzero(as_tuple=True))
+    assert torch.equal(head.membership(), wanted) and gate_rows.tolist() == [0, 1, 2, 3]
+    new = rows < 0
+    assert int(new.sum()) == int((wanted & ~had).sum())
+    assert torch.equal(head.weight[~new], weight[rows[~new]])  # old rows keep their weights
+    assert not head.weight[new].any()  # new rows start at zero
+    # a zero row is the logit 0 a pruned class already had in the training loss (Alg. 1)
+    torch.testing.assert_close(head(hidden, target).loss, before)
+    torch.testing.assert_close(head.training_log_prob(hidden), dense)
+
+
+def test_set_expert_classes_drops_rows_and_empty_experts():
+    head = pruned_head()
+    old_classes = [head.expert_classes(k).clone() for k in range(4)]
+    old_rows = list(head.weight.detach().clone().split(head.expert_sizes()))
+    gate = head.gate.detach().clone()
+    # experts 1 and 3 keep their first three classes, given in reverse order and twice
+    expert = torch.tensor([3, 3, 3, 1, 1, 1, 1])
+    classes = torch.cat((old_classes[3][:3].flip(0), old_classes[1][:3], old_classes[1][:1]))
+    rows, gate_rows = head.set_expert_classes(expert, classes)
+    assert gate_rows.tolist() == [1, 3] and head.expert_sizes() == [3, 3]
+    assert (rows >= 0).all()
+    torch.testing.assert_close(head.gate, gate[[1, 3]])
+    for new_k, old_k in enumerate((1, 3)):
+        assert torch.equal(head.expert_classes(new_k), old_classes[old_k][:3])
+        torch.testing.assert_close(head.weight[3 * new_k : 3 * new_k + 3], old_rows[old_k][:3])
+
+
+@pytest.mark.parametrize(
+    "expert, classes, message",
+    [
+        ([0, 1], [0], "one size"),
+        ([], [], "non-empty"),
+        ([4], [0], "expert ids"),
+        ([0], [VOCAB], "class ids"),
+    ],
+)
+def test_set_expert_classes_rejects_bad_pairs(expert, classes, message):
+    head = pruned_head()
+    with pytest.raises(HeadConfigError, match=message):
+        head.set_expert_classes(
+            torch.tensor(expert, dtype=torch.long), torch.tensor(classes, dtype=torch.long)
+        )
+
+
 def test_split_doubles_experts_and_keeps_the_loss_continuous():
     head = pruned_head()
     hidden, target = _inputs()
