@@ -81,10 +81,11 @@ class DSTargetClasses(Callback):
         self._counts = counts
 
         def count(module, args, output) -> None:
+            # every row, ignored ones weighted 0: no data-dependent shape under torch.compile
             hidden, target = args[0].detach(), args[1]
-            keep = target != IGNORE_INDEX
-            expert, _ = module.select(hidden[keep])
-            counts.index_put_((expert, target[keep]), counts.new_ones(()), accumulate=True)
+            expert, _ = module.select(hidden)
+            cell = expert * counts.size(1) + target.clamp_min(0)
+            counts.view(-1).index_add_(0, cell, (target != IGNORE_INDEX).to(counts.dtype))
 
         self._hook = head.register_forward_hook(count)
 

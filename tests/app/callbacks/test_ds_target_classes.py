@@ -5,7 +5,9 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from app.callbacks import DSTargetClasses
 from app.callbacks.ds_optim import rebuild_optimizers
 from datamodules import SyntheticHierarchyDataModule
-from heads import HeadConfigError
+from heads import DSSoftmaxHead, HeadConfigError
+from lightning_modules import Classifier
+from lightning_modules.backbones import MLPBackbone
 from tests.app.callbacks.test_ds_pruning import make_model, trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -79,6 +81,24 @@ def test_experts_get_the_classes_of_their_tokens_targets(min_count, drop_below, 
     (optimizer,) = t.optimizers
     assert optimizer.state[model.head.weight]["exp_avg"].shape == model.head.weight.shape
     assert torch.isfinite(t.callback_metrics["val/loss"])
+
+
+def test_counts_the_same_under_torch_compile():
+    """The counting hook runs inside the compiled head (no data-dependent shapes in it)."""
+    dm = SyntheticHierarchyDataModule(num_super=4, num_sub=4, train_per_sub=20, batch_size=32)
+    structures = []
+    for compile in (False, True):
+        torch.manual_seed(0)
+        model = Classifier(
+            MLPBackbone(dm.input_size, 32),
+            DSSoftmaxHead(32, dm.vocab_size, num_experts=4),
+            optimizer=lambda p: torch.optim.Adam(p, lr=1e-2),
+            compile=compile,
+        )
+        trainer(1, [DSTargetClasses(epoch=0, min_count=3, drop_below=1)]).fit(model, dm)
+        structures.append((model.head.expert_sizes(), model.head.row_class.clone()))
+    assert structures[0][0] == structures[1][0]
+    assert torch.equal(structures[0][1], structures[1][1])
 
 
 def test_new_rows_start_with_fresh_optimizer_state():
