@@ -1,7 +1,9 @@
-"""Shared by the DS-Softmax callbacks: find the head, rebuild optimizers (and the DDP wrapper)
-after a resize."""
+"""Shared by the DS-Softmax callbacks: find the head, change its structure and rebuild the
+optimizers (and the DDP wrapper) around it."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import lightning as L
 import torch
@@ -21,6 +23,30 @@ def find_ds_head(pl_module: L.LightningModule) -> tuple[str, DSSoftmaxHead]:
             f"DS-Softmax callbacks need exactly one DSSoftmaxHead in the model, found {len(found)}"
         )
     return found[0]
+
+
+StructureChange = Callable[[DSSoftmaxHead], "tuple[torch.Tensor, torch.Tensor] | None"]
+
+
+def change_structure(
+    trainer: L.Trainer, pl_module: L.LightningModule, change: StructureChange
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Apply ``change`` to the module's DS head and rebuild the optimizers around it.
+
+    ``change(head)`` replaces the head's experts (prune, split, new classes) and returns the
+    old indices of the new ``(rows, gate rows)`` (``-1``: a new row), or ``None`` when it left
+    the head as it was. Returns what ``change`` returned.
+    """
+    name, head = find_ds_head(pl_module)
+    old = dict(pl_module.named_parameters())
+    sources = change(head)
+    if sources is not None:
+        prefix = f"{name}." if name else ""
+        rows, gate_rows = sources
+        rebuild_optimizers(
+            trainer, pl_module, old, {f"{prefix}weight": rows, f"{prefix}gate": gate_rows}
+        )
+    return sources
 
 
 def rebuild_optimizers(

@@ -8,7 +8,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from app.callbacks.ds_optim import find_ds_head, rebuild_optimizers
+from app.callbacks.ds_optim import change_structure, find_ds_head
 from heads.errors import HeadConfigError
 
 
@@ -90,19 +90,16 @@ class DSPruning(Callback):
 
     def prune(self, trainer: L.Trainer, pl_module: L.LightningModule) -> int:
         """Prune now; returns the number of rows dropped."""
-        name, head = find_ds_head(pl_module)
-        old = dict(pl_module.named_parameters())
+        _, head = find_ds_head(pl_module)
         before = head.weight.size(0)
         budget = None
         if self.max_peak_softmaxes is not None:
             budget = int(self.max_peak_softmaxes * head.vocab_size) - before
-        kept = head.prune(self.gamma, self.keep_every_class, budget)
+        kept = change_structure(
+            trainer, pl_module, lambda head: head.prune(self.gamma, self.keep_every_class, budget)
+        )
         if kept is None:
             return 0
-        rows, gate_rows = kept
-        prefix = f"{name}." if name else ""
-        sources = {f"{prefix}weight": rows, f"{prefix}gate": gate_rows}
-        rebuild_optimizers(trainer, pl_module, old, sources)
         dropped = before - head.weight.size(0)
         self.pruned_rows += dropped
         # the surviving rows are copied out while the old tensor still exists: R + R' at once

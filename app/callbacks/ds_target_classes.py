@@ -8,7 +8,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from app.callbacks.ds_optim import find_ds_head, rebuild_optimizers
+from app.callbacks.ds_optim import change_structure, find_ds_head
 from heads.cross_entropy import IGNORE_INDEX
 from heads.errors import HeadConfigError
 
@@ -98,7 +98,7 @@ class DSTargetClasses(Callback):
 
     def reselect(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Rebuild the experts' classes from the counted targets (all ranks, same result)."""
-        name, head = find_ds_head(pl_module)
+        _, head = find_ds_head(pl_module)
         counts = trainer.strategy.reduce(self._counts, reduce_op="sum").cpu()
         had = head.membership()
         keep = (counts >= self.min_count) | (had & (counts >= self.drop_below))
@@ -111,13 +111,11 @@ class DSTargetClasses(Callback):
                 f"DSTargetClasses left no class in any expert: no class was the target of "
                 f"{self.min_count} tokens of one expert in epoch {self.epoch} (lower min_count)"
             )
-        old = dict(pl_module.named_parameters())
         before = head.weight.size(0)
         expert, classes = keep.nonzero(as_tuple=True)
-        rows, gate_rows = head.set_expert_classes(expert, classes)
-        prefix = f"{name}." if name else ""
-        sources = {f"{prefix}weight": rows, f"{prefix}gate": gate_rows}
-        rebuild_optimizers(trainer, pl_module, old, sources)
+        rows, _ = change_structure(
+            trainer, pl_module, lambda head: head.set_expert_classes(expert, classes)
+        )
         self.added_rows = int((rows < 0).sum())
         self.dropped_rows = before - (rows.numel() - self.added_rows)
         self.done, self._counts = True, None

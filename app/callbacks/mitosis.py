@@ -8,7 +8,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from app.callbacks.ds_optim import find_ds_head, rebuild_optimizers
+from app.callbacks.ds_optim import change_structure, find_ds_head
 from heads.errors import HeadConfigError
 
 
@@ -111,21 +111,20 @@ class Mitosis(Callback):
         self._record_peak(head)
 
     def split(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        name, head = find_ds_head(pl_module)
-        old = dict(pl_module.named_parameters())
+        _, head = find_ds_head(pl_module)
+        before = head.weight.size(0)
         generator = torch.Generator().manual_seed(self.seed + self.splits)
-        rows, gate_rows = head.split_experts(
-            self.noise_std, self.max_experts, generator, self.rescale_rows
+        change_structure(
+            trainer,
+            pl_module,
+            lambda head: head.split_experts(
+                self.noise_std, self.max_experts, generator, self.rescale_rows
+            ),
         )
         self.splits += 1
         self.last_split_epoch = trainer.current_epoch
         # parent and children coexist during the split: count both for the peak
-        self.peak_rows = max(self.peak_rows, old[f"{name}.weight" if name else "weight"].size(0)
-                             + head.weight.size(0))  # fmt: skip
-        prefix = f"{name}." if name else ""
-        rebuild_optimizers(
-            trainer, pl_module, old, {f"{prefix}weight": rows, f"{prefix}gate": gate_rows}
-        )
+        self.peak_rows = max(self.peak_rows, before + head.weight.size(0))
 
     def _record_peak(self, head) -> None:
         self.peak_rows = max(self.peak_rows, head.weight.size(0))
