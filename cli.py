@@ -11,7 +11,6 @@ import warnings
 
 from app.console import exit_status, show_data_log
 from app.lightning_cli import AppCLI, make_cli
-from heads.errors import user_error  # noqa: F401 (re-exported: `from cli import user_error`)
 
 
 def main(argv: list[str] | None = None) -> AppCLI:

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from app.lightning_cli import build
-from cli import console_main, main, user_error
+from cli import console_main, main
 from datamodules import LanguageModelingDataModule
 from datamodules.errors import VocabularyMismatchError
 from datamodules.text_source import TextFiles
 from heads import HeadConfigError, MixtapeHead, MoSHead, SoftmaxHead
+from heads.errors import user_error
 
 SMALL = [
     "--model.init_args.backbone.init_args.embedding_size", "32",

@@ -412,8 +412,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if len(set(names)) != len(names):
         parser.error(f"--svd options name the same row twice ({', '.join(names)}): give "
                      "distinct RANK:CANDIDATES[:MIN_CLASSES]")  # fmt: skip
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here")
     check_device(parser, args.device)
     check_clock(parser, args.clock, args.device)
     return args

@@ -93,7 +93,7 @@ class DSTargetClasses(Callback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        if not self.done and self._counts is not None and trainer.current_epoch == self.epoch:
+        if self._counts is not None:  # set in epoch ``epoch`` only, cleared once done
             self.reselect(trainer, pl_module)
 
     def reselect(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

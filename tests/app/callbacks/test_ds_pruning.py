@@ -91,12 +91,18 @@ def test_memory_budget_makes_pruning_wait():
     assert model.head.weight.size(0) == 4 * 16 // 2 and pruning.peak_rows == 6 * 16
 
 
-def test_rebuild_optimizers_carries_state_by_row():
+def two_steps_of_two_experts() -> tuple[Classifier, L.Trainer]:
+    """A 2-expert model and its trainer after two optimizer steps (Adam state to carry)."""
     torch.manual_seed(0)
     dm = SyntheticHierarchyDataModule(num_super=2, num_sub=2, train_per_sub=10, batch_size=10)
     model = make_model(dm, num_experts=2)
     t = trainer(1, [], max_steps=2)
     t.fit(model, dm)
+    return model, t
+
+
+def test_rebuild_optimizers_carries_state_by_row():
+    model, t = two_steps_of_two_experts()
     old = dict(model.named_parameters())
     old_state = {k: v.clone() for k, v in t.optimizers[0].state[model.head.weight].items()}
     old_backbone_state = t.optimizers[0].state[model.backbone.layers[0].weight]["exp_avg"]
@@ -108,6 +114,23 @@ def test_rebuild_optimizers_carries_state_by_row():
     torch.testing.assert_close(state[head.weight]["exp_avg"], old_state["exp_avg"][rows])
     torch.testing.assert_close(state[head.weight]["exp_avg_sq"], old_state["exp_avg_sq"][rows])
     assert state[model.backbone.layers[0].weight]["exp_avg"] is old_backbone_state
+
+
+def test_new_rows_start_with_fresh_optimizer_state():
+    model, t = two_steps_of_two_experts()
+    head = model.head
+    with torch.no_grad():  # experts of 4 and 2 classes, with Adam moments of their own
+        head.set_structure(head.weight[:6], head.row_class[:6], [4, 2], head.gate)
+    moments = torch.randn(6, head.row_size)
+    t.optimizers[0].state[head.weight] = {"exp_avg": moments.clone(), "step": torch.tensor(2.0)}
+    old = dict(model.named_parameters())
+    # expert 0 keeps classes 0-3 and gets nothing new; expert 1 keeps 0, 1 and gains 2, 3
+    rows, _ = head.set_expert_classes(torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), torch.arange(8) % 4)
+    assert rows.tolist() == [0, 1, 2, 3, 4, 5, -1, -1]
+    rebuild_optimizers(t, model, old, {"head.weight": rows, "head.gate": torch.arange(2)})
+    state = t.optimizers[0].state[head.weight]["exp_avg"]
+    torch.testing.assert_close(state[:6], moments)
+    assert not state[6:].any()
 
 
 def test_resume_restores_pruned_structure(tmp_path):

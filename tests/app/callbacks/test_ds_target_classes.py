@@ -3,7 +3,6 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from app.callbacks import DSTargetClasses
-from app.callbacks.ds_optim import rebuild_optimizers
 from datamodules import SyntheticHierarchyDataModule
 from heads import DSSoftmaxHead, HeadConfigError
 from lightning_modules import Classifier
@@ -99,27 +98,6 @@ def test_counts_the_same_under_torch_compile():
         structures.append((model.head.expert_sizes(), model.head.row_class.clone()))
     assert structures[0][0] == structures[1][0]
     assert torch.equal(structures[0][1], structures[1][1])
-
-
-def test_new_rows_start_with_fresh_optimizer_state():
-    torch.manual_seed(0)
-    dm = SyntheticHierarchyDataModule(num_super=2, num_sub=2, train_per_sub=10, batch_size=10)
-    model = make_model(dm, num_experts=2)
-    t = trainer(1, [], max_steps=2)
-    t.fit(model, dm)
-    head = model.head
-    with torch.no_grad():  # experts of 4 and 2 classes, with Adam moments of their own
-        head.set_structure(head.weight[:6], head.row_class[:6], [4, 2], head.gate)
-    moments = torch.randn(6, head.row_size)
-    t.optimizers[0].state[head.weight] = {"exp_avg": moments.clone(), "step": torch.tensor(2.0)}
-    old = dict(model.named_parameters())
-    # expert 0 keeps classes 0-3 and gets nothing new; expert 1 keeps 0, 1 and gains 2, 3
-    rows, _ = head.set_expert_classes(torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), torch.arange(8) % 4)
-    assert rows.tolist() == [0, 1, 2, 3, 4, 5, -1, -1]
-    rebuild_optimizers(t, model, old, {"head.weight": rows, "head.gate": torch.arange(2)})
-    state = t.optimizers[0].state[head.weight]["exp_avg"]
-    torch.testing.assert_close(state[:6], moments)
-    assert not state[6:].any()
 
 
 def test_resumed_run_does_not_change_the_classes_again(tmp_path):
