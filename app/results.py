@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -96,21 +97,34 @@ def _is_training_bench(report: dict[str, Any]) -> bool:
     )
 
 
+def _baseline_note(path: Path) -> list[str]:
+    """A ``..._baseline_<commit>...`` file was measured with an earlier commit's code."""
+    found = re.search(r"_baseline_([0-9a-f]{7,40})", path.stem)
+    if not found:
+        return []
+    commit = found.group(1)
+    return [
+        f"Measured with the code of commit `{commit}`: run the command above in "
+        f"`git worktree add /tmp/base {commit}` (that commit's benchmark applied glibc malloc "
+        "thresholds at start-up; `app/allocator.py` there)."
+    ]
+
+
 def render_training_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
-    from app.bench.report import row_figures, save_plot
+    from app.bench.report import interval_text, peer_speedups, row_figures, save_plot
 
     rows = report["results"]
     # "extra_peak_mb": memory a step adds to the process (older files: the process's peak)
     memory_key = "extra_peak_mb" if rows and "extra_peak_mb" in rows[0] else "peak_memory_mb"
-    header = ["head", "V", "d", "tokens", "ms / batch", "us / token", "x softmax", "GFLOP",
-              "% matmul rate",
+    header = ["head", "V", "d", "tokens", "ms / batch", "us / token", "x softmax",
+              "x softmax 95% CI", "GFLOP", "% matmul rate",
               "extra peak MiB" if memory_key == "extra_peak_mb" else "peak MiB"]  # fmt: skip
     body = []
     for row in rows:
-        rel, gflop, rate, memory = row_figures(rows, row, memory_key)
+        rel, low, high, gflop, rate, memory = row_figures(rows, row, memory_key)
         body.append([row["head"], row["vocab_size"], row["hidden_size"], row["tokens"],
-                     row["time_ms"], row["time_per_token_us"], rel, gflop, rate,
-                     memory])  # fmt: skip
+                     row["time_ms"], row["time_per_token_us"], rel, interval_text(low, high),
+                     gflop, rate, memory])  # fmt: skip
     plot = path.with_suffix(".png")
     save_plot(report, plot)
     args = report["args"]
@@ -118,12 +132,17 @@ def render_training_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> 
         f"Mode `{args['mode']}`, scope `{args['scope']}`, precision `{args.get('precision')}`, "
         + ("not timed (`--time skip`: one warm-up step, then the memory); "
            if args.get("time") == "skip" else
-           f"clock `{args.get('clock', 'wall')}`, median of {args['repeats']} repeats; ")
+           f"clock `{args.get('clock', 'wall')}`, median of {args['repeats']} repeats "
+           "(`x softmax`: the median of the repeats' paired ratios, each repeat timing every "
+           "subject in one round, with its distribution-free 95% CI); ")
         + f"{_machine(report)}.",
         # malloc_tuned: recorded in args by older runs, never a flag
         "```bash\n" + command_of("app.bench", args, skip=("out", "name", "malloc_tuned")) + "\n```",
+        *_baseline_note(path),
         *REMOVED_CPU_BACKEND * any("@cpu" in h for h in args.get("heads", [])),
         table(header, body),
+        *(["\n".join(f"- {line}" for line in speedups)] if (speedups := peer_speedups(rows))
+          else []),
         f"![{path.stem}]({link(plot, doc_dir)})",
     ])  # fmt: skip
 

@@ -27,6 +27,7 @@ linear cross-entropy), imported on first use.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -110,6 +111,9 @@ def plan_tiles(
     width = options.columns
     if width is None:
         width = max(entries // max(rows, 1) // _ALIGN * _ALIGN, _MIN_COLUMNS)
+        # as many chunks, of even widths: no narrow last chunk (a slower product)
+        count = math.ceil(columns / width)
+        width = math.ceil(math.ceil(columns / count) / _ALIGN) * _ALIGN
     width = max(1, min(width, columns))
     tile = options.rows
     if tile is None:  # all rows, unless even the narrowest chunk of them is over budget

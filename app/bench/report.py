@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import NamedTuple
 
 import matplotlib
+import numpy as np
+from scipy.stats import quantile_test
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -16,35 +20,99 @@ def _peer(rows: list[dict], row: dict, head: str) -> dict | None:
                  and r["hidden_size"] == row["hidden_size"]), None)  # fmt: skip
 
 
-def row_figures(rows: list[dict], row: dict, memory_key: str = "extra_peak_mb") -> tuple:
-    """``row``'s derived figures, nan where not measured: time per token over the softmax's
-    (same V and d), the step's matrix-product GFLOP, their rate in % of the bare matmul row's,
-    and the step's memory (``memory_key``: older files hold the process's peak instead)."""
+class Figures(NamedTuple):
+    """A row's derived figures, nan where not measured."""
+
+    rel: float  # time per token over the softmax's (same V and d)
+    rel_low: float  # 95% confidence interval of ``rel`` (nan: not paired, or too few repeats)
+    rel_high: float
+    gflop: float  # the step's matrix-product GFLOP
+    rate: float  # their rate in % of the bare matmul row's
+    memory: float  # MiB: the step's extra peak (older files: the process's peak)
+
+
+def paired_ratio(row: dict, reference: dict) -> tuple[float, float, float] | None:
+    """``row``'s time per token over ``reference``'s, repeat by repeat: the benchmark runs
+    the subjects in rounds, so repeat i of both saw the same machine state. The median of
+    those ratios and its distribution-free 95% confidence interval (order statistics,
+    ``scipy.stats.quantile_test``; nan bounds below 7 repeats). None without paired times."""
+    mine, theirs = row.get("times_ms"), reference.get("times_ms")
+    if not mine or not theirs or len(mine) != len(theirs):
+        return None
+    scale = reference["tokens"] / row["tokens"]
+    ratios = np.array([a / b * scale for a, b in zip(mine, theirs, strict=True)])
+    median = float(np.median(ratios))
+    interval = quantile_test(ratios, q=median, p=0.5).confidence_interval(0.95)
+    return median, float(interval.low), float(interval.high)
+
+
+def row_figures(rows: list[dict], row: dict, memory_key: str = "extra_peak_mb") -> Figures:
+    """``row``'s derived figures (``Figures``); ``memory_key``: older files hold the
+    process's peak instead of the step's extra peak."""
     nan = float("nan")
     softmax, matmul = _peer(rows, row, "softmax"), _peer(rows, row, "matmul")
-    rel = nan  # no softmax row, or not timed (--time skip)
+    rel = low = high = nan  # no softmax row, or not timed (--time skip)
     if softmax and row.get("time_per_token_us") and softmax.get("time_per_token_us"):
-        rel = row["time_per_token_us"] / softmax["time_per_token_us"]
+        paired = paired_ratio(row, softmax)
+        if paired is None:  # no repeat-by-repeat times: the ratio of the medians
+            rel = row["time_per_token_us"] / softmax["time_per_token_us"]
+        else:
+            rel, low, high = paired
     gflop = row.get("matmul_gflop")  # None: --flops skip
     rate = nan
     if matmul and row.get("matmul_gflop_per_s") and matmul.get("matmul_gflop_per_s"):
         rate = row["matmul_gflop_per_s"] / matmul["matmul_gflop_per_s"] * 100
     memory = row.get(memory_key)
-    return rel, nan if gflop is None else gflop, rate, nan if memory is None else memory
+    return Figures(rel, low, high, nan if gflop is None else gflop, rate,
+                   nan if memory is None else memory)  # fmt: skip
+
+
+def interval_text(low: float, high: float) -> str:
+    """``1.62-1.71``, or ``-`` where there is no interval."""
+    return "-" if math.isnan(low) or math.isnan(high) else f"{low:.2f}-{high:.2f}"
+
+
+# the field's implementations each of our heads is timed against, where a bench has them
+PEERS_OF = {"adaptive": ("torch_adaptive",), "softmax": ("cce", "liger")}
+
+
+def peer_speedups(rows: list[dict]) -> list[str]:
+    """One line per (our head, the field's peer) pair timed at the same V and d: how many
+    times as fast ours is, from the repeats' paired ratios, with the 95% interval."""
+    lines = []
+    for row in rows:
+        head = row["head"].partition("@")[0].removesuffix("+compile")
+        for name in PEERS_OF.get(head, ()):
+            peer = _peer(rows, row, name)
+            paired = None if peer is None else paired_ratio(row, peer)
+            if paired is None:
+                continue
+            ratio, low, high = paired
+            lines.append(
+                f"`{row['head']}` against `{name}` (V={row['vocab_size']}, "
+                f"d={row['hidden_size']}): {1 / ratio:.2f}x as fast, 95% CI "
+                f"{interval_text(1 / high, 1 / low)}"
+            )
+    return lines
 
 
 def print_table(report: dict) -> None:
     """One line per row (``-`` where not measured). ``x softmax``: time per token over the
-    softmax's; ``GFLOP``: the step's matrix products; ``% matmul``: their rate over the bare
-    matmul row's; ``extra MiB``: the step's extra peak memory (``app/bench/memory.py``)."""
+    softmax's (the median of the repeats' paired ratios), ``95% CI`` its confidence interval;
+    ``GFLOP``: the step's matrix products; ``% matmul``: their rate over the bare matmul row's;
+    ``extra MiB``: the step's extra peak memory (``app/bench/memory.py``)."""
     rows = report["results"]
     print(f"\n{'head':<22}{'V':>8}{'d':>6}{'tokens':>8}{'ms/batch':>11}{'us/token':>10}"
-          f"{'x softmax':>11}{'GFLOP':>9}{'% matmul':>10}{'extra MiB':>11}")  # fmt: skip
+          f"{'x softmax':>11}{'95% CI':>11}{'GFLOP':>9}{'% matmul':>10}"
+          f"{'extra MiB':>11}")  # fmt: skip
     for row in rows:
-        rel, gflop, rate, memory = row_figures(rows, row)
+        rel, low, high, gflop, rate, memory = row_figures(rows, row)
         print(f"{row['head']:<22}{row['vocab_size']:>8}{row['hidden_size']:>6}{row['tokens']:>8}"
               f"{_number(row['time_ms'], 11, 2)}{_number(row['time_per_token_us'], 10, 3)}"
-              f"{rel:>11.2f}{gflop:>9.1f}{rate:>10.0f}{memory:>11.1f}")  # fmt: skip
+              f"{rel:>11.2f}{interval_text(low, high):>11}{gflop:>9.1f}{rate:>10.0f}"
+              f"{memory:>11.1f}")  # fmt: skip
+    for line in peer_speedups(rows):
+        print(line.replace("`", ""))
 
 
 def _number(value: float | None, width: int, decimals: int) -> str:

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from app.bench.run import main as bench
-from app.results import command_of, main, render, table
+from app.results import command_of, main, render, render_training_bench, table
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,13 @@ def test_renders_every_file_with_its_command_and_a_plot(results):
         in text
     )
     assert render(results, results.parent) == text  # deterministic
+
+
+def test_a_baseline_file_names_its_commit(results, tmp_path):
+    report = json.loads((results / "bench_cpu.json").read_text())
+    text = render_training_bench(report, tmp_path / "bench_baseline_84b8afd_x.json", tmp_path)
+    assert "Measured with the code of commit `84b8afd`" in text
+    assert "commit" not in render_training_bench(report, tmp_path / "bench.json", tmp_path)
 
 
 def test_table_and_command_formatting():

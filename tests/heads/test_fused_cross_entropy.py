@@ -224,6 +224,12 @@ def test_chunk_plan_is_by_bytes_and_covers_everything():
     tile, width = plan_tiles(500_000, 100_000, cpu, LossOptions(chunk_bytes=16 << 20))
     assert width == 128 and tile == (16 << 20) // 4 // 128  # many rows: tiles of rows
     assert plan_tiles(10, 7, cpu, LossOptions()) == (10, 7)  # one chunk
+    # as many chunks as 2048 columns need, of even widths: no narrow last one
+    for columns, width in ((10_000, 2000), (9000, 1808), (2049, 1040)):
+        assert plan_tiles(2048, columns, cpu, LossOptions(chunk_bytes=16 << 20))[1] == width
+        sizes = [b - a for a, b in spans(columns, width)]
+        assert len(sizes) == -(-columns // 2048) and max(sizes) - min(sizes) < 16 * len(sizes)
+    assert plan_tiles(2048, 9000, cpu, LossOptions(columns=2048))[1] == 2048  # forced: kept
     assert spans(23, 5) == [(0, 5), (5, 10), (10, 15), (15, 20), (20, 23)]
     assert spans(0, 5) == [] and spans(9, None) == [(0, 9)]
 
