@@ -161,6 +161,13 @@ def _svd_flag(value: Any) -> Any:
     return value
 
 
+def _ci(speedups: dict[str, Any], key: str) -> str:
+    from app.bench.report import interval_text
+
+    low, high = speedups.get(f"{key}_ci", (math.nan, math.nan))
+    return interval_text(low, high)
+
+
 def render_inference_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
     args, nan = report["args"], float("nan")
     latency, quality = report["latency"], report.get("quality", {})
@@ -174,21 +181,23 @@ def render_inference_bench(report: dict[str, Any], path: Path, doc_dir: Path) ->
         fast, delta = speedup.get(name, {}), points.get(name, {})
         body.append([name, timed.get("batch1_us_per_query", nan),
                      timed.get("batched_us_per_query", nan),
-                     fast.get("batch1_us_per_query", nan), fast.get("batched_us_per_query", nan),
+                     fast.get("batch1_us_per_query", nan), _ci(fast, "batch1_us_per_query"),
+                     fast.get("batched_us_per_query", nan), _ci(fast, "batched_us_per_query"),
                      *(100 * q[a] if a in q else nan for a in ("acc_top1", "acc_top5",
                                                                "acc_top10")),
                      delta.get(f"acc_top{args['k']}", nan), q.get("num_experts", "-"),
                      q.get("flops_speedup", nan)])  # fmt: skip
     k, batch = args["k"], args["batch_size"]
     header = ["model", "batch-1 us/query", f"batch-{batch} us/query", f"batch-1 x {reference}",
-              f"batch-{batch} x {reference}", "top-1 %", "top-5 %", "top-10 %",
+              "95% CI", f"batch-{batch} x {reference}", "95% CI", "top-1 %", "top-5 %", "top-10 %",
               f"top-{k} vs {reference} (points)", "experts", "FLOP speed-up"]  # fmt: skip
     command = command_of("app.bench", {**args, "svd": _svd_flag(args.get("svd"))},
                          skip=("out", "name"),
                          repeated=("ds_checkpoint", "softmax_checkpoint", "svd"))  # fmt: skip
     parts = [
         f"Top-{k} latency (median CPU time per query; speed-ups against `{reference}` timed in "
-        f"the same run) and test accuracy; {_machine(report)}.",
+        "the same run: the median of the blocks' paired ratios, each block of queries timed "
+        f"for every model back to back, with its 95% CI) and test accuracy; {_machine(report)}.",
         *([f"Checkpoints: {report['recipe']}"] if report.get("recipe") else []),
         f"```bash\n{command}\n```",
         table(header, body),

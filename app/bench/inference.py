@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from app.bench.timing import CLOCKS, check_clock, check_device, time_once
+from app.bench.timing import CLOCKS, check_clock, check_device, paired_ratio, time_once
 from app.lightning_cli import build
 from app.machine import load_average
 from heads import DSSoftmaxHead, SoftmaxHead
@@ -229,7 +229,8 @@ def time_topk(
     The queries are timed in blocks of ``block`` queries (batch 1) or ``block`` batches, the
     heads interleaved block by block so they share the machine's state. ``*_us_per_query`` is
     the median over all blocks and repeats; ``*_min`` the fastest block, which a machine
-    shared with other jobs disturbs least (a whole pass rarely escapes preemption)."""
+    shared with other jobs disturbs least (a whole pass rarely escapes preemption);
+    ``*_blocks`` every block's time, in the order timed (paired across heads: ``ratios``)."""
     now, device = CLOCKS[clock], queries.device
     singles = {name: [] for name in heads}
     batched = {name: [] for name in heads}
@@ -256,6 +257,8 @@ def time_topk(
             "batched_us_per_query": statistics.median(batched[name]),
             "batch1_us_per_query_min": min(singles[name]),
             "batched_us_per_query_min": min(batched[name]),
+            "batch1_us_per_query_blocks": singles[name],
+            "batched_us_per_query_blocks": batched[name],
         }
         for name in heads
     }
@@ -285,14 +288,28 @@ def breakdown(
     return result
 
 
-def ratios(latency: dict[str, dict[str, float]], reference: str) -> dict[str, dict[str, float]]:
-    """``reference``'s time over each other head's, per timing key."""
+def ratios(latency: dict[str, dict], reference: str) -> dict[str, dict[str, Any]]:
+    """How many times as fast as ``reference`` each other head is, per timing key: for the
+    medians, the median of the blocks' paired ratios (block i of every head timed back to
+    back) with its 95% interval as ``<key>_ci``; for the fastest blocks, their ratio. Files
+    written before the blocks were kept: the ratio of the medians."""
     base = latency[reference]
-    return {
-        name: {key: base[key] / times[key] for key in times}
-        for name, times in latency.items()
-        if name != reference
-    }
+    result = {}
+    for name, times in latency.items():
+        if name == reference:
+            continue
+        speedups: dict[str, Any] = {}
+        for key, value in times.items():
+            if key.endswith("_blocks"):
+                continue
+            blocks = f"{key}_blocks"
+            if blocks in times and blocks in base:
+                ratio, low, high = paired_ratio(base[blocks], times[blocks])
+                speedups[key], speedups[f"{key}_ci"] = ratio, [low, high]
+            else:
+                speedups[key] = base[key] / value
+        result[name] = speedups
+    return result
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -418,6 +435,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def print_report(report: dict[str, Any]) -> None:
+    nan = float("nan")
     for name, metrics in report.get("quality", {}).items():
         shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in metrics.items()
                  if k not in ("expert_sizes", "utilisation")}  # fmt: skip
@@ -438,7 +456,10 @@ def print_report(report: dict[str, Any]) -> None:
             if name.startswith("softmax"):
                 continue
             cells = (f"{speed[key]:>{w - 1}.2f}x" for key, w in zip(keys, widths, strict=True))
-            print(f"{name + ' vs ' + peer:<{width}}" + "".join(cells))
+            intervals = ", ".join(f"{label} {low:.2f}-{high:.2f}" for label, (low, high) in (
+                ("batch-1", speed.get("batch1_us_per_query_ci", (nan, nan))),
+                ("batched", speed.get("batched_us_per_query_ci", (nan, nan)))))  # fmt: skip
+            print(f"{name + ' vs ' + peer:<{width}}" + "".join(cells) + f"  95% CI {intervals}")
     for name, stages in report["breakdown"].items():
         shown = ", ".join(f"{k} {v:.1f}" for k, v in stages.items() if isinstance(v, float))
         print(f"batch-1 us/query, {name}: {shown}")

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import matplotlib
-import numpy as np
-from scipy.stats import quantile_test
+
+from app.bench.timing import paired_ratio
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -31,19 +31,16 @@ class Figures(NamedTuple):
     memory: float  # MiB: the step's extra peak (older files: the process's peak)
 
 
-def paired_ratio(row: dict, reference: dict) -> tuple[float, float, float] | None:
+def paired_row_ratio(row: dict, reference: dict) -> tuple[float, float, float] | None:
     """``row``'s time per token over ``reference``'s, repeat by repeat: the benchmark runs
     the subjects in rounds, so repeat i of both saw the same machine state. The median of
-    those ratios and its distribution-free 95% confidence interval (order statistics,
-    ``scipy.stats.quantile_test``; nan bounds below 7 repeats). None without paired times."""
+    those ratios and its 95% confidence interval (``app.bench.timing.paired_ratio``). None
+    without paired times."""
     mine, theirs = row.get("times_ms"), reference.get("times_ms")
     if not mine or not theirs or len(mine) != len(theirs):
         return None
     scale = reference["tokens"] / row["tokens"]
-    ratios = np.array([a / b * scale for a, b in zip(mine, theirs, strict=True)])
-    median = float(np.median(ratios))
-    interval = quantile_test(ratios, q=median, p=0.5).confidence_interval(0.95)
-    return median, float(interval.low), float(interval.high)
+    return paired_ratio([t * scale for t in mine], theirs)
 
 
 def row_figures(rows: list[dict], row: dict, memory_key: str = "extra_peak_mb") -> Figures:
@@ -53,7 +50,7 @@ def row_figures(rows: list[dict], row: dict, memory_key: str = "extra_peak_mb") 
     softmax, matmul = _peer(rows, row, "softmax"), _peer(rows, row, "matmul")
     rel = low = high = nan  # no softmax row, or not timed (--time skip)
     if softmax and row.get("time_per_token_us") and softmax.get("time_per_token_us"):
-        paired = paired_ratio(row, softmax)
+        paired = paired_row_ratio(row, softmax)
         if paired is None:  # no repeat-by-repeat times: the ratio of the medians
             rel = row["time_per_token_us"] / softmax["time_per_token_us"]
         else:
@@ -84,7 +81,7 @@ def peer_speedups(rows: list[dict]) -> list[str]:
         head = row["head"].partition("@")[0].removesuffix("+compile")
         for name in PEERS_OF.get(head, ()):
             peer = _peer(rows, row, name)
-            paired = None if peer is None else paired_ratio(row, peer)
+            paired = None if peer is None else paired_row_ratio(row, peer)
             if paired is None:
                 continue
             ratio, low, high = paired

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
+from scipy.stats import quantile_test
 
 # wall: elapsed time. cpu: this process's CPU time (its threads summed), which other jobs on
 # a shared machine barely disturb; on a GPU only wall time means anything.
@@ -42,3 +44,15 @@ def check_device(parser: argparse.ArgumentParser, device: str) -> None:
         parser.error(f"--device {device}: {error}")
     if kind == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {device}: no CUDA device here (torch {torch.__version__})")
+
+
+def paired_ratio(
+    numerators: Sequence[float], denominators: Sequence[float]
+) -> tuple[float, float, float]:
+    """The median of ``numerators[i] / denominators[i]`` (times measured side by side, in the
+    same round) and its distribution-free 95% confidence interval from order statistics
+    (``scipy.stats.quantile_test``; nan bounds below 7 pairs)."""
+    ratios = np.asarray(numerators, dtype=float) / np.asarray(denominators, dtype=float)
+    median = float(np.median(ratios))
+    interval = quantile_test(ratios, q=median, p=0.5).confidence_interval(0.95)
+    return median, float(interval.low), float(interval.high)

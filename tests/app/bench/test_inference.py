@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from app.bench.inference import softmax_as_one_expert, synthetic_ds_head
+from app.bench.inference import ratios, softmax_as_one_expert, synthetic_ds_head
 from app.bench.run import main
 from heads import SoftmaxHead
 
@@ -11,8 +11,8 @@ from heads import SoftmaxHead
 def test_inference_mode_runs_through_app_bench(tmp_path):
     argv = ["--mode", "inference", "--vocab-size", "500", "--hidden-size", "16", "--experts", "8",
             "--expert-size", "80", "--queries", "20", "--batch-size", "8", "--repeats", "2",
-            "--warmup", "0", "--svd", "4:0.25:50", "--clock", "cpu", "--out", str(tmp_path),
-            "--name", "smoke"]  # fmt: skip
+            "--warmup", "0", "--svd", "4:0.25:50", "--clock", "cpu", "--block", "5",
+            "--out", str(tmp_path), "--name", "smoke"]  # fmt: skip
     report = main(argv)
     saved = json.loads((tmp_path / "smoke.json").read_text())
     assert saved["latency"].keys() == {"softmax", "softmax_1x", "ds", "ds+svd4-25-over50"}
@@ -21,10 +21,19 @@ def test_inference_mode_runs_through_app_bench(tmp_path):
     assert saved["speedup_vs_softmax_1x"].keys() == {"softmax", "ds", "ds+svd4-25-over50"}
     for row in saved["latency"].values():
         assert row["batch1_us_per_query"] > 0 and row["batched_us_per_query"] > 0
-    speed = saved["speedup_vs_softmax"]["ds"]["batch1_us_per_query"]
+    # 4 blocks of 5 queries, 2 repeats: 8 paired blocks, the median of their ratios
+    speed = saved["speedup_vs_softmax"]["ds"]
     times = saved["latency"]
-    assert speed == pytest.approx(times["softmax"]["batch1_us_per_query"]
-                                  / times["ds"]["batch1_us_per_query"])  # fmt: skip
+    mine, theirs = times["ds"]["batch1_us_per_query_blocks"], times["softmax"][
+        "batch1_us_per_query_blocks"]  # fmt: skip
+    assert len(mine) == len(theirs) == 8
+    paired = sorted(b / a for a, b in zip(mine, theirs, strict=True))
+    assert speed["batch1_us_per_query"] == pytest.approx((paired[3] + paired[4]) / 2)
+    low, high = speed["batch1_us_per_query_ci"]
+    assert (low, high) == pytest.approx((paired[0], paired[7]))  # 8 pairs: the extremes
+    assert speed["batch1_us_per_query_min"] == pytest.approx(
+        times["softmax"]["batch1_us_per_query_min"] / times["ds"]["batch1_us_per_query_min"]
+    )
     # equal expert sizes: the speed-up is V / (|v| + K) whatever the utilisation
     assert report["quality"]["ds"]["flops_speedup"] == pytest.approx(500 / (80 + 8))
     svd = report["quality"]["ds+svd4-25-over50"]
@@ -39,6 +48,11 @@ def test_inference_mode_runs_through_app_bench(tmp_path):
         stages = saved["breakdown"]["ds"]
         assert stages["same_answers"] and stages["kernel_total"] > 0
         assert saved["breakdown"]["ds+svd4-25-over50"]["svd_select"] > 0
+
+
+def test_files_without_block_times_give_the_ratio_of_medians():
+    latency = {"softmax": {"batch1_us_per_query": 30.0}, "ds": {"batch1_us_per_query": 2.0}}
+    assert ratios(latency, "softmax") == {"ds": {"batch1_us_per_query": 15.0}}
 
 
 def test_bad_svd_spec_is_one_clear_error(capsys):

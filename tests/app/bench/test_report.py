@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from scipy.stats import binom
 
-from app.bench.report import interval_text, paired_ratio, peer_speedups, row_figures
+from app.bench.report import interval_text, paired_row_ratio, peer_speedups, row_figures
 
 
 def _row(head, times, tokens=100, vocab=1000, hidden=8):
@@ -24,29 +24,30 @@ def _median_interval(values, level=0.95):
     return (x[best - 1], x[n - best]) if best else (math.nan, math.nan)
 
 
-def test_paired_ratio_is_the_median_of_the_rounds_ratios_with_an_order_statistics_interval():
+def test_paired_row_ratio_is_the_median_of_the_rounds_ratios_with_an_order_statistics_interval():
     rng = np.random.default_rng(0)
     reference = rng.uniform(90, 110, 11)
     mine = reference * rng.uniform(1.6, 1.8, 11)  # each round's own ratio, not the medians'
-    ratio, low, high = paired_ratio(_row("mixtape", mine), _row("softmax", reference))
+    ratio, low, high = paired_row_ratio(_row("mixtape", mine), _row("softmax", reference))
     ratios = mine / reference
     assert ratio == pytest.approx(np.median(ratios))
     assert (low, high) == pytest.approx(_median_interval(ratios))
     assert low < ratio < high
 
 
-def test_paired_ratio_compares_time_per_token():
+def test_paired_row_ratio_compares_time_per_token():
     times = [10.0] * 9
-    ratio, _, _ = paired_ratio(_row("mos", times, tokens=50), _row("softmax", times, tokens=100))
+    mos, softmax = _row("mos", times, tokens=50), _row("softmax", times, tokens=100)
+    ratio, _, _ = paired_row_ratio(mos, softmax)
     assert ratio == pytest.approx(2.0)  # same time for half the tokens
 
 
 def test_few_repeats_give_no_interval_and_unpaired_rows_the_ratio_of_medians():
-    ratio, low, high = paired_ratio(_row("mixtape", [2.0] * 5), _row("softmax", [1.0] * 5))
+    ratio, low, high = paired_row_ratio(_row("mixtape", [2.0] * 5), _row("softmax", [1.0] * 5))
     assert ratio == 2.0 and math.isnan(low) and math.isnan(high)
     assert interval_text(low, high) == "-" and interval_text(1.234, 1.5) == "1.23-1.50"
     rows = [_row("softmax", [1.0, 2.0, 3.0]), _row("mixtape", [5.0, 6.0])]  # not one round each
-    assert paired_ratio(rows[1], rows[0]) is None
+    assert paired_row_ratio(rows[1], rows[0]) is None
     figures = row_figures(rows, rows[1])
     assert figures.rel == pytest.approx(5.5 / 2.0) and math.isnan(figures.rel_low)
 
