@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from app.bench.timing import interval_text
+
 RESULTS = Path("docs/results")
 OUT = Path("docs/results.md")
 
@@ -111,7 +113,7 @@ def _baseline_note(path: Path) -> list[str]:
 
 
 def render_training_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
-    from app.bench.report import interval_text, peer_speedups, row_figures, save_plot
+    from app.bench.report import peer_speedups, row_figures, save_plot
 
     rows = report["results"]
     # "extra_peak_mb": memory a step adds to the process (older files: the process's peak)
@@ -162,10 +164,7 @@ def _svd_flag(value: Any) -> Any:
 
 
 def _ci(speedups: dict[str, Any], key: str) -> str:
-    from app.bench.report import interval_text
-
-    low, high = speedups.get(f"{key}_ci", (math.nan, math.nan))
-    return interval_text(low, high)
+    return interval_text(*speedups.get(f"{key}_ci", (math.nan, math.nan)))
 
 
 def render_inference_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> str:

@@ -44,7 +44,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from app.bench.timing import CLOCKS, check_clock, check_device, paired_ratio, time_once
+from app.bench.timing import (
+    CLOCKS,
+    check_clock,
+    check_device,
+    interval_text,
+    paired_ratio,
+    time_once,
+)
 from app.lightning_cli import build
 from app.machine import load_average
 from heads import DSSoftmaxHead, SoftmaxHead
@@ -456,9 +463,10 @@ def print_report(report: dict[str, Any]) -> None:
             if name.startswith("softmax"):
                 continue
             cells = (f"{speed[key]:>{w - 1}.2f}x" for key, w in zip(keys, widths, strict=True))
-            intervals = ", ".join(f"{label} {low:.2f}-{high:.2f}" for label, (low, high) in (
-                ("batch-1", speed.get("batch1_us_per_query_ci", (nan, nan))),
-                ("batched", speed.get("batched_us_per_query_ci", (nan, nan)))))  # fmt: skip
+            intervals = ", ".join(
+                f"{label} {interval_text(*speed.get(f'{key}_ci', (nan, nan)))}"
+                for label, key in (("batch-1", keys[0]), ("batched", keys[1]))
+            )
             print(f"{name + ' vs ' + peer:<{width}}" + "".join(cells) + f"  95% CI {intervals}")
     for name, stages in report["breakdown"].items():
         shown = ", ".join(f"{k} {v:.1f}" for k, v in stages.items() if isinstance(v, float))

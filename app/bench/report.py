@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import NamedTuple
 
 import matplotlib
 
-from app.bench.timing import paired_ratio
+from app.bench.timing import interval_text, paired_ratio
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -62,11 +61,6 @@ def row_figures(rows: list[dict], row: dict, memory_key: str = "extra_peak_mb") 
     memory = row.get(memory_key)
     return Figures(rel, low, high, nan if gflop is None else gflop, rate,
                    nan if memory is None else memory)  # fmt: skip
-
-
-def interval_text(low: float, high: float) -> str:
-    """``1.62-1.71``, or ``-`` where there is no interval."""
-    return "-" if math.isnan(low) or math.isnan(high) else f"{low:.2f}-{high:.2f}"
 
 
 # the field's implementations each of our heads is timed against, where a bench has them

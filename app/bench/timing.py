@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -56,3 +57,8 @@ def paired_ratio(
     median = float(np.median(ratios))
     interval = quantile_test(ratios, q=median, p=0.5).confidence_interval(0.95)
     return median, float(interval.low), float(interval.high)
+
+
+def interval_text(low: float, high: float) -> str:
+    """``1.62-1.71``, or ``-`` where there is no interval."""
+    return "-" if math.isnan(low) or math.isnan(high) else f"{low:.2f}-{high:.2f}"
