@@ -23,8 +23,11 @@ from datamodules.cache import (
 from datamodules.errors import DataConfigError, VocabularyMismatchError
 from datamodules.resumable import ResumableLoader
 from datamodules.text_source import (
+    CORPORA,
     HubColumns,
     TextFiles,
+    data_location,
+    local_or_hub,
     text_source,
     tokenizers_progress,
 )
@@ -88,10 +91,14 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
     training split.
 
     Args:
-        path: a local folder with train/valid/test text files (found by name, or named in
-            ``files``), or a HuggingFace hub dataset name (needs network).
+        path: a local folder with train/valid/test text files, plain or compressed (``.xz``,
+            ``.gz``, ``.bz2``), found by name or named in ``files``; unset: the Penn Treebank
+            shipped with the project (``datamodules/corpora/ptb``).
         files: split -> file name inside ``path``, e.g. ``{train: ptb.train.txt, ...}``.
-        hub_config: configuration name of a hub dataset (e.g. ``wikitext-103-raw-v1``).
+        hub: a Hugging Face hub dataset name instead of ``path`` (e.g. ``Salesforce/wikitext``;
+            network on the first use, HF's cache after), or a local copy in the hub's layout.
+        name: the hub dataset's configuration (e.g. ``wikitext-103-v1``).
+        revision: the hub dataset's branch, tag or commit (default: its main branch).
         hub_splits: our split -> the hub's split name (default train/validation/test).
         text_column: the hub dataset's text column.
         batch_size: parallel streams in training (global, split across DDP ranks).
@@ -118,9 +125,11 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
 
     def __init__(
         self,
-        path: str = "../shared/data/ptb",
+        path: str | None = None,
         files: dict[str, str] | None = None,
-        hub_config: str | None = None,
+        hub: str | None = None,
+        name: str | None = None,
+        revision: str | None = None,
         hub_splits: dict[str, str] | None = None,
         text_column: str = "text",
         batch_size: int = 20,
@@ -138,19 +147,22 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         cache_dir: str | None = None,
     ) -> None:
         super().__init__()
-        for name, value in (
+        for option, value in (
             ("batch_size", batch_size),
             ("eval_batch_size", eval_batch_size),
             ("bptt", bptt),
         ):
             if not isinstance(value, int) or value <= 0:
-                raise DataConfigError(f"data.{name} must be a positive integer, got {value!r}")
+                raise DataConfigError(f"data.{option} must be a positive integer, got {value!r}")
         if vocab not in VOCABS:
             raise DataConfigError(f"data.vocab must be one of {', '.join(VOCABS)}, got {vocab!r}")
         if lightrnn_init not in ("frequency", "random"):
             raise DataConfigError(
                 f"data.lightrnn_init must be 'frequency' or 'random', got {lightrnn_init!r}"
             )
+        self._folder, self._hub = local_or_hub(
+            path, CORPORA / "ptb", hub, name, revision, hub_splits
+        )
         self.save_hyperparameters()
         self._source: TextFiles | HubColumns | None = None
         self._cache: CacheEntry | None = None
@@ -165,7 +177,7 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         # Lightning's own __str__ builds every data loader (jsonargparse formats the data module
         # while linking arguments): this one reads nothing.
         hp = self.hparams
-        return f"{type(self).__name__}(path={hp.path!r}, vocab={hp.vocab!r})"
+        return f"{type(self).__name__}({self.location}, vocab={hp.vocab!r})"
 
     __str__ = __repr__
 
@@ -178,13 +190,16 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
 
     # -- source and cache ----------------------------------------------------------------
     @property
+    def location(self) -> str:
+        """Where the text comes from, for messages: ``path=...`` or ``hub=...``."""
+        return data_location(self._folder, self._hub)
+
+    @property
     def source(self) -> TextFiles | HubColumns:
         """Where the splits' text comes from (files checked, nothing read yet)."""
         if self._source is None:
             hp = self.hparams
-            self._source = text_source(
-                hp.path, hp.files, hp.hub_config, hp.hub_splits, hp.text_column
-            )
+            self._source = text_source(self._folder, self._hub, hp.files, hp.text_column)
         return self._source
 
     @property
@@ -456,7 +471,7 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         if saved != current:
             raise VocabularyMismatchError(
                 f"the checkpoint was trained with another vocabulary ({len(saved)} tokens, "
-                f"fingerprint {saved.fingerprint()}) than the data at {self.hparams.path!r} "
+                f"fingerprint {saved.fingerprint()}) than the data at {self.location} "
                 f"gives ({len(self.vocab)} tokens, fingerprint {self.vocab.fingerprint()}); "
                 f"point data.path at the corpus the checkpoint was trained on, and data.vocab "
                 f"and its options at the checkpoint's ({state_dict['vocab'].get('type')})"

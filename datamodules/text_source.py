@@ -1,4 +1,4 @@
-"""Where the text comes from: local files or a HuggingFace hub dataset, read in batches of lines.
+"""Where the text comes from: local files or a Hugging Face hub dataset, read in batches of lines.
 
 A source has named *parts* (``train``, ``valid``, ``test`` for language modelling; ``train.source``,
 ``train.target``... for translation). Each part is read as batches of lines (a few MiB of text
@@ -7,7 +7,9 @@ cache (``datamodules/cache.py``) keys on, so that a changed file gets prepared a
 
 Local files are read directly, with the line rules of HuggingFace's ``text`` builder (universal
 newlines, one example per ``\\n``-separated line, the line break dropped; tested equal): converting
-a 500 MB corpus to Arrow first would cost more than preparing it. A hub dataset name loads through
+a 500 MB corpus to Arrow first would cost more than preparing it. Compressed files (``.xz``,
+``.gz``, ``.bz2``, by suffix) are read through fsspec's codecs, the ones HuggingFace ``datasets``
+reads its own files with, on the same code path. A hub dataset loads through
 ``datasets.load_dataset`` (network on the first use, HF's Arrow cache after) and is read in Arrow
 record batches.
 """
@@ -15,20 +17,27 @@ record batches.
 from __future__ import annotations
 
 import hashlib
+import io
 import re
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import pyarrow.compute as pc
 from datasets import Dataset, DatasetDict, load_dataset
+from datasets.exceptions import DatasetNotFoundError
 from datasets.utils import are_progress_bars_disabled, tqdm
+from fsspec.compression import compr
+from fsspec.utils import infer_compression
 
-from datamodules.errors import DataFormatError, DataPathError
+from datamodules.errors import DataConfigError, DataFormatError, DataPathError
 
 SPLITS = ("train", "valid", "test")
+# The corpora shipped with the project (``corpora/README.md``): the data modules' defaults.
+CORPORA = Path(__file__).resolve().parent / "corpora"
 # File-name fragments that identify each split in a local folder.
 _SPLIT_PATTERNS = {"train": ("train",), "valid": ("valid", "val", "dev"), "test": ("test",)}
 # Text read per batch: big enough that per-batch overhead vanishes, small enough that the
@@ -36,6 +45,8 @@ _SPLIT_PATTERNS = {"train": ("train",), "valid": ("valid", "val", "dev"), "test"
 BATCH_BYTES = 4 << 20
 # Rows per Arrow batch of a hub dataset.
 BATCH_ROWS = 20_000
+# Suffixes of the compressed files a local folder may hold (``ptb.train.txt.xz``).
+COMPRESSED_SUFFIXES = (".xz", ".gz", ".bz2")
 # A file's identity hashes its first and last MiB (plus size and mtime), not all of it: a
 # WikiText-103-size file is identified in milliseconds on every launch.
 _SAMPLE_BYTES = 1 << 20
@@ -45,23 +56,47 @@ def _name_parts(name: str) -> list[str]:
     return re.split(r"[^a-z0-9]+", name.lower())
 
 
-def looks_local(path: str) -> bool:
-    return Path(path).expanduser().exists() or path.startswith((".", "/", "~"))
-
-
-def require_folder(folder: Path) -> None:
-    """Raise the data-path error unless ``folder`` is a folder."""
+def require_folder(folder: Path, shipped: str) -> None:
+    """Raise the data-path error unless ``folder`` is a folder; ``shipped`` names the corpus the
+    data module reads when ``data.path`` is left unset."""
     if not folder.is_dir():
-        raise DataPathError(f"data path {str(folder)!r} does not exist or is not a folder")
+        raise DataPathError(
+            f"data path {str(folder)!r} does not exist or is not a folder; set data.path to a "
+            f"local folder, data.hub to a Hugging Face dataset name, or leave both unset for "
+            f"the shipped {shipped}"
+        )
 
 
-def find_split_files(folder: Path, files: dict[str, str] | None) -> dict[str, Path]:
-    """Map each split to its file inside ``folder`` (given names, or found by name)."""
-    require_folder(folder)
+def resolve_file(path: Path) -> Path:
+    """``path``, or the one compressed file beside it of that name (``val.de`` ->
+    ``val.de.xz``); ``path`` itself when neither exists."""
+    if path.exists():
+        return path
+    packed = [p for p in (path.with_name(path.name + s) for s in COMPRESSED_SUFFIXES) if p.exists()]
+    return packed[0] if len(packed) == 1 else path
+
+
+@contextmanager
+def open_text_bytes(path: Path) -> Iterator[tuple[Any, Any]]:
+    """``(text bytes, file on disk)``: the decompressed stream of a compressed file (by suffix)
+    or the file itself; the second tells how far into the file on disk reading has come."""
+    with path.open("rb") as raw:
+        codec = infer_compression(str(path))
+        if codec is None:
+            yield raw, raw
+        else:
+            with compr[codec](raw, mode="rb") as stream:
+                yield stream, raw
+
+
+def find_split_files(folder: Path, files: dict[str, str] | None, shipped: str) -> dict[str, Path]:
+    """Map each split to its file inside ``folder`` (given names, or found by name; a given
+    name may leave out a compression suffix)."""
+    require_folder(folder, shipped)
     found: dict[str, Path] = {}
     for split in SPLITS:
         if files and split in files:
-            candidate = folder / files[split]
+            candidate = resolve_file(folder / files[split])
         else:
             matches = sorted(
                 p
@@ -77,17 +112,17 @@ def find_split_files(folder: Path, files: dict[str, str] | None) -> dict[str, Pa
             candidate = matches[0]
         if not candidate.is_file():
             raise DataPathError(f"{split} file {str(candidate)!r} does not exist")
-        if not _has_text(candidate):
+        if not has_text(candidate):
             raise DataPathError(f"{split} file {str(candidate)!r} is empty")
         found[split] = candidate
     return found
 
 
-def _has_text(path: Path) -> bool:
+def has_text(path: Path) -> bool:
     """Whether any line holds more than whitespace (reads only up to the first such line)."""
     try:
-        with path.open(encoding="utf-8") as handle:
-            return any(line.strip() for line in handle)
+        with open_text_bytes(path) as (stream, _):
+            return any(line.strip() for line in io.TextIOWrapper(stream, encoding="utf-8"))
     except UnicodeDecodeError as exc:
         raise DataFormatError(f"{str(path)!r} is not UTF-8 text ({exc.reason})") from exc
 
@@ -119,7 +154,7 @@ def _blocks(handle) -> Iterator[bytes]:
 def count_lines(path: Path) -> int:
     """Lines of a text file as :func:`split_text_lines` cuts them, without decoding it."""
     count, last = 0, b"\n"
-    with path.open("rb") as handle:
+    with open_text_bytes(path) as (handle, _):
         for block in _blocks(handle):
             if b"\r" in block:
                 block = block.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
@@ -189,16 +224,22 @@ class TextFiles(_LineBatches):
 
     def line_batches(self, part: str, desc: str | None = None) -> Iterator[list[str]]:
         path = self.files[part]
-        with path.open("rb") as handle, _progress(path.stat().st_size, desc, "B") as bar:
+        # the bar counts bytes of the file on disk (compressed files: compressed bytes)
+        with (
+            open_text_bytes(path) as (handle, raw),
+            _progress(path.stat().st_size, desc, "B") as bar,
+        ):
+            decoded = 0  # text bytes before this block
             for block in _blocks(handle):
-                bar.update(len(block))
+                bar.update(raw.tell() - bar.n)
                 try:
                     text = block.decode("utf-8")
                 except UnicodeDecodeError as exc:
                     raise DataFormatError(
                         f"{part} file {str(path)!r} is not UTF-8 text ({exc.reason} near byte "
-                        f"{handle.tell() - len(block) + exc.start})"
+                        f"{decoded + exc.start} of its text)"
                     ) from exc
+                decoded += len(block)
                 yield split_text_lines(text)
 
 
@@ -245,36 +286,98 @@ def _stat(path: Path) -> dict[str, int]:
     return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
-def load_hub_splits(
-    path: str, hub_config: str | None, hub_splits: dict[str, str] | None
-) -> DatasetDict:
-    """Our split names -> the hub dataset's splits (``train``/``validation``/``test`` unless
-    ``hub_splits`` names others)."""
-    hub_splits = hub_splits or {"train": "train", "valid": "validation", "test": "test"}
-    raw = load_dataset(path, hub_config)
-    missing = [name for name in hub_splits.values() if name not in raw]
-    if missing:
-        raise DataPathError(f"hub dataset {path!r} has no split(s) {missing}; set data.hub_splits")
-    return DatasetDict({ours: raw[theirs] for ours, theirs in hub_splits.items()})
+@dataclass(frozen=True)
+class HubDataset:
+    """A Hugging Face dataset: ``hub`` is its name (``Salesforce/wikitext``) or a local folder
+    in the hub's layout (a downloaded copy), ``name`` its configuration, ``revision`` a branch,
+    tag or commit, ``splits`` our split -> theirs (default ``train``/``validation``/``test``)."""
+
+    hub: str
+    name: str | None = None
+    revision: str | None = None
+    splits: dict[str, str] | None = None
+
+    @property
+    def label(self) -> str:
+        """Readable name for cache folders and log lines."""
+        local = Path(self.hub).expanduser()
+        base = local.resolve().name if local.is_dir() else self.hub.replace("/", "_")
+        return "-".join(part for part in (base, self.name, self.revision) if part)
+
+    def load(self) -> DatasetDict:
+        """Our split names -> the dataset's splits; one-line errors for what cannot load."""
+        splits = self.splits or {"train": "train", "valid": "validation", "test": "test"}
+        try:
+            raw = load_dataset(self.hub, self.name, revision=self.revision)
+        except ConnectionError as exc:  # also HF's offline mode without a cached copy
+            raise DataPathError(
+                f"cannot load hub dataset {self.hub!r} ({_first_line(exc)}): no network? Point "
+                f"data.path at a local folder of train/valid/test text files instead (and "
+                f"leave data.hub unset), or data.hub at a downloaded copy of the dataset"
+            ) from exc
+        except DatasetNotFoundError as exc:
+            raise DataPathError(
+                f"hub dataset {self.hub!r} not found ({_first_line(exc)}); check data.hub"
+            ) from exc
+        except ValueError as exc:  # a configuration that is not there, or none given
+            raise DataPathError(
+                f"hub dataset {self.hub!r}: {_first_line(exc)}; set data.name"
+            ) from exc
+        missing = [theirs for theirs in splits.values() if theirs not in raw]
+        if missing:
+            raise DataPathError(
+                f"hub dataset {self.hub!r} has no split(s) {missing} (it has {list(raw)}); "
+                f"set data.hub_splits, e.g. {{train: train, valid: validation, test: test}}"
+            )
+        return DatasetDict({ours: raw[theirs] for ours, theirs in splits.items()})
+
+
+def local_or_hub(
+    path: str | None,
+    shipped: Path,
+    hub: str | None,
+    name: str | None,
+    revision: str | None,
+    hub_splits: dict[str, str] | None,
+) -> tuple[Path, HubDataset | None]:
+    """The local folder (``path``, or the shipped corpus when unset) and the hub dataset, if
+    ``hub`` names one; a data module reads the hub dataset when there is one."""
+    if hub is not None and path is not None:
+        raise DataConfigError(
+            f"data.path ({path!r}) and data.hub ({hub!r}) are both set; set one of them"
+        )
+    if hub is None and (name is not None or revision is not None):
+        raise DataConfigError("data.name and data.revision need data.hub (a hub dataset name)")
+    folder = shipped if path is None else Path(path).expanduser()
+    return folder, (None if hub is None else HubDataset(hub, name, revision, hub_splits))
+
+
+def data_location(folder: Path, hub: HubDataset | None) -> str:
+    """``path='...'`` or ``hub='...'`` (with its configuration), for messages."""
+    if hub is None:
+        return f"path={str(folder)!r}"
+    return f"hub={hub.hub!r}" + (f" ({hub.name})" if hub.name else "")
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def text_source(
-    path: str,
+    path: Path,
+    hub: HubDataset | None,
     files: dict[str, str] | None = None,
-    hub_config: str | None = None,
-    hub_splits: dict[str, str] | None = None,
     text_column: str = "text",
+    shipped: str = "Penn Treebank (as configs/data/ptb*.yaml do)",
 ) -> TextFiles | HubColumns:
-    """The three language-modelling splits of a local folder or a hub dataset name."""
-    if looks_local(path):
-        folder = Path(path).expanduser()
-        return TextFiles(find_split_files(folder, files), label=folder.resolve().name)
-    splits = load_hub_splits(path, hub_config, hub_splits)
+    """The three language-modelling splits of a hub dataset or, without one, a local folder."""
+    if hub is None:
+        return TextFiles(find_split_files(path, files, shipped), label=path.resolve().name)
+    splits = hub.load()
     for split, dataset in splits.items():
         if text_column not in dataset.column_names:
             raise DataPathError(
-                f"hub dataset {path!r} ({split}) has no column {text_column!r} (columns: "
+                f"hub dataset {hub.hub!r} ({split}) has no column {text_column!r} (columns: "
                 f"{dataset.column_names}); set data.text_column"
             )
-    label = "-".join(part for part in (path.replace("/", "_"), hub_config) if part)
-    return HubColumns({split: (splits[split], text_column) for split in SPLITS}, label=label)
+    return HubColumns({split: (splits[split], text_column) for split in SPLITS}, label=hub.label)

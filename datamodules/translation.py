@@ -40,12 +40,16 @@ from datamodules.errors import (
     VocabularyMismatchError,
 )
 from datamodules.text_source import (
+    CORPORA,
     HubColumns,
+    HubDataset,
     TextFiles,
     count_lines,
-    load_hub_splits,
-    looks_local,
+    data_location,
+    has_text,
+    local_or_hub,
     require_folder,
+    resolve_file,
     tokenizers_progress,
 )
 from datamodules.vocab import EOS, BPEVocab, WordVocab, vocab_from_state
@@ -70,28 +74,28 @@ def _misaligned(split: str, files: Sequence[str], counts: Sequence[int], how: st
 
 
 def parallel_text_source(
-    path: str,
+    folder: Path,
+    hub: HubDataset | None,
     source_lang: str,
     target_lang: str,
     files: dict[str, str] | None = None,
-    hub_config: str | None = None,
-    hub_splits: dict[str, str] | None = None,
 ) -> TextFiles | HubColumns:
     """The parts ``<split>.source`` and ``<split>.target`` of the three splits.
 
-    Local: ``<path>/<prefix>.<lang>`` files, line i of one side translating line i of the
-    other (validation and test line counts are checked here; the training files', which may
-    be large, as they are read). Hub: a dataset with one column per language (e.g.
-    ``bentrevett/multi30k``) or a ``translation`` column of ``{lang: text}`` (WMT style).
+    Local: ``<folder>/<prefix>.<lang>`` files (or ``.xz``/``.gz``/``.bz2`` of them), line i of
+    one side translating line i of the other (validation and test line counts are checked
+    here; the training files', which may be large, as they are read). Hub: a dataset with one
+    column per language (e.g. ``bentrevett/multi30k``) or a ``translation`` column of
+    ``{lang: text}`` (WMT style).
     """
-    if looks_local(path):
-        folder = Path(path).expanduser()
-        require_folder(folder)
+    if hub is None:
+        require_folder(folder, "Multi30k (as configs/data/multi30k*.yaml do)")
         prefixes = {**DEFAULT_FILES, **(files or {})}
         found: dict[str, Path] = {}
         for split in SPLITS:
             side_files = [
-                folder / f"{prefixes[split]}.{lang}" for lang in (source_lang, target_lang)
+                resolve_file(folder / f"{prefixes[split]}.{lang}")
+                for lang in (source_lang, target_lang)
             ]
             for file in side_files:
                 if not file.is_file():
@@ -103,13 +107,13 @@ def parallel_text_source(
                 counts = [count_lines(f) for f in side_files]
                 if counts[0] != counts[1]:
                     raise _misaligned(split, [str(f) for f in side_files], counts)
-            if side_files[0].stat().st_size == 0:
+            if not has_text(side_files[0]):
                 raise DataPathError(f"{split} file {str(side_files[0])!r} is empty")
             found[f"{split}.source"], found[f"{split}.target"] = side_files
         label = f"{folder.resolve().name}-{source_lang}-{target_lang}"
         return TextFiles(found, label=label)
 
-    splits = load_hub_splits(path, hub_config, hub_splits)
+    splits = hub.load()
     parts: dict[str, Any] = {}
     for split in SPLITS:
         dataset = splits[split]
@@ -119,13 +123,12 @@ def parallel_text_source(
             columns = (("translation", source_lang), ("translation", target_lang))
         else:
             raise ParallelDataError(
-                f"hub dataset {path!r} has neither columns {source_lang!r}/{target_lang!r} nor "
-                f"a 'translation' column (columns: {dataset.column_names})"
+                f"hub dataset {hub.hub!r} has neither columns {source_lang!r}/{target_lang!r} "
+                f"nor a 'translation' column (columns: {dataset.column_names})"
             )
         for side, column in zip(SIDES, columns, strict=True):
             parts[f"{split}.{side}"] = (dataset, column)
-    label = "-".join(p for p in (path.replace("/", "_"), hub_config, source_lang, target_lang) if p)
-    return HubColumns(parts, label=label)
+    return HubColumns(parts, label=f"{hub.label}-{source_lang}-{target_lang}")
 
 
 class EncodedPairs(torch.utils.data.Dataset):
@@ -311,10 +314,14 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
     relies on) and padding reuses ``<eos>`` at masked positions.
 
     Args:
-        path: a local folder of ``<prefix>.<lang>`` files, or a HuggingFace hub dataset name.
+        path: a local folder of ``<prefix>.<lang>`` files, plain or compressed (``.xz``, ``.gz``,
+            ``.bz2``); unset: Multi30k shipped with the project (``datamodules/corpora/multi30k``).
         source_lang, target_lang: language suffixes / column names (``de`` -> ``en``).
         files: split -> file prefix (default Multi30k's ``train``, ``val``, ``test_2016_flickr``).
-        hub_config, hub_splits: the hub dataset's configuration and split names.
+        hub: a Hugging Face hub dataset name instead of ``path`` (e.g. ``bentrevett/multi30k``),
+            or a local copy in the hub's layout.
+        name, revision, hub_splits: the hub dataset's configuration, revision (branch, tag or
+            commit) and our split -> its split name (default train/validation/test).
         vocab: ``word`` (whitespace tokens) or ``bpe`` (HuggingFace ``tokenizers`` BPE).
         joint_vocab: one vocabulary for both sides (needed to share embeddings).
         max_vocab_size: word vocabularies: keep this many most frequent tokens per side.
@@ -331,11 +338,13 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
 
     def __init__(
         self,
-        path: str = "../shared/data/multi30k",
+        path: str | None = None,
         source_lang: str = "de",
         target_lang: str = "en",
         files: dict[str, str] | None = None,
-        hub_config: str | None = None,
+        hub: str | None = None,
+        name: str | None = None,
+        revision: str | None = None,
         hub_splits: dict[str, str] | None = None,
         vocab: Literal["word", "bpe"] = "word",
         joint_vocab: bool = False,
@@ -349,18 +358,21 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         cache_dir: str | None = None,
     ) -> None:
         super().__init__()
-        for name, value in (
+        for option, value in (
             ("max_tokens", max_tokens),
             ("eval_max_tokens", eval_max_tokens or max_tokens),
             ("max_length", max_length),
             ("bpe_vocab_size", bpe_vocab_size),
         ):
             if not isinstance(value, int) or value <= 0:
-                raise DataConfigError(f"data.{name} must be a positive integer, got {value!r}")
+                raise DataConfigError(f"data.{option} must be a positive integer, got {value!r}")
         if vocab not in ("word", "bpe"):
             raise DataConfigError(f"data.vocab must be 'word' or 'bpe', got {vocab!r}")
         if source_lang == target_lang:
             raise DataConfigError(f"source and target language are both {source_lang!r}")
+        self._folder, self._hub = local_or_hub(
+            path, CORPORA / "multi30k", hub, name, revision, hub_splits
+        )
         self.save_hyperparameters()
         self._source: TextFiles | HubColumns | None = None
         self._cache: CacheEntry | None = None
@@ -375,7 +387,7 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         # Lightning's own __str__ builds every data loader: this one reads nothing.
         hp = self.hparams
         return (
-            f"{type(self).__name__}(path={hp.path!r}, {hp.source_lang}->{hp.target_lang}, "
+            f"{type(self).__name__}({self.location}, {hp.source_lang}->{hp.target_lang}, "
             f"vocab={hp.vocab!r})"
         )
 
@@ -390,11 +402,16 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
 
     # -- source and cache ----------------------------------------------------------------
     @property
+    def location(self) -> str:
+        """Where the text comes from, for messages: ``path=...`` or ``hub=...``."""
+        return data_location(self._folder, self._hub)
+
+    @property
     def source(self) -> TextFiles | HubColumns:
         if self._source is None:
             hp = self.hparams
             self._source = parallel_text_source(
-                hp.path, hp.source_lang, hp.target_lang, hp.files, hp.hub_config, hp.hub_splits
+                self._folder, self._hub, hp.source_lang, hp.target_lang, hp.files
             )
         return self._source
 
@@ -676,7 +693,7 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
                 raise VocabularyMismatchError(
                     f"the checkpoint was trained with another {side} vocabulary "
                     f"({type(saved).__name__}, {len(saved)} tokens, fingerprint "
-                    f"{saved.fingerprint()}) than the data at {self.hparams.path!r} gives "
+                    f"{saved.fingerprint()}) than the data at {self.location} gives "
                     f"({type(ours).__name__}, {len(ours)} tokens, fingerprint "
                     f"{ours.fingerprint()}); point data.path at the corpus the checkpoint was "
                     f"trained on and use the same data.vocab options"

@@ -1,3 +1,4 @@
+import lzma
 import os
 from pathlib import Path
 
@@ -5,9 +6,18 @@ import pytest
 import torch
 
 from datamodules.cache import CACHE_ENV
+from datamodules.text_source import CORPORA
 
 REPO = Path(__file__).resolve().parents[1]
-PTB = REPO.parent / "shared" / "data" / "ptb"
+PTB = CORPORA / "ptb"  # shipped with the project, xz-compressed
+MULTI30K = CORPORA / "multi30k"
+
+
+def shipped_text(path: Path) -> str:
+    """A shipped corpus file's text, read plainly with the standard library (a reference
+    independent of the data modules' reader)."""
+    with lzma.open(path, "rt", encoding="utf-8", newline="") as handle:
+        return handle.read()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -21,8 +31,15 @@ def data_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def ptb_path() -> str:
-    assert PTB.is_dir(), f"the shared PTB data must be beside the repo at {PTB}"
     return str(PTB)
+
+
+@pytest.fixture(scope="session")
+def ptb_text():
+    """Split name -> the shipped PTB text of that split."""
+    return {
+        split: shipped_text(PTB / f"ptb.{split}.txt.xz") for split in ("train", "valid", "test")
+    }
 
 
 @pytest.fixture(scope="session")

@@ -79,10 +79,14 @@ def error_line(capsys, code: int) -> str:
 
 
 # -- data ----------------------------------------------------------------------------------
-def test_missing_data_path(capsys):
-    code = lm("fit", "/no/such/dir")
+@pytest.mark.parametrize("path", ["/no/such/dir", "shared/data/ptb"])
+def test_missing_data_path(capsys, path):
+    """A missing folder, absolute or relative, is never tried as a hub name."""
+    code = lm("fit", path)
     assert error_line(capsys, code) == (
-        "error: data path '/no/such/dir' does not exist or is not a folder"
+        f"error: data path {path!r} does not exist or is not a folder; set data.path to a "
+        f"local folder, data.hub to a Hugging Face dataset name, or leave both unset for the "
+        f"shipped Penn Treebank (as configs/data/ptb*.yaml do)"
     )
 
 

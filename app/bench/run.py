@@ -49,8 +49,6 @@ from app.machine import load_average
 from heads.adaptive_cutoffs import zipf_probabilities
 from heads.fused_cross_entropy import BACKENDS
 
-PTB_TRAIN = Path(__file__).resolve().parents[2].parent / "shared/data/ptb/ptb.train.txt"
-
 
 def make_targets(kind: str, vocab: int, count: int, generator: torch.Generator) -> torch.Tensor:
     """Targets drawn from a Zipf law over ids, or PTB's training stream (ids folded into V)."""
@@ -60,7 +58,7 @@ def make_targets(kind: str, vocab: int, count: int, generator: torch.Generator) 
     if kind == "ptb":
         from datamodules import LanguageModelingDataModule
 
-        tokens = LanguageModelingDataModule(path=str(PTB_TRAIN.parent)).split_tokens("train")
+        tokens = LanguageModelingDataModule().split_tokens("train")  # the shipped PTB
         return tokens[:count].long().remainder(vocab)  # int32 on disk; heads take int64
     raise ValueError(f"unknown targets {kind!r}: zipf or ptb")
 

@@ -13,6 +13,7 @@ from datamodules import LanguageModelingDataModule
 from datamodules.errors import DataConfigError, DataPathError, VocabularyMismatchError
 from datamodules.vocab import EOS, UNK, WordVocab
 from datamodules.vocab.hybrid_lightrnn import HybridLightRNNVocab
+from tests.datamodules.test_text_source import WIKI_ROWS, write_hub_layout
 from tests.datamodules.vocab.test_bpe import plain_build as plain_bpe
 from tests.datamodules.vocab.test_word import plain_build
 
@@ -30,19 +31,19 @@ def test_ptb_vocabulary_and_token_counts(ptb_data):
     assert vocab.counts[vocab.eos_id] == 42_068
 
 
-def test_token_counts_are_the_training_words_per_id(ptb_data, ptb_path):
+def test_token_counts_are_the_training_words_per_id(ptb_data, ptb_text):
     counts = ptb_data.token_counts
     assert counts.shape == (ptb_data.vocab_size,)
-    lines = open(f"{ptb_path}/ptb.train.txt").read().splitlines()
+    lines = ptb_text["train"].splitlines()
     plain = Counter(i for line in lines for i in ptb_data.vocab.encode_line(line))
     assert counts[ptb_data.vocab.eos_id] == 42_068  # one <eos> per line
     assert {i: int(n) for i, n in enumerate(counts) if n} == dict(plain)
 
 
-def test_train_batches_decode_to_the_corpus(ptb_data, ptb_path):
+def test_train_batches_decode_to_the_corpus(ptb_data, ptb_text):
     x, y = next(iter(ptb_data.train_dataloader()))
     assert x.shape == y.shape == (20, 35)
-    first_line = open(f"{ptb_path}/ptb.train.txt").readline().split()
+    first_line = ptb_text["train"].split("\n", 1)[0].split()
     assert ptb_data.vocab.decode(x[0, : len(first_line)].tolist()) == first_line
     assert ptb_data.vocab.decode([int(x[0, len(first_line)])]) == [EOS]
     torch.testing.assert_close(y[:, :-1], x[:, 1:])
@@ -104,9 +105,9 @@ def ptb_lightrnn(ptb_path):
     return LanguageModelingDataModule(path=ptb_path, vocab="hybrid_lightrnn", lightrnn_frequent=500)
 
 
-def test_bpe_data_decodes_to_the_corpus_and_counts_words(ptb_bpe, ptb_path):
+def test_bpe_data_decodes_to_the_corpus_and_counts_words(ptb_bpe, ptb_text):
     assert ptb_bpe.vocab_size == 2000
-    first_line = open(f"{ptb_path}/ptb.train.txt").readline()
+    first_line = ptb_text["train"].split("\n", 1)[0]
     codes = ptb_bpe.split_tokens("train")
     n = len(ptb_bpe.vocab.encode_line(first_line))
     assert ptb_bpe.vocab.detokenize(codes[:n].tolist()) == " ".join(first_line.split())
@@ -116,11 +117,11 @@ def test_bpe_data_decodes_to_the_corpus_and_counts_words(ptb_bpe, ptb_path):
     assert x.shape == (20, 35) and int(x.max()) < 2000
 
 
-def test_lightrnn_data_codes_and_words(ptb_lightrnn, ptb_path):
+def test_lightrnn_data_codes_and_words(ptb_lightrnn, ptb_text):
     vocab = ptb_lightrnn.vocab
     assert vocab.rows * vocab.cols >= 10_000 - 500
     assert ptb_lightrnn.vocab_size == 500 + vocab.rows + vocab.cols
-    first_line = open(f"{ptb_path}/ptb.train.txt").readline().split()
+    first_line = ptb_text["train"].split("\n", 1)[0].split()
     codes = ptb_lightrnn.split_tokens("train")
     assert vocab.decode(codes[: 2 * len(first_line) + 1].tolist()) == first_line + ["<eos>"]
     x, _ = next(iter(ptb_lightrnn.train_dataloader()))
@@ -235,8 +236,8 @@ def old_word_pipeline(lines: dict[str, list[str]], max_size: int | None = None):
 
 
 def test_ptb_vocabulary_and_ids_are_those_of_the_old_algorithm(ptb_data, ptb_path):
-    # the lines as the old code read them: HuggingFace's text builder
-    files = {split: f"{ptb_path}/ptb.{split}.txt" for split in ("train", "valid", "test")}
+    # the lines as the old code read them: HuggingFace's text builder (which reads .xz itself)
+    files = {split: f"{ptb_path}/ptb.{split}.txt.xz" for split in ("train", "valid", "test")}
     lines = {s: d["text"] for s, d in load_dataset("text", data_files=files).items()}
     itos, counts, ids = old_word_pipeline(lines)
     assert ptb_data.vocab.itos == itos and ptb_data.vocab.counts == counts
@@ -245,8 +246,8 @@ def test_ptb_vocabulary_and_ids_are_those_of_the_old_algorithm(ptb_data, ptb_pat
         assert tokens.dtype == torch.int32 and np.array_equal(tokens.numpy(), expected)
 
 
-def test_ptb_bpe_vocabulary_and_ids_are_those_of_the_old_algorithm(ptb_bpe, ptb_path):
-    lines = {s: open(f"{ptb_path}/ptb.{s}.txt").read().split("\n")[:-1] for s in PTB_WORDS}
+def test_ptb_bpe_vocabulary_and_ids_are_those_of_the_old_algorithm(ptb_bpe, ptb_text):
+    lines = {s: ptb_text[s].split("\n")[:-1] for s in PTB_WORDS}
     old = plain_bpe(lines["train"], 2000)  # trained on lines, every line encoded twice
     assert ptb_bpe.vocab == old and ptb_bpe.vocab.counts == old.counts
     for split, text in lines.items():  # encoded once, in joined pieces
@@ -282,19 +283,19 @@ def test_scaled_down_wikitext_cache_is_used_and_correct(wikitext_like, tmp_path,
     assert len(messages) == 4 and all("data cache hit" in m for m in messages)
 
 
-def test_hub_datasets_give_the_same_ids_as_files(tmp_path, monkeypatch, ptb_path):
+def test_hub_datasets_give_the_same_ids_as_files(tmp_path, monkeypatch):
     """A hub name (no network here: load_dataset is replaced): rows may hold line breaks."""
     rows = ["a b c", "b c \n", "", " c a", "d"]
     hub = DatasetDict({name: Dataset.from_dict({"line": rows, "other": [0] * len(rows)})
                        for name in ("train", "validation", "test")})  # fmt: skip
-    monkeypatch.setattr(text_source, "load_dataset", lambda path, config=None: hub)
-    data = LanguageModelingDataModule(path="someone/corpus", text_column="line",
+    monkeypatch.setattr(text_source, "load_dataset", lambda hub_name, name, revision: hub)
+    data = LanguageModelingDataModule(hub="someone/corpus", text_column="line",
                                       cache_dir=str(tmp_path))  # fmt: skip
     itos, _, ids = old_word_pipeline({"train": rows, "test": rows})
     assert data.vocab.itos == itos
     assert data.split_tokens("test").tolist() == ids["test"].tolist()
     with pytest.raises(DataPathError, match="no column 'text'"):
-        _ = LanguageModelingDataModule(path="someone/corpus", cache_dir=str(tmp_path)).vocab
+        _ = LanguageModelingDataModule(hub="someone/corpus", cache_dir=str(tmp_path)).vocab
 
 
 def test_str_and_repr_read_nothing(tmp_path):
@@ -326,3 +327,27 @@ def test_pickling_maps_the_token_files_again_instead_of_copying_them(ptb_data):
     assert len(blob) < 1_000_000
     again = pickle.loads(blob)
     assert torch.equal(again.split_tokens("train"), ptb_data.split_tokens("train"))
+
+
+def test_a_hub_dataset_gives_the_ids_of_the_same_text_in_local_files(tmp_path):
+    """WikiText in the hub's layout (parquet per configuration and split, README header), read
+    by name through ``datasets.load_dataset`` as from the hub, against the same rows written
+    as local ``wiki.*.tokens`` files."""
+    rows = {
+        "train": WIKI_ROWS * 3 + [" a new article = \n"],
+        "validation": WIKI_ROWS,
+        "test": [" = game = \n", " the game .\n"],
+    }
+    hub = write_hub_layout(tmp_path / "wikitext", {"wikitext-2-v1": rows})
+    local = tmp_path / "local"
+    local.mkdir()
+    for split, name in (("train", "train"), ("validation", "valid"), ("test", "test")):
+        (local / f"wiki.{name}.tokens").write_text(
+            "".join(r.rstrip("\n") + "\n" for r in rows[split])
+        )
+    by_name = LanguageModelingDataModule(hub=hub, name="wikitext-2-v1", cache_dir=str(tmp_path))
+    from_files = LanguageModelingDataModule(path=str(local), cache_dir=str(tmp_path))
+    assert by_name.vocab.itos == from_files.vocab.itos and UNK in by_name.vocab.itos
+    for split in ("train", "valid", "test"):
+        assert by_name.split_tokens(split).tolist() == from_files.split_tokens(split).tolist()
+    assert "hub=" in repr(by_name) and "wikitext-2-v1" in repr(by_name)

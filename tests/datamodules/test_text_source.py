@@ -1,11 +1,26 @@
+import bz2
+import gzip
+import lzma
 import os
+from pathlib import Path
 
+import datasets.config
+import huggingface_hub.constants
 import pytest
-from datasets import load_dataset
+from datasets import Dataset, load_dataset
 
 import datamodules.text_source as text_source
-from datamodules.errors import DataFormatError
-from datamodules.text_source import TextFiles, count_lines, file_identity
+from datamodules.errors import DataConfigError, DataFormatError, DataPathError
+from datamodules.text_source import (
+    HubDataset,
+    TextFiles,
+    count_lines,
+    file_identity,
+    find_split_files,
+    has_text,
+    local_or_hub,
+    resolve_file,
+)
 
 # Line breaks of every kind, blank and whitespace-only lines, Unicode spaces, a literal <eos>,
 # no final line break.
@@ -46,3 +61,117 @@ def test_file_identity_follows_content_and_modification_time(tmp_path):
     assert file_identity(path)["sample"] != first["sample"]
     os.utime(path, ns=(first["mtime_ns"] + 10**9,) * 2)
     assert file_identity(path)["mtime_ns"] != first["mtime_ns"]
+
+
+# -- compressed files: one code path, the same lines ---------------------------------------------
+COMPRESSORS = {".xz": lzma.compress, ".gz": gzip.compress, ".bz2": bz2.compress}
+
+
+@pytest.mark.parametrize("suffix", sorted(COMPRESSORS))
+@pytest.mark.parametrize("batch_bytes", [3, 1 << 20])
+def test_compressed_files_read_as_their_text(tmp_path, monkeypatch, suffix, batch_bytes):
+    monkeypatch.setattr(text_source, "BATCH_BYTES", batch_bytes)
+    plain = tmp_path / "c.txt"
+    plain.write_bytes(TRICKY.encode())
+    packed = tmp_path / f"c.txt{suffix}"
+    packed.write_bytes(COMPRESSORS[suffix](TRICKY.encode()))
+    expected = TextFiles({"train": plain}, label="c").lines("train")
+    assert TextFiles({"train": packed}, label="c").lines("train") == expected
+    assert count_lines(packed) == count_lines(plain) == len(expected)
+    assert has_text(packed)
+    assert resolve_file(tmp_path / "c.txt") == plain  # the plain file when it is there
+    plain.unlink()
+    assert resolve_file(tmp_path / "c.txt") == packed
+
+
+def test_compressed_blank_and_broken_files_are_one_clear_error(tmp_path):
+    blank = tmp_path / "blank.txt.xz"
+    blank.write_bytes(lzma.compress(b"\n \n\t\n"))
+    assert not has_text(blank)
+    broken = tmp_path / "c.train.txt.gz"
+    broken.write_bytes(gzip.compress(b"fine line\n\xff\xfe broken\n"))
+    with pytest.raises(DataFormatError, match=r"c.train.txt.gz' is not UTF-8 text"):
+        TextFiles({"train": broken}, label="c").lines("train")
+
+
+def test_split_files_are_found_compressed_and_by_given_names(tmp_path):
+    for split in ("train", "valid", "test"):
+        (tmp_path / f"c.{split}.txt.xz").write_bytes(lzma.compress(b"a b\n"))
+    found = find_split_files(tmp_path, None, shipped="PTB")
+    assert found["valid"].name == "c.valid.txt.xz"
+    named = find_split_files(tmp_path, {"test": "c.test.txt"}, shipped="PTB")  # suffix left out
+    assert named["test"].name == "c.test.txt.xz"
+    with pytest.raises(DataPathError, match="leave both unset for the shipped PTB$"):
+        find_split_files(tmp_path / "nope", None, shipped="PTB")
+
+
+# -- hub datasets: loaded through datasets.load_dataset, as from the hub ----------------------
+def write_hub_layout(folder: Path, configs: dict[str, dict[str, list[str]]]) -> str:
+    """A dataset repository as the hub lays it out (WikiText's ``Salesforce/wikitext``): per
+    configuration a folder of ``<split>-00000-of-00001.parquet`` files with a ``text`` column,
+    and the README's YAML header that names the configurations and their files."""
+    header = ["---", "configs:"]
+    for config, splits in configs.items():
+        (folder / config).mkdir(parents=True)
+        header += [f"- config_name: {config}", "  data_files:"]
+        for split, rows in splits.items():
+            Dataset.from_dict({"text": rows}).to_parquet(
+                str(folder / config / f"{split}-00000-of-00001.parquet")
+            )
+            header += [f"  - split: {split}", f"    path: {config}/{split}-*"]
+    (folder / "README.md").write_text("\n".join([*header, "---", "# a test dataset", ""]))
+    return str(folder)
+
+
+WIKI_ROWS = ["", " = Valkyria Chronicles = \n", "", " the <unk> game , released in N .\n"]
+
+
+def test_hub_layout_loads_by_name_revision_and_splits(tmp_path, monkeypatch):
+    folder = write_hub_layout(
+        tmp_path / "wikitext",
+        {"wikitext-2-v1": {s: WIKI_ROWS for s in ("train", "validation", "test")}},
+    )
+    seen = []
+
+    def recording_load(hub, name, revision):
+        seen.append((hub, name, revision))
+        return load_dataset(hub, name, revision=revision, cache_dir=str(tmp_path / "hf"))
+
+    monkeypatch.setattr(text_source, "load_dataset", recording_load)
+    hub = HubDataset(folder, "wikitext-2-v1", revision="main")
+    splits = hub.load()
+    assert seen == [(folder, "wikitext-2-v1", "main")]
+    assert list(splits) == ["train", "valid", "test"]
+    assert splits["valid"]["text"] == WIKI_ROWS
+    assert hub.label == "wikitext-wikitext-2-v1-main"
+    source = text_source.text_source(tmp_path, hub)
+    assert source.lines("test") == WIKI_ROWS
+    with pytest.raises(DataPathError, match=r"no split\(s\) \['dev'\] .*set data.hub_splits"):
+        HubDataset(folder, "wikitext-2-v1", splits={"valid": "dev"}).load()
+    with pytest.raises(DataPathError, match=r"\(train\) has no column 'line'.*data.text_column"):
+        text_source.text_source(tmp_path, hub, text_column="line")
+    with pytest.raises(DataPathError, match=r"'wikitext-3-v1'.*; set data.name$"):
+        HubDataset(folder, "wikitext-3-v1").load()
+
+
+def test_an_unreachable_hub_says_how_to_use_local_files(monkeypatch):
+    """HuggingFace's offline mode fails as a machine without network does, without the
+    retries: the same ConnectionError from the library."""
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DataPathError) as error:
+        HubDataset("someone/never-cached-corpus", "v1").load()
+    message = str(error.value)
+    assert "cannot load hub dataset 'someone/never-cached-corpus'" in message
+    assert "Point data.path at a local folder" in message and "\n" not in message
+
+
+def test_path_and_hub_are_one_or_the_other(tmp_path):
+    shipped = tmp_path / "shipped"
+    assert local_or_hub(None, shipped, None, None, None, None) == (shipped, None)
+    folder, hub = local_or_hub(None, shipped, "a/b", "c", "v2", {"train": "t"})
+    assert hub == HubDataset("a/b", "c", "v2", {"train": "t"})
+    with pytest.raises(DataConfigError, match="are both set; set one of them"):
+        local_or_hub(str(tmp_path), shipped, "a/b", None, None, None)
+    with pytest.raises(DataConfigError, match="need data.hub"):
+        local_or_hub(None, shipped, None, "wikitext-2-v1", None, None)

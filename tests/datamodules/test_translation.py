@@ -15,9 +15,7 @@ from datamodules.translation import (
     TokenBucketBatchSampler,
 )
 from datamodules.vocab import EOS, UNK, WordVocab
-from tests.conftest import REPO
-
-MULTI30K = REPO.parent / "shared" / "data" / "multi30k"
+from tests.conftest import MULTI30K
 
 
 @pytest.fixture(scope="module")
@@ -223,12 +221,12 @@ def test_hub_datasets_give_the_same_columns(monkeypatch, layout):
     hub = DatasetDict(
         {name: Dataset.from_dict(rows(TINY)) for name in ("train", "validation", "test")}
     )
-    monkeypatch.setattr(text_source, "load_dataset", lambda path, config=None: hub)
-    data = TranslationDataModule(path="someone/multi30k")
+    monkeypatch.setattr(text_source, "load_dataset", lambda hub_name, name, revision: hub)
+    data = TranslationDataModule(hub="someone/multi30k")
     assert data.splits["valid"][0] == {"source": TINY[0][0], "target": TINY[0][1]}
     assert data.references("test") == [t for _, t in TINY]
     with pytest.raises(DataPathError, match="has no split"):
-        _ = TranslationDataModule(path="someone/multi30k", hub_splits={"train": "x"}).splits
+        _ = TranslationDataModule(hub="someone/multi30k", hub_splits={"train": "x"}).splits
 
 
 def cache_lines(caplog, kind: str) -> int:
