@@ -20,8 +20,12 @@ import yaml
 from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningCLI
 
+from app.callbacks.preemption import PreemptionCheckpoint
+from app.callbacks.run_record import RunRecord
+from app.cli_errors import OneLineErrorParser, check_config_files, check_linked_options, warn_line
+from app.run_folder import configure_loggers, run_hparams
 from lightning_modules.backbones.base import configured_output_size
-from lightning_modules.errors import CheckpointPathError
+from lightning_modules.checkpoint_file import check_checkpoint_file
 
 # Lightning's own checkpoint names, not paths
 _CKPT_ALIASES = ("last", "best", "hpc")
@@ -34,22 +38,31 @@ def backbone_output_size(backbone: Namespace) -> int:
     return configured_output_size(backbone_class, vars(backbone.init_args))
 
 
+def _remote(ckpt: str) -> bool:
+    """A model registry or remote storage address, which Lightning resolves itself."""
+    return ckpt.startswith("registry") or "://" in ckpt
+
+
 class AppCLI(LightningCLI):
     """LightningCLI over any LightningModule and LightningDataModule of the app."""
 
-    def _check_ckpt_path(self) -> None:
-        # Lightning would report a missing checkpoint only after building everything, with
-        # a stack trace
-        ckpt = self.config_init[self.subcommand].get("ckpt_path")
-        if not isinstance(ckpt, str) or ckpt in _CKPT_ALIASES:
-            return
-        if ckpt.startswith("registry") or "://" in ckpt:  # model registry or remote storage
-            return
-        if not Path(ckpt).is_file():
-            raise CheckpointPathError(f"ckpt_path {ckpt!r} does not exist or is not a file")
+    def init_parser(self, **kwargs: Any):
+        # no prefix matching: a misspelt --trainer.max_epoch must not silently mean max_epochs
+        kwargs.setdefault("allow_abbrev", False)
+        return super().init_parser(**kwargs)
 
-    # LightningCLI calls before_<subcommand> right before running it
-    before_fit = before_validate = before_test = before_predict = _check_ckpt_path
+    def _parse_ckpt_path(self) -> None:
+        # Lightning reads the checkpoint's hyper-parameters here, before anything is built: a
+        # missing or broken file is named first, in one line, instead of PyTorch's traceback
+        subcommand = self.config.get("subcommand")
+        ckpt = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if isinstance(ckpt, str) and ckpt not in _CKPT_ALIASES and not _remote(ckpt):
+            check_checkpoint_file(ckpt, "ckpt_path")
+        super()._parse_ckpt_path()
+
+    def before_predict(self) -> None:
+        if self.config_init["predict"].get("ckpt_path") is None:
+            warn_line("predict without --ckpt_path: the model is untrained")
 
     def add_arguments_to_parser(self, parser) -> None:
         for target in (
@@ -72,9 +85,51 @@ class AppCLI(LightningCLI):
             apply_on="instantiate",
         )
 
+    # -- the run's folder and its TensorBoard record (app/run_folder.py) ----------------------
+    def _subcommand_config(self) -> Namespace:
+        return self.config[self.subcommand] if self.subcommand else self.config
+
+    def before_instantiate_classes(self) -> None:
+        config = self._subcommand_config()
+        configure_loggers(config.trainer, self.subcommand, config.get("ckpt_path"))
+        # every run records its hyper-parameters and best validation figure (HPARAMS); every
+        # fit saves a resumable checkpoint when it is preempted or interrupted
+        extra = self.trainer_defaults.get("callbacks") or []
+        extra = extra if isinstance(extra, list) else [extra]
+        ours = [RunRecord(run_hparams(config))]
+        if self.subcommand == "fit":
+            ours.append(PreemptionCheckpoint())
+        self.trainer_defaults = {**self.trainer_defaults, "callbacks": [*extra, *ours]}
+        if self.subcommand not in (None, "fit"):  # the run folder's config.yaml is the fit's
+            self.save_config_kwargs = {
+                **self.save_config_kwargs,
+                "config_filename": f"{self.subcommand}_config.yaml",
+            }
+
+    def _evaluate(self, subcommand: str, **kwargs: Any) -> Any:
+        with warnings.catch_warnings():
+            # ModelCheckpoint saves nothing outside fit: that it does not take over the state
+            # of a checkpoint written in another folder (eval-<name>) is no news
+            warnings.filterwarnings("ignore", "The dirpath has changed", UserWarning)
+            return getattr(self.trainer, subcommand)(**kwargs)
+
+    # LightningCLI runs a method of the subcommand's name, when the CLI has one
+    def validate(self, **kwargs: Any) -> Any:
+        return self._evaluate("validate", **kwargs)
+
+    def test(self, **kwargs: Any) -> Any:
+        return self._evaluate("test", **kwargs)
+
+    def predict(self, **kwargs: Any) -> Any:
+        return self._evaluate("predict", **kwargs)
+
 
 def make_cli(args: Sequence[str], run: bool = True, **kwargs: Any) -> AppCLI:
-    """``AppCLI`` on ``args`` (a subcommand first when ``run``), as ``python cli.py`` builds it."""
+    """``AppCLI`` on ``args`` (a subcommand first when ``run``), as ``python cli.py`` builds it;
+    a mistake in ``args`` raises :class:`app.cli_errors.CommandLineError` (one line)."""
+    check_config_files(args)
+    check_linked_options(args)
+    kwargs.setdefault("parser_class", OneLineErrorParser)
     with warnings.catch_warnings():  # args are passed on purpose, not read from sys.argv
         warnings.filterwarnings("ignore", ".*args parameter is intended to run from within.*")
         return AppCLI(

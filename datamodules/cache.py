@@ -9,7 +9,8 @@ rebuilt in place.
 
 An entry holds ``vocab.json`` (the vocabulary's ``state_dict``) and, per part (a split, or a
 split's side), ``<part>.ids`` (raw little-endian int32, one stream) with ``<part>.json``
-(counts; written last, so its presence means the part is complete). Files are written under
+(counts, such as the tokens that became ``<unk>``; written last, so its presence means the part
+is complete). Files are written under
 temporary names and renamed into place, and each build runs under a file lock (``filelock``,
 which ``datasets`` ships): ranks that start together wait for the first one's build and then
 read it, and a killed build leaves no half-written file that a later run would trust.
@@ -188,11 +189,13 @@ class CacheEntry:
         part: str,
         chunks: Iterable[np.ndarray | tuple[np.ndarray, np.ndarray]],
         offsets: np.ndarray | None = None,
+        counted: Callable[[], dict[str, Any]] | None = None,
         **meta: Any,
     ) -> int:
-        """Write a part's ids from int32 chunks, then its count file (``meta`` goes in it too).
-        Chunks given as ``(ids, line_lengths)``, or ``offsets``, also store where each line
-        starts (:meth:`offsets`). Returns the number of ids."""
+        """Write a part's ids from int32 chunks, then its count file (``meta`` goes in it too,
+        and ``counted()``: what the chunks' producer counted while they were consumed, e.g.
+        unknown words). Chunks given as ``(ids, line_lengths)``, or ``offsets``, also store
+        where each line starts (:meth:`offsets`). Returns the number of ids."""
         count, lengths = 0, []
         with self._atomic(f"{part}.ids") as temp:
             with temp.open("wb") as out:
@@ -211,6 +214,8 @@ class CacheEntry:
                     with offsets_temp.open("wb") as handle:
                         np.save(handle, np.asarray(offsets, dtype=np.int64))
                 meta["lines"] = len(offsets) - 1
+        if counted is not None:
+            meta.update(counted())
         self.write_json(f"{part}.json", {"tokens": count, **meta})
         return count
 

@@ -17,6 +17,7 @@ from datamodules.cache import (
     CacheEntry,
     SourceIdentities,
     cache_root,
+    process_rank,
     splits_to_prepare,
     vocab_options,
 )
@@ -32,15 +33,33 @@ from datamodules.text_source import (
     tokenizers_progress,
 )
 from datamodules.vocab import BPEVocab, WordVocab, vocab_from_state
-from datamodules.vocab.bpe import StreamEncoder
+from datamodules.vocab.bpe import StreamEncoder, warn_if_smaller_bpe, written_unk
 from datamodules.vocab.hybrid_lightrnn import HybridLightRNNVocab
-from datamodules.vocab.word import count_words
+from datamodules.vocab.word import UNK, count_words
 from heads.errors import UserError
 
 log = logging.getLogger(__name__)
 
 VOCABS = ("word", "bpe", "hybrid_lightrnn")
 Vocab = WordVocab | BPEVocab | HybridLightRNNVocab
+# Above this share of a split's tokens, the unknown-word line is a warning.
+UNKNOWN_WARN_SHARE = 0.01
+
+
+class _UnknownCounter:
+    """Encodes line batches (``vocab.encode_batch``) and counts the tokens that became
+    ``<unk>`` without being written ``<unk>`` in the text."""
+
+    def __init__(self, vocab: WordVocab | BPEVocab) -> None:
+        self.vocab, self.unknown = vocab, 0
+
+    def encode_batch(self, lines: list[str]) -> np.ndarray:
+        ids, unknown = self.vocab.encode_batch_unknown(lines)
+        self.unknown += unknown
+        return ids
+
+    def counted(self) -> dict[str, int]:
+        return {"unknown": self.unknown}
 
 
 class _LiveBPTT(IterableDataset):
@@ -172,6 +191,9 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         self._num_codes: dict[str, int] = {}  # Hybrid-LightRNN code count per split
         self._codes: dict[Any, torch.Tensor] = {}  # Hybrid-LightRNN codes (current table)
         self._scheduled_cells: torch.Tensor | None = None
+        # split -> (tokens that became <unk> without being written so, tokens): see
+        # :meth:`_report_unknown`
+        self.unknown_tokens: dict[str, tuple[int, int]] = {}
 
     def __repr__(self) -> str:
         # Lightning's own __str__ builds every data loader (jsonargparse formats the data module
@@ -267,20 +289,28 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
                 lines, hp.bpe_vocab_size, show_progress=tokenizers_progress()
             )
             log.info(
-                "BPE of %d tokens trained in %.1f s", hp.bpe_vocab_size, time.perf_counter() - start
+                "BPE of %d tokens trained in %.1f s",
+                tokenizer.get_vocab_size(),
+                time.perf_counter() - start,
             )
+            warn_if_smaller_bpe(tokenizer.get_vocab_size(), hp.bpe_vocab_size, log)
             counts = np.zeros(tokenizer.get_vocab_size(), dtype=np.int64)
             encoder = StreamEncoder(tokenizer)
+            written = 0  # <unk> written in the text
 
             def theirs():
+                nonlocal written
                 for lines in source.line_batches("train", desc="encoding train (BPE)"):
                     ids = encoder.encode(lines)
                     counts[:] += np.bincount(ids, minlength=counts.size)
+                    written += written_unk(lines)
                     yield ids
 
             cache.write_ids("train.theirs", theirs())
             vocab = BPEVocab.from_counts(tokenizer, counts)
-            cache.remap("train.theirs", "train", vocab.to_ours, source=self._identity_of("train"))
+            unknown = int(counts[tokenizer.token_to_id(UNK)]) - written
+            identity = self._identity_of("train")
+            cache.remap("train.theirs", "train", vocab.to_ours, source=identity, unknown=unknown)
         cache.write_json("vocab.json", vocab.state_dict())
 
     @property
@@ -319,17 +349,50 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
             identity = self._identity_of(split)
 
             def done() -> bool:
-                return (
-                    cache.has_ids(split) and cache.read_json(f"{split}.json")["source"] == identity
-                )
+                if not cache.has_ids(split):
+                    return False
+                meta = cache.read_json(f"{split}.json")
+                # an entry of an older version has no unknown-word count: encoded again
+                return meta["source"] == identity and "unknown" in meta
 
             def encode() -> None:
                 batches = source.line_batches(split, desc=f"tokenising {split}")
-                cache.write_ids(split, map(vocab.encode_batch, batches), source=identity)
+                counter = _UnknownCounter(vocab)
+                chunks = map(counter.encode_batch, batches)
+                cache.write_ids(split, chunks, source=identity, counted=counter.counted)
 
             cache.ensure(done, encode, f"{split} token ids")
             self._ids[split] = torch.from_numpy(cache.ids(split))
+            self._report_unknown(split, cache.read_json(f"{split}.json"))
         return self._ids[split]
+
+    def _report_unknown(self, split: str, meta: dict[str, Any]) -> None:
+        """One line per split (from the cache entry's counts, so also on a cache hit): the
+        tokens that became ``<unk>`` without being written ``<unk>`` in the text: in training,
+        the words ``max_vocab_size`` dropped; elsewhere, words the training split lacks (BPE:
+        characters it never saw). A warning above 1%."""
+        unknown, tokens = int(meta["unknown"]), int(meta["tokens"])
+        self.unknown_tokens[split] = (unknown, tokens)
+        if process_rank() not in (None, 0):
+            return
+        share = unknown / max(tokens, 1)
+        if self._level == "bpe":
+            why, fix = "characters the BPE never saw in training", "check the text's characters"
+        elif split == "train":
+            limit = self.hparams.max_vocab_size
+            why = f"words beyond data.max_vocab_size={limit}" if limit else "no max_vocab_size"
+            fix = "raise data.max_vocab_size"
+        else:
+            why = "words not in the training vocabulary"
+            fix = "check that the splits are tokenised alike (case, punctuation, numbers)"
+        line = (
+            f"{split}: {unknown:,} of {tokens:,} tokens ({share:.2%}) became <unk> ({why}; "
+            f"<unk> written in the text not counted)"
+        )
+        if share > UNKNOWN_WARN_SHARE:
+            log.warning("warning: %s: over %.0f%%, %s", line, 100 * UNKNOWN_WARN_SHARE, fix)
+        else:
+            log.info("%s", line)
 
     def num_tokens(self, split: str) -> int:
         """Length of a split's stream (codes for Hybrid-LightRNN), without encoding it."""
@@ -440,15 +503,13 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
                 "predict needs prompts: set data.predict_prompts, e.g. "
                 "--data.predict_prompts '[\"the company said\"]'"
             )
-        items = [
-            {
-                "prompt": p,
-                "ids": torch.tensor(
-                    self.vocab.encode_line(p, add_eos=False) or [self.vocab.eos_id]
-                ),
-            }
-            for p in prompts
-        ]
+        items = []
+        for prompt in prompts:
+            ids = self.vocab.encode_line(prompt, add_eos=False)
+            unk = getattr(self.vocab, "unk_id", None)
+            if ids and unk is not None and all(i == unk for i in ids):
+                log.warning("prompt %r: no word of it is in the vocabulary (all <unk>)", prompt)
+            items.append({"prompt": prompt, "ids": torch.tensor(ids or [self.vocab.eos_id])})
         return DataLoader(items, batch_size=None)
 
     # -- checkpoint --------------------------------------------------------------------

@@ -38,8 +38,13 @@ from datamodules.errors import DataConfigError, DataFormatError, DataPathError
 SPLITS = ("train", "valid", "test")
 # The corpora shipped with the project (``corpora/README.md``): the data modules' defaults.
 CORPORA = Path(__file__).resolve().parent / "corpora"
-# File-name fragments that identify each split in a local folder.
-_SPLIT_PATTERNS = {"train": ("train",), "valid": ("valid", "val", "dev"), "test": ("test",)}
+# The names users give each split: file-name fragments in a local folder and keys of
+# ``data.files`` (the hub calls our ``valid`` ``validation``).
+_SPLIT_PATTERNS = {
+    "train": ("train",),
+    "valid": ("valid", "validation", "val", "dev"),
+    "test": ("test",),
+}
 # Text read per batch: big enough that per-batch overhead vanishes, small enough that the
 # batch's words as Python strings stay ~100 MB.
 BATCH_BYTES = 4 << 20
@@ -89,13 +94,32 @@ def open_text_bytes(path: Path) -> Iterator[tuple[Any, Any]]:
                 yield stream, raw
 
 
+def split_files_option(files: dict[str, str] | None) -> dict[str, str]:
+    """``data.files`` keyed by our split names: ``validation``, ``val`` and ``dev`` are
+    ``valid``; an unknown key, or two keys for one split, is refused rather than ignored."""
+    by_alias = {alias: split for split, aliases in _SPLIT_PATTERNS.items() for alias in aliases}
+    named: dict[str, str] = {}
+    for key, value in (files or {}).items():
+        split = by_alias.get(str(key).lower())
+        if split is None:
+            raise DataConfigError(
+                f"data.files has an unknown split {key!r}; use train, valid (or validation, "
+                f"val, dev) and test"
+            )
+        if split in named:
+            raise DataConfigError(f"data.files names the {split} split twice ({key!r})")
+        named[split] = value
+    return named
+
+
 def find_split_files(folder: Path, files: dict[str, str] | None, shipped: str) -> dict[str, Path]:
     """Map each split to its file inside ``folder`` (given names, or found by name; a given
     name may leave out a compression suffix)."""
+    files = split_files_option(files)
     require_folder(folder, shipped)
     found: dict[str, Path] = {}
     for split in SPLITS:
-        if files and split in files:
+        if split in files:
             candidate = resolve_file(folder / files[split])
         else:
             matches = sorted(

@@ -50,10 +50,11 @@ from datamodules.text_source import (
     local_or_hub,
     require_folder,
     resolve_file,
+    split_files_option,
     tokenizers_progress,
 )
 from datamodules.vocab import EOS, BPEVocab, WordVocab, vocab_from_state
-from datamodules.vocab.bpe import StreamEncoder
+from datamodules.vocab.bpe import StreamEncoder, warn_if_smaller_bpe
 from datamodules.vocab.word import count_words
 from heads import IGNORE_INDEX
 from heads.errors import UserError
@@ -90,7 +91,7 @@ def parallel_text_source(
     """
     if hub is None:
         require_folder(folder, "Multi30k (as configs/data/multi30k*.yaml do)")
-        prefixes = {**DEFAULT_FILES, **(files or {})}
+        prefixes = {**DEFAULT_FILES, **split_files_option(files)}
         found: dict[str, Path] = {}
         for split in SPLITS:
             side_files = [
@@ -317,7 +318,8 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         path: a local folder of ``<prefix>.<lang>`` files, plain or compressed (``.xz``, ``.gz``,
             ``.bz2``); unset: Multi30k shipped with the project (``datamodules/corpora/multi30k``).
         source_lang, target_lang: language suffixes / column names (``de`` -> ``en``).
-        files: split -> file prefix (default Multi30k's ``train``, ``val``, ``test_2016_flickr``).
+        files: split -> file prefix (default Multi30k's ``train``, ``val``, ``test_2016_flickr``;
+            keys ``train``, ``valid`` (or ``validation``, ``val``, ``dev``) and ``test``).
         hub: a Hugging Face hub dataset name instead of ``path`` (e.g. ``bentrevett/multi30k``),
             or a local copy in the hub's layout.
         name, revision, hub_splits: the hub dataset's configuration, revision (branch, tag or
@@ -507,6 +509,7 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         tokenizer = BPEVocab.train_tokenizer(
             batches, hp.bpe_vocab_size, show_progress=tokenizers_progress()
         )
+        warn_if_smaller_bpe(tokenizer.get_vocab_size(), hp.bpe_vocab_size, log)
         counts = np.zeros(tokenizer.get_vocab_size(), dtype=np.int64)
         eos = tokenizer.token_to_id(EOS)
         encoder = StreamEncoder(tokenizer)

@@ -106,6 +106,12 @@ class DSSoftmaxHead(Head):
     ) -> None:
         super().__init__(hidden_size, vocab_size)
         check_positive_int("num_experts", num_experts)
+        if num_experts > vocab_size:
+            raise HeadConfigError(
+                f"num_experts ({num_experts}) exceeds the {vocab_size} classes: experts "
+                f"specialise on classes, more can only duplicate each other; use at most "
+                f"{vocab_size}"
+            )
         for name, value in (
             ("lambda_lasso", lambda_lasso),
             ("lambda_expert", lambda_expert),

@@ -3,6 +3,7 @@ the same way. Everything head-specific is asked of the head (``heads/base.py``).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -11,6 +12,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from heads import Head, HeadSetup
 from heads.fused_cross_entropy import check_backend
@@ -24,6 +26,12 @@ from lightning_modules.errors import ModelConfigError
 from lightning_modules.optimization import configure_optimizers
 
 log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning(message)
+
 
 # What tasks take for ``compile``: False, True (torch.compile's defaults) or its keyword arguments
 CompileOption = bool | dict[str, Any]
@@ -72,6 +80,8 @@ class HeadTask(L.LightningModule):
         self.configure_training(compile, loss_backend)
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
+        # validations ended in fit, and that count at the plateau scheduler's last step
+        self._validations = self._plateau_validations = 0
 
     def configure_training(self, compile: CompileOption, loss_backend: str) -> None:
         """Record the ``compile`` and ``loss_backend`` options (once ``self.head`` is set)."""
@@ -129,6 +139,23 @@ class HeadTask(L.LightningModule):
         return configure_optimizers(
             self.parameters(), self.optimizer_factory, self.scheduler_factory
         )
+
+    def on_validation_end(self) -> None:
+        if not self.trainer.sanity_checking:
+            self._validations += 1
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        if isinstance(scheduler, ReduceLROnPlateau):
+            # Lightning reads val/loss from callback_metrics, which keeps an earlier
+            # validation's value: stepping on it again (patience 0) would cut the rate on
+            # no new evidence. Step only after a validation that ended since the last step.
+            if self._validations == self._plateau_validations:
+                _warn_once("ReduceLROnPlateau: no validation since its last step; step skipped")
+                return
+            self._plateau_validations = self._validations
+            scheduler.step(metric)
+            return
+        super().lr_scheduler_step(scheduler, metric)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[HEAD_KEY] = head_class_name(self.head)

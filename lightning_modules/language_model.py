@@ -12,8 +12,9 @@ from torchmetrics import MeanMetric, SumMetric
 from datamodules.resumable import ResumableLoader
 from heads import Head
 from lightning_modules.backbones import LMBackbone
+from lightning_modules.checkpoint_file import check_checkpoint_file
 from lightning_modules.checks import check_finite_loss
-from lightning_modules.errors import CheckpointPathError, ModelConfigError
+from lightning_modules.errors import ModelConfigError
 from lightning_modules.head_task import HeadTask
 from lightning_modules.optimization import step_schedulers_skipped_by_resume
 
@@ -58,6 +59,9 @@ class LanguageModel(HeadTask):
             optional packages); see ``HeadTask``.
     """
 
+    # the run's quality in TensorBoard's HPARAMS tab (hp_metric): its best validation perplexity
+    HP_METRIC = ("val/ppl", "min")
+
     def __init__(
         self,
         backbone: LMBackbone,
@@ -78,6 +82,12 @@ class LanguageModel(HeadTask):
             head.tie_output_embedding(backbone.embedding.weight)
         if temperature <= 0:
             raise ModelConfigError(f"model.temperature must be positive, got {temperature}")
+        if predict_top_k < 1:
+            raise ModelConfigError(f"model.predict_top_k must be at least 1, got {predict_top_k}")
+        if generate_tokens < 0:
+            raise ModelConfigError(
+                f"model.generate_tokens must be 0 (none) or more, got {generate_tokens}"
+            )
         # Only structural options go to hparams: LightningCLI re-applies a checkpoint's hparams
         # over the command line, which must stay free to change the predict options. (Modules
         # and factories are described by the config LightningCLI saves beside the logs.)
@@ -114,6 +124,39 @@ class LanguageModel(HeadTask):
         self._resumed_train_state: Any = None
 
     # -- steps -------------------------------------------------------------------------
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of one batch from a fresh recurrent state: what Lightning's model summary
+        runs on ``example_input_array`` to count each module's FLOPs. Eager even where
+        ``compile`` is on: compiling under the summary's FLOP counter would leave the modules
+        uncompiled for training."""
+        with torch.compiler.set_stance("force_eager"):
+            hidden, _ = self.backbone(inputs)
+            return self.head(hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)).loss
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if stage == "fit":
+            # set before the summary (on_fit_start); moved to the device with the batch
+            self.example_input_array = self._first_training_batch()
+
+    def _first_training_batch(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This rank's first training batch (a view of the token file), or None without a
+        language-modelling data module. Real ids, so that adaptive clusters and DS experts
+        count the FLOPs a real batch costs."""
+        trainer = self._trainer
+        data = getattr(trainer, "datamodule", None) if trainer else None
+        if not hasattr(data, "rank_streams"):
+            return None
+        hp = data.hparams
+        try:
+            streams = data.rank_streams(
+                "train", hp.batch_size, trainer.global_rank, trainer.world_size
+            )
+        except ValueError:  # too few tokens: the training loader names the option to fix
+            return None
+        stop = min(hp.bptt, streams.size(1) - 1)
+        return streams[:, :stop].long(), streams[:, 1 : stop + 1].long()
+
     def _step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> torch.Tensor:
         inputs, targets = batch
         hidden, new_state = self.backbone(inputs, self._state.get(stage))
@@ -169,7 +212,9 @@ class LanguageModel(HeadTask):
         metric = self.metrics[f"{stage}_nll"]
         mean_nll = metric.compute()
         metric.reset()
-        self.log(f"{stage}/loss", mean_nll, prog_bar=stage != "train", sync_dist=False)
+        # the training epoch's mean has its own tag: train/loss is the per-batch loss
+        loss_tag = "train/loss_epoch" if stage == "train" else f"{stage}/loss"
+        self.log(loss_tag, mean_nll, prog_bar=stage != "train", sync_dist=False)
         self.log(f"{stage}/ppl", mean_nll.exp(), prog_bar=True, sync_dist=False)
 
     def on_train_epoch_start(self) -> None:
@@ -246,10 +291,7 @@ class LanguageModel(HeadTask):
     # -- checkpoints -------------------------------------------------------------------
     def load_pretrained(self, path: str) -> None:
         """Backbone (and head, see ``pretrained_checkpoint``) weights from a checkpoint."""
-        from pathlib import Path
-
-        if not Path(path).is_file():
-            raise CheckpointPathError(f"pretrained_checkpoint {path!r} does not exist")
+        check_checkpoint_file(path, "pretrained_checkpoint")
         state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
         parts: dict[str, dict[str, torch.Tensor]] = {"backbone": {}, "head": {}}
         for key, value in state.items():

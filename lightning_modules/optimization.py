@@ -38,16 +38,18 @@ def configure_optimizers(
 ) -> Any:
     """The injected optimizer, and the scheduler stepped per epoch on ``val/loss`` (which
     ``ReduceLROnPlateau`` needs and other schedulers ignore), or per optimizer step for a
-    scheduler that says so (``interval = "step"``, e.g. :class:`InverseSquareRootLR`)."""
+    scheduler that says so (``interval = "step"``, e.g. :class:`InverseSquareRootLR`).
+
+    ``strict: False``: an epoch without ``val/loss`` (``limit_val_batches=0``, validation
+    every n epochs) skips the plateau step with a warning instead of stopping the run; a
+    stale ``val/loss`` of an earlier validation is skipped by ``HeadTask.lr_scheduler_step``."""
     built = optimizer(parameters)
     if scheduler is None:
         return built
     schedule = scheduler(built)
     interval = getattr(schedule, "interval", "epoch")
-    return {
-        "optimizer": built,
-        "lr_scheduler": {"scheduler": schedule, "monitor": "val/loss", "interval": interval},
-    }
+    config = {"scheduler": schedule, "monitor": "val/loss", "interval": interval, "strict": False}
+    return {"optimizer": built, "lr_scheduler": config}
 
 
 def step_schedulers_skipped_by_resume(trainer: Any) -> None:

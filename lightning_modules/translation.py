@@ -61,6 +61,9 @@ class Translation(HeadTask):
             ``HeadTask``.
     """
 
+    # the run's quality in TensorBoard's HPARAMS tab (hp_metric): its best validation BLEU
+    HP_METRIC = ("val/bleu", "max")
+
     def __init__(
         self,
         backbone: Seq2SeqTransformer,
@@ -224,7 +227,10 @@ class Translation(HeadTask):
         metric = self.metrics[f"{stage}_nll"]
         mean_nll = metric.compute()
         metric.reset()
-        self.log(f"{stage}/loss", mean_nll, prog_bar=stage != "train")
+        # the training epoch's mean NLL has its own tag, apart from the per-batch train/nll
+        # (train/loss per batch is the smoothed loss the optimizer sees)
+        loss_tag = "train/nll_epoch" if stage == "train" else f"{stage}/loss"
+        self.log(loss_tag, mean_nll, prog_bar=stage != "train")
         self.log(f"{stage}/ppl", mean_nll.exp(), prog_bar=stage != "train")
 
     def _gathered_translations(self) -> dict[int, list[int]]:

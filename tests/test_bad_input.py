@@ -5,13 +5,22 @@ prints and its exit status (2); the cases that jsonargparse reports itself (unkn
 classes) check its message. Tiny corpora keep every case to about a second.
 """
 
+import logging
+import os
+import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import datasets.config
+import huggingface_hub.constants
 import pytest
+import torch
 
+from app.console import TRACEBACK_ENV
 from cli import console_main
+from tests.conftest import REPO
 
 ROOT = tempfile.mkdtemp(prefix="bad-input-test-")
 WORDS = "the cat sat on a mat and dog ran to red hat in big old box".split()
@@ -230,7 +239,7 @@ def test_checkpoint_from_another_vocabulary(softmax_checkpoint, tmp_path, capsys
     code = lm("test", other, "--ckpt_path", softmax_checkpoint)
     line = error_line(capsys, code)
     assert line.startswith("error: the checkpoint was trained with another vocabulary (18 tokens")
-    assert f"than the data at '{other}' gives (18 tokens" in line
+    assert f"than the data at path='{other}' gives (18 tokens" in line
 
 
 def test_checkpoint_from_another_head(softmax_checkpoint, corpus, capsys):
@@ -260,7 +269,9 @@ def test_tied_head_with_another_embedding_size(corpus, capsys):
 
 def test_missing_pretrained_checkpoint(corpus, capsys):
     code = lm("fit", corpus, "--model.init_args.pretrained_checkpoint", "/no/such.ckpt")
-    assert error_line(capsys, code) == "error: pretrained_checkpoint '/no/such.ckpt' does not exist"
+    assert error_line(capsys, code) == (
+        "error: pretrained_checkpoint '/no/such.ckpt' does not exist or is not a file"
+    )
 
 
 # -- training ----------------------------------------------------------------------------------
@@ -275,17 +286,196 @@ def test_nan_loss_stops_naming_the_step_and_the_head(corpus, capsys):
     )
 
 
-# -- what jsonargparse reports itself (LightningCLI's own messages) ---------------------------
-def test_config_key_that_does_not_exist(corpus, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        lm("fit", corpus, "--data.init_args.bptt_length", "5")
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert "bptt_length" in err and "error:" in err
+# -- the command line: parser, Lightning and PyTorch errors, each one line ------------------
+BROKEN = Path(ROOT) / "broken"
+BROKEN.mkdir()
+(BROKEN / "empty.ckpt").write_bytes(b"")
+(BROKEN / "config.ckpt").write_text("model: {lr: 1}\n")
+(BROKEN / "not_yaml.yaml").write_text("trainer: {max_epochs: 1\n  - [\n")
+
+# (id, subcommand and options after the tiny LM's, the start of the one line it prints)
+COMMAND_LINE = [
+    ("int_word", ["fit", "--trainer.max_epochs", "one"],
+     "trainer.max_epochs: expected an int (given 'one')"),
+    ("nested_int_word", ["fit", "--data.init_args.bptt", "thirty"],
+     "data.init_args.bptt: expected an int (given 'thirty')"),
+    ("float_word", ["fit", "--model.init_args.optimizer.init_args.lr", "abc"],
+     "model.init_args.optimizer.init_args.lr: expected a float (given 'abc')"),
+    ("seed_word", ["fit", "--seed_everything", "abc"],
+     "seed_everything: expected a bool or an int (given 'abc')"),
+    ("precision_typo", ["fit", "--trainer.precision", "bf61"],
+     "trainer.precision: expected one of: "),
+    ("no_such_head", ["fit", "--model.head", "heads.MixtapHead"],
+     "model.init_args.head: no class 'MixtapHead' in module 'heads'; did you mean "
+     "heads.MixtapeHead"),
+    ("no_such_head_file", ["fit", "--model.head", "configs/heads/mixtap.yaml"],
+     "model.init_args.head: no such file or class; did you mean configs/heads/mixtape.yaml"),
+    ("head_option_typo", ["fit", "--model.head", "configs/heads/mos.yaml",
+                          "--model.init_args.head.init_args.num_componets", "3"],
+     "model.init_args.head.init_args.num_componets: heads.MoSHead has no option "
+     "'num_componets'; did you mean num_components? (given '3')"),
+    ("backbone_option_typo", ["fit", "--model.init_args.backbone.init_args.hiden_size", "3"],
+     "model.init_args.backbone.init_args.hiden_size: lightning_modules.backbones.LSTMBackbone "
+     "has no option 'hiden_size'; did you mean hidden_size?"),
+    ("data_option_typo", ["fit", "--data.init_args.bptt_length", "5"],
+     "data.init_args.bptt_length: datamodules.LanguageModelingDataModule has no option "
+     "'bptt_length'; did you mean bptt? (given '5')"),
+    ("trainer_option_prefix", ["fit", "--trainer.max_epoch", "1"],
+     "unknown option --trainer.max_epoch; did you mean --trainer.max_epochs"),
+    ("subcommand_typo", ["fitt"], "unknown subcommand 'fitt'; did you mean fit?"),
+    ("missing_config", ["fit", "--config", "configs/lm/ptb_softmx.yaml"],
+     "--config: File does not exist: "),
+    ("config_not_yaml", ["fit", "--config", str(BROKEN / "not_yaml.yaml")],
+     f"--config '{BROKEN / 'not_yaml.yaml'}' is not a YAML file ("),
+    ("linked_hidden_size", ["fit", "--model.init_args.head.init_args.hidden_size", "32"],
+     "model.init_args.head.init_args.hidden_size: set by the CLI from the backbone's output "
+     "size; leave it out"),
+    ("linked_vocab_size", ["fit", "--model.init_args.head.init_args.vocab_size", "32"],
+     "model.init_args.head.init_args.vocab_size: set by the CLI from data.vocab_size"),
+    ("negative_lr", ["fit", "--model.init_args.optimizer.init_args.lr", "-1"],
+     "model.init_args.optimizer: Invalid learning rate: -1.0"),
+    ("negative_epochs", ["fit", "--trainer.max_epochs", "-2"],
+     "trainer.max_epochs: max_epochs must be a non-negative integer or -1. You passed in -2."),
+    ("accelerator_typo", ["fit", "--trainer.accelerator", "tpuu"],
+     "trainer.accelerator: You selected an invalid accelerator name: accelerator='tpuu'."),
+    ("strategy_typo", ["fit", "--trainer.strategy", "ddpp"],
+     "trainer.strategy: You selected an invalid strategy name: strategy='ddpp'."),
+    ("negative_generate", ["fit", "--model.init_args.generate_tokens", "-5"],
+     "model.generate_tokens must be 0 (none) or more, got -5"),
+    ("zero_top_k", ["predict", "--model.init_args.predict_top_k", "0"],
+     "model.predict_top_k must be at least 1, got 0"),
+    ("best_without_fit", ["test", "--ckpt_path", "best"],
+     'ckpt_path: .test(ckpt_path="best") is set but ModelCheckpoint is not configured.'),
+    ("empty_checkpoint", ["test", "--ckpt_path", str(BROKEN / "empty.ckpt")],
+     f"ckpt_path '{BROKEN / 'empty.ckpt'}' is empty (0 bytes), not a checkpoint"),
+    ("yaml_as_checkpoint", ["validate", "--ckpt_path", str(BROKEN / "config.ckpt")],
+     f"ckpt_path '{BROKEN / 'config.ckpt'}' is not a checkpoint written by fit"),
+    ("path_and_hub", ["fit", "--data.init_args.hub", "someone/corpus"],
+     "data.path ("),
+    ("name_without_hub", ["fit", "--data.init_args.name", "wikitext-2-v1"],
+     "data.name and data.revision need data.hub"),
+    ("files_typo", ["fit", "--data.init_args.files", "{train: tiny.trian.txt}"],
+     "train file "),
+]  # fmt: skip
+if not torch.cuda.is_available():
+    COMMAND_LINE.append(
+        ("gpu_without_one", ["fit", "--trainer.accelerator", "gpu"],
+         "trainer.accelerator: no GPU is usable on this machine; use --trainer.accelerator cpu")
+    )  # fmt: skip
 
 
-def test_head_class_that_does_not_exist(corpus, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        lm("fit", corpus, "--model.init_args.head.class_path", "heads.NoSuchHead")
-    assert exit_.value.code == 2
-    assert "heads.NoSuchHead" in capsys.readouterr().err
+def one_error_line(err: str) -> str:
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, err[-2000:]
+    assert "Traceback" not in err and "usage:" not in err, err[-2000:]
+    return errors[0]
+
+
+@pytest.mark.parametrize(("args", "expected"), [c[1:] for c in COMMAND_LINE],
+                         ids=[c[0] for c in COMMAND_LINE])  # fmt: skip
+def test_command_line_mistakes_are_one_line(corpus, capsys, args, expected):
+    code = lm(args[0], corpus, *args[1:])
+    assert code == 2
+    assert one_error_line(capsys.readouterr().err).startswith(f"error: {expected}")
+
+
+def test_a_truncated_checkpoint_is_named(softmax_checkpoint, corpus, tmp_path, capsys):
+    whole = Path(softmax_checkpoint).read_bytes()
+    cut = tmp_path / "cut.ckpt"
+    cut.write_bytes(whole[: len(whole) // 2])
+    code = lm("test", corpus, "--ckpt_path", str(cut))
+    assert error_line(capsys, code) == (
+        f"error: ckpt_path '{cut}' is not a checkpoint written by fit (not a PyTorch archive, "
+        f"or a truncated one)"
+    )
+
+
+def test_no_subcommand_is_one_line(capsys):
+    assert console_main([]) == 2
+    assert "subcommand" in one_error_line(capsys.readouterr().err)
+
+
+def test_an_unreachable_hub_is_one_line(corpus, capsys, monkeypatch):
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    code = console_main(["fit", "--config", "configs/lm/ptb_softmax.yaml", "--data.init_args.hub",
+                         "someone/never-cached", *QUIET, *SMALL_LM])  # fmt: skip
+    line = error_line(capsys, code)
+    assert line.startswith("error: cannot load hub dataset 'someone/never-cached'")
+    assert "Point data.path at a local folder" in line
+
+
+def test_predict_without_a_checkpoint_says_the_model_is_untrained(corpus, capsys):
+    code = lm("predict", corpus, "--data.init_args.predict_prompts", '["the cat"]')
+    assert code == 0
+    assert "warning: predict without --ckpt_path: the model is untrained" in (
+        capsys.readouterr().err.splitlines()
+    )
+
+
+def test_the_traceback_is_one_switch_away(corpus, monkeypatch):
+    monkeypatch.setenv(TRACEBACK_ENV, "1")
+    with pytest.raises(Exception, match="Invalid learning rate"):
+        lm("fit", corpus, "--model.init_args.optimizer.init_args.lr", "-1")
+
+
+@pytest.mark.slow
+def test_every_command_line_mistake_in_a_real_process(corpus):
+    """The same cases as ``python cli.py`` processes: exit status 2, one line, no traceback."""
+    for name, args, expected in COMMAND_LINE:
+        command = [sys.executable, "cli.py", args[0], "--config", "configs/lm/ptb_softmax.yaml",
+                   "--data.init_args.path", corpus, *QUIET, *SMALL_LM, *args[1:]]  # fmt: skip
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2, (name, done.stderr[-2000:])
+        assert one_error_line(done.stderr).startswith(f"error: {expected}"), name
+
+
+# -- silently wrong no more: refused, or said in a line -------------------------------------
+def test_more_ds_experts_than_classes_is_refused(corpus, capsys):
+    code = lm("fit", corpus, "--model.head", "heads.DSSoftmaxHead",
+              "--model.init_args.head.init_args.num_experts", "64")  # fmt: skip
+    assert re.fullmatch(
+        r"error: num_experts \(64\) exceeds the \d+ classes: experts specialise on classes, "
+        r"more can only duplicate each other; use at most \d+",
+        error_line(capsys, code),
+    )
+
+
+def test_a_bpe_smaller_than_asked_is_a_warning(corpus, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="datamodules")
+    code = lm("fit", corpus, "--data.init_args.vocab", "bpe",
+              "--data.init_args.bpe_vocab_size", "50000", "--data.init_args.cache_dir",
+              str(tmp_path), "--trainer.max_steps", "1")  # fmt: skip
+    assert code == 0
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert re.fullmatch(
+        r"data.bpe_vocab_size asked 50000 tokens but the training text gives only (\d+) \(every "
+        r"word is one piece by then\): the BPE vocabulary has \1",
+        warnings[0].getMessage(),
+    )
+    trained = [r.getMessage() for r in caplog.records if "BPE of" in r.getMessage()]
+    assert trained and "50000" not in trained[0]
+
+
+def test_a_prompt_of_unknown_words_is_a_warning(corpus, caplog):
+    caplog.set_level(logging.INFO, logger="datamodules")
+    code = lm("predict", corpus, "--data.init_args.predict_prompts", '["zebra quokka", "the cat"]')
+    assert code == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["prompt 'zebra quokka': no word of it is in the vocabulary (all <unk>)"]
+
+
+@pytest.mark.slow
+def test_under_ddp_one_process_prints_the_error(corpus):
+    """Both ranks meet the NaN loss; the line is printed once, and the run exits 2."""
+    command = [sys.executable, "cli.py", "fit", "--config", "configs/lm/ptb_softmax.yaml",
+               "--data.init_args.path", corpus, *QUIET, *SMALL_LM,
+               "--config", "configs/presets/ddp_cpu.yaml",
+               "--model.init_args.optimizer.init_args.lr", ".inf",
+               "--trainer.gradient_clip_val", "null"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert one_error_line(done.stderr).startswith("error: non-finite train loss (nan) at step 1")

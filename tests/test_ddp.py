@@ -105,7 +105,8 @@ def report(name: str, single: dict[str, float], ddp: dict[str, float]) -> None:
     print(
         f"\nDDP-vs-single {name}: val/loss single {single['val/loss']:.6f} "
         f"ddp {ddp['val/loss']:.6f} (rel diff {abs(ddp['val/loss'] / single['val/loss'] - 1):.1e});"
-        f" train/loss (epoch mean) single {single['train/loss']:.6f} ddp {ddp['train/loss']:.6f}"
+        f" train/loss_epoch single {single['train/loss_epoch']:.6f}"
+        f" ddp {ddp['train/loss_epoch']:.6f}"
     )
 
 

@@ -134,8 +134,9 @@ def test_killed_mid_epoch_and_resumed_equals_an_uninterrupted_run(tmp_path, ptb_
         torch.testing.assert_close(resumed.model.state_dict()[name], value, msg=name)
 
     # the curves: the killed run's steps, then the resumed run's, are the uninterrupted one,
-    # per batch (train/loss) and per epoch (train/ppl over the whole epoch, val/loss, val/ppl)
-    for key in ("train/loss", "train/ppl", "val/loss", "val/ppl"):
+    # per batch (train/loss) and per epoch (train/loss_epoch, train/ppl over the whole epoch,
+    # val/loss, val/ppl)
+    for key in ("train/loss", "train/loss_epoch", "train/ppl", "val/loss", "val/ppl"):
         killed, again = logged(tmp_path / "killed", key), logged(tmp_path / "resumed", key)
         assert max(killed) < FAIL_AT <= min(again), key
         assert sorted({**killed, **again}) == sorted(logged(tmp_path / "whole", key)), key

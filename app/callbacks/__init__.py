@@ -8,7 +8,10 @@ from app.callbacks.lightrnn_reassignment import LightRNNTableReassignment
 from app.callbacks.mitosis import Mitosis
 from app.callbacks.nt_asgd import NTASGD
 from app.callbacks.prediction_writer import PredictionWriter
+from app.callbacks.preemption import PreemptionCheckpoint
+from app.callbacks.run_record import RunRecord
 from app.callbacks.throughput import TokenThroughputMonitor
+from app.callbacks.unknown_words import UnknownWords
 
 __all__ = [
     "DSMonitor",
@@ -19,6 +22,9 @@ __all__ = [
     "Mitosis",
     "NTASGD",
     "PredictionWriter",
+    "PreemptionCheckpoint",
+    "RunRecord",
     "TokenThroughputMonitor",
     "TopKAccuracy",
+    "UnknownWords",
 ]

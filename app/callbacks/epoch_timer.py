@@ -6,6 +6,7 @@ import time
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 
 
 class EpochTimer(Callback):
@@ -20,7 +21,9 @@ class EpochTimer(Callback):
         self._start, self._paused, self._paused_at = time.perf_counter(), 0.0, None
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.training:
+        # Lightning sets ``trainer.validating`` (so ``training`` is False) before this hook,
+        # also inside fit: the fit stage is what says the epoch clock is running
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
             self._paused_at = time.perf_counter()
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import lightning as L
@@ -30,3 +31,25 @@ class FailAtStep(L.Callback):
     ) -> None:
         if trainer.global_step >= self.step:
             raise InjectedFailure(f"injected failure at global step {trainer.global_step}")
+
+
+class SignalAtStep(L.Callback):
+    """Sends this process ``signal`` (``SIGTERM``, ``SIGINT``...) when ``global_step`` reaches
+    ``step``, in the middle of a batch: as a cluster scheduler preempting the job would.
+
+    ``python cli.py fit ... --trainer.callbacks+ app.callbacks.fail_at_step.SignalAtStep
+    --trainer.callbacks.step 14 --trainer.callbacks.signal SIGTERM``
+    """
+
+    def __init__(self, step: int, signal: str = "SIGTERM") -> None:
+        import signal as signals
+
+        self.step, self.signum = step, getattr(signals, signal)
+        self.sent = False
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step >= self.step and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), self.signum)

@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from app.callbacks.ds_optim import change_structure, find_ds_head
+from app.cli_errors import warn_line
 from heads.errors import HeadConfigError
 
 
@@ -88,6 +89,15 @@ class Mitosis(Callback):
         if self.max_peak_softmaxes is None:
             return True
         return self.split_peak_rows(head) <= self.max_peak_softmaxes * head.vocab_size
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        _, head = find_ds_head(pl_module)
+        if self.max_experts > head.vocab_size:  # more experts than classes only duplicate
+            warn_line(
+                f"Mitosis max_experts ({self.max_experts}) exceeds the {head.vocab_size} "
+                f"classes: splitting stops at {head.vocab_size} experts"
+            )
+            self.max_experts = head.vocab_size
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         _, head = find_ds_head(pl_module)

@@ -181,8 +181,16 @@ def plot_curves(study: Mapping[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def timing_label(study: Mapping[str, Any]) -> str:
+    """What a study's training times hold: studies written before the epoch timer paused
+    during validation inside fit (no ``epoch_time_excludes_validation``) include it."""
+    if study.get("epoch_time_excludes_validation"):
+        return "validation excluded"
+    return "incl. validation"
+
+
 def plot_quality_vs_time(study: Mapping[str, Any], rows: list[dict[str, Any]], path: Path) -> None:
-    """Test metric against training time (minutes, validation excluded), mean ± std each way."""
+    """Test metric against training time (minutes, see :func:`timing_label`), mean ± std."""
     fig, ax = plt.subplots(figsize=(6, 4.2))
     for index, row in enumerate(rows):
         (x, dx), (y, dy) = row["train_s"], row["metric"]
@@ -198,7 +206,7 @@ def plot_quality_vs_time(study: Mapping[str, Any], rows: list[dict[str, Any]], p
             capsize=4,
             label=f"{row['label']} (n={row['ok']})",
         )
-    ax.set_xlabel("training time (min, validation excluded)")
+    ax.set_xlabel(f"training time (min, {timing_label(study)})")
     ax.set_ylabel(study["metric"])
     ax.set_title(f"{study['name']}: quality vs training time")
     ax.legend()
@@ -239,8 +247,8 @@ def render_markdown(study: Mapping[str, Any], image_dir: Path | str, link_prefix
         f"{metric} mean ± std",
         f"best {study['curve_metric']}",
         "epochs",
-        "train s/epoch",
-        "train min",
+        f"train s/epoch ({timing_label(study)})",
+        f"train min ({timing_label(study)})",
         "rank",
     ]
     if ref_values:
@@ -265,6 +273,12 @@ def render_markdown(study: Mapping[str, Any], image_dir: Path | str, link_prefix
             cells.append("-" if value is None else f"{value}")
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
+    if not study.get("epoch_time_excludes_validation"):
+        lines += [
+            "Training times include validation: this study was run before the epoch timer "
+            "excluded it (`time/train_epoch_s`, issue 33).",
+            "",
+        ]
     comparisons = compare(study, rows)
     if comparisons:
         direction = "lower" if study["mode"] == "min" else "higher"

@@ -353,6 +353,8 @@ def study_document(grid: Grid, results: list[dict[str, Any]], env: dict[str, Any
         "instability_threshold": grid.instability_threshold,
         "grid": grid.raw,
         "environment": env,
+        # studies written before this flag timed epochs with validation inside (issue 33)
+        "epoch_time_excludes_validation": True,
         "runs": [_compact(r) for r in results],
     }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from collections.abc import Iterable, Iterator
 
@@ -41,6 +42,12 @@ class _TypeIndex(dict):
         self[word] = index = len(self)
         self.new.append(word)
         return index
+
+
+def written_unk(lines: list[str]) -> int:
+    """How many ``<unk>`` the text itself writes (the tokenizer matches the special token
+    anywhere, also inside a word)."""
+    return sum(line.count(UNK) for line in lines)
 
 
 class StreamEncoder:
@@ -222,6 +229,13 @@ class BPEVocab:
             self._stream = StreamEncoder(self.tokenizer)
         return self.to_ours(self._stream.encode(lines))
 
+    def encode_batch_unknown(self, lines: list[str]) -> tuple[np.ndarray, int]:
+        """``encode_batch(lines)`` and how many of its ids are ``<unk>`` for characters the BPE
+        never saw (a ``<unk>`` written in the text, matched anywhere as the special token it
+        is, is not counted)."""
+        ids = self.encode_batch(lines)
+        return ids, int(np.count_nonzero(ids == self.unk_id)) - written_unk(lines)
+
     def line_lengths(self, lines: list[str], ids: np.ndarray) -> np.ndarray:
         """Ids per line of ``ids = encode_batch(lines)`` (``<eos>`` included)."""
         return self.theirs_line_lengths(self.tokenizer, lines, ids, self.eos_id)
@@ -277,3 +291,16 @@ class BPEVocab:
 
     def to_json(self) -> str:
         return json.dumps(self.state_dict())
+
+
+def warn_if_smaller_bpe(size: int, asked: int, log: logging.Logger) -> None:
+    """A warning line when the training text supports fewer pieces than ``bpe_vocab_size``
+    asked (every word type already one piece): the vocabulary is smaller than configured."""
+    if size < asked:
+        log.warning(
+            "data.bpe_vocab_size asked %d tokens but the training text gives only %d (every word "
+            "is one piece by then): the BPE vocabulary has %d",
+            asked,
+            size,
+            size,
+        )

@@ -109,6 +109,14 @@ class WordVocab:
         ids = map(self.stoi.get, words, repeat(self.unk_id))
         return np.fromiter(ids, dtype=np.int32, count=len(words))
 
+    def encode_batch_unknown(self, lines: list[str]) -> tuple[np.ndarray, int]:
+        """``encode_batch(lines)`` and how many of its ids are ``<unk>`` for a word outside the
+        vocabulary (a ``<unk>`` written in the text is not counted)."""
+        ids = self.encode_batch(lines)
+        # only the lines that hold the string are split again
+        written = sum(line.split().count(UNK) for line in lines if UNK in line)
+        return ids, int(np.count_nonzero(ids == self.unk_id)) - written
+
     def line_lengths(self, lines: list[str], ids: np.ndarray) -> np.ndarray:
         """Ids per line of ``ids = encode_batch(lines)`` (``<eos>`` included)."""
         lengths = lengths_from_eos(ids, self.eos_id, len(lines))

@@ -1,4 +1,4 @@
-"""Multi-layer LSTM language-model backbone with the usual (locked) dropouts."""
+"""Multi-layer LSTM language-model backbone with locked (or standard) dropouts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
+import lightning_modules.backbones.rnn_flops  # noqa: F401  (the LSTM kernels' FLOP formulas)
 from lightning_modules.backbones.base import LMBackbone
+from lightning_modules.errors import ModelConfigError
+
+DROPOUT_KINDS = ("locked", "standard")
 
 
 class LockedDropout(nn.Module):
@@ -28,6 +32,16 @@ class LockedDropout(nn.Module):
         return x * mask
 
 
+def make_dropout(kind: str, p: float) -> nn.Module:
+    """``locked``: one mask per sequence (:class:`LockedDropout`); ``standard``: a new mask
+    for every element, so every time step (``nn.Dropout``, Zaremba et al. 2014)."""
+    if kind == "locked":
+        return LockedDropout(p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {p}")
+    return nn.Dropout(p)
+
+
 class LSTMBackbone(LMBackbone):
     """Embedding -> ``num_layers`` LSTMs -> context vectors.
 
@@ -38,9 +52,12 @@ class LSTMBackbone(LMBackbone):
         num_layers: number of stacked LSTM layers.
         output_size: size of the last layer, i.e. of the context vectors given to the head.
             Default: ``hidden_size``.
-        input_dropout: locked dropout on the embedded inputs.
-        hidden_dropout: locked dropout between LSTM layers.
-        output_dropout: locked dropout on the last layer's output.
+        input_dropout: dropout on the embedded inputs.
+        hidden_dropout: dropout between LSTM layers.
+        output_dropout: dropout on the last layer's output.
+        dropout_kind: ``locked`` (one mask per sequence, shared over time: variational
+            dropout) or ``standard`` (a new mask at every time step, as in Zaremba et al.
+            2014 and PyTorch's word_language_model).
     """
 
     carries_state = True
@@ -59,18 +76,24 @@ class LSTMBackbone(LMBackbone):
         input_dropout: float = 0.2,
         hidden_dropout: float = 0.2,
         output_dropout: float = 0.2,
+        dropout_kind: str = "locked",
     ) -> None:
         super().__init__()
         if num_layers < 1:
             raise ValueError(f"num_layers must be at least 1, got {num_layers}")
+        if dropout_kind not in DROPOUT_KINDS:
+            raise ModelConfigError(
+                f"backbone dropout_kind must be one of {', '.join(DROPOUT_KINDS)}, "
+                f"got {dropout_kind!r}"
+            )
         self.output_size = hidden_size if output_size is None else output_size
         self.embedding = nn.Embedding(vocab_size, embedding_size)
         nn.init.uniform_(self.embedding.weight, -0.1, 0.1)
         sizes = [embedding_size] + [hidden_size] * (num_layers - 1) + [self.output_size]
         self.layers = nn.ModuleList(self._layer(sizes[i], sizes[i + 1]) for i in range(num_layers))
-        self.input_dropout = LockedDropout(input_dropout)
-        self.hidden_dropout = LockedDropout(hidden_dropout)
-        self.output_dropout = LockedDropout(output_dropout)
+        self.input_dropout = make_dropout(dropout_kind, input_dropout)
+        self.hidden_dropout = make_dropout(dropout_kind, hidden_dropout)
+        self.output_dropout = make_dropout(dropout_kind, output_dropout)
 
     def _layer(self, input_size: int, hidden_size: int) -> nn.Module:
         """One recurrent layer, called as ``layer(x, state) -> (x, state)``."""

@@ -279,7 +279,7 @@ def test_scaled_down_wikitext_cache_is_used_and_correct(wikitext_like, tmp_path,
     for split, expected in ids.items():
         assert np.array_equal(first.split_tokens(split).numpy(), expected)
         assert np.array_equal(second.split_tokens(split).numpy(), expected)
-    messages = [r.getMessage() for r in caplog.records]
+    messages = [r.getMessage() for r in caplog.records if "became <unk>" not in r.getMessage()]
     assert len(messages) == 4 and all("data cache hit" in m for m in messages)
 
 
@@ -351,3 +351,88 @@ def test_a_hub_dataset_gives_the_ids_of_the_same_text_in_local_files(tmp_path):
     for split in ("train", "valid", "test"):
         assert by_name.split_tokens(split).tolist() == from_files.split_tokens(split).tolist()
     assert "hub=" in repr(by_name) and "wikitext-2-v1" in repr(by_name)
+
+
+# -- tokens that became <unk> (issue 33) -------------------------------------------------------
+# train: 10 lines of 7 words + <eos>; max_vocab_size 5 keeps <eos>, <unk>, a, b, c: the 5 d's
+# are dropped, the 10 written <unk> are not counted. valid: x and y are unknown (2 of 6 tokens
+# a line, 5 lines); test: z in 2 of its 4 lines of 4 tokens.
+UNK_CORPUS = {
+    "train": "a a a b b <unk> c\na a a b b <unk> d\n" * 5,
+    "valid": "a x b <unk> y\n" * 5,
+    "test": "a b c\n" * 2 + "a z c\n" * 2,
+}
+
+
+def unk_corpus(folder):
+    folder.mkdir(exist_ok=True)
+    for split, text in UNK_CORPUS.items():
+        (folder / f"c.{split}.txt").write_text(text)
+    return str(folder)
+
+
+def unknown_lines(caplog):
+    return {r.getMessage().split(":")[0 if r.levelno == logging.INFO else 1].strip(): r
+            for r in caplog.records if "became <unk>" in r.getMessage()}  # fmt: skip
+
+
+@pytest.mark.parametrize("vocab", ["word", "hybrid_lightrnn"])
+def test_unknown_words_are_counted_per_split_and_read_back_on_a_cache_hit(tmp_path, caplog,
+                                                                         vocab):  # fmt: skip
+    caplog.set_level(logging.INFO, logger="datamodules")
+    options = dict(path=unk_corpus(tmp_path / "text"), cache_dir=str(tmp_path / "cache"),
+                   max_vocab_size=5, vocab=vocab, lightrnn_frequent=4)  # fmt: skip
+    expected = {"train": (5, 80), "valid": (10, 30), "test": (2, 16)}
+    for run in ("prepared", "cache hit"):
+        caplog.clear()
+        data = LanguageModelingDataModule(**options)
+        data.prepare_data()  # no trainer: every split
+        assert data.unknown_tokens == expected, run
+        hits = [r for r in caplog.records if "data cache hit" in r.getMessage()]
+        assert len(hits) == (4 if run == "cache hit" else 0)
+        lines = unknown_lines(caplog)
+        assert set(lines) == {"train", "valid", "test"}
+        train, valid, test = (lines[s].getMessage() for s in ("train", "valid", "test"))
+        assert "train: 5 of 80 tokens (6.25%) became <unk> (words beyond " \
+               "data.max_vocab_size=5;" in train  # fmt: skip
+        assert "valid: 10 of 30 tokens (33.33%) became <unk> (words not in the training " \
+               "vocabulary;" in valid  # fmt: skip
+        assert "test: 2 of 16 tokens (12.50%)" in test
+        assert all(r.levelno == logging.WARNING for r in lines.values())
+        assert "over 1%, raise data.max_vocab_size" in train
+    with (tmp_path / "text" / "c.valid.txt").open("w") as handle:  # under 1%: no warning
+        handle.write("a b c\n" * 300 + "a q\n")
+    caplog.clear()
+    data = LanguageModelingDataModule(**options)
+    data.setup("validate")
+    assert data.unknown_tokens == {"valid": (1, 1203)}
+    assert unknown_lines(caplog)["valid"].levelno == logging.INFO
+
+
+def test_bpe_counts_unseen_characters_only(tmp_path):
+    data = LanguageModelingDataModule(
+        path=unk_corpus(tmp_path / "text"), vocab="bpe", bpe_vocab_size=12,
+        cache_dir=str(tmp_path / "cache"),
+    )  # fmt: skip
+    data.prepare_data()
+    # train: every character seen, its written <unk> not counted; valid: x and y unseen
+    assert data.unknown_tokens["train"][0] == 0
+    assert data.unknown_tokens["valid"][0] == 10
+    assert data.unknown_tokens["test"][0] == 2
+    tokens = {split: data.num_tokens(split) for split in UNK_CORPUS}
+    assert {s: n for s, (_, n) in data.unknown_tokens.items()} == tokens
+
+
+def test_an_older_cache_entry_without_counts_is_encoded_again(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="datamodules")
+    options = dict(path=unk_corpus(tmp_path / "text"), cache_dir=str(tmp_path / "cache"))
+    data = LanguageModelingDataModule(**options)
+    data.setup("validate")
+    meta = data.cache.read_json("valid.json")
+    del meta["unknown"]
+    data.cache.write_json("valid.json", meta)
+    caplog.clear()
+    again = LanguageModelingDataModule(**options)
+    again.setup("validate")
+    assert again.unknown_tokens == {"valid": (10, 30)}
+    assert any("cache miss: preparing valid" in r.getMessage() for r in caplog.records)

@@ -175,3 +175,32 @@ def test_path_and_hub_are_one_or_the_other(tmp_path):
         local_or_hub(str(tmp_path), shipped, "a/b", None, None, None)
     with pytest.raises(DataConfigError, match="need data.hub"):
         local_or_hub(None, shipped, None, "wikitext-2-v1", None, None)
+
+
+@pytest.mark.parametrize("spelling", ["valid", "validation", "val", "dev"])
+def test_each_spelling_of_the_validation_split_is_found_by_file_name(tmp_path, spelling):
+    for name in ("train", spelling, "test"):
+        (tmp_path / f"{name}.txt").write_text("a b\n")
+    assert find_split_files(tmp_path, None, "PTB")["valid"] == tmp_path / f"{spelling}.txt"
+
+
+@pytest.mark.parametrize("key", ["valid", "validation", "val", "dev", "Validation"])
+def test_each_spelling_of_the_validation_split_is_a_files_key(tmp_path, key):
+    for name in ("a", "b", "c"):
+        (tmp_path / f"{name}.txt").write_text("a b\n")
+    files = {"train": "a.txt", key: "b.txt", "test": "c.txt"}
+    found = find_split_files(tmp_path, files, "PTB")
+    assert found == {"train": tmp_path / "a.txt", "valid": tmp_path / "b.txt",
+                     "test": tmp_path / "c.txt"}  # fmt: skip
+
+
+def test_an_unknown_files_key_is_refused_naming_the_accepted_ones(tmp_path):
+    (tmp_path / "a.txt").write_text("a b\n")
+    with pytest.raises(DataConfigError) as raised:
+        find_split_files(tmp_path, {"train": "a.txt", "eval": "a.txt", "test": "a.txt"}, "PTB")
+    assert str(raised.value) == (
+        "data.files has an unknown split 'eval'; use train, valid (or validation, val, dev) "
+        "and test"
+    )
+    with pytest.raises(DataConfigError, match="names the valid split twice"):
+        find_split_files(tmp_path, {"valid": "a.txt", "dev": "a.txt"}, "PTB")

@@ -267,3 +267,16 @@ def test_misaligned_training_files_are_refused_when_read(tmp_path):
 def test_str_reads_nothing(tmp_path):
     data = TranslationDataModule(path=str(tmp_path / "absent"))
     assert str(data) == f"TranslationDataModule(path='{tmp_path}/absent', de->en, vocab='word')"
+
+
+@pytest.mark.parametrize("key", ["valid", "validation", "val", "dev"])
+def test_files_keys_take_every_spelling_of_the_validation_split(tmp_path, key):
+    path = write_corpus(tmp_path, {"train": TINY, "heldout": TINY[:3], "final": TINY[:2]})
+    data = TranslationDataModule(path=path, files={key: "heldout", "test": "final"})
+    assert data.source.describe("valid.source").endswith("heldout.de")
+
+
+def test_an_unknown_files_key_is_refused(tmp_path):
+    path = write_corpus(tmp_path, {"train": TINY, "val": TINY[:3], "test_2016_flickr": TINY[:2]})
+    with pytest.raises(DataConfigError, match="unknown split 'eval'; use train, valid"):
+        _ = TranslationDataModule(path=path, files={"eval": "val"}).vocab_size

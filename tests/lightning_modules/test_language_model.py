@@ -65,3 +65,35 @@ def test_non_finite_loss_stops_with_the_head_named():
     batch = next(iter(BPTTBatches(torch.randint(0, VOCAB, (100,)), 2, 5)))
     with pytest.raises(FloatingPointError, match="SoftmaxHead"):
         model._step(batch, "train")
+
+
+def test_model_summary_counts_the_flops_of_a_training_batch(tmp_path):
+    """The summary's FLOPs column (Lightning fills it from ``example_input_array``, which
+    ``setup("fit")`` builds from this rank's first training batch): the LSTM's and the
+    softmax's matrix products, not zeros."""
+    from lightning.pytorch.utilities.model_summary import ModelSummary
+
+    from datamodules import LanguageModelingDataModule
+
+    for split in ("train", "valid", "test"):
+        (tmp_path / f"c.{split}.txt").write_text("a b c d e f g h i j\n" * 30)
+    data = LanguageModelingDataModule(path=str(tmp_path), batch_size=3, bptt=5,
+                                      cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    vocab, d = data.vocab_size, 8
+    model = LanguageModel(LSTMBackbone(vocab, embedding_size=d, hidden_size=d, num_layers=2),
+                          SoftmaxHead(d, vocab))  # fmt: skip
+    trainer = L.Trainer(max_steps=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False,
+                        limit_val_batches=0, default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(model, datamodule=data)
+    inputs, targets = model.example_input_array
+    assert inputs.shape == targets.shape == (3, 5)
+    tokens = 3 * 5
+    lstm = 2 * 2 * tokens * 4 * d * (d + d)  # two layers, W_ih and W_hh at every step
+    softmax = 2 * tokens * d * vocab  # the logits (the fused loss's product)
+    summary = ModelSummary(model, max_depth=1)
+    flops = dict(zip(summary.layer_names, (sum(c.values()) for c in summary.flop_counts.values()),
+                     strict=True))  # fmt: skip
+    assert flops["backbone"] == lstm
+    assert (flops["backbone"], flops["head"]) == (lstm, softmax)
+    assert summary.total_flops == lstm + softmax

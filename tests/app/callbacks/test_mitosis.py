@@ -70,7 +70,8 @@ def test_mitosis_doubles_experts_continuously_and_optimizer_follows():
 
 def test_resume_continues_the_schedule(tmp_path):
     torch.manual_seed(0)
-    dm = SyntheticHierarchyDataModule(num_super=2, num_sub=2, train_per_sub=8, batch_size=32)
+    # 8 classes: room for the 8 experts (Mitosis stops at the number of classes)
+    dm = SyntheticHierarchyDataModule(num_super=2, num_sub=4, train_per_sub=4, batch_size=32)
     model = make_model(dm)
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
     t = trainer(2, [Mitosis(8, every_n_epochs=1), checkpoint], enable_checkpointing=True)
@@ -126,3 +127,15 @@ def test_memory_budget_postpones_a_split_until_pruning_made_room():
     assert experts == [2, 2, 4, 4]
     rows = vocab + vocab // 4
     assert mitosis.peak_rows == 3 * rows <= 4 * vocab
+
+
+def test_max_experts_beyond_the_classes_stops_at_the_classes(capsys):
+    torch.manual_seed(0)
+    dm = SyntheticHierarchyDataModule(num_super=2, num_sub=2, train_per_sub=8, batch_size=32)
+    model, mitosis = make_model(dm), Mitosis(max_experts=8, every_n_epochs=1)
+    trainer(3, [mitosis]).fit(model, dm)
+    assert model.head.num_experts == 4 == dm.vocab_size
+    assert (
+        "warning: Mitosis max_experts (8) exceeds the 4 classes: splitting stops at 4 experts"
+        in capsys.readouterr().err.splitlines()
+    )

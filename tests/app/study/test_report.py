@@ -70,3 +70,23 @@ def test_single_seed_has_no_std(study):
     rows = summarize(study)
     assert all(math.isnan(r["metric"][1]) for r in rows)
     assert all(not c["better_by_more_than_one_std"] for c in compare(study, rows))
+
+
+def test_times_of_older_studies_are_marked_as_including_validation(study, tmp_path):
+    # studies written before issue 33 timed epochs with the validation inside them
+    text = render_markdown(study, tmp_path)
+    assert "train s/epoch (incl. validation)" in text
+    assert "Training times include validation" in text
+    study["epoch_time_excludes_validation"] = True
+    text = render_markdown(study, tmp_path)
+    assert "train s/epoch (validation excluded)" in text
+    assert "include validation" not in text
+
+
+def test_new_studies_say_their_times_exclude_validation():
+    from app.study.runner import study_document
+
+    grid = type("Grid", (), {k: None for k in (
+        "name", "description", "metric", "mode", "curve_metric", "baseline", "budget",
+        "overrides", "reference", "instability_threshold", "raw")})()  # fmt: skip
+    assert study_document(grid, [], {})["epoch_time_excludes_validation"] is True

@@ -1,0 +1,102 @@
+"""A preempted or interrupted fit loses nothing: a resumable checkpoint on the way out.
+
+A cluster scheduler sends ``SIGTERM`` before it kills a job (``kill`` sends it too) and a user
+presses Ctrl+C (``SIGINT``). Lightning already turns ``SIGTERM`` into a clean stop: its handler
+sets ``trainer.received_sigterm`` and the loop raises ``SIGTERMException`` once the current batch
+is done (broadcast to every DDP rank). This callback gives ``SIGINT`` the same path (a second
+Ctrl+C stops at once), saves the exact-resume checkpoint in ``on_exception`` (atomically, as
+``last.ckpt`` beside the run's other checkpoints), prints one line saying where, and sets the exit
+status a scheduler reads as an interruption: 128 + the signal (143 for SIGTERM, 130 for SIGINT)
+instead of the 0 that ``SIGTERMException`` (a ``SystemExit``) would give. SLURM's warning signal
+is Lightning's own business (``SLURMEnvironment(auto_requeue=True)``: an ``hpc`` checkpoint and a
+requeue).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+FILENAME = "last.ckpt"
+
+
+class PreemptionCheckpoint(Callback):
+    """On ``SIGTERM`` or ``SIGINT`` during ``fit``: finish the batch, save a resumable
+    checkpoint, say where, exit with 128 + the signal number. (A plain ``Callback``: a
+    ``Checkpoint`` subclass would clash with ``--trainer.enable_checkpointing false``, which
+    this one honours by saving nothing.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.received: int | None = None
+        self._trainer: L.Trainer | None = None
+        self._previous: dict[int, Any] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning registered its SIGTERM handler before this hook; ours records the signal
+        # and hands SIGTERM on to it, SIGINT to the same notifier
+        self._trainer, self.received = trainer, None
+        for signum in SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.received == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl+C: stop now, without a checkpoint
+        self.received = signum
+        previous = self._previous.get(signum)
+        if signum == signal.SIGTERM and callable(previous):
+            previous(signum, frame)  # Lightning's: sets trainer.received_sigterm
+        else:
+            self._trainer._signal_connector._sigterm_notifier_fn(signum, frame)
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        if not isinstance(exception, SIGTERMException) or self.received is None:
+            return
+        exception.code = 128 + self.received  # SIGTERMException would exit with status 0
+        if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
+            return  # nothing trained yet to save
+        name = signal.Signals(self.received).name
+        if trainer.checkpoint_callback is None:  # --trainer.enable_checkpointing false
+            rank_zero_info(
+                f"{name} at step {trainer.global_step}: checkpointing is off, none saved"
+            )
+            return
+        path = self.checkpoint_path(trainer)
+        # written beside, then renamed: a kill during the save leaves the old last.ckpt whole
+        partial = path.with_name(f".{path.name}.partial")
+        trainer.save_checkpoint(partial)
+        if trainer.is_global_zero:
+            os.replace(partial, path)
+            print(
+                f"{name} at step {trainer.global_step}: saved {path}; resume with "
+                f"`python cli.py fit <same options> --ckpt_path {path}`",
+                file=sys.stderr,
+            )
+
+    @staticmethod
+    def checkpoint_path(trainer: L.Trainer) -> Path:
+        """``last.ckpt`` in the folder of the run's ``ModelCheckpoint``."""
+        folder = Path(trainer.checkpoint_callback.dirpath)
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder / FILENAME
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Lightning's own teardown (earlier) puts back the handlers from before the fit;
+        # ours are replaced only if something left them in place
+        for signum, handler in self._previous.items():
+            if signal.getsignal(signum) == self._on_signal:
+                signal.signal(signum, handler)
+        self._previous.clear()

@@ -1,0 +1,25 @@
+"""A checkpoint path checked before anything reads it: PyTorch's own errors for a file that is
+not a checkpoint (``EOFError``, ``PytorchStreamReader failed reading zip archive``, advice on
+``weights_only``) name neither the file nor the option."""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+from lightning_modules.errors import CheckpointPathError
+
+
+def check_checkpoint_file(path: str, option: str) -> None:
+    """Raise :class:`CheckpointPathError` naming ``option`` unless ``path`` is a whole file in
+    the format ``torch.save`` writes (a zip archive: a truncated one has no central directory)."""
+    file = Path(path)
+    if not file.is_file():
+        raise CheckpointPathError(f"{option} {path!r} does not exist or is not a file")
+    if file.stat().st_size == 0:
+        raise CheckpointPathError(f"{option} {path!r} is empty (0 bytes), not a checkpoint")
+    if not zipfile.is_zipfile(file):
+        raise CheckpointPathError(
+            f"{option} {path!r} is not a checkpoint written by fit (not a PyTorch archive, or "
+            f"a truncated one)"
+        )
