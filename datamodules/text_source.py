@@ -18,14 +18,19 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import re
+import socket
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlparse
 
+import datasets.config
+import huggingface_hub.constants
 import pyarrow.compute as pc
 from datasets import Dataset, DatasetDict, load_dataset
 from datasets.exceptions import DatasetNotFoundError
@@ -50,6 +55,9 @@ _SPLIT_PATTERNS = {
 BATCH_BYTES = 4 << 20
 # Rows per Arrow batch of a hub dataset.
 BATCH_ROWS = 20_000
+# Seconds to wait for the hub's host before a hub dataset is read from HF's cache only.
+HUB_PROBE_SECONDS = 3.0
+_PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
 # Suffixes of the compressed files a local folder may hold (``ptb.train.txt.xz``).
 COMPRESSED_SUFFIXES = (".xz", ".gz", ".bz2")
 # A file's identity hashes its first and last MiB (plus size and mtime), not all of it: a
@@ -310,6 +318,30 @@ def _stat(path: Path) -> dict[str, int]:
     return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
+def hub_reachable(timeout: float = HUB_PROBE_SECONDS) -> bool:
+    """Whether a connection to the Hugging Face hub's host opens within ``timeout`` (behind a
+    proxy, which this cannot see through, the hub is assumed reachable)."""
+    if any(os.environ.get(name) for name in _PROXY_VARIABLES):
+        return True
+    endpoint = urlparse(huggingface_hub.constants.ENDPOINT)
+    try:
+        with socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout):
+            return True
+    except OSError:
+        return False
+
+
+@contextmanager
+def hf_offline() -> Iterator[None]:
+    """HuggingFace's offline mode (``HF_HUB_OFFLINE``) for one load: cached copies only."""
+    saved = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
+
+
 @dataclass(frozen=True)
 class HubDataset:
     """A Hugging Face dataset: ``hub`` is its name (``Salesforce/wikitext``) or a local folder
@@ -331,8 +363,12 @@ class HubDataset:
     def load(self) -> DatasetDict:
         """Our split names -> the dataset's splits; one-line errors for what cannot load."""
         splits = self.splits or {"train": "train", "valid": "validation", "test": "test"}
+        # without network huggingface_hub retries for ~25 s: ask its host first, and if it does
+        # not answer read HF's cache in offline mode (a copy used before still loads)
+        offline = not Path(self.hub).expanduser().is_dir() and not hub_reachable()
         try:
-            raw = load_dataset(self.hub, self.name, revision=self.revision)
+            with hf_offline() if offline else nullcontext():
+                raw = load_dataset(self.hub, self.name, revision=self.revision)
         except ConnectionError as exc:  # also HF's offline mode without a cached copy
             raise DataPathError(
                 f"cannot load hub dataset {self.hub!r} ({_first_line(exc)}): no network? Point "

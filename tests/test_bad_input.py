@@ -1,8 +1,10 @@
-"""Bad input stops with one line naming what to fix (README, "Bad input"), through cli.py.
+"""Bad input stops with one line naming what to fix (README, "Scale and reliability"), through
+cli.py.
 
-Each case runs ``cli.console_main`` as ``python cli.py`` would and checks the exact line it
-prints and its exit status (2); the cases that jsonargparse reports itself (unknown keys and
-classes) check its message. Tiny corpora keep every case to about a second.
+Each case runs ``cli.console_main`` as ``python cli.py`` would and checks the line it prints
+(exactly one ``error:`` line, no traceback, no usage) and its exit status (2). The table
+``COMMAND_LINE`` runs again as real ``python cli.py`` processes in the slow suite. Tiny corpora
+keep every case to about a second.
 """
 
 import logging
@@ -13,14 +15,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-import datasets.config
-import huggingface_hub.constants
 import pytest
 import torch
 
 from app.console import TRACEBACK_ENV
 from cli import console_main
 from tests.conftest import REPO
+from tests.datamodules.test_text_source import no_network
 
 ROOT = tempfile.mkdtemp(prefix="bad-input-test-")
 WORDS = "the cat sat on a mat and dog ran to red hat in big old box".split()
@@ -106,40 +107,6 @@ def test_empty_corpus(tmp_path, capsys):
     assert error_line(capsys, code) == f"error: train file '{tmp_path}/tiny.train.txt' is empty"
 
 
-@pytest.mark.parametrize(
-    ("option", "value"), [("bptt", "0"), ("batch_size", "-3"), ("eval_batch_size", "0")]
-)
-def test_bptt_and_batch_sizes_must_be_positive(corpus, option, value, capsys):
-    code = lm("fit", corpus, f"--data.init_args.{option}", value)
-    assert error_line(capsys, code) == (
-        f"error: data.{option} must be a positive integer, got {value}"
-    )
-
-
-def test_more_streams_than_the_corpus_fills(corpus, capsys):
-    code = lm("fit", corpus, "--data.init_args.batch_size", "1000")
-    assert error_line(capsys, code) == (
-        "error: train split with data.batch_size=1000: 480 tokens are too few for 1000 "
-        "streams of at least 2"
-    )
-
-
-def test_unknown_vocabulary_type(corpus, capsys):
-    code = lm("fit", corpus, "--data.init_args.vocab", "chars")
-    assert error_line(capsys, code) == (
-        "error: data.vocab must be one of word, bpe, hybrid_lightrnn, got 'chars'"
-    )
-
-
-def test_lightrnn_without_frequent_words(corpus, capsys):
-    code = lm("fit", corpus, "--data.init_args.vocab", "hybrid_lightrnn",
-              "--data.init_args.lightrnn_frequent", "0")  # fmt: skip
-    assert error_line(capsys, code) == (
-        "error: data.vocab=hybrid_lightrnn (data.lightrnn_*): "
-        "Hybrid-LightRNN num_frequent must be a positive integer, got 0"
-    )
-
-
 def test_parallel_files_of_different_lengths(tmp_path, capsys):
     for prefix in ("train", "val", "test_2016_flickr"):
         (tmp_path / f"{prefix}.de").write_text("ein Hund\neine Katze\n")
@@ -150,59 +117,6 @@ def test_parallel_files_of_different_lengths(tmp_path, capsys):
     assert error_line(capsys, code) == (
         f"error: misaligned parallel train files: '{tmp_path}/train.de' has 2 lines but "
         f"'{tmp_path}/train.en' has 1; line i of one side must translate line i of the other"
-    )
-
-
-def test_predict_without_prompts(corpus, capsys):
-    code = lm("predict", corpus)
-    assert error_line(capsys, code) == (
-        "error: predict needs prompts: set data.predict_prompts, e.g. "
-        "--data.predict_prompts '[\"the company said\"]'"
-    )
-
-
-# -- heads and their options against the vocabulary ----------------------------------------
-def test_mixtape_components_not_a_power_of_two(corpus, capsys):
-    code = lm("fit", corpus, "--model.init_args.head.init_args.num_components", "3",
-              config="ptb_mixtape")  # fmt: skip
-    assert error_line(capsys, code) == (
-        "error: MixtapeHead num_components must be a power of two >= 2 (sigmoid tree, Eq. 3), got 3"
-    )
-
-
-def test_mixtape_frequent_ratio_out_of_range(corpus, capsys):
-    code = lm("fit", corpus, "--model.init_args.head.init_args.frequent_ratio", "0",
-              config="ptb_mixtape")  # fmt: skip
-    assert (
-        error_line(capsys, code) == "error: MixtapeHead frequent_ratio r must be in (0, 1], got 0.0"
-    )
-
-
-def test_mos_needs_a_positive_number_of_components(corpus, capsys):
-    code = lm("fit", corpus, "--model.init_args.head.init_args.num_components", "0",
-              config="ptb_mos")  # fmt: skip
-    assert error_line(capsys, code) == "error: num_components must be a positive integer, got 0"
-
-
-ADAPTIVE = ["--model.init_args.head.init_args.div_value", "2"]
-
-
-def test_adaptive_cutoffs_not_increasing(corpus, capsys):
-    code = lm("fit", corpus, *ADAPTIVE, "--model.init_args.head.init_args.cutoffs", "[8, 4]",
-              config="ptb_adaptive")  # fmt: skip
-    assert error_line(capsys, code) == (
-        "error: AdaptiveSoftmaxHead cutoffs must be increasing positive integers below the "
-        "vocabulary size 18, got [8, 4]"
-    )
-
-
-def test_adaptive_cutoffs_beyond_the_vocabulary(corpus, capsys):
-    # the PTB config's cut-offs with a vocabulary of 18 words
-    code = lm("fit", corpus, *ADAPTIVE, "--model.init_args.head.init_args.cutoffs", "[5, 386]",
-              config="ptb_adaptive")  # fmt: skip
-    assert error_line(capsys, code) == (
-        "error: AdaptiveSoftmaxHead cutoffs must be increasing positive integers below the "
-        "vocabulary size 18, got [5, 386]"
     )
 
 
@@ -217,20 +131,6 @@ def test_head_hidden_size_differs_from_the_backbone_in_python():
     assert str(raised.value) == (
         "head.hidden_size (24) must equal the backbone's output size (16): build the head with "
         "hidden_size=16 (the CLI links it from the backbone)"
-    )
-
-
-def test_non_positive_temperature(corpus, capsys):
-    code = lm("fit", corpus, "--model.init_args.temperature", "0")
-    assert error_line(capsys, code) == "error: model.temperature must be positive, got 0.0"
-
-
-# -- checkpoints -----------------------------------------------------------------------------
-def test_missing_checkpoint_file(corpus, capsys):
-    code = lm("test", corpus, "--ckpt_path", "/no/such.ckpt")
-    assert (
-        error_line(capsys, code)
-        == "error: ckpt_path '/no/such.ckpt' does not exist or is not a file"
     )
 
 
@@ -295,6 +195,43 @@ BROKEN.mkdir()
 
 # (id, subcommand and options after the tiny LM's, the start of the one line it prints)
 COMMAND_LINE = [
+    # data
+    *[(f"{option}_{value}", ["fit", f"--data.init_args.{option}", value],
+       f"data.{option} must be a positive integer, got {value}")
+      for option, value in (("bptt", "0"), ("batch_size", "-3"), ("eval_batch_size", "0"))],
+    ("more_streams_than_tokens", ["fit", "--data.init_args.batch_size", "1000"],
+     "train split with data.batch_size=1000: 480 tokens are too few for 1000 streams of at "
+     "least 2"),
+    ("unknown_vocabulary", ["fit", "--data.init_args.vocab", "chars"],
+     "data.vocab must be one of word, bpe, hybrid_lightrnn, got 'chars'"),
+    ("lightrnn_without_frequent", ["fit", "--data.init_args.vocab", "hybrid_lightrnn",
+                                   "--data.init_args.lightrnn_frequent", "0"],
+     "data.vocab=hybrid_lightrnn (data.lightrnn_*): Hybrid-LightRNN num_frequent must be a "
+     "positive integer, got 0"),
+    ("predict_without_prompts", ["predict"],
+     "predict needs prompts: set data.predict_prompts, e.g. --data.predict_prompts "
+     "'[\"the company said\"]'"),
+    # heads and their options against the vocabulary
+    ("mixtape_k_not_power_of_two", ["fit", "--model.head", "configs/heads/mixtape.yaml",
+                                    "--model.init_args.head.init_args.num_components", "3"],
+     "MixtapeHead num_components must be a power of two >= 2 (sigmoid tree, Eq. 3), got 3"),
+    ("mixtape_ratio_zero", ["fit", "--model.head", "configs/heads/mixtape.yaml",
+                            "--model.init_args.head.init_args.frequent_ratio", "0"],
+     "MixtapeHead frequent_ratio r must be in (0, 1], got 0.0"),
+    ("mos_zero_components", ["fit", "--model.head", "configs/heads/mos.yaml",
+                             "--model.init_args.head.init_args.num_components", "0"],
+     "num_components must be a positive integer, got 0"),
+    *[(f"adaptive_cutoffs_{name}", ["fit", "--model.head", "heads.AdaptiveSoftmaxHead",
+                                    "--model.init_args.head.init_args.div_value", "2",
+                                    "--model.init_args.head.init_args.cutoffs", cutoffs],
+       "AdaptiveSoftmaxHead cutoffs must be increasing positive integers below the vocabulary "
+       f"size 18, got {cutoffs}")
+      for name, cutoffs in (("decreasing", "[8, 4]"), ("beyond_vocabulary", "[5, 386]"))],
+    ("zero_temperature", ["fit", "--model.init_args.temperature", "0"],
+     "model.temperature must be positive, got 0.0"),
+    ("missing_checkpoint", ["test", "--ckpt_path", "/no/such.ckpt"],
+     "ckpt_path '/no/such.ckpt' does not exist or is not a file"),
+    # the command line: parser, Lightning and PyTorch errors
     ("int_word", ["fit", "--trainer.max_epochs", "one"],
      "trainer.max_epochs: expected an int (given 'one')"),
     ("nested_int_word", ["fit", "--data.init_args.bptt", "thirty"],
@@ -396,8 +333,7 @@ def test_no_subcommand_is_one_line(capsys):
 
 
 def test_an_unreachable_hub_is_one_line(corpus, capsys, monkeypatch):
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    no_network(monkeypatch)
     code = console_main(["fit", "--config", "configs/lm/ptb_softmax.yaml", "--data.init_args.hub",
                          "someone/never-cached", *QUIET, *SMALL_LM])  # fmt: skip
     line = error_line(capsys, code)

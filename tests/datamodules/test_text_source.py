@@ -2,6 +2,7 @@ import bz2
 import gzip
 import lzma
 import os
+import time
 from pathlib import Path
 
 import datasets.config
@@ -154,16 +155,39 @@ def test_hub_layout_loads_by_name_revision_and_splits(tmp_path, monkeypatch):
         HubDataset(folder, "wikitext-3-v1").load()
 
 
-def test_an_unreachable_hub_says_how_to_use_local_files(monkeypatch):
-    """HuggingFace's offline mode fails as a machine without network does, without the
-    retries: the same ConnectionError from the library."""
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+def no_network(monkeypatch) -> None:
+    """A machine whose connections fail at once (as DNS does without network)."""
+
+    def refuse(*args, **kwargs):
+        raise OSError("Name or service not known")
+
+    monkeypatch.setattr(text_source.socket, "create_connection", refuse)
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_an_unreachable_hub_fails_fast_and_says_how_to_use_local_files(monkeypatch):
+    """No answer from the hub's host: HF's cache is read in offline mode (no ~25 s of
+    retries), and with nothing cached the error is one line naming the way out."""
+    no_network(monkeypatch)
+    assert not text_source.hub_reachable()
+    modes = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
+    start = time.perf_counter()
     with pytest.raises(DataPathError) as error:
         HubDataset("someone/never-cached-corpus", "v1").load()
+    assert time.perf_counter() - start < 10
     message = str(error.value)
-    assert "cannot load hub dataset 'someone/never-cached-corpus'" in message
-    assert "Point data.path at a local folder" in message and "\n" not in message
+    assert message.startswith("cannot load hub dataset 'someone/never-cached-corpus' (")
+    assert "OfflineModeIsEnabled" in message and "Point data.path at a local folder" in message
+    assert "\n" not in message
+    # offline for that one load only
+    assert (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE) == modes
+
+
+def test_behind_a_proxy_the_hub_is_tried(monkeypatch):
+    no_network(monkeypatch)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    assert text_source.hub_reachable()
 
 
 def test_path_and_hub_are_one_or_the_other(tmp_path):

@@ -7,6 +7,7 @@ from app.bench.data import write_synthetic_corpus
 from app.bench.run import main
 
 
+@pytest.mark.slow  # prepares a synthetic corpus twice: ~20 s
 def test_data_mode_times_a_first_preparation_and_a_cached_setup(tmp_path):
     argv = ["--mode", "data", "--tokens", "20000", "--types", "500", "--vocab", "word",
             "--repeats", "1", "--corpus-dir", str(tmp_path / "corpus"), "--out", str(tmp_path),

@@ -82,6 +82,7 @@ def test_experts_get_the_classes_of_their_tokens_targets(min_count, drop_below, 
     assert torch.isfinite(t.callback_metrics["val/loss"])
 
 
+@pytest.mark.slow  # torch.compile of a training step: ~25 s on 2 cores
 def test_counts_the_same_under_torch_compile():
     """The counting hook runs inside the compiled head (no data-dependent shapes in it)."""
     dm = SyntheticHierarchyDataModule(num_super=4, num_sub=4, train_per_sub=20, batch_size=32)

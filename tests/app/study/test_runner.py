@@ -21,6 +21,7 @@ def study(tmp_path_factory):
     return grid, out, document, lines
 
 
+@pytest.mark.slow  # the tiny grid: 6 cli.py processes, ~1 min on 2 cores
 def test_every_run_is_fitted_tested_and_collected(study):
     _, out, document, _ = study
     runs = document["runs"]
@@ -47,6 +48,7 @@ def test_every_run_is_fitted_tested_and_collected(study):
     assert runs[0]["fit"]["parameters"] != runs[2]["fit"]["parameters"]
 
 
+@pytest.mark.slow
 def test_progress_line_per_run_and_strict_json_on_disk(study):
     grid, out, document, lines = study
     assert len(lines) == 4
@@ -61,6 +63,7 @@ def test_progress_line_per_run_and_strict_json_on_disk(study):
     assert "commands" not in saved["runs"][0] and saved["environment"]["torch"]
 
 
+@pytest.mark.slow
 def test_finished_runs_are_skipped(study):
     grid, out, _, _ = study
     results = sorted((out / grid.name).rglob("result.json"))
@@ -72,6 +75,7 @@ def test_finished_runs_are_skipped(study):
     assert [r["test"] for r in again["runs"]] == [r["test"] for r in study[2]["runs"]]
 
 
+@pytest.mark.slow
 def test_report_of_the_tiny_grid(study, tmp_path):
     _, _, document, _ = study
     text = render_markdown(document, tmp_path)
@@ -80,6 +84,7 @@ def test_report_of_the_tiny_grid(study, tmp_path):
     assert (tmp_path / "tiny_cpu_curves.png").is_file()
 
 
+@pytest.mark.slow
 def test_a_failing_run_is_recorded_and_not_retried_unless_asked(tmp_path):
     grid = parse_grid({
         "name": "bad", "base": "configs/lm/ptb_softmax.yaml", "seeds": [1],
