@@ -188,20 +188,33 @@ class OneLineErrorParser(LightningArgumentParser):
         raise CommandLineError(one_line(message, parser._option_string_actions)) from ex
 
 
+def _config_files(args: Sequence[str]) -> list[Path]:
+    """The ``--config`` values that name existing files (others are YAML strings, which
+    ``app.lightning_cli.build`` passes, or missing files, which the parser reports)."""
+    files = []
+    for flag, value in zip(args, args[1:], strict=False):
+        if flag not in ("--config", "-c") or "\n" in value:
+            continue
+        try:
+            if Path(value).is_file():
+                files.append(Path(value))
+        except OSError:  # a name too long to be a path
+            continue
+    return files
+
+
 def check_config_files(args: Sequence[str]) -> None:
     """Every ``--config`` file that exists parses as YAML, or one line names the file (the
     parser's own message names none)."""
-    for flag, value in zip(args, args[1:], strict=False):
-        if flag not in ("--config", "-c") or not Path(value).is_file():
-            continue
+    for value in _config_files(args):
         try:
-            yaml.safe_load(Path(value).read_text())
+            yaml.safe_load(value.read_text())
         except (yaml.YAMLError, UnicodeDecodeError) as exc:
             where = getattr(exc, "problem_mark", None)
             line = f" at line {where.line + 1}" if where is not None else ""
             problem = getattr(exc, "problem", None) or type(exc).__name__
             raise CommandLineError(
-                f"--config {value!r} is not a YAML file ({problem}{line})"
+                f"--config {str(value)!r} is not a YAML file ({problem}{line})"
             ) from exc
 
 
@@ -231,9 +244,8 @@ def check_linked_options(args: Sequence[str]) -> None:
     """Refuse, naming the link, an option that the CLI sets from another (given on the command
     line or in a ``--config`` file)."""
     given = [a[2:].split("=")[0] for a in args if a.startswith("--")]
-    for flag, value in zip(args, args[1:], strict=False):
-        if flag in ("--config", "-c") and Path(value).is_file():
-            given += list(_config_keys(yaml.safe_load(Path(value).read_text())))
+    for value in _config_files(args):
+        given += list(_config_keys(yaml.safe_load(value.read_text())))
     for key in given:
         source = LINKED.get(_plain_key(key))
         if source is not None:
@@ -254,7 +266,8 @@ def known_error_line(exc: BaseException) -> str | None:
 
     message = " ".join(str(exc).split())
     origin = _raised_in(exc)
-    if isinstance(exc, MisconfigurationException) or "lightning/" in origin:
+    lightning_check = isinstance(exc, ValueError) and "lightning/" in origin
+    if isinstance(exc, MisconfigurationException) or lightning_check:
         if "No supported gpu backend found" in message or "CUDA" in message and "not" in message:
             return (
                 "trainer.accelerator: no GPU is usable on this machine; use --trainer.accelerator "
