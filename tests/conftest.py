@@ -1,5 +1,6 @@
 import lzma
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,13 @@ def data_cache(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("data-cache")
     os.environ[CACHE_ENV] = str(root)
     return root
+
+
+@pytest.fixture
+def cli_argv(monkeypatch):
+    """``sys.argv`` as ``python cli.py`` has it, not pytest's (LightningCLI reads it); for
+    tests that run the CLI in-process (``pytestmark = pytest.mark.usefixtures("cli_argv")``)."""
+    monkeypatch.setattr(sys, "argv", ["cli.py"])
 
 
 @pytest.fixture(scope="session")

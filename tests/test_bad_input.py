@@ -23,6 +23,8 @@ from cli import console_main
 from tests.conftest import REPO
 from tests.datamodules.test_text_source import no_network
 
+pytestmark = pytest.mark.usefixtures("cli_argv")
+
 ROOT = tempfile.mkdtemp(prefix="bad-input-test-")
 WORDS = "the cat sat on a mat and dog ran to red hat in big old box".split()
 QUIET = [
@@ -38,11 +40,6 @@ SMALL_LM = [
     "--data.init_args.batch_size", "4", "--data.init_args.eval_batch_size", "2",
     "--data.init_args.bptt", "5",
 ]  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def _no_pytest_argv(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["cli.py"])
 
 
 def write_lm_corpus(folder: Path, words: list[str]) -> str:

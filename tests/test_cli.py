@@ -1,7 +1,6 @@
 """End to end through cli.py: fit, test, predict, head swapping, errors."""
 
 import json
-import sys
 import tempfile
 
 import pytest
@@ -16,6 +15,8 @@ from datamodules.text_source import TextFiles
 from heads import HeadConfigError, MixtapeHead, MoSHead, SoftmaxHead
 from heads.errors import user_error
 
+pytestmark = pytest.mark.usefixtures("cli_argv")
+
 SMALL = [
     "--model.init_args.backbone.init_args.embedding_size", "32",
     "--model.init_args.backbone.init_args.hidden_size", "32",
@@ -25,11 +26,6 @@ SMALL = [
 
 # Runs without a logger save their config.yaml in the root dir: keep it out of the repo.
 ROOT = tempfile.mkdtemp(prefix="cli-test-")
-
-
-@pytest.fixture(autouse=True)
-def _no_pytest_argv(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["cli.py"])
 
 
 def run(subcommand: str, config: str, ptb_path: str, *extra: str):

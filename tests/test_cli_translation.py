@@ -1,7 +1,6 @@
 """Translation end to end through cli.py: fit a few steps on Multi30k, test writes translations."""
 
 import json
-import sys
 import tempfile
 
 import pytest
@@ -12,6 +11,8 @@ from cli import console_main, main
 from datamodules.errors import VocabularyMismatchError
 from heads import MixtapeHead, MoSHead, SoftmaxHead
 from tests.datamodules.test_translation import MULTI30K, TINY, write_corpus
+
+pytestmark = pytest.mark.usefixtures("cli_argv")
 
 SMALL = [
     "--model.init_args.backbone.init_args.model_size", "32",
@@ -26,11 +27,6 @@ SMALL = [
 ]  # fmt: skip
 
 ROOT = tempfile.mkdtemp(prefix="cli-mt-test-")
-
-
-@pytest.fixture(autouse=True)
-def _no_pytest_argv(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["cli.py"])
 
 
 def run(subcommand: str, config: str, *extra: str):

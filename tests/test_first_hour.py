@@ -1,7 +1,6 @@
 """Issue 33, "the first hour with one's own corpus", end to end through ``cli.main``: training
 without validation, and the classic PTB recipe's config."""
 
-import sys
 import tempfile
 
 import pytest
@@ -9,7 +8,7 @@ import torch
 
 from cli import main
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "cli_argv")
 SMALL = [
     "--model.init_args.backbone.init_args.embedding_size", "16",
     "--model.init_args.backbone.init_args.hidden_size", "16",
@@ -19,11 +18,6 @@ SMALL = [
 ]  # fmt: skip
 # Runs without a logger save their config.yaml in the root dir: keep it out of the repo.
 ROOT = tempfile.mkdtemp(prefix="first-hour-test-")
-
-
-@pytest.fixture(autouse=True)
-def _no_pytest_argv(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["cli.py"])
 
 
 def fit(config: str, ptb_path: str, tmp_path, *extra: str):

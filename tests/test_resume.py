@@ -8,7 +8,6 @@ data position inside the epoch (with the recurrent state carried across BPTT win
 """
 
 import csv
-import sys
 import tempfile
 from pathlib import Path
 
@@ -18,6 +17,8 @@ import yaml
 
 from app.callbacks.fail_at_step import InjectedFailure
 from cli import main
+
+pytestmark = pytest.mark.usefixtures("cli_argv")
 
 EPOCH = 6  # training batches per epoch
 FAIL_AT = 15  # mid-epoch: the 4th batch of the third epoch
@@ -32,11 +33,6 @@ CALLBACKS = [
     {"class_path": "app.callbacks.LightRNNTableReassignment",
      "init_args": {"every_n_epochs": 1, "max_batches": 4, "batch_size": 8, "solver": "separable"}},
 ]  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def _no_pytest_argv(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["cli.py"])
 
 
 def fit(tmp: Path, ptb_path: str, *extra_callbacks: dict, ckpt_path: str | None = None):

@@ -2,7 +2,6 @@
 give one run folder, one meaning per tag on the training step axis, and HPARAMS that compare
 runs (issue 36)."""
 
-import sys
 import warnings
 from pathlib import Path
 
@@ -13,6 +12,8 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 
 from app.run_folder import FLUSH_SECS, checkpoint_run_dir
 from cli import main
+
+pytestmark = pytest.mark.usefixtures("cli_argv")
 
 TINY = [
     "--config", "configs/lm/ptb_softmax.yaml",
@@ -41,11 +42,6 @@ EXPECTED_TAGS = {
     "test/ppl",
     "test/tokens_per_sec",
 }
-
-
-@pytest.fixture(autouse=True)
-def _no_pytest_argv(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["cli.py"])
 
 
 @pytest.fixture(scope="module")
