@@ -1,6 +1,6 @@
 """Command-line entry point: ``python cli.py fit|validate|test|predict --config ...``.
 
-The CLI itself (links, checks) is ``app/lightning_cli.py``. Errors that mean "fix your config
+The CLI itself (links, checks) is ``app/cli/lightning_cli.py``. Errors that mean "fix your config
 or data" (``heads.errors.UserError``) are printed as one line with exit status 2.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 import sys
 import warnings
 
-from app.console import exit_status, show_data_log
-from app.lightning_cli import AppCLI, make_cli
+from app.cli.console import exit_status, show_data_log
+from app.cli.lightning_cli import AppCLI, make_cli
 
 
 def main(argv: list[str] | None = None) -> AppCLI:

@@ -214,7 +214,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> RankReport:
-    from app.lightning_cli import build
+    from app.cli.lightning_cli import build
     from lightning_modules.errors import CheckpointPathError
 
     args, overrides = _parser().parse_known_args(argv)
@@ -262,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> RankReport:
 
 
 def console_main(argv: Sequence[str] | None = None) -> int:
-    from app.console import exit_status
+    from app.cli.console import exit_status
 
     return exit_status(lambda: main(argv))
 

@@ -5,7 +5,9 @@ Every measured table in the docs comes from a JSON file a command wrote (the ben
 cannot drift apart: rerun the command, copy its JSON into ``docs/results/``, regenerate.
 
 Each JSON file is rendered by the first renderer that recognises it (``RENDERERS``); a file
-no renderer knows is listed as such, never silently dropped. Sections are ordered by file name.
+no renderer knows is listed as such, never silently dropped. Sections follow ``TOPICS`` (by file
+name within a topic); the document opens with a summary table, one row per file whose kind has
+a headline (``HEADLINES``). A JSON file may carry a ``note``, printed under its section's title.
 """
 
 from __future__ import annotations
@@ -14,25 +16,28 @@ import argparse
 import json
 import math
 import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from app.bench.report import peer_speedups, row_figures
 from app.bench.timing import interval_text
 
 RESULTS = Path("docs/results")
 OUT = Path("docs/results.md")
 
-# notes for files measured with options since removed (their commands no longer take them)
-REMOVED_CPU_BACKEND = (
-    "The `@cpu` rows measured the opt-in CPU loss backend; it was removed because these rows "
-    "show it no faster than the portable path.",
-)
-REMOVED_MALLOC_TUNING = (
-    "Measured with glibc malloc tuning (`--malloc-tuning`), an option removed with the CPU "
-    "loss backend.",
-)
+# the sections in reading order: a file goes under the first topic one of whose file-name
+# prefixes it starts with; files no topic claims come last, under "Other measurements"
+TOPICS = [
+    ("Quality of the heads", ("study_", "rank_", "mixtape_stability")),
+    ("Training speed and memory", ("bench_cpu_speed_", "bench_cpu_lm_", "bench_cpu_memory_")),
+    ("Compiled heads", ("bench_cpu_adaptive_compile_", "bench_cpu_backends_")),
+    ("DS-Softmax inference", ("ds_inference_",)),
+    ("Translation", ("bleu_",)),
+    ("Data preparation", ("data_",)),
+]
+# the names the commands record the load average under (the benchmark's modes differ)
+LOAD_AVERAGE_KEYS = ("load_average", "load_average_before", "load_before")
 
 # a renderer gets the report, its JSON path and the folder of the markdown file (for links)
 Renderer = Callable[[dict[str, Any], Path, Path], str]
@@ -83,9 +88,13 @@ def link(path: Path, doc_dir: Path) -> str:
     return os.path.relpath(path.resolve(), doc_dir.resolve())
 
 
+def _load_average(machine: dict[str, Any]) -> list[float] | None:
+    return next((machine[key] for key in LOAD_AVERAGE_KEYS if machine.get(key)), None)
+
+
 def _machine(report: dict[str, Any]) -> str:
     machine = report.get("machine", {})
-    load = machine.get("load_average") or machine.get("load_average_before")
+    load = _load_average(machine)
     bits = [machine.get("cuda") or machine.get("device"), machine.get("platform"),
             f"torch {machine.get('torch')}", f"{machine.get('threads')} threads",
             load and f"load average {load[0]:.1f}"]  # fmt: skip
@@ -99,31 +108,19 @@ def _is_training_bench(report: dict[str, Any]) -> bool:
     )
 
 
-def _baseline_note(path: Path) -> list[str]:
-    """A ``..._baseline_<commit>...`` file was measured with an earlier commit's code."""
-    found = re.search(r"_baseline_([0-9a-f]{7,40})", path.stem)
-    if not found:
-        return []
-    commit = found.group(1)
-    return [
-        f"Measured with the code of commit `{commit}`: run the command above in "
-        f"`git worktree add /tmp/base {commit}` (that commit's benchmark applied glibc malloc "
-        "thresholds at start-up; `app/allocator.py` there)."
-    ]
+def _bench_command(report: dict[str, Any]) -> str:
+    return command_of("app.bench", report["args"], skip=("out", "name"))
 
 
 def render_training_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
-    from app.bench.report import peer_speedups, row_figures, save_plot
+    from app.bench.report import save_plot
 
     rows = report["results"]
-    # "extra_peak_mb": memory a step adds to the process (older files: the process's peak)
-    memory_key = "extra_peak_mb" if rows and "extra_peak_mb" in rows[0] else "peak_memory_mb"
     header = ["head", "V", "d", "tokens", "ms / batch", "us / token", "x softmax",
-              "x softmax 95% CI", "GFLOP", "% matmul rate",
-              "extra peak MiB" if memory_key == "extra_peak_mb" else "peak MiB"]  # fmt: skip
+              "x softmax 95% CI", "GFLOP", "% matmul rate", "extra peak MiB"]  # fmt: skip
     body = []
     for row in rows:
-        rel, low, high, gflop, rate, memory = row_figures(rows, row, memory_key)
+        rel, low, high, gflop, rate, memory = row_figures(rows, row)
         body.append([row["head"], row["vocab_size"], row["hidden_size"], row["tokens"],
                      row["time_ms"], row["time_per_token_us"], rel, interval_text(low, high),
                      gflop, rate, memory])  # fmt: skip
@@ -138,10 +135,7 @@ def render_training_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> 
            "(`x softmax`: the median of the repeats' paired ratios, each repeat timing every "
            "subject in one round, with its distribution-free 95% CI); ")
         + f"{_machine(report)}.",
-        # malloc_tuned: recorded in args by older runs, never a flag
-        "```bash\n" + command_of("app.bench", args, skip=("out", "name", "malloc_tuned")) + "\n```",
-        *_baseline_note(path),
-        *REMOVED_CPU_BACKEND * any("@cpu" in h for h in args.get("heads", [])),
+        f"```bash\n{_bench_command(report)}\n```",
         table(header, body),
         *(["\n".join(f"- {line}" for line in speedups)] if (speedups := peer_speedups(rows))
           else []),
@@ -167,12 +161,23 @@ def _ci(speedups: dict[str, Any], key: str) -> str:
     return interval_text(*speedups.get(f"{key}_ci", (math.nan, math.nan)))
 
 
+def _figure(value: float, interval: str, unit: str = "x") -> str:
+    """``1.75x [1.70-1.79]``; the interval left out where none was measured (``-``)."""
+    return f"{value:.2f}{unit}" + ("" if interval == "-" else f" [{interval}]")
+
+
+def _inference_command(report: dict[str, Any]) -> str:
+    args = report["args"]
+    return command_of("app.bench", {**args, "svd": _svd_flag(args.get("svd"))},
+                      skip=("out", "name"),
+                      repeated=("ds_checkpoint", "softmax_checkpoint", "svd"))  # fmt: skip
+
+
 def render_inference_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
     args, nan = report["args"], float("nan")
     latency, quality = report["latency"], report.get("quality", {})
-    speedup = report.get("speedup_vs_softmax") or report.get("latency_speedup", {})
+    speedup, reference = report["speedup_vs_softmax"], report["reference"]
     points = report.get("accuracy_vs_softmax_points", {})
-    reference = report.get("reference", "softmax")
     names = list(dict.fromkeys([*latency, *quality]))
     body = []
     for name in names:
@@ -190,9 +195,7 @@ def render_inference_bench(report: dict[str, Any], path: Path, doc_dir: Path) ->
     header = ["model", "batch-1 us/query", f"batch-{batch} us/query", f"batch-1 x {reference}",
               "95% CI", f"batch-{batch} x {reference}", "95% CI", "top-1 %", "top-5 %", "top-10 %",
               f"top-{k} vs {reference} (points)", "experts", "FLOP speed-up"]  # fmt: skip
-    command = command_of("app.bench", {**args, "svd": _svd_flag(args.get("svd"))},
-                         skip=("out", "name"),
-                         repeated=("ds_checkpoint", "softmax_checkpoint", "svd"))  # fmt: skip
+    command = _inference_command(report)
     parts = [
         f"Top-{k} latency (median CPU time per query; speed-ups against `{reference}` timed in "
         "the same run: the median of the blocks' paired ratios, each block of queries timed "
@@ -212,8 +215,13 @@ def _is_data_bench(report: dict[str, Any]) -> bool:
     return report.get("mode") == "data" and "results" in report
 
 
+def _data_command(report: dict[str, Any]) -> str:
+    return command_of("app.bench", report["options"],
+                      skip=("out", "name", "corpus_dir", "cache_dir"))  # fmt: skip
+
+
 def render_data_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
-    corpus, options, machine = report["corpus"], report["options"], report.get("machine", {})
+    corpus, machine = report["corpus"], report.get("machine", {})
     header = ["vocab", "classes", "train tokens", "first prepare s", "peak RSS GiB",
               "cached setup s (median)", "cached peak RSS GiB", "read one epoch s",
               "concurrent ranks: max s", "concurrent: ranks that prepared"]  # fmt: skip
@@ -233,7 +241,7 @@ def render_data_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
             max((c["wall_s"] for c in together), default=float("nan")),
             prepared(together) if together else "-",
         ])  # fmt: skip
-    load = machine.get("load_before")
+    load = _load_average(machine)
     return "\n\n".join([
         f"Synthetic WikiText-style corpus: {corpus['tokens']:,} training tokens, "
         f"{corpus['types']:,} Zipf({corpus['zipf']}) word types, "
@@ -241,9 +249,7 @@ def render_data_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
         f"{machine.get('cpus')} CPUs, load average before {load[0]:.1f} (other jobs shared the "
         "machine), peak RSS of the whole process."
         if load else f"{corpus['tokens']:,} training tokens.",
-        "```bash\n" + command_of("app.bench", options, skip=("out", "name", "corpus_dir",
-                                 "cache_dir", "malloc_tuning")) + "\n```",
-        *REMOVED_MALLOC_TUNING * bool(options.get("malloc_tuning")),
+        f"```bash\n{_data_command(report)}\n```",
         table(header, body),
     ])  # fmt: skip
 
@@ -259,6 +265,29 @@ def render_study(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
     prefix = link(path.parent, doc_dir) + "/"
     text = render_markdown(report, path.parent, link_prefix=prefix)
     return text.split("\n", 1)[1].lstrip("\n")  # the section already has its title
+
+
+# -- a study on a corpus with a known optimum (the synthetic Markov chain, issue 31) -------------
+def _is_optimum_study(report: dict[str, Any]) -> bool:
+    runs = report.get("runs") or [] if _is_study(report) else []
+    return any("test/optimum_nll" in (run.get("test") or {}) for run in runs)
+
+
+def render_optimum_study(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
+    return render_study(report, path, doc_dir)  # the study report has the excess table
+
+
+def headline_optimum_study(report: dict[str, Any], path: Path) -> tuple[str, str]:
+    from app.study.report import optimum_rows
+
+    figures = [
+        f"{row['label']} {row['mean_std'][0]:.3f} ± {row['mean_std'][1]:.3f}"
+        for row in optimum_rows(report)
+    ]
+    return (
+        "excess over the optimum (nats, mean ± std over seeds): " + ", ".join(figures),
+        f"python -m app.study run configs/studies/{report['name']}.yaml",
+    )
 
 
 def _is_rank(report: dict[str, Any]) -> bool:
@@ -279,77 +308,167 @@ def render_rank(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
     ])  # fmt: skip
 
 
-# -- one-off demonstrations with a schema of their own -------------------------------------------
-def _is_bleu_demo(report: dict[str, Any]) -> bool:
-    return str(report.get("schema", "")).startswith("bleu_checkpoint_demo/")
+# -- measurements recorded by hand (``recorded/``): prose, commands and tables in order ---------
+def _is_recorded(report: dict[str, Any]) -> bool:
+    return str(report.get("schema", "")).startswith("recorded/")
 
 
-def render_bleu_demo(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
-    curve = report["validation_curve"]
-    test = report["test"]
-    return "\n\n".join([
-        f"{report['what']} ({report.get('device', '')}).",
-        "```bash\n" + "\n".join(report["commands"]) + "\n```",
-        table(["epoch", "step", "val/bleu", "val/loss"],
-              [[r["epoch"], r["step"], r["val/bleu"], r["val/loss"]] for r in curve]),
-        f"Kept checkpoint: `{report['chosen_checkpoint']}`; its test BLEU "
-        f"{test['test/bleu']:.2f} (beam {test.get('beam_size')}, {test.get('lines')} lines).",
-    ])  # fmt: skip
-
-
-def _is_mixtape_stability(report: dict[str, Any]) -> bool:
-    return str(report.get("schema", "")).startswith("mixtape_stability_cpu/")
-
-
-def render_mixtape_stability(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
-    rows = [[start, r["seed"], r["g_abs"], r["context_saturated"]]
-            for start, runs in report["mixtape"].items() for r in runs]  # fmt: skip
-    others = report.get("other_heads_seed1", {})
-    other_rows = [[name, v.get("train_loss", "-"), v.get("g_abs", "-"),
-                   v.get("context_saturated", "-")]
-                  for name, v in others.items() if isinstance(v, dict)]  # fmt: skip
-    parts = [
-        report["setting"],
-        table(["Mixtape bias start", "seed", "mean abs g_c", "share of saturated contexts"], rows),
-    ]
-    if other_rows:
-        parts += [
-            others.get("note", ""),
-            table(
-                ["head, bias start (seed 1)", "train loss", "mean abs g_c", "saturated"], other_rows
-            ),
-        ]
-    return "\n\n".join(parts)
+def render_recorded(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
+    """``parts``: each a paragraph (a string), ``{"commands": [...]}`` or a table
+    (``{"header": [...], "rows": [[...]]}``)."""
+    parts = []
+    for part in report["parts"]:
+        if isinstance(part, str):
+            parts.append(part)
+        elif "commands" in part:
+            parts.append("```bash\n" + "\n".join(part["commands"]) + "\n```")
+        else:
+            parts.append(table(part["header"], part["rows"]))
+    return "\n\n".join(p for p in parts if p)
 
 
 RENDERERS: list[tuple[Callable[[dict[str, Any]], bool], Renderer]] = [
     (_is_training_bench, render_training_bench),
     (_is_inference_bench, render_inference_bench),
     (_is_data_bench, render_data_bench),
+    (_is_optimum_study, render_optimum_study),
     (_is_study, render_study),
     (_is_rank, render_rank),
-    (_is_bleu_demo, render_bleu_demo),
-    (_is_mixtape_stability, render_mixtape_stability),
+    (_is_recorded, render_recorded),
 ]
+
+
+# -- the summary table: a headline per file, with its interval and its command -----------------
+# a headline function gets the report and its JSON path; it returns the figures (text) and the
+# command that made them, or None where the file has no headline
+Headline = Callable[[dict[str, Any], Path], "tuple[str, str] | None"]
+
+
+def headline_training_bench(report: dict[str, Any], path: Path) -> tuple[str, str]:
+    rows = report["results"]
+    if report["args"].get("time") == "skip":
+        figures = [f"{r['head']} {_format(r['extra_peak_mb'])}" for r in rows]
+        return "extra peak MiB of a step: " + ", ".join(figures), _bench_command(report)
+    ratios = []
+    for row in rows:
+        rel, low, high, *_ = row_figures(rows, row)
+        if row["head"] not in ("softmax", "matmul") and not math.isnan(rel):
+            ratios.append(f"{row['head']} {_figure(rel, interval_text(low, high))}")
+    figures = ["step time x softmax: " + ", ".join(ratios)] if ratios else []
+    figures += [line.replace("`", "") for line in peer_speedups(rows)]
+    return "; ".join(figures), _bench_command(report)
+
+
+def headline_inference_bench(report: dict[str, Any], path: Path) -> tuple[str, str]:
+    """Each sparse model without a variant (no ``+``) against the reference."""
+    k, batch, reference = report["args"]["k"], report["args"]["batch_size"], report["reference"]
+    points = report.get("accuracy_vs_softmax_points", {})
+    figures = []
+    for name, fast in report["speedup_vs_softmax"].items():
+        if "+" in name or name.startswith("softmax"):
+            continue
+        delta = points.get(name, {}).get(f"acc_top{k}")
+        figures.append(
+            f"{name} top-{k} x {reference}: batch 1 "
+            f"{_figure(fast['batch1_us_per_query'], _ci(fast, 'batch1_us_per_query'))}, batch "
+            f"{batch} {_figure(fast['batched_us_per_query'], _ci(fast, 'batched_us_per_query'))}"
+            + ("" if delta is None else f", accuracy {delta:+.2f} points")
+        )
+    return "; ".join(figures), _inference_command(report)
+
+
+def headline_data_bench(report: dict[str, Any], path: Path) -> tuple[str, str]:
+    figures = [
+        f"{row['vocab']}: {report['corpus']['tokens']:,} tokens prepared in "
+        f"{row['prepare']['wall_s']:.0f} s ({row['prepare']['peak_rss_gib']:.1f} GiB peak), "
+        f"cached setup {row['cached_wall_s']:.2f} s"
+        for row in report["results"]
+    ]
+    return "; ".join(figures), _data_command(report)
+
+
+def headline_study(report: dict[str, Any], path: Path) -> tuple[str, str]:
+    from app.study.report import summarize
+
+    figures = [
+        f"{row['label']} {row['metric'][0]:.1f} ± {row['metric'][1]:.1f}"
+        for row in summarize(report)
+    ]
+    return (
+        f"{report['metric']} (mean ± std over seeds): " + ", ".join(figures),
+        f"python -m app.study run configs/studies/{report['name']}.yaml",
+    )
+
+
+def headline_rank(report: dict[str, Any], path: Path) -> tuple[str, str]:
+    config = " ".join(f"--config {c}" for c in report.get("config", []))
+    return (
+        f"numerical rank {report['rank']} of {report['contexts']} contexts "
+        f"(softmax bound {report['softmax_bound']})",
+        f"python -m app.rank {config} --ckpt {report['checkpoint']} "
+        f"--contexts {report['contexts']} --split {report['split']}",
+    )
+
+
+def headline_recorded(report: dict[str, Any], path: Path) -> tuple[str, str] | None:
+    if "headline" not in report:
+        return None
+    commands = next((p["commands"] for p in report["parts"] if "commands" in p), [""])
+    return report["headline"], commands[0]
+
+
+HEADLINES: dict[Renderer, Headline] = {
+    render_training_bench: headline_training_bench,
+    render_inference_bench: headline_inference_bench,
+    render_data_bench: headline_data_bench,
+    render_study: headline_study,
+    render_optimum_study: headline_optimum_study,
+    render_rank: headline_rank,
+    render_recorded: headline_recorded,
+}
+
+
+def _place(path: Path) -> tuple[int, int, str]:
+    """Where ``path`` goes: its topic's index in ``TOPICS`` (past the end: none claims it),
+    the index of the prefix it matched, its name."""
+    for number, (_, prefixes) in enumerate(TOPICS):
+        for rank, prefix in enumerate(prefixes):
+            if path.stem.startswith(prefix):
+                return number, rank, path.name
+    return len(TOPICS), 0, path.name
 
 
 def render(results: Path = RESULTS, doc_dir: Path = OUT.parent) -> str:
     """The whole results document from every JSON file in ``results``, for a markdown file in
-    ``doc_dir``."""
-    sections = [
-        "# Measured results",
-        "Generated by `python -m app.results` from the JSON files in `docs/results/`; do not "
-        "edit by hand. Each section gives the command that wrote its JSON.",
-    ]
-    for path in sorted(results.glob("*.json")):
+    ``doc_dir``: the summary table, then the sections in topic order."""
+    titles = [title for title, _ in TOPICS] + ["Other measurements"]
+    summary, sections, topic = [], [], None
+    for path in sorted(results.glob("*.json"), key=_place):
         report = json.loads(path.read_text())
         renderer = next((r for known, r in RENDERERS if known(report)), None)
-        title = f"## {path.stem}"
+        if titles[_place(path)[0]] != topic:
+            topic = titles[_place(path)[0]]
+            sections.append(f"## {topic}")
         if renderer is None:
-            sections.append(f"{title}\n\n`{path.name}`: no renderer knows this file.")
+            sections.append(f"### {path.stem}\n\n`{path.name}`: no renderer knows this file.")
             continue
-        sections.append(f"{title}\n\n{renderer(report, path, doc_dir)}")
-    return "\n\n".join(sections) + "\n"
+        note = [report["note"]] if report.get("note") else []
+        body = "\n\n".join([*note, renderer(report, path, doc_dir)])
+        sections.append(f"### {path.stem}\n\n{body}")
+        headline = HEADLINES.get(renderer, lambda *_: None)(report, path)
+        if headline:
+            anchor = path.stem.lower().replace(".", "")
+            command = f"`{headline[1]}`" if headline[1] else "-"
+            summary.append([topic, f"[{path.stem}](#{anchor})", headline[0], command])
+    return "\n\n".join([
+        "# Measured results",
+        "Generated by `python -m app.results` from the JSON files in `docs/results/`; do not "
+        "edit by hand. Each section gives the command that wrote its JSON; intervals are 95% "
+        "confidence intervals of paired ratios unless marked ± (a standard deviation).",
+        "## Summary",
+        table(["topic", "file", "headline figures [95% CI]", "command"], summary),
+        *sections,
+    ]) + "\n"  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> Path:

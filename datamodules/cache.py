@@ -15,8 +15,9 @@ temporary names and renamed into place, and each build runs under a file lock (`
 which ``datasets`` ships): ranks that start together wait for the first one's build and then
 read it, and a killed build leaves no half-written file that a later run would trust.
 
-Where: ``data.cache_dir``, else ``$OUTPUT_HEADS_DATA_CACHE``, else
-``${XDG_CACHE_HOME:-~/.cache}/output-heads/data``. Entries are never deleted automatically.
+Where: ``data.cache_dir``, else ``data/`` below the project's cache root (``heads/user_cache.py``:
+``$OUTPUT_HEADS_CACHE``, else ``${XDG_CACHE_HOME:-~/.cache}/output-heads``). Entries are never
+deleted automatically.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ import tokenizers
 from filelock import FileLock, Timeout
 
 from datamodules.errors import DataCacheError
+from heads.user_cache import CACHE_ENV
+from heads.user_cache import cache_root as user_cache_root
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +52,6 @@ STAGE_SPLITS = {
 }
 ALL_SPLITS = ("train", "valid", "test")
 
-CACHE_ENV = "OUTPUT_HEADS_DATA_CACHE"
 # Bump when what an entry holds, or how it is computed, changes: old entries are then ignored.
 FORMAT_VERSION = 1
 IDS_DTYPE = np.dtype("<i4")
@@ -61,10 +63,7 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     """The folder that holds the entries (see the module docstring)."""
     if cache_dir:
         return Path(cache_dir).expanduser()
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "output-heads" / "data"
+    return user_cache_root("data")
 
 
 def vocab_options(level: str, bpe_vocab_size: int, max_vocab_size: int | None) -> dict[str, Any]:

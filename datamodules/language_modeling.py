@@ -138,8 +138,8 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         lightrnn_init: initial table, ``frequency`` (row by row in frequency order) or
             ``random``.
         lightrnn_seed: seed of the ``random`` initial table.
-        cache_dir: folder of prepared corpora (default ``$OUTPUT_HEADS_DATA_CACHE`` or
-            ``~/.cache/output-heads/data``).
+        cache_dir: folder of prepared corpora (default ``data/`` below
+            ``$OUTPUT_HEADS_CACHE`` or ``~/.cache/output-heads``).
     """
 
     def __init__(

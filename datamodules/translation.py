@@ -334,8 +334,8 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
             are dropped.
         seed: shuffling seed of the training batches.
         predict_sentences: source sentences that ``predict`` translates.
-        cache_dir: folder of prepared corpora (default ``$OUTPUT_HEADS_DATA_CACHE`` or
-            ``~/.cache/output-heads/data``).
+        cache_dir: folder of prepared corpora (default ``data/`` below
+            ``$OUTPUT_HEADS_CACHE`` or ``~/.cache/output-heads``).
     """
 
     def __init__(

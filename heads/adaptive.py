@@ -3,8 +3,9 @@
 A head short-list of the ``k_h`` most frequent words plus one logit per tail cluster; tail
 cluster i projects the hidden state to ``d / div^i`` before its own classifier (Sec. 4.2,
 "Adapting the classifier capacity"). ``log P(w) = log P_head(cluster(w)) + log P_i(w)``
-(Eq. 3 of the two-level model), and the loss evaluates only the clusters the batch's targets
-fall in.
+(Eq. 3 of the two-level model), and the loss evaluates each tail cluster on the batch's rows
+whose targets fall in it (none for a cluster the batch misses: its parameters still get a zero
+gradient, as DDP without ``find_unused_parameters`` needs).
 
 ``cutoffs="auto"`` chooses the cut-offs by the paper's dynamic program (Eq. 8) on a cost model
 of the device the model trains on: at construction a fixed reference model (the same on every
@@ -278,27 +279,29 @@ class AdaptiveSoftmaxHead(Head):
             smoothing = self._smoothing(hidden, head_rows.lse)
         # One sort groups the rows by cluster (ignored and short-list rows first), so each
         # tail cluster is a contiguous slice of one gather: one index_select (and one
-        # scatter in its backward) for all tail clusters instead of one per cluster.
+        # scatter in its backward) for all tail clusters instead of one per cluster. The
+        # group sizes are the step's one read-back (``sort_into_groups``).
         order, sizes = sort_into_groups(cluster + 1, self.num_clusters + 2)  # ignored first
         compiling = torch.compiler.is_compiling()
         tail_rows = order[sizes[0] + sizes[1] :]
-        if compiling or tail_rows.numel():
-            tail_hidden = hidden.index_select(0, tail_rows)
-            tail_target = target.index_select(0, tail_rows)
-            cluster_nll, start = [], 0
-            for i, (tail, size) in enumerate(zip(self.tail, sizes[2:], strict=True), start=1):
-                if not compiling and size == 0:
-                    continue  # the loss only touches the clusters this batch needs
-                projected = tail[0](tail_hidden[start : start + size])  # d -> d / div^i
-                relative = tail_target[start : start + size] - self.cutoffs[i - 1]
-                # every row here has a target in the cluster: no ignored rows to mask
-                parts = linear_lse(
-                    projected, tail[1].weight, None, relative, options=self.loss_options,
-                    row_bound=hidden.size(0) if compiling else None,
-                )  # fmt: skip
-                cluster_nll.append(parts.lse - parts.target_logit)
-                start += size
-            nll = nll.index_add(0, tail_rows, torch.cat(cluster_nll).to(nll.dtype))
+        tail_hidden = hidden.index_select(0, tail_rows)
+        tail_target = target.index_select(0, tail_rows)
+        cluster_nll, start = [], 0
+        # Every cluster runs, one without a target in this batch on zero rows: its parameters
+        # get a (zero) gradient all the same, which DDP without find_unused_parameters needs
+        # on every rank (a rank whose batch misses a cluster would leave the all-reduce of the
+        # other ranks waiting); the cost is a few launches on empty tensors.
+        for i, (tail, size) in enumerate(zip(self.tail, sizes[2:], strict=True), start=1):
+            projected = tail[0](tail_hidden[start : start + size])  # d -> d / div^i
+            relative = tail_target[start : start + size] - self.cutoffs[i - 1]
+            # every row here has a target in the cluster: no ignored rows to mask
+            parts = linear_lse(
+                projected, tail[1].weight, None, relative, options=self.loss_options,
+                row_bound=hidden.size(0) if compiling else None,
+            )  # fmt: skip
+            cluster_nll.append(parts.lse - parts.target_logit)
+            start += size
+        nll = nll.index_add(0, tail_rows, torch.cat(cluster_nll).to(nll.dtype))
         return self.output(nll, target, smoothing=smoothing, label_smoothing=label_smoothing)
 
     def _smoothing(self, hidden: torch.Tensor, head_lse: torch.Tensor) -> torch.Tensor:

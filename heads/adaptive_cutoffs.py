@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from heads.user_cache import cache_root as user_cache_root
+
 log = logging.getLogger(__name__)
 
 
@@ -139,15 +141,13 @@ def calibrate(
 
     Times products over a range of ``k * B`` and fits Eq. 7: the plateau gives ``c + lam k0B0``,
     a least-squares line through the large products gives ``c`` and ``lam``. The result is
-    cached per device and hidden size (``$ADAPTIVE_SOFTMAX_CACHE`` or ~/.cache/...).
+    cached per device and hidden size in ``cache_dir``, else ``adaptive/`` below the project's
+    cache root (``heads/user_cache.py``).
     """
     device = torch.device(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     threads = torch.get_num_threads()
-    cache_root = Path(
-        cache_dir
-        or os.environ.get("ADAPTIVE_SOFTMAX_CACHE", Path.home() / ".cache" / "output-heads")
-    )
+    cache_root = Path(cache_dir) if cache_dir else user_cache_root("adaptive")
     key = f"{name}-t{threads}-d{hidden_size}".replace(" ", "_").replace("/", "_")
     cache_file = cache_root / f"adaptive_cost_model_{key}.json"
     if cache_file.is_file():

@@ -97,7 +97,12 @@ def sort_into_groups(labels: torch.Tensor, num_groups: int) -> tuple[torch.Tenso
     """Row indices sorted by ``labels`` (in ``[0, num_groups)``) and each group's size, so
     that group g is one contiguous slice of ``order``. The sizes come from a fixed-length
     count: under ``torch.compile`` they are the only data-dependent values (no data-dependent
-    output shapes)."""
+    output shapes).
+
+    The ``tolist`` of all sizes is one host sync: the only one a training or validation step
+    may make, and only in heads whose work has a data-dependent shape (adaptive clusters, DS
+    experts), which call this once per forward (``tests/lightning_modules/test_host_sync.py``
+    counts it)."""
     order = torch.argsort(labels, stable=True)
     counts = torch.zeros(num_groups, dtype=torch.long, device=labels.device)
     sizes = counts.scatter_add_(0, labels, torch.ones_like(labels)).tolist()

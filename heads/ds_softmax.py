@@ -14,7 +14,7 @@ Storage is sparse from the start: all experts' surviving rows are packed in one 
 ``weight [R, d]``; ``row_class [R]`` names each row's class (ascending within an expert) and
 ``expert_offsets [K + 1]`` delimits the experts. Memory and compute therefore follow the
 surviving rows ``R = sum_k |v_k|``, not ``K x V``. Pruning and mitosis
-(``app/callbacks/ds_pruning.py``, ``app/callbacks/mitosis.py``) change this structure; it is
+(``app/callbacks/ds/pruning.py``, ``app/callbacks/ds/mitosis.py``) change this structure; it is
 saved in the state dict and a freshly built head resizes itself to it when loading.
 
 Two distributions, equal while no row has been pruned:
@@ -147,9 +147,20 @@ class DSSoftmaxHead(Head):
         return self.gate.size(0)
 
     def _refresh_structure(self) -> None:
-        """Python-side copies of the structure: the inference path avoids tensor syncs."""
+        """What follows from the structure, computed when it changes (construction,
+        ``set_structure``, loading), never per step: Python-side offsets (the expert sizes
+        that ``split`` and the slices take, without a sync) and the ``[R]`` expert of every
+        row (a non-persistent buffer: it moves with the module, and the expert lasso reads
+        it in every step)."""
         self._offsets: list[int] = self.expert_offsets.tolist()
         self._cache: DSInference | None = None
+        device = self.row_class.device
+        row_expert = torch.repeat_interleave(
+            torch.arange(self.num_experts, device=device),
+            self.expert_offsets.diff().to(device),
+            output_size=self.row_class.numel(),
+        )
+        self.register_buffer("_row_expert", row_expert, persistent=False)
 
     def _split_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(W, b)`` of packed rows (``b`` is ``None`` without ``bias``)."""
@@ -166,9 +177,8 @@ class DSSoftmaxHead(Head):
         return self.row_class[self._offsets[k] : self._offsets[k + 1]]
 
     def row_expert(self) -> torch.Tensor:
-        """``[R]`` expert index of every packed row."""
-        sizes = torch.tensor(self.expert_sizes(), device=self.row_class.device)
-        return torch.repeat_interleave(torch.arange(self.num_experts, device=sizes.device), sizes)
+        """``[R]`` expert index of every packed row (kept since the structure last changed)."""
+        return self._row_expert
 
     def membership(self) -> torch.Tensor:
         """``[K, V]`` bool: class c is alive in expert k (the expert x class heatmap)."""
@@ -282,9 +292,9 @@ class DSSoftmaxHead(Head):
         part = linear_lse(scaled, rows, None, local, logit_sum=smoothing,
                           options=self.loss_options, row_bound=row_bound)  # fmt: skip
         log_norm = part.lse
-        pruned = self.vocab_size - rows.size(0)
-        if pruned:
-            log_norm = torch.logaddexp(log_norm, log_norm.new_tensor(math.log(pruned)))
+        pruned = self.vocab_size - rows.size(0)  # from the shape: no read-back
+        if pruned:  # a fill on the device, not a copy of a Python number to it
+            log_norm = torch.logaddexp(log_norm, torch.full_like(log_norm, math.log(pruned)))
         nll = log_norm - part.target_logit
         smooth = log_norm - part.logit_sum / self.vocab_size if smoothing else None
         return nll, smooth
@@ -521,7 +531,7 @@ class DSSoftmaxHead(Head):
         at zero, bias included: the logit 0 that Algorithm 1 gives a pruned class in the
         training loss, so adding rows leaves that loss unchanged. An expert given no class is
         removed with its gate row. Returns the old indices of the new ``(rows, gate rows)``,
-        ``-1`` for a new row (optimizers must be rebuilt, see ``app/callbacks/ds_optim.py``).
+        ``-1`` for a new row (optimizers must be rebuilt, see ``app/callbacks/ds/optim.py``).
         """
         device = self.weight.device
         expert, classes = expert.to(device, torch.long), classes.to(device, torch.long)

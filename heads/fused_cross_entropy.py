@@ -36,14 +36,22 @@ import torch
 
 from heads.cross_entropy import IGNORE_INDEX
 from heads.errors import HeadConfigError, UserError
+from heads.kernels.compiled_lse import CompiledLinearLSE
 
 BACKENDS = ("auto", "torch", "cce", "liger")
+PLANS = ("auto", "eager", "compiled")
 
 # Working set of one chunk's logits (float32 entries): small enough on a CPU for the chunk's
 # passes to run from cache and for glibc to reuse the freed memory; on a GPU large enough for
 # the products to fill the device.
 _CHUNK_BYTES = {"cpu": 16 << 20}
 _ACCELERATOR_CHUNK_BYTES = 128 << 20
+# CUDA: at most this many chunks per row tile (each chunk is a few kernel launches and a
+# product; fewer, wider chunks fill the GPU), at least _CUDA_MIN_BYTES of logits per chunk,
+# and no chunk over 1/_CUDA_MEMORY_SHARE of the device's memory (then rows are tiled).
+_CUDA_MAX_CHUNKS = 32
+_CUDA_MIN_BYTES = 256 << 20
+_CUDA_MEMORY_SHARE = 16
 # Chunk results kept for the backward instead of recomputed, per call (see LossOptions).
 DEFAULT_SAVED_BYTES = 128 << 20
 _MIN_COLUMNS = 128  # narrower chunks make the products inefficient: tile the rows instead
@@ -69,6 +77,11 @@ class LossOptions:
     columns, rows: force the chunk width and the row tile (tests, tuning); None: from bytes.
     fold: how the backward forms ``dL/dz``: True, chunk by chunk in one pass over the logits;
         False, by scaling ``[N, d]`` rows; None: True where ``V <= 4 d`` (tests, tuning).
+    plan: ``eager`` (the hand-written chunk loop, tuned for CPUs), ``compiled`` (one
+        compiled function per chunk, ``heads/kernels/compiled_lse.py``, tuned for GPUs), or
+        ``auto``: compiled on CUDA, eager elsewhere.
+    device_memory: bytes of device memory the CUDA chunks are planned for; None: the
+        device's own (tests state one to check a plan on a CPU).
     """
 
     backend: str = "auto"
@@ -77,9 +90,13 @@ class LossOptions:
     columns: int | None = None
     rows: int | None = None
     fold: bool | None = None
+    plan: str = "auto"
+    device_memory: int | None = None
 
     def __post_init__(self) -> None:
         check_backend(self.backend)
+        if self.plan not in PLANS:
+            raise HeadConfigError(f"LossOptions.plan must be one of {', '.join(PLANS)}")
         for name in ("chunk_bytes", "columns", "rows"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
@@ -107,6 +124,8 @@ def plan_tiles(
     float32 values held per entry (Mixtape's blocks hold ``2K``): the chunk's working set
     stays near ``options.chunk_bytes``. Both only depend on the shapes."""
     budget = options.chunk_bytes or _CHUNK_BYTES.get(device.type, _ACCELERATOR_CHUNK_BYTES)
+    if device.type == "cuda" and options.chunk_bytes is None:
+        budget = cuda_chunk_bytes(rows, columns, entries_per_column, device, options)
     entries = max(1, budget // (4 * entries_per_column))
     width = options.columns
     if width is None:
@@ -119,6 +138,23 @@ def plan_tiles(
     if tile is None:  # all rows, unless even the narrowest chunk of them is over budget
         tile = rows if rows * width <= entries else entries // width
     return max(1, min(tile, rows)), width
+
+
+def cuda_chunk_bytes(
+    rows: int, columns: int, entries_per_column: int, device: torch.device, options: LossOptions
+) -> int:
+    """A CUDA chunk's bytes: wide enough for at most ``_CUDA_MAX_CHUNKS`` chunks (MoS's K N
+    rows get chunks as wide as the softmax's N rows), at least ``_CUDA_MIN_BYTES``, at most
+    a ``1/_CUDA_MEMORY_SHARE`` of the device memory."""
+    memory = options.device_memory or _device_memory(device)
+    width = math.ceil(columns / _CUDA_MAX_CHUNKS)
+    wanted = 4 * entries_per_column * max(rows, 1) * width
+    return max(_CUDA_MIN_BYTES, min(wanted, memory // _CUDA_MEMORY_SHARE))
+
+
+def _device_memory(device: torch.device) -> int:
+    """The CUDA device's memory in bytes (a property query: no sync)."""
+    return torch.cuda.get_device_properties(device).total_memory
 
 
 def spans(total: int, width: int | None) -> list[tuple[int, int]]:
@@ -161,11 +197,18 @@ def chunk_logits(
     return z if bias is None else z.add_(as_dtype(bias, accumulate))
 
 
+def finite_shift(top: torch.Tensor) -> torch.Tensor:
+    """A row maximum to shift by: 0 where the row is all ``-inf`` (masked columns), whose
+    ``exp(-inf - 0) = 0`` where ``-inf - -inf`` would be NaN."""
+    return torch.where(top == -math.inf, 0.0, top)
+
+
 def exp_sum_(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """In place ``z <- exp(z - m)`` with ``m`` the row maximum (floored on a CPU); returns
-    ``(m, sum of the row)``."""
+    ``(m, sum of the row)``. A row of ``-inf`` has ``m = -inf`` and ``z <- exp(z)``: its sum
+    only ever enters :func:`combine_chunk` times ``exp(-inf) = 0``."""
     top = z.amax(1)
-    return top, exp_shifted_(z, top).sum(1)
+    return top, exp_shifted_(z, finite_shift(top)).sum(1)
 
 
 def exp_shifted_(z: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -200,7 +243,8 @@ def combine_chunk(
     """Online log-sum-exp: ``(m, s)`` and one more chunk's ``(m_c, s_c)`` into the pair with
     ``m' = max(m, m_c)``, ``s' = s e^(m - m') + s_c e^(m_c - m')``."""
     new_top = torch.maximum(top, chunk_top)
-    return new_top, total * torch.exp(top - new_top) + chunk_total * torch.exp(chunk_top - new_top)
+    shift = finite_shift(new_top)  # both -inf: total 0, not NaN
+    return new_top, total * torch.exp(top - shift) + chunk_total * torch.exp(chunk_top - shift)
 
 
 def accumulation_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -461,11 +505,33 @@ def linear_lse(
         saved = options.saved_bytes
     else:
         (_, width), tile, saved = plan_tiles(row_bound, v, hidden.device, options), None, 0
+    if resolve_plan(options.plan, hidden) == "compiled":
+        acc = accumulation_dtype(hidden, weight)
+        lse, target_logit = CompiledLinearLSE.apply(
+            hidden, weight, bias, target, compute_dtype(hidden, weight), acc, tile, width
+        )
+        return LinearLSE(lse, target_logit, logit_sums(hidden, weight, bias) if logit_sum else None)
     lse, target_logit, total = _LinearLSE.apply(
         hidden, weight, bias, target, logit_sum, compute_dtype(hidden, weight), tile, width,
         saved, options.fold,
     )  # fmt: skip
     return LinearLSE(lse, target_logit, total if logit_sum else None)
+
+
+def resolve_plan(plan: str, hidden: torch.Tensor) -> str:
+    """``auto``: the compiled chunk plan on CUDA, the eager one (CPU-tuned) elsewhere."""
+    if plan == "auto":
+        return "compiled" if hidden.device.type == "cuda" else "eager"
+    return plan
+
+
+def logit_sums(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """``sum_x z_x = h . sum_x W_x + sum_x b_x`` per row, in the accumulation dtype: one
+    ``[N, d]`` product instead of a pass over the logits (autograd differentiates it)."""
+    acc = accumulation_dtype(hidden, weight)
+    with torch.autocast(hidden.device.type, enabled=False):
+        total = hidden.to(acc) @ weight.to(acc).sum(0)
+        return total if bias is None else total + bias.to(acc).sum()
 
 
 class CrossEntropyRows(NamedTuple):
@@ -533,48 +599,112 @@ def _check_shapes(hidden, weight, bias, target) -> None:
 
 
 # -- backends ---------------------------------------------------------------------------------
+# The field's fused kernels, optional and CUDA-only (requirements-gpu.txt). Each is called
+# through its version's own arguments; another version is refused with the pin to install.
+EXTERNAL_PACKAGES = {"cce": "cut-cross-entropy==25.1.1", "liger": "liger-kernel==0.8.5"}
+
+# auto on CUDA: the backend the GPU benchmark measured fastest, per head, at vocabulary sizes
+# up to the key (bf16, d = 512, 16,384 tokens; `bash .ci/gpu`). Heads or sizes not listed:
+# the compiled torch plan.
+MEASURED_FASTEST: dict[str, list[tuple[int, str]]] = {}
+
+
+def fastest_backend(head: str, vocab_size: int, device: torch.device) -> str:
+    """What ``auto`` runs for ``head`` (its registry name) at ``vocab_size`` on ``device``."""
+    if device.type != "cuda":
+        return "torch"
+    for largest, backend in MEASURED_FASTEST.get(head, []):
+        if vocab_size <= largest:
+            return backend
+    return "torch"
+
+
 def resolve_backend(name: str, hidden: torch.Tensor) -> str:
-    """The backend that runs: ``auto`` is ``torch``; ``cce`` and ``liger`` need CUDA (the name
-    itself is checked by ``LossOptions``)."""
+    """The backend that runs: ``auto`` is ``torch`` here (a task resolves ``auto`` per head
+    with :func:`fastest_backend` when it knows the device); ``cce`` and ``liger`` need CUDA
+    (the name itself is checked by ``LossOptions``)."""
     if name == "auto":
         return "torch"
-    if name in ("cce", "liger") and hidden.device.type != "cuda":
-        raise MissingBackendError(
-            f"loss backend {name!r} runs on CUDA only (the tensors are on {hidden.device.type}):"
-            f" use loss_backend auto"
-        )
+    if name in ("cce", "liger"):
+        check_backend_device(name, hidden.device)
     return name
 
 
-def external_loss_function(name: str) -> Callable:
-    """CCE's ``linear_cross_entropy`` or Liger's ``liger_fused_linear_cross_entropy``, both
-    ``(h, W, target, bias=..., reduction=...)``; a one-line error when not installed."""
-    try:
-        if name == "cce":
-            from cut_cross_entropy import linear_cross_entropy as function
-        else:
-            from liger_kernel.transformers.functional import (
-                liger_fused_linear_cross_entropy as function,
-            )
-    except ImportError as error:
-        package = {"cce": "cut-cross-entropy==25.1.1", "liger": "liger-kernel==0.8.5"}[name]
+def check_backend_device(name: str, device: torch.device) -> None:
+    if name in ("cce", "liger") and device.type != "cuda":
         raise MissingBackendError(
-            f"loss backend {name!r} needs `pip install {package}` (CUDA and Triton): {error}"
+            f"loss backend {name!r} runs on CUDA only (the model is on {device.type}):"
+            f" use loss_backend auto"
+        )
+
+
+def external_loss_function(name: str) -> Callable:
+    """A per-row NLL function ``(h, W, b, target) -> [N]`` float32 for ``cce`` or ``liger``,
+    sync-free, ``target`` all in ``[0, V)``; a one-line error naming the package to install
+    when it is missing or another version."""
+    import importlib
+    from importlib import metadata
+
+    package = EXTERNAL_PACKAGES[name]
+    distribution, version = package.split("==")
+    module = {"cce": "cut_cross_entropy.cce", "liger": "liger_kernel.transformers.functional"}
+    try:
+        installed = metadata.version(distribution)
+        importlib.import_module(module[name])
+    except (ImportError, metadata.PackageNotFoundError) as error:
+        raise MissingBackendError(
+            f"loss backend {name!r} needs `pip install {package}` (CUDA and Triton; "
+            f"pip install -r requirements-gpu.txt): {error}"
         ) from error
-    return function
+    if installed != version:
+        raise MissingBackendError(
+            f"loss backend {name!r} is written for {package}, found {installed}: "
+            f"`pip install {package}`"
+        )
+    return _cce_nll if name == "cce" else _liger_nll
+
+
+def _cce_nll(hidden, weight, bias, target):
+    """CCE 25.1.1: its public ``linear_cross_entropy`` has no bias and finds ignored rows with
+    ``nonzero()`` (a host sync), so its autograd Function is called with no ignored rows and
+    the bias folded in as one more column, ``[h, 1, 0...] . [W, b, 0...]`` (padded to a
+    multiple of 8 columns for the kernels' alignment)."""
+    from cut_cross_entropy.cce import CCEParams, linear_cross_entropy_apply
+    from cut_cross_entropy.utils import _handle_eps
+
+    if bias is not None:
+        d = hidden.size(1)
+        width = (d + 1 + 7) // 8 * 8
+        hidden = torch.cat((hidden, hidden.new_ones(hidden.size(0), 1),
+                            hidden.new_zeros(hidden.size(0), width - d - 1)), 1)  # fmt: skip
+        weight = torch.cat(
+            (weight, bias[:, None], weight.new_zeros(weight.size(0), width - d - 1)), 1
+        )
+    params = CCEParams(
+        target, None, None, "none", _handle_eps("high", hidden.dtype), False, target.size()
+    )
+    return linear_cross_entropy_apply(hidden.contiguous(), weight.contiguous(), params)
+
+
+def _liger_nll(hidden, weight, bias, target):
+    """Liger 0.8.5 with ``accum_dtype=float32`` (else dW accumulates in bf16)."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    return liger_fused_linear_cross_entropy(
+        hidden, weight, target, bias=bias, reduction="none", accum_dtype=torch.float32
+    )
 
 
 def _external_nll(name, hidden, weight, bias, target) -> torch.Tensor:
-    """Per-row NLL from CCE or Liger (``reduction="none"``), float32."""
+    """Per-row NLL from CCE or Liger, float32: both want one dtype for ``h``, ``W``, ``b``."""
     function = external_loss_function(name)
     device = hidden.device.type
-    if torch.is_autocast_enabled(device):  # both kernels want one dtype for h and W
+    if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
     with torch.autocast(device, enabled=False):
-        nll = function(hidden, weight, target, bias=bias, reduction="none")
-    return nll.float()
+        return function(hidden, weight, bias, target).float()
 
 
 def _external_lse(name, hidden, weight, bias, target, want_sum) -> LinearLSE:
@@ -589,8 +719,6 @@ def _external_lse(name, hidden, weight, bias, target, want_sum) -> LinearLSE:
         logit = (h * w.index_select(0, safe)).sum(1)
         if bias is not None:
             logit = logit + bias.to(acc).index_select(0, safe)
-        total = None
-        if want_sum:
-            total = h @ w.sum(0) + (0.0 if bias is None else bias.to(acc).sum())
     lse = nll + logit
+    total = logit_sums(hidden, weight, bias) if want_sum else None
     return LinearLSE(lse, torch.where(valid, logit, torch.zeros_like(logit)), total)

@@ -35,8 +35,10 @@ from heads.fused_cross_entropy import (
     compute_dtype,
     linear_lse,
     plan_tiles,
+    resolve_plan,
     spans,
 )
+from heads.kernels.compiled_lse import CompiledMixtureLogProbSum
 
 # columns of the exact log_prob per block (evaluation): [N, K, block] at a time
 _EVAL_ENTRIES = 1 << 24
@@ -158,9 +160,11 @@ def mixture_log_prob_sum(
     backward: no ``[N, K, V]`` tensor exists."""
     n, k, _ = contexts.shape
     _, width = plan_tiles(n * k, weight.size(0), contexts.device, options, entries_per_column=2)
-    return _MixtureLogProbSum.apply(
-        contexts, weight, bias, shift, compute_dtype(contexts, weight), width
-    )
+    dtype = compute_dtype(contexts, weight)
+    if resolve_plan(options.plan, contexts) == "compiled":  # the GPU plan: a compiled chunk body
+        acc = accumulation_dtype(contexts, weight, shift)
+        return CompiledMixtureLogProbSum.apply(contexts, weight, bias, shift, dtype, acc, width)
+    return _MixtureLogProbSum.apply(contexts, weight, bias, shift, dtype, width)
 
 
 class _MixtureLogProbSum(torch.autograd.Function):

@@ -13,10 +13,53 @@ from lightning_modules.errors import ModelConfigError, NonFiniteLossError
 HEAD_KEY = "head_class"
 
 
-def check_finite_loss(loss: torch.Tensor, stage: str, step: int, head: torch.nn.Module) -> None:
-    if not torch.isfinite(loss):
+class FiniteLossCheck:
+    """Stops training on a NaN or infinite loss without a host sync per step.
+
+    :meth:`record` runs in every step and only queues device work: the first non-finite
+    loss's step, value and stage are kept in three 0-dim tensors on the loss's device.
+    :meth:`raise_if_non_finite` reads them back (one sync) and raises
+    :class:`NonFiniteLossError` naming that step, stage and head; the task calls it at the
+    logging interval (``trainer.log_every_n_steps``), at the end of a training epoch and of
+    every validation or test, and at once where no trainer runs the module (direct calls).
+    """
+
+    def __init__(self) -> None:
+        self._stages: list[str] = []
+        self._step: torch.Tensor | None = None  # -1 until a non-finite loss is seen
+        self._value: torch.Tensor | None = None
+        self._stage: torch.Tensor | None = None
+
+    def record(self, loss: torch.Tensor, stage: str, step: int) -> None:
+        loss = loss.detach()
+        device = loss.device
+        if self._step is None:  # fills on the device: no copy from the host
+            self._step = torch.full((), -1, dtype=torch.long, device=device)
+            self._value = torch.zeros((), dtype=torch.float64, device=device)
+            self._stage = torch.zeros((), dtype=torch.long, device=device)
+        elif self._step.device != device:  # the module moved: keep what was found
+            self._step, self._value, self._stage = (
+                t.to(device) for t in (self._step, self._value, self._stage)
+            )
+        if stage not in self._stages:
+            self._stages.append(stage)
+        # no branch on the data: a where per kept value, with Python numbers as kernel scalars
+        new = (self._step < 0) & ~torch.isfinite(loss)
+        self._step = torch.where(new, step, self._step)
+        self._value = torch.where(new, loss.to(torch.float64), self._value)
+        self._stage = torch.where(new, self._stages.index(stage), self._stage)
+
+    def raise_if_non_finite(self, head: torch.nn.Module) -> None:
+        """One read-back; raises if a recorded loss was not finite."""
+        if self._step is None:
+            return
+        step = int(self._step)
+        if step < 0:
+            return
+        value, stage = float(self._value), self._stages[int(self._stage)]
+        self._step = None  # reported once
         raise NonFiniteLossError(
-            f"non-finite {stage} loss ({float(loss.detach())}) at step {step} with "
+            f"non-finite {stage} loss ({value}) at step {step} with "
             f"{type(head).__name__}: lower the learning rate or check the precision"
         )
 

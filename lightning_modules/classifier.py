@@ -11,7 +11,7 @@ from torchmetrics import MeanMetric
 
 from heads import Head
 from lightning_modules.errors import ModelConfigError
-from lightning_modules.head_task import HeadTask
+from lightning_modules.head_task import NO_READ_BACK, HeadTask
 
 
 class Classifier(HeadTask):
@@ -57,7 +57,7 @@ class Classifier(HeadTask):
         self.top_k = top_k
         self.metrics = nn.ModuleDict(
             {
-                f"{stage}_{name}": MeanMetric()
+                f"{stage}_{name}": MeanMetric(**NO_READ_BACK)
                 for stage in ("val", "test")
                 for name in ["loss", *(f"acc_top{k}" for k in top_k)]
             }

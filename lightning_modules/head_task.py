@@ -15,9 +15,15 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from heads import Head, HeadSetup
-from heads.fused_cross_entropy import check_backend
+from heads.fused_cross_entropy import (
+    check_backend,
+    check_backend_device,
+    external_loss_function,
+    fastest_backend,
+)
 from lightning_modules.checks import (
     HEAD_KEY,
+    FiniteLossCheck,
     check_checkpoint_head,
     check_hidden_sizes,
     head_class_name,
@@ -32,6 +38,11 @@ log = logging.getLogger(__name__)
 def _warn_once(message: str) -> None:
     log.warning(message)
 
+
+# torchmetrics aggregators' options in the task modules: the default ``nan_strategy``
+# ("warn"; "ignore" alike) tests ``isnan(x).any()`` in every update, a host sync per step;
+# "disable" does not look. A NaN loss stops the run anyway (``check_finite_loss``).
+NO_READ_BACK: dict[str, Any] = {"nan_strategy": "disable"}
 
 # What tasks take for ``compile``: False, True (torch.compile's defaults) or its keyword arguments
 CompileOption = bool | dict[str, Any]
@@ -52,6 +63,11 @@ class HeadTask(L.LightningModule):
       data-dependent values, captured as such). ``log_prob`` / ``topk`` stay eager.
     - ``loss_backend`` (every task's option): the head's fused-loss backend
       (``heads/fused_cross_entropy.py``).
+    - :meth:`check_finite_loss` in a step stops the run on a NaN or infinite loss without a
+      host sync per step: the loss is checked on the device and read back at the logging
+      interval, at the end of a training epoch and of each validation and test
+      (:class:`~lightning_modules.checks.FiniteLossCheck`); subclasses that override
+      ``on_validation_epoch_end`` / ``on_test_epoch_end`` call ``super()`` first.
 
     Each task calls ``super().__init__`` first (which checks the head against the backbone's
     ``output_size`` and records the options common to every task), then saves its own
@@ -82,6 +98,7 @@ class HeadTask(L.LightningModule):
         self.scheduler_factory = scheduler
         # validations ended in fit, and that count at the plateau scheduler's last step
         self._validations = self._plateau_validations = 0
+        self._finite_loss = FiniteLossCheck()
 
     def configure_training(self, compile: CompileOption, loss_backend: str) -> None:
         """Record the ``compile`` and ``loss_backend`` options (once ``self.head`` is set)."""
@@ -97,8 +114,20 @@ class HeadTask(L.LightningModule):
                 f"model.compile must be true, false or torch.compile's keyword arguments, got "
                 f"{compile!r}"
             )
+        if loss_backend in ("cce", "liger"):  # a missing package: now, not at the first step
+            external_loss_function(loss_backend)
+        self.loss_backend = loss_backend
         self.head.loss_options = replace(self.head.loss_options, backend=loss_backend)
         self._compiled = False
+
+    def place_loss_backend(self, device: torch.device) -> None:
+        """Once the device is known: ``cce``/``liger`` need CUDA, and ``auto`` becomes the
+        backend measured fastest for this head there (``fastest_backend``)."""
+        backend = self.loss_backend
+        check_backend_device(backend, device)
+        if backend == "auto":
+            backend = fastest_backend(type(self.head).__name__, self.head.vocab_size, device)
+        self.head.loss_options = replace(self.head.loss_options, backend=backend)
 
     def configure_model(self) -> None:
         if self.compile_options is None or self._compiled:
@@ -116,7 +145,10 @@ class HeadTask(L.LightningModule):
         self._compiled = True
 
     def setup(self, stage: str) -> None:
-        if stage != "fit" or self._trainer is None:
+        if self._trainer is None:
+            return
+        self.place_loss_backend(self.trainer.strategy.root_device)
+        if stage != "fit":
             return
         trainer = self.trainer
         datamodule = getattr(trainer, "datamodule", None)
@@ -139,6 +171,29 @@ class HeadTask(L.LightningModule):
         return configure_optimizers(
             self.parameters(), self.optimizer_factory, self.scheduler_factory
         )
+
+    # -- the finite-loss check: recorded on the device per step, read back now and then ----
+    def check_finite_loss(self, loss: torch.Tensor, stage: str) -> None:
+        """Record whether a step's loss is finite (no host sync). Without a trainer (a direct
+        call) no loop reads it back later: checked at once."""
+        self._finite_loss.record(loss, stage, self.global_step)
+        if self._trainer is None:
+            self._finite_loss.raise_if_non_finite(self.head)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        trainer = self.trainer
+        done = batch_idx + 1
+        if done % max(trainer.log_every_n_steps, 1) == 0 or done >= trainer.num_training_batches:
+            self._finite_loss.raise_if_non_finite(self.head)
+
+    def on_train_end(self) -> None:
+        self._finite_loss.raise_if_non_finite(self.head)  # max_steps may end between checks
+
+    def on_validation_epoch_end(self) -> None:
+        self._finite_loss.raise_if_non_finite(self.head)
+
+    def on_test_epoch_end(self) -> None:
+        self._finite_loss.raise_if_non_finite(self.head)
 
     def on_validation_end(self) -> None:
         if not self.trainer.sanity_checking:

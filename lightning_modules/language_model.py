@@ -13,9 +13,8 @@ from datamodules.resumable import ResumableLoader
 from heads import Head
 from lightning_modules.backbones import LMBackbone
 from lightning_modules.checkpoint_file import check_checkpoint_file
-from lightning_modules.checks import check_finite_loss
 from lightning_modules.errors import ModelConfigError
-from lightning_modules.head_task import HeadTask
+from lightning_modules.head_task import NO_READ_BACK, HeadTask
 from lightning_modules.optimization import step_schedulers_skipped_by_resume
 
 STAGES = ("train", "val", "test")
@@ -114,11 +113,15 @@ class LanguageModel(HeadTask):
             self.backbone.requires_grad_(False)
         self._state: dict[str, Any] = {}
         self.metrics = torch.nn.ModuleDict(
-            {stage: MeanMetric() for stage in ("train_nll", "val_nll", "test_nll")}
+            {stage: MeanMetric(**NO_READ_BACK) for stage in ("train_nll", "val_nll", "test_nll")}
         )
         # summed separately: a window may hold code NLLs but no word start
         self.word_metrics = torch.nn.ModuleDict(
-            {f"{stage}_{part}": SumMetric() for stage in STAGES for part in ("nll", "words")}
+            {
+                f"{stage}_{part}": SumMetric(**NO_READ_BACK)
+                for stage in STAGES
+                for part in ("nll", "words")
+            }
         )
         self._word_starts: torch.Tensor | None = None
         self._resumed_train_state: Any = None
@@ -171,7 +174,7 @@ class LanguageModel(HeadTask):
         extra = self.backbone.extra_loss()  # e.g. AWD-LSTM's AR/TAR (training only)
         if extra is not None:
             loss = loss + extra
-        check_finite_loss(loss, stage, self.global_step, self.head)
+        self.check_finite_loss(loss, stage)
         if stage == "train":
             if extra is not None:
                 self.log("train/backbone_reg", extra)
@@ -251,9 +254,11 @@ class LanguageModel(HeadTask):
         step_schedulers_skipped_by_resume(self.trainer)
 
     def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()  # a non-finite loss stops the run before logging
         self._log_split_perplexity("val")
 
     def on_test_epoch_end(self) -> None:
+        super().on_test_epoch_end()
         self._log_split_perplexity("test")
 
     # -- predict: next-token top-k, optional sampling -----------------------------------

@@ -16,10 +16,9 @@ from torchmetrics import MeanMetric
 
 from heads import IGNORE_INDEX, Head
 from lightning_modules.backbones.seq2seq import Seq2SeqTransformer
-from lightning_modules.checks import check_finite_loss
 from lightning_modules.decoding import DecodeConfig, beam_search, greedy_decode
 from lightning_modules.errors import ModelConfigError
-from lightning_modules.head_task import HeadTask
+from lightning_modules.head_task import NO_READ_BACK, HeadTask
 
 STAGES = ("train", "val", "test")
 
@@ -127,7 +126,7 @@ class Translation(HeadTask):
         self.max_length_b = max_length_b
         self.num_samples = num_samples
         self.translations_file = translations_file
-        self.metrics = torch.nn.ModuleDict({f"{s}_nll": MeanMetric() for s in STAGES})
+        self.metrics = torch.nn.ModuleDict({f"{s}_nll": MeanMetric(**NO_READ_BACK) for s in STAGES})
         self._translations: dict[int, list[int]] = {}
         self._decode_seconds = 0.0
 
@@ -147,7 +146,7 @@ class Translation(HeadTask):
 
     def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         nll, loss = self.loss(batch)
-        check_finite_loss(loss, stage, self.global_step, self.head)
+        self.check_finite_loss(loss, stage)
         tokens = (batch["target_output"] != IGNORE_INDEX).sum()
         self.metrics[f"{stage}_nll"].update(nll.detach(), weight=tokens)
         if stage == "train":
@@ -299,10 +298,12 @@ class Translation(HeadTask):
         self._translations, self._decode_seconds = {}, 0.0
 
     def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()  # a non-finite loss stops the run before logging
         self._log_perplexity("val")
         self._report_translations("val", "valid")
 
     def on_test_epoch_end(self) -> None:
+        super().on_test_epoch_end()
         self._log_perplexity("test")
         hypotheses = self._report_translations("test", "test")
         if not hypotheses:

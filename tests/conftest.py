@@ -6,10 +6,32 @@ from pathlib import Path
 import pytest
 import torch
 
-from datamodules.cache import CACHE_ENV
 from datamodules.text_source import CORPORA
+from heads.user_cache import CACHE_ENV
 
 REPO = Path(__file__).resolve().parents[1]
+# The experiments the tests run, as command-line arguments: a setting (configs/lm, configs/mt)
+# with a head fragment where it is not the setting's default softmax.
+_LM, _MT, _HEAD = (
+    ["--config", "configs/lm/ptb.yaml"],
+    ["--config", "configs/mt/multi30k.yaml"],
+    "--model.head",
+)
+EXPERIMENTS = {
+    "ptb_softmax": _LM,
+    "ptb_mos": [*_LM, _HEAD, "configs/heads/mos.yaml"],
+    "ptb_mixtape": [*_LM, _HEAD, "configs/heads/mixtape.yaml"],
+    "ptb_adaptive": [
+        *_LM,
+        _HEAD,
+        "configs/heads/adaptive_ptb.yaml",
+        "--model.tie_weights",
+        "false",
+    ],
+    "multi30k_softmax": _MT,
+    "multi30k_mos": [*_MT, _HEAD, "configs/heads/mos_mt.yaml"],
+    "multi30k_mixtape": [*_MT, _HEAD, "configs/heads/mixtape_mt.yaml"],
+}
 PTB = CORPORA / "ptb"  # shipped with the project, xz-compressed
 MULTI30K = CORPORA / "multi30k"
 
@@ -22,10 +44,10 @@ def shipped_text(path: Path) -> str:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def data_cache(tmp_path_factory) -> Path:
-    """Prepared corpora go to a folder of this test session, never the user's cache; the
-    ``cli.py`` subprocesses (and their DDP ranks) inherit it."""
-    root = tmp_path_factory.mktemp("data-cache")
+def user_cache(tmp_path_factory) -> Path:
+    """Prepared corpora, cost models and built kernels go to a folder of this test session,
+    never the user's cache; the ``cli.py`` subprocesses (and their DDP ranks) inherit it."""
+    root = tmp_path_factory.mktemp("user-cache")
     os.environ[CACHE_ENV] = str(root)
     return root
 
@@ -35,6 +57,30 @@ def cli_argv(monkeypatch):
     """``sys.argv`` as ``python cli.py`` has it, not pytest's (LightningCLI reads it); for
     tests that run the CLI in-process (``pytestmark = pytest.mark.usefixtures("cli_argv")``)."""
     monkeypatch.setattr(sys, "argv", ["cli.py"])
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """``cli_run(subcommand, *args, experiment=None, console=False)`` runs ``python cli.py
+    subcommand --trainer.default_root_dir ROOT *EXPERIMENTS[experiment] *args`` in-process:
+    ``cli.main`` (its ``AppCLI`` returned) or, with ``console``, ``cli.console_main`` (its exit
+    status returned, errors printed as one line). ROOT, where a run without a logger saves its
+    config.yaml, is a temporary folder of the test module, never the repository; ``sys.argv`` is
+    ``python cli.py``'s during the run. Module-scoped, so module fixtures can train with it."""
+    from cli import console_main, main
+
+    root = str(tmp_path_factory.mktemp("cli-root"))
+
+    def run(subcommand: str, *args: str, experiment: str | None = None, console: bool = False):
+        setting = EXPERIMENTS[experiment] if experiment is not None else []
+        argv = [subcommand, "--trainer.default_root_dir", root, *setting, *args]
+        saved, sys.argv = sys.argv, ["cli.py"]
+        try:
+            return (console_main if console else main)(argv)
+        finally:
+            sys.argv = saved
+
+    return run
 
 
 @pytest.fixture(scope="session")

@@ -12,24 +12,22 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from app.console import TRACEBACK_ENV
+from app.cli.console import TRACEBACK_ENV
 from cli import console_main
-from tests.conftest import REPO
+from tests.conftest import EXPERIMENTS, REPO
 from tests.datamodules.test_text_source import no_network
 
 pytestmark = pytest.mark.usefixtures("cli_argv")
 
-ROOT = tempfile.mkdtemp(prefix="bad-input-test-")
 WORDS = "the cat sat on a mat and dog ran to red hat in big old box".split()
 QUIET = [
-    "--trainer.default_root_dir", ROOT, "--trainer.logger", "false",
-    "--trainer.callbacks", "null", "--trainer.enable_checkpointing", "false",
+    "--trainer.logger", "false", "--trainer.callbacks", "null",
+    "--trainer.enable_checkpointing", "false",
     "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
     "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2",
     "--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps", "0",
@@ -58,23 +56,20 @@ def corpus(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def softmax_checkpoint(tmp_path_factory, corpus) -> str:
+def softmax_checkpoint(tmp_path_factory, cli_run, corpus) -> str:
     """A SoftmaxHead LM trained for one step on the tiny corpus."""
     out = tmp_path_factory.mktemp("ckpt")
-    sys_argv, sys.argv = sys.argv, ["cli.py"]
-    try:
-        assert lm("fit", corpus, "--trainer.max_steps", "1",
-                  "--trainer.enable_checkpointing", "true",
-                  "--trainer.callbacks", "lightning.pytorch.callbacks.ModelCheckpoint",
-                  "--trainer.callbacks.dirpath", str(out)) == 0  # fmt: skip
-    finally:
-        sys.argv = sys_argv
+    assert cli_run("fit", *tiny_lm(corpus), "--trainer.max_steps", "1",
+                   "--trainer.enable_checkpointing", "true",
+                   "--trainer.callbacks", "lightning.pytorch.callbacks.ModelCheckpoint",
+                   "--trainer.callbacks.dirpath", str(out), console=True) == 0  # fmt: skip
     return str(next(out.glob("*.ckpt")))
 
 
-def lm(subcommand: str, path: str, *extra: str, config: str = "ptb_softmax") -> int:
-    return console_main([subcommand, "--config", f"configs/lm/{config}.yaml",
-                         "--data.init_args.path", path, *QUIET, *SMALL_LM, *extra])  # fmt: skip
+def tiny_lm(path: str, experiment: str = "ptb_softmax") -> list[str]:
+    """The options of a tiny, quiet LM of ``experiment`` on the corpus at ``path``, trained for
+    two steps at most."""
+    return [*EXPERIMENTS[experiment], "--data.init_args.path", path, *QUIET, *SMALL_LM]
 
 
 def error_line(capsys, code: int) -> str:
@@ -87,9 +82,9 @@ def error_line(capsys, code: int) -> str:
 
 # -- data ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("path", ["/no/such/dir", "shared/data/ptb"])
-def test_missing_data_path(capsys, path):
+def test_missing_data_path(cli_run, capsys, path):
     """A missing folder, absolute or relative, is never tried as a hub name."""
-    code = lm("fit", path)
+    code = cli_run("fit", *tiny_lm(path), console=True)
     assert error_line(capsys, code) == (
         f"error: data path {path!r} does not exist or is not a folder; set data.path to a "
         f"local folder, data.hub to a Hugging Face dataset name, or leave both unset for the "
@@ -97,20 +92,20 @@ def test_missing_data_path(capsys, path):
     )
 
 
-def test_empty_corpus(tmp_path, capsys):
+def test_empty_corpus(cli_run, tmp_path, capsys):
     write_lm_corpus(tmp_path, WORDS)
     (tmp_path / "tiny.train.txt").write_text("")
-    code = lm("fit", str(tmp_path))
+    code = cli_run("fit", *tiny_lm(str(tmp_path)), console=True)
     assert error_line(capsys, code) == f"error: train file '{tmp_path}/tiny.train.txt' is empty"
 
 
-def test_parallel_files_of_different_lengths(tmp_path, capsys):
+def test_parallel_files_of_different_lengths(cli_run, tmp_path, capsys):
     for prefix in ("train", "val", "test_2016_flickr"):
         (tmp_path / f"{prefix}.de").write_text("ein Hund\neine Katze\n")
         (tmp_path / f"{prefix}.en").write_text("a dog\na cat\n")
     (tmp_path / "train.en").write_text("a dog\n")
-    code = console_main(["fit", "--config", "configs/mt/multi30k_softmax.yaml", *QUIET,
-                         "--data.init_args.path", str(tmp_path)])  # fmt: skip
+    code = cli_run("fit", *QUIET, "--data.init_args.path", str(tmp_path),
+                   experiment="multi30k_softmax", console=True)  # fmt: skip
     assert error_line(capsys, code) == (
         f"error: misaligned parallel train files: '{tmp_path}/train.de' has 2 lines but "
         f"'{tmp_path}/train.en' has 1; line i of one side must translate line i of the other"
@@ -131,52 +126,55 @@ def test_head_hidden_size_differs_from_the_backbone_in_python():
     )
 
 
-def test_checkpoint_from_another_vocabulary(softmax_checkpoint, tmp_path, capsys):
+def test_checkpoint_from_another_vocabulary(cli_run, softmax_checkpoint, tmp_path, capsys):
     other = write_lm_corpus(tmp_path, [w.upper() for w in WORDS])
-    code = lm("test", other, "--ckpt_path", softmax_checkpoint)
+    code = cli_run("test", *tiny_lm(other), "--ckpt_path", softmax_checkpoint, console=True)
     line = error_line(capsys, code)
     assert line.startswith("error: the checkpoint was trained with another vocabulary (18 tokens")
     assert f"than the data at path='{other}' gives (18 tokens" in line
 
 
-def test_checkpoint_from_another_head(softmax_checkpoint, corpus, capsys):
-    code = lm("test", corpus, "--ckpt_path", softmax_checkpoint, config="ptb_mixtape")
+def test_checkpoint_from_another_head(cli_run, softmax_checkpoint, corpus, capsys):
+    code = cli_run("test", *tiny_lm(corpus, "ptb_mixtape"), "--ckpt_path", softmax_checkpoint,
+                   console=True)  # fmt: skip
     assert error_line(capsys, code) == (
         "error: the checkpoint was trained with SoftmaxHead, not MixtapeHead: "
         "set --model.head.class_path heads.softmax.SoftmaxHead (and its options)"
     )
 
 
-def test_checkpoint_with_other_head_options(softmax_checkpoint, corpus, capsys):
-    code = lm("test", corpus, "--ckpt_path", softmax_checkpoint,
-              "--model.init_args.head.init_args.bias", "false")  # fmt: skip
+def test_checkpoint_with_other_head_options(cli_run, softmax_checkpoint, corpus, capsys):
+    code = cli_run("test", *tiny_lm(corpus), "--ckpt_path", softmax_checkpoint,
+                   "--model.init_args.head.init_args.bias", "false", console=True)  # fmt: skip
     assert error_line(capsys, code) == (
         "error: the checkpoint's head has other parameters than this SoftmaxHead (missing [], "
         "unexpected ['bias']): configure the head it was trained with"
     )
 
 
-def test_tied_head_with_another_embedding_size(corpus, capsys):
-    code = lm("fit", corpus, "--model.init_args.head.init_args.embedding_size", "8")
+def test_tied_head_with_another_embedding_size(cli_run, corpus, capsys):
+    code = cli_run("fit", *tiny_lm(corpus), "--model.init_args.head.init_args.embedding_size",
+                   "8", console=True)  # fmt: skip
     assert error_line(capsys, code) == (
         "error: cannot tie SoftmaxHead.weight of shape (18, 8) to an embedding of shape "
         "(18, 16): set the head's embedding_size to the backbone's embedding size (16)"
     )
 
 
-def test_missing_pretrained_checkpoint(corpus, capsys):
-    code = lm("fit", corpus, "--model.init_args.pretrained_checkpoint", "/no/such.ckpt")
+def test_missing_pretrained_checkpoint(cli_run, corpus, capsys):
+    code = cli_run("fit", *tiny_lm(corpus), "--model.init_args.pretrained_checkpoint",
+                   "/no/such.ckpt", console=True)  # fmt: skip
     assert error_line(capsys, code) == (
         "error: pretrained_checkpoint '/no/such.ckpt' does not exist or is not a file"
     )
 
 
 # -- training ----------------------------------------------------------------------------------
-def test_nan_loss_stops_naming_the_step_and_the_head(corpus, capsys):
+def test_nan_loss_stops_naming_the_step_and_the_head(cli_run, corpus, capsys):
     # an infinite learning rate makes the weights inf and nan after the first Adam step, on any
     # CPU (a merely huge one, 1e30, left the loss finite on some: tanh saturates)
-    code = lm("fit", corpus, "--model.init_args.optimizer.init_args.lr", ".inf",
-              "--trainer.gradient_clip_val", "null")  # fmt: skip
+    code = cli_run("fit", *tiny_lm(corpus), "--model.init_args.optimizer.init_args.lr", ".inf",
+                   "--trainer.gradient_clip_val", "null", console=True)  # fmt: skip
     assert error_line(capsys, code) == (
         "error: non-finite train loss (nan) at step 1 with SoftmaxHead: lower the learning "
         "rate or check the precision"
@@ -184,11 +182,18 @@ def test_nan_loss_stops_naming_the_step_and_the_head(corpus, capsys):
 
 
 # -- the command line: parser, Lightning and PyTorch errors, each one line ------------------
-BROKEN = Path(ROOT) / "broken"
-BROKEN.mkdir()
-(BROKEN / "empty.ckpt").write_bytes(b"")
-(BROKEN / "config.ckpt").write_text("model: {lr: 1}\n")
-(BROKEN / "not_yaml.yaml").write_text("trainer: {max_epochs: 1\n  - [\n")
+BROKEN = "<broken>"  # stands for the folder of the fixture ``broken`` in COMMAND_LINE
+
+
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory) -> str:
+    """A folder of broken files: an empty checkpoint, a YAML one, a config that is not YAML."""
+    folder = tmp_path_factory.mktemp("broken")
+    (folder / "empty.ckpt").write_bytes(b"")
+    (folder / "config.ckpt").write_text("model: {lr: 1}\n")
+    (folder / "not_yaml.yaml").write_text("trainer: {max_epochs: 1\n  - [\n")
+    return str(folder)
+
 
 # (id, subcommand and options after the tiny LM's, the start of the one line it prints)
 COMMAND_LINE = [
@@ -259,8 +264,8 @@ COMMAND_LINE = [
     ("subcommand_typo", ["fitt"], "unknown subcommand 'fitt'; did you mean fit?"),
     ("missing_config", ["fit", "--config", "configs/lm/ptb_softmx.yaml"],
      "--config: File does not exist: "),
-    ("config_not_yaml", ["fit", "--config", str(BROKEN / "not_yaml.yaml")],
-     f"--config '{BROKEN / 'not_yaml.yaml'}' is not a YAML file ("),
+    ("config_not_yaml", ["fit", "--config", f"{BROKEN}/not_yaml.yaml"],
+     f"--config '{BROKEN}/not_yaml.yaml' is not a YAML file ("),
     ("linked_hidden_size", ["fit", "--model.init_args.head.init_args.hidden_size", "32"],
      "model.init_args.head.init_args.hidden_size: set by the CLI from the backbone's output "
      "size; leave it out"),
@@ -280,10 +285,10 @@ COMMAND_LINE = [
      "model.predict_top_k must be at least 1, got 0"),
     ("best_without_fit", ["test", "--ckpt_path", "best"],
      'ckpt_path: .test(ckpt_path="best") is set but ModelCheckpoint is not configured.'),
-    ("empty_checkpoint", ["test", "--ckpt_path", str(BROKEN / "empty.ckpt")],
-     f"ckpt_path '{BROKEN / 'empty.ckpt'}' is empty (0 bytes), not a checkpoint"),
-    ("yaml_as_checkpoint", ["validate", "--ckpt_path", str(BROKEN / "config.ckpt")],
-     f"ckpt_path '{BROKEN / 'config.ckpt'}' is not a checkpoint written by fit"),
+    ("empty_checkpoint", ["test", "--ckpt_path", f"{BROKEN}/empty.ckpt"],
+     f"ckpt_path '{BROKEN}/empty.ckpt' is empty (0 bytes), not a checkpoint"),
+    ("yaml_as_checkpoint", ["validate", "--ckpt_path", f"{BROKEN}/config.ckpt"],
+     f"ckpt_path '{BROKEN}/config.ckpt' is not a checkpoint written by fit"),
     ("path_and_hub", ["fit", "--data.init_args.hub", "someone/corpus"],
      "data.path ("),
     ("name_without_hub", ["fit", "--data.init_args.name", "wikitext-2-v1"],
@@ -298,6 +303,11 @@ if not torch.cuda.is_available():
     )  # fmt: skip
 
 
+def in_broken(args: list[str], expected: str, broken: str) -> tuple[list[str], str]:
+    """A COMMAND_LINE case with BROKEN replaced by the folder ``broken``."""
+    return [a.replace(BROKEN, broken) for a in args], expected.replace(BROKEN, broken)
+
+
 def one_error_line(err: str) -> str:
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, err[-2000:]
@@ -307,17 +317,18 @@ def one_error_line(err: str) -> str:
 
 @pytest.mark.parametrize(("args", "expected"), [c[1:] for c in COMMAND_LINE],
                          ids=[c[0] for c in COMMAND_LINE])  # fmt: skip
-def test_command_line_mistakes_are_one_line(corpus, capsys, args, expected):
-    code = lm(args[0], corpus, *args[1:])
+def test_command_line_mistakes_are_one_line(cli_run, corpus, broken, capsys, args, expected):
+    args, expected = in_broken(args, expected, broken)
+    code = cli_run(args[0], *tiny_lm(corpus), *args[1:], console=True)
     assert code == 2
     assert one_error_line(capsys.readouterr().err).startswith(f"error: {expected}")
 
 
-def test_a_truncated_checkpoint_is_named(softmax_checkpoint, corpus, tmp_path, capsys):
+def test_a_truncated_checkpoint_is_named(cli_run, softmax_checkpoint, corpus, tmp_path, capsys):
     whole = Path(softmax_checkpoint).read_bytes()
     cut = tmp_path / "cut.ckpt"
     cut.write_bytes(whole[: len(whole) // 2])
-    code = lm("test", corpus, "--ckpt_path", str(cut))
+    code = cli_run("test", *tiny_lm(corpus), "--ckpt_path", str(cut), console=True)
     assert error_line(capsys, code) == (
         f"error: ckpt_path '{cut}' is not a checkpoint written by fit (not a PyTorch archive, "
         f"or a truncated one)"
@@ -329,44 +340,47 @@ def test_no_subcommand_is_one_line(capsys):
     assert "subcommand" in one_error_line(capsys.readouterr().err)
 
 
-def test_an_unreachable_hub_is_one_line(corpus, capsys, monkeypatch):
+def test_an_unreachable_hub_is_one_line(cli_run, capsys, monkeypatch):
     no_network(monkeypatch)
-    code = console_main(["fit", "--config", "configs/lm/ptb_softmax.yaml", "--data.init_args.hub",
-                         "someone/never-cached", *QUIET, *SMALL_LM])  # fmt: skip
+    code = cli_run("fit", "--data.init_args.hub", "someone/never-cached", *QUIET, *SMALL_LM,
+                   experiment="ptb_softmax", console=True)  # fmt: skip
     line = error_line(capsys, code)
     assert line.startswith("error: cannot load hub dataset 'someone/never-cached'")
     assert "Point data.path at a local folder" in line
 
 
-def test_predict_without_a_checkpoint_says_the_model_is_untrained(corpus, capsys):
-    code = lm("predict", corpus, "--data.init_args.predict_prompts", '["the cat"]')
+def test_predict_without_a_checkpoint_says_the_model_is_untrained(cli_run, corpus, capsys):
+    code = cli_run("predict", *tiny_lm(corpus), "--data.init_args.predict_prompts",
+                   '["the cat"]', console=True)  # fmt: skip
     assert code == 0
     assert "warning: predict without --ckpt_path: the model is untrained" in (
         capsys.readouterr().err.splitlines()
     )
 
 
-def test_the_traceback_is_one_switch_away(corpus, monkeypatch):
+def test_the_traceback_is_one_switch_away(cli_run, corpus, monkeypatch):
     monkeypatch.setenv(TRACEBACK_ENV, "1")
     with pytest.raises(Exception, match="Invalid learning rate"):
-        lm("fit", corpus, "--model.init_args.optimizer.init_args.lr", "-1")
+        cli_run("fit", *tiny_lm(corpus), "--model.init_args.optimizer.init_args.lr", "-1",
+                console=True)  # fmt: skip
 
 
 @pytest.mark.slow
-def test_every_command_line_mistake_in_a_real_process(corpus):
+def test_every_command_line_mistake_in_a_real_process(corpus, broken, tmp_path):
     """The same cases as ``python cli.py`` processes: exit status 2, one line, no traceback."""
-    for name, args, expected in COMMAND_LINE:
-        command = [sys.executable, "cli.py", args[0], "--config", "configs/lm/ptb_softmax.yaml",
-                   "--data.init_args.path", corpus, *QUIET, *SMALL_LM, *args[1:]]  # fmt: skip
+    for name, *case in COMMAND_LINE:
+        args, expected = in_broken(*case, broken)
+        command = [sys.executable, "cli.py", args[0], "--trainer.default_root_dir", str(tmp_path),
+                   *tiny_lm(corpus), *args[1:]]  # fmt: skip
         done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
         assert done.returncode == 2, (name, done.stderr[-2000:])
         assert one_error_line(done.stderr).startswith(f"error: {expected}"), name
 
 
 # -- silently wrong no more: refused, or said in a line -------------------------------------
-def test_more_ds_experts_than_classes_is_refused(corpus, capsys):
-    code = lm("fit", corpus, "--model.head", "heads.DSSoftmaxHead",
-              "--model.init_args.head.init_args.num_experts", "64")  # fmt: skip
+def test_more_ds_experts_than_classes_is_refused(cli_run, corpus, capsys):
+    code = cli_run("fit", *tiny_lm(corpus), "--model.head", "heads.DSSoftmaxHead",
+                   "--model.init_args.head.init_args.num_experts", "64", console=True)  # fmt: skip
     assert re.fullmatch(
         r"error: num_experts \(64\) exceeds the \d+ classes: experts specialise on classes, "
         r"more can only duplicate each other; use at most \d+",
@@ -374,11 +388,11 @@ def test_more_ds_experts_than_classes_is_refused(corpus, capsys):
     )
 
 
-def test_a_bpe_smaller_than_asked_is_a_warning(corpus, tmp_path, caplog):
+def test_a_bpe_smaller_than_asked_is_a_warning(cli_run, corpus, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="datamodules")
-    code = lm("fit", corpus, "--data.init_args.vocab", "bpe",
-              "--data.init_args.bpe_vocab_size", "50000", "--data.init_args.cache_dir",
-              str(tmp_path), "--trainer.max_steps", "1")  # fmt: skip
+    code = cli_run("fit", *tiny_lm(corpus), "--data.init_args.vocab", "bpe",
+                   "--data.init_args.bpe_vocab_size", "50000", "--data.init_args.cache_dir",
+                   str(tmp_path), "--trainer.max_steps", "1", console=True)  # fmt: skip
     assert code == 0
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
@@ -391,19 +405,20 @@ def test_a_bpe_smaller_than_asked_is_a_warning(corpus, tmp_path, caplog):
     assert trained and "50000" not in trained[0]
 
 
-def test_a_prompt_of_unknown_words_is_a_warning(corpus, caplog):
+def test_a_prompt_of_unknown_words_is_a_warning(cli_run, corpus, caplog):
     caplog.set_level(logging.INFO, logger="datamodules")
-    code = lm("predict", corpus, "--data.init_args.predict_prompts", '["zebra quokka", "the cat"]')
+    code = cli_run("predict", *tiny_lm(corpus), "--data.init_args.predict_prompts",
+                   '["zebra quokka", "the cat"]', console=True)  # fmt: skip
     assert code == 0
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == ["prompt 'zebra quokka': no word of it is in the vocabulary (all <unk>)"]
 
 
 @pytest.mark.slow
-def test_under_ddp_one_process_prints_the_error(corpus):
+def test_under_ddp_one_process_prints_the_error(corpus, tmp_path):
     """Both ranks meet the NaN loss; the line is printed once, and the run exits 2."""
-    command = [sys.executable, "cli.py", "fit", "--config", "configs/lm/ptb_softmax.yaml",
-               "--data.init_args.path", corpus, *QUIET, *SMALL_LM,
+    command = [sys.executable, "cli.py", "fit", "--trainer.default_root_dir", str(tmp_path),
+               *tiny_lm(corpus),
                "--config", "configs/presets/ddp_cpu.yaml",
                "--model.init_args.optimizer.init_args.lr", ".inf",
                "--trainer.gradient_clip_val", "null"]  # fmt: skip

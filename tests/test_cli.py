@@ -1,46 +1,34 @@
 """End to end through cli.py: fit, test, predict, head swapping, errors."""
 
 import json
-import tempfile
 
 import pytest
 import torch
 
-from app.cli_errors import CommandLineError
-from app.lightning_cli import build
-from cli import console_main, main
+from app.cli.errors import CommandLineError
+from app.cli.lightning_cli import build
 from datamodules import LanguageModelingDataModule
 from datamodules.errors import VocabularyMismatchError
 from datamodules.text_source import TextFiles
 from heads import HeadConfigError, MixtapeHead, MoSHead, SoftmaxHead
 from heads.errors import user_error
-
-pytestmark = pytest.mark.usefixtures("cli_argv")
+from tests.conftest import PTB
 
 SMALL = [
     "--model.init_args.backbone.init_args.embedding_size", "32",
     "--model.init_args.backbone.init_args.hidden_size", "32",
     "--trainer.enable_progress_bar", "false",
 ]  # fmt: skip
-
-
-# Runs without a logger save their config.yaml in the root dir: keep it out of the repo.
-ROOT = tempfile.mkdtemp(prefix="cli-test-")
-
-
-def run(subcommand: str, config: str, ptb_path: str, *extra: str):
-    args = [subcommand, "--trainer.default_root_dir", ROOT, "--config", f"configs/lm/{config}.yaml",
-            "--data.init_args.path", ptb_path, *SMALL, *extra]  # fmt: skip
-    return main(args)
+ON_PTB = ["--data.init_args.path", str(PTB), *SMALL]  # a small model on the shipped PTB
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, ptb_path):
+def trained(tmp_path_factory, cli_run):
     logs = tmp_path_factory.mktemp("logs")
-    cli = run("fit", "ptb_softmax", ptb_path,
-              "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "300",
-              "--trainer.limit_val_batches", "20", "--trainer.logger.init_args.save_dir",
-              str(logs))  # fmt: skip
+    cli = cli_run("fit", *ON_PTB,
+                  "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "300",
+                  "--trainer.limit_val_batches", "20", "--trainer.logger.init_args.save_dir",
+                  str(logs), experiment="ptb_softmax")  # fmt: skip
     return cli, logs
 
 
@@ -52,12 +40,12 @@ def test_fit_writes_checkpoint_and_tensorboard_events(trained):
     assert torch.isfinite(cli.trainer.callback_metrics["val/ppl"])
 
 
-def test_test_on_checkpoint_beats_untrained_model(trained, ptb_path):
+def test_test_on_checkpoint_beats_untrained_model(trained, cli_run):
     cli, logs = trained
     ckpt = str(next(logs.rglob("last.ckpt")))
     common = ["--trainer.limit_test_batches", "50", "--trainer.logger", "false"]
-    trained_ppl = run("test", "ptb_softmax", ptb_path, "--ckpt_path", ckpt, *common)
-    untrained_ppl = run("test", "ptb_softmax", ptb_path, *common)
+    trained_ppl = cli_run("test", *ON_PTB, "--ckpt_path", ckpt, *common, experiment="ptb_softmax")
+    untrained_ppl = cli_run("test", *ON_PTB, *common, experiment="ptb_softmax")
     trained_ppl = float(trained_ppl.trainer.callback_metrics["test/ppl"])
     untrained_ppl = float(untrained_ppl.trainer.callback_metrics["test/ppl"])
     # an untrained head already predicts the unigram's shape (its bias starts at the Zipf
@@ -66,7 +54,7 @@ def test_test_on_checkpoint_beats_untrained_model(trained, ptb_path):
     assert trained_ppl < 0.9 * untrained_ppl, (trained_ppl, untrained_ppl)
 
 
-def test_test_and_validate_never_read_the_training_split(trained, ptb_path, monkeypatch, tmp_path):
+def test_test_and_validate_never_read_the_training_split(trained, cli_run, monkeypatch, tmp_path):
     """Nothing tokenises while the CLI builds objects (the data module's str is lazy), and
     ``test``/``validate`` on a checkpoint read only their split; with an empty cache the
     vocabulary is counted on the training split, which is still never tokenised."""
@@ -86,36 +74,35 @@ def test_test_and_validate_never_read_the_training_split(trained, ptb_path, monk
     monkeypatch.setattr(LanguageModelingDataModule, "_split_ids", split_ids)
     common = ["--ckpt_path", str(next(logs.rglob("last.ckpt"))), "--trainer.logger", "false",
               "--trainer.limit_test_batches", "2", "--trainer.limit_val_batches", "2"]  # fmt: skip
-    run("test", "ptb_softmax", ptb_path, *common)
-    run("validate", "ptb_softmax", ptb_path, *common)
+    cli_run("test", *ON_PTB, *common, experiment="ptb_softmax")
+    cli_run("validate", *ON_PTB, *common, experiment="ptb_softmax")
     assert "train" not in read and set(mapped) == {"test", "valid"}
     read.clear(), mapped.clear()
-    cli = run("test", "ptb_softmax", ptb_path, *common, "--data.init_args.cache_dir", str(tmp_path))
+    cli = cli_run("test", *ON_PTB, *common, "--data.init_args.cache_dir", str(tmp_path),
+                  experiment="ptb_softmax")  # fmt: skip
     assert read == ["train", "test"]  # the vocabulary's count, then the test split's ids
     assert set(mapped) == {"test"} and not cli.datamodule.cache.has_ids("train")
 
 
-def test_checkpoint_with_another_vocabulary_is_refused(trained, ptb_path, tmp_path):
+def test_checkpoint_with_another_vocabulary_is_refused(trained, cli_run, tmp_path):
     _, logs = trained
     for split in ("train", "valid", "test"):
         (tmp_path / f"tiny.{split}.txt").write_text("a b c d\n" * 200)
     ckpt = str(next(logs.rglob("last.ckpt")))
     with pytest.raises(VocabularyMismatchError, match="another vocabulary"):
-        main(["test", "--trainer.default_root_dir", ROOT,
-              "--config", "configs/lm/ptb_softmax.yaml", *SMALL,
-              "--data.init_args.path", str(tmp_path), "--ckpt_path", ckpt,
-              "--trainer.logger", "false"])  # fmt: skip
+        cli_run("test", *SMALL, "--data.init_args.path", str(tmp_path), "--ckpt_path", ckpt,
+                "--trainer.logger", "false", experiment="ptb_softmax")  # fmt: skip
 
 
-def test_predict_reports_top_k_and_samples(trained, ptb_path, tmp_path):
+def test_predict_reports_top_k_and_samples(trained, cli_run, tmp_path):
     _, logs = trained
     ckpt = str(next(logs.rglob("last.ckpt")))
     out = tmp_path / "predictions.jsonl"
-    run("predict", "ptb_softmax", ptb_path, "--ckpt_path", ckpt, "--trainer.logger", "false",
-        "--data.init_args.predict_prompts", '["the company said", "in new york"]',
-        "--model.init_args.predict_top_k", "5", "--model.init_args.generate_tokens", "7",
-        "--trainer.callbacks+=app.callbacks.PredictionWriter",
-        f"--trainer.callbacks.output_file={out}")  # fmt: skip
+    cli_run("predict", *ON_PTB, "--ckpt_path", ckpt, "--trainer.logger", "false",
+            "--data.init_args.predict_prompts", '["the company said", "in new york"]',
+            "--model.init_args.predict_top_k", "5", "--model.init_args.generate_tokens", "7",
+            "--trainer.callbacks+=app.callbacks.PredictionWriter",
+            f"--trainer.callbacks.output_file={out}", experiment="ptb_softmax")  # fmt: skip
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == ["the company said", "in new york"]
     for row in rows:
@@ -125,51 +112,48 @@ def test_predict_reports_top_k_and_samples(trained, ptb_path, tmp_path):
 
 
 @pytest.mark.parametrize("head_class", [SoftmaxHead, MoSHead, MixtapeHead])
-def test_one_line_swaps_the_head_and_bf16_mixed_trains(head_class, ptb_path):
-    cli = run("fit", "ptb_mixtape", ptb_path,
-              "--model.head.class_path", f"heads.{head_class.__name__}",
-              "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "4",
-              "--trainer.limit_val_batches", "2",
-              "--trainer.precision", "bf16-mixed", "--trainer.logger", "false",
-              "--trainer.enable_checkpointing", "false", "--data.init_args.batch_size", "4",
-              "--trainer.callbacks", "null")  # fmt: skip
+def test_one_line_swaps_the_head_and_bf16_mixed_trains(head_class, cli_run):
+    cli = cli_run("fit", *ON_PTB,
+                  "--model.head.class_path", f"heads.{head_class.__name__}",
+                  "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "4",
+                  "--trainer.limit_val_batches", "2",
+                  "--trainer.precision", "bf16-mixed", "--trainer.logger", "false",
+                  "--trainer.enable_checkpointing", "false", "--data.init_args.batch_size", "4",
+                  "--trainer.callbacks", "null", experiment="ptb_mixtape")  # fmt: skip
     assert type(cli.model.head) is head_class
     assert cli.model.head.vocab_size == 10_000  # linked from the data module
     for key in ("train/loss", "val/loss", "val/ppl"):
         assert torch.isfinite(cli.trainer.callback_metrics[key]), key
 
 
-def test_unknown_head_class_is_reported(ptb_path):
+def test_unknown_head_class_is_reported(cli_run):
     with pytest.raises(CommandLineError, match="no class 'NoSuchHead' in module 'heads'"):
-        run("fit", "ptb_softmax", ptb_path, "--model.head.class_path", "heads.NoSuchHead")
+        cli_run("fit", *ON_PTB, "--model.head.class_path", "heads.NoSuchHead",
+                experiment="ptb_softmax")  # fmt: skip
 
 
-def test_bad_mixtape_option_is_one_clear_line(ptb_path, capsys):
-    args = ["fit", "--trainer.default_root_dir", ROOT, "--config", "configs/lm/ptb_mixtape.yaml",
-            "--data.init_args.path", ptb_path,
-            "--model.head.init_args.num_components", "3"]  # fmt: skip
+def test_bad_mixtape_option_is_one_clear_line(cli_run, capsys):
+    args = ["--data.init_args.path", str(PTB), "--model.head.init_args.num_components", "3"]
     with pytest.raises(Exception) as raised:
-        main(args)
+        cli_run("fit", *args, experiment="ptb_mixtape")
     assert isinstance(user_error(raised.value), HeadConfigError)
-    assert console_main(args) == 2
+    assert cli_run("fit", *args, experiment="ptb_mixtape", console=True) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (
         "error: MixtapeHead num_components must be a power of two >= 2 (sigmoid tree, Eq. 3), got 3"
     )
 
 
-def test_missing_data_is_one_clear_line(tmp_path, capsys):
+def test_missing_data_is_one_clear_line(cli_run, tmp_path, capsys):
     missing = str(tmp_path / "no_such_corpus")
-    code = console_main(["fit", "--trainer.default_root_dir", ROOT,
-                         "--config", "configs/lm/ptb_softmax.yaml",
-                         "--data.init_args.path", missing])  # fmt: skip
+    code = cli_run("fit", "--data.init_args.path", missing, experiment="ptb_softmax", console=True)
     assert code == 2
     assert f"error: data path {missing!r} does not exist" in capsys.readouterr().err
 
 
 def test_sizes_are_linked_and_a_head_fragment_swaps_the_head(ptb_path):
     # the backbone's output size goes into head.hidden_size, the vocabulary's size into both
-    cli = build(["configs/lm/ptb_softmax.yaml"], [
+    cli = build(["configs/lm/ptb.yaml"], [
         "--data.init_args.path", ptb_path, "--model.init_args.tie_weights", "false",
         "--model.init_args.backbone.init_args.output_size", "12",
         "--model.init_args.head", "configs/heads/mos.yaml",
@@ -180,29 +164,30 @@ def test_sizes_are_linked_and_a_head_fragment_swaps_the_head(ptb_path):
     assert head.vocab_size == 10_000 == cli.model.backbone.embedding.num_embeddings
 
 
-def test_adaptive_config_trains_under_bf16_mixed(ptb_path):
-    cli = run("fit", "ptb_adaptive", ptb_path,
-              "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "4",
-              "--trainer.limit_val_batches", "2", "--trainer.precision", "bf16-mixed",
-              "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
-              "--data.init_args.batch_size", "4", "--trainer.callbacks", "null")  # fmt: skip
+def test_adaptive_config_trains_under_bf16_mixed(cli_run):
+    cli = cli_run("fit", *ON_PTB,
+                  "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "4",
+                  "--trainer.limit_val_batches", "2", "--trainer.precision", "bf16-mixed",
+                  "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
+                  "--data.init_args.batch_size", "4", "--trainer.callbacks", "null",
+                  experiment="ptb_adaptive")  # fmt: skip
     assert cli.model.head.cutoffs == [386, 3011, 10_000]
     for key in ("train/loss", "val/loss", "val/ppl"):
         assert torch.isfinite(cli.trainer.callback_metrics[key]), key
 
 
-def test_compile_preset_trains_with_the_head_in_one_graph(ptb_path):
+def test_compile_preset_trains_with_the_head_in_one_graph(cli_run):
     """``--config configs/presets/compile.yaml``: the head's training step compiled by
     torch.compile (inductor, CPU) with no graph break, the LSTM left eager; losses finite."""
     import torch._dynamo.utils
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    cli = run("fit", "ptb_mixtape", ptb_path, "--config", "configs/presets/compile.yaml",
-              "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3",
-              "--trainer.limit_val_batches", "1", "--trainer.logger", "false",
-              "--trainer.enable_checkpointing", "false", "--data.init_args.batch_size", "4",
-              "--trainer.callbacks", "null")  # fmt: skip
+    cli = cli_run("fit", *ON_PTB, "--config", "configs/presets/compile.yaml",
+                  "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3",
+                  "--trainer.limit_val_batches", "1", "--trainer.logger", "false",
+                  "--trainer.enable_checkpointing", "false", "--data.init_args.batch_size", "4",
+                  "--trainer.callbacks", "null", experiment="ptb_mixtape")  # fmt: skip
     assert cli.model.head._compiled_call_impl is not None
     counters = torch._dynamo.utils.counters
     assert not counters["graph_break"], dict(counters["graph_break"])
@@ -221,9 +206,9 @@ GPU_SHORT_FIT = ["--trainer.accelerator", "gpu", "--trainer.devices", "1",
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "32-true"])
 @pytest.mark.parametrize("config", ["ptb_softmax", "ptb_mos", "ptb_mixtape", "ptb_adaptive"])
-def test_gpu_fit_learns_under_each_precision(config, precision, ptb_path):
-    cli = run("fit", config, ptb_path, *GPU_SHORT_FIT, "--trainer.precision", precision,
-              "--trainer.callbacks", "null")  # fmt: skip
+def test_gpu_fit_learns_under_each_precision(config, precision, cli_run):
+    cli = cli_run("fit", *ON_PTB, *GPU_SHORT_FIT, "--trainer.precision", precision,
+                  "--trainer.callbacks", "null", experiment=config)  # fmt: skip
     assert cli.trainer.strategy.root_device.type == "cuda"  # (Lightning moves it back after fit)
     metrics = cli.trainer.callback_metrics
     for key in ("train/loss", "val/loss", "val/ppl"):
@@ -232,17 +217,17 @@ def test_gpu_fit_learns_under_each_precision(config, precision, ptb_path):
 
 
 @pytest.mark.gpu
-def test_gpu_ds_recipe_with_mitosis_under_16_mixed(tmp_path, ptb_path):
+def test_gpu_ds_recipe_with_mitosis_under_16_mixed(tmp_path, cli_run):
     """Softmax LM, then DS-Softmax from it with a split, on CUDA in 16-mixed: the optimizer that
     mitosis rebuilds must keep working with Lightning's GradScaler."""
     gpu = ["--trainer.accelerator", "gpu", "--trainer.devices", "1",
            "--trainer.precision", "16-mixed", "--trainer.logger.init_args.save_dir", str(tmp_path),
            "--trainer.limit_train_batches", "30", "--trainer.limit_val_batches", "5"]  # fmt: skip
-    run("fit", "ptb_softmax", ptb_path, *gpu, "--trainer.max_epochs", "1")
-    softmax_ckpt = str(next(tmp_path.glob("ptb_softmax/*/checkpoints/last.ckpt")))
-    cli = main(["fit", "--trainer.default_root_dir", ROOT, "--config", "configs/ds/ptb_ds.yaml",
-                "--data.init_args.path", ptb_path, *SMALL, *gpu, "--trainer.max_epochs", "3",
-                "--model.init_args.pretrained_checkpoint", softmax_ckpt])  # fmt: skip
+    cli_run("fit", *ON_PTB, *gpu, "--trainer.max_epochs", "1", experiment="ptb_softmax")
+    softmax_ckpt = str(next(tmp_path.glob("ptb/*/checkpoints/last.ckpt")))
+    cli = cli_run("fit", "--config", "configs/ds/ptb_ds.yaml", *ON_PTB, *gpu,
+                  "--trainer.max_epochs", "3",
+                  "--model.init_args.pretrained_checkpoint", softmax_ckpt)  # fmt: skip
     head = cli.model.head
     assert head.num_experts == 4  # split once, at epoch 2
     assert cli.trainer.strategy.root_device.type == "cuda"

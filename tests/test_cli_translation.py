@@ -1,18 +1,14 @@
 """Translation end to end through cli.py: fit a few steps on Multi30k, test writes translations."""
 
 import json
-import tempfile
 
 import pytest
 import sacrebleu
 import torch
 
-from cli import console_main, main
 from datamodules.errors import VocabularyMismatchError
 from heads import MixtapeHead, MoSHead, SoftmaxHead
 from tests.datamodules.test_translation import MULTI30K, TINY, write_corpus
-
-pytestmark = pytest.mark.usefixtures("cli_argv")
 
 SMALL = [
     "--model.init_args.backbone.init_args.model_size", "32",
@@ -25,24 +21,18 @@ SMALL = [
     "--trainer.enable_progress_bar", "false",
     "--trainer.enable_model_summary", "false",
 ]  # fmt: skip
-
-ROOT = tempfile.mkdtemp(prefix="cli-mt-test-")
-
-
-def run(subcommand: str, config: str, *extra: str):
-    return main([subcommand, "--trainer.default_root_dir", ROOT,
-                 "--config", f"configs/mt/multi30k_{config}.yaml",
-                 "--data.init_args.path", str(MULTI30K), *SMALL, *extra])  # fmt: skip
+ON_MULTI30K = ["--data.init_args.path", str(MULTI30K), *SMALL]  # a small model on Multi30k
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, cli_run):
     logs = tmp_path_factory.mktemp("logs")
     # limit_val_batches 2, not 1: jsonargparse reads "1" as the float 1.0 (the whole split)
-    cli = run("fit", "mixtape", "--trainer.max_epochs", "1",
-              "--trainer.limit_train_batches", "4", "--trainer.limit_val_batches", "2",
-              "--trainer.num_sanity_val_steps", "0",
-              "--trainer.logger.init_args.save_dir", str(logs))  # fmt: skip
+    cli = cli_run("fit", *ON_MULTI30K, "--trainer.max_epochs", "1",
+                  "--trainer.limit_train_batches", "4", "--trainer.limit_val_batches", "2",
+                  "--trainer.num_sanity_val_steps", "0",
+                  "--trainer.logger.init_args.save_dir", str(logs),
+                  experiment="multi30k_mixtape")  # fmt: skip
     return cli, logs
 
 
@@ -62,14 +52,15 @@ def test_fit_logs_bleu_samples_and_checkpoint(trained):
     assert events and any(b"val/samples" in e.read_bytes() for e in events)
 
 
-def test_test_writes_translations_and_bleu(trained, tmp_path):
+def test_test_writes_translations_and_bleu(trained, cli_run, tmp_path):
     _, logs = trained
     ckpt = str(next(logs.rglob("last.ckpt")))
     out = tmp_path / "hyp.txt"
-    cli = run("test", "mixtape", "--ckpt_path", ckpt, "--trainer.logger", "false",
-              "--trainer.limit_test_batches", "2", "--model.init_args.beam_size", "2",
-              "--model.init_args.max_length_a", "1.0", "--model.init_args.max_length_b", "2",
-              "--model.init_args.translations_file", str(out))  # fmt: skip
+    cli = cli_run("test", *ON_MULTI30K, "--ckpt_path", ckpt, "--trainer.logger", "false",
+                  "--trainer.limit_test_batches", "2", "--model.init_args.beam_size", "2",
+                  "--model.init_args.max_length_a", "1.0", "--model.init_args.max_length_b", "2",
+                  "--model.init_args.translations_file", str(out),
+                  experiment="multi30k_mixtape")  # fmt: skip
     lines = out.read_text().splitlines()
     decoded = sorted(i for b in list(cli.datamodule.test_dataloader())[:2] for i in b["index"])
     assert len(lines) == len(decoded) > 10
@@ -78,51 +69,49 @@ def test_test_writes_translations_and_bleu(trained, tmp_path):
     assert float(cli.trainer.callback_metrics["test/bleu"]) == pytest.approx(expected, abs=1e-3)
 
 
-def test_predict_translates_given_sentences(trained, tmp_path):
+def test_predict_translates_given_sentences(trained, cli_run, tmp_path):
     _, logs = trained
     ckpt = str(next(logs.rglob("last.ckpt")))
     out = tmp_path / "predictions.jsonl"
     sentences = ["Ein Hund rennt durch den Schnee.", "Zwei Männer spielen Fußball."]
-    run("predict", "mixtape", "--ckpt_path", ckpt, "--trainer.logger", "false",
-        "--data.init_args.predict_sentences", json.dumps(sentences, ensure_ascii=False),
-        "--model.init_args.max_length_b", "3",
-        "--trainer.callbacks+=app.callbacks.PredictionWriter",
-        f"--trainer.callbacks.output_file={out}")  # fmt: skip
+    cli_run("predict", *ON_MULTI30K, "--ckpt_path", ckpt, "--trainer.logger", "false",
+            "--data.init_args.predict_sentences", json.dumps(sentences, ensure_ascii=False),
+            "--model.init_args.max_length_b", "3",
+            "--trainer.callbacks+=app.callbacks.PredictionWriter",
+            f"--trainer.callbacks.output_file={out}", experiment="multi30k_mixtape")  # fmt: skip
     (rows,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["source"] for r in rows] == sentences
     assert all(isinstance(r["translation"], str) for r in rows)
 
 
-def test_checkpoint_with_other_vocabularies_is_refused(trained, capsys):
+def test_checkpoint_with_other_vocabularies_is_refused(trained, cli_run):
     _, logs = trained
     ckpt = str(next(logs.rglob("last.ckpt")))
-    args = ["test", "--trainer.default_root_dir", ROOT, "--config",
-            "configs/mt/multi30k_mixtape.yaml", *SMALL, "--data.init_args.max_vocab_size", "1500",
-            "--ckpt_path", ckpt, "--trainer.logger", "false"]  # fmt: skip
     with pytest.raises(VocabularyMismatchError, match="another source vocabulary"):
-        main(args)
+        cli_run("test", *SMALL, "--data.init_args.max_vocab_size", "1500", "--ckpt_path", ckpt,
+                "--trainer.logger", "false", experiment="multi30k_mixtape")  # fmt: skip
 
 
 @pytest.mark.parametrize("head_class", [SoftmaxHead, MoSHead])
-def test_configs_swap_the_head_and_bf16_mixed_trains_and_searches(head_class):
-    config = {SoftmaxHead: "softmax", MoSHead: "mos"}[head_class]
-    cli = run("fit", config, "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2",
-              "--trainer.limit_val_batches", "2", "--trainer.num_sanity_val_steps", "0",
-              "--trainer.precision", "bf16-mixed", "--model.init_args.val_beam_size", "2",
-              "--model.init_args.max_length_b", "3",
-              "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
-              "--trainer.callbacks", "null")  # fmt: skip
+def test_configs_swap_the_head_and_bf16_mixed_trains_and_searches(head_class, cli_run):
+    config = {SoftmaxHead: "multi30k_softmax", MoSHead: "multi30k_mos"}[head_class]
+    cli = cli_run("fit", *ON_MULTI30K, "--trainer.max_epochs", "1",
+                  "--trainer.limit_train_batches", "2",
+                  "--trainer.limit_val_batches", "2", "--trainer.num_sanity_val_steps", "0",
+                  "--trainer.precision", "bf16-mixed", "--model.init_args.val_beam_size", "2",
+                  "--model.init_args.max_length_b", "3",
+                  "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
+                  "--trainer.callbacks", "null", experiment=config)  # fmt: skip
     assert type(cli.model.head) is head_class and cli.model.head.vocab_size == 2000
     for key in ("train/loss", "val/loss", "val/bleu"):
         assert torch.isfinite(torch.as_tensor(cli.trainer.callback_metrics[key])), key
 
 
-def test_misaligned_files_are_one_clear_line(tmp_path, capsys):
+def test_misaligned_files_are_one_clear_line(cli_run, tmp_path, capsys):
     path = write_corpus(tmp_path, {"train": TINY, "val": TINY, "test_2016_flickr": TINY})
     (tmp_path / "train.en").write_text("x\n")
-    code = console_main(["fit", "--trainer.default_root_dir", ROOT,
-                         "--config", "configs/mt/multi30k_softmax.yaml",
-                         "--data.init_args.path", path])  # fmt: skip
+    code = cli_run("fit", "--data.init_args.path", path, experiment="multi30k_softmax",
+                   console=True)  # fmt: skip
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: misaligned parallel train files: ")
@@ -131,13 +120,13 @@ def test_misaligned_files_are_one_clear_line(tmp_path, capsys):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
-def test_gpu_fit_and_beam_search_under_mixed_precision(precision):
-    cli = run("fit", "mixtape", "--trainer.accelerator", "gpu", "--trainer.devices", "1",
-              "--trainer.precision", precision, "--trainer.max_epochs", "1",
-              "--trainer.limit_train_batches", "20", "--trainer.limit_val_batches", "2",
-              "--trainer.num_sanity_val_steps", "0", "--model.init_args.val_beam_size", "3",
-              "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
-              "--trainer.callbacks", "null")  # fmt: skip
+def test_gpu_fit_and_beam_search_under_mixed_precision(precision, cli_run):
+    cli = cli_run("fit", *ON_MULTI30K, "--trainer.accelerator", "gpu", "--trainer.devices", "1",
+                  "--trainer.precision", precision, "--trainer.max_epochs", "1",
+                  "--trainer.limit_train_batches", "20", "--trainer.limit_val_batches", "2",
+                  "--trainer.num_sanity_val_steps", "0", "--model.init_args.val_beam_size", "3",
+                  "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
+                  "--trainer.callbacks", "null", experiment="multi30k_mixtape")  # fmt: skip
     assert cli.trainer.strategy.root_device.type == "cuda"  # (Lightning moves it back after fit)
     for key in ("train/loss", "val/loss", "val/bleu"):
         assert torch.isfinite(torch.as_tensor(cli.trainer.callback_metrics[key])), key

@@ -1,12 +1,13 @@
 """Every shipped YAML under configs/ parses against the CLI (``--print_config``), so no config
-can rot: experiment files on their own, fragments plugged into an experiment of their kind.
+can rot: experiment files on their own and with every head fragment of their task, the other
+fragments plugged into an experiment of their kind.
 Study grids (``configs/studies``) are not CLI configs: the runner's own schema validates them."""
 
 from pathlib import Path
 
 import pytest
 
-from app.lightning_cli import make_cli
+from app.cli.lightning_cli import make_cli
 from app.study import load_grid
 from tests.conftest import REPO
 
@@ -14,19 +15,21 @@ CONFIGS = REPO / "configs"
 EXPERIMENTS = ("lm", "mt", "ds")
 # a fragment folder -> how to plug a file of it into a host experiment
 HOSTS = {
-    "heads": ("configs/lm/ptb_softmax.yaml", "--model.head"),
     "backbones": None,  # each is used by some experiment (checked below)
     "data": None,
     "callbacks": None,
     "optimizers": None,
-    "presets": ("configs/lm/ptb_softmax.yaml", "--config"),
+    "presets": ("configs/lm/ptb.yaml", "--config"),
 }
-MT_HEADS = "configs/mt/multi30k_softmax.yaml"
 STUDIES = "studies"  # grids of python -m app.study, not CLI configs
 
 
 def shipped(folders) -> list[Path]:
     return sorted(p for folder in folders for p in (CONFIGS / folder).glob("*.yaml"))
+
+
+# a head fragment named *_mt is for translation, *_awd for the AWD-LSTM settings (any LM parses)
+SETTINGS = {task: shipped([task]) for task in ("lm", "mt")}
 
 
 def print_config(args: list[str], capsys) -> str:
@@ -37,7 +40,12 @@ def print_config(args: list[str], capsys) -> str:
 
 
 def test_every_folder_is_known():
-    assert {p.name for p in CONFIGS.iterdir() if p.is_dir()} == {*EXPERIMENTS, *HOSTS, STUDIES}
+    assert {p.name for p in CONFIGS.iterdir() if p.is_dir()} == {
+        *EXPERIMENTS,
+        *HOSTS,
+        "heads",
+        STUDIES,
+    }
 
 
 @pytest.mark.parametrize("grid", shipped([STUDIES]), ids=lambda p: f"studies/{p.name}")
@@ -59,9 +67,30 @@ def test_experiment_parses(config, capsys):
 )
 def test_fragment_parses_in_a_host(fragment, capsys):
     host, flag = HOSTS[fragment.parent.name]
-    if fragment.stem.endswith("_mt"):
-        host = MT_HEADS
     print_config(["--config", host, flag, str(fragment.relative_to(REPO))], capsys)
+
+
+def head_combinations() -> list[tuple[Path, Path]]:
+    heads = shipped(["heads"])
+    return [(setting, head) for task, settings in SETTINGS.items() for setting in settings
+            for head in heads if head.stem.endswith("_mt") == (task == "mt")]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("setting", "head"),
+    head_combinations(),
+    ids=lambda p: f"{p.parent.name}/{p.stem}",
+)
+def test_every_experiment_parses_with_every_head_of_its_task(setting, head, capsys):
+    printed = print_config(["--config", str(setting.relative_to(REPO)),
+                            "--model.head", str(head.relative_to(REPO))], capsys)  # fmt: skip
+    class_path = next(line for line in head.read_text().splitlines() if "class_path" in line)
+    assert class_path.strip() in printed
+
+
+def test_every_head_fragment_has_an_experiment():
+    combined = {head for _, head in head_combinations()}
+    assert combined == set(shipped(["heads"])) and len(combined) >= 7
 
 
 def test_every_other_fragment_is_used_by_an_experiment():

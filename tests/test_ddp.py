@@ -21,6 +21,9 @@ import pytest
 import torch
 import yaml
 
+from heads.user_cache import CACHE_ENV
+from tests.conftest import EXPERIMENTS
+
 REPO = Path(__file__).resolve().parents[1]
 
 NO_DROPOUT_TINY_LSTM = [
@@ -70,7 +73,7 @@ def fit(
 ) -> dict[str, float]:
     """Runs a short LM fit and returns the last logged value of every metric."""
     args = [
-        "fit", "--config", f"configs/lm/{config}.yaml",
+        "fit", *EXPERIMENTS[config],
         "--data.init_args.path", ptb_path, *NO_DROPOUT_TINY_LSTM,
         "--trainer.enable_checkpointing", "false", "--trainer.max_epochs", str(epochs),
         "--trainer.limit_train_batches", str(steps), "--trainer.limit_val_batches", "20",
@@ -137,13 +140,16 @@ CONFIG = {"mos": "ptb_mos", "mixtape": "ptb_mixtape", "adaptive": "ptb_adaptive"
 
 
 @pytest.mark.slow
-def test_adaptive_auto_cutoffs_are_decided_once_under_ddp(tmp_path, ptb_path, monkeypatch):
+def test_adaptive_auto_cutoffs_are_decided_once_under_ddp(
+    tmp_path, ptb_path, monkeypatch, user_cache
+):
     # rank 0 times the device and broadcasts its choice (HeadTask.setup): both ranks build the
     # same head, and train as one process does with the cost model rank 0 cached
-    monkeypatch.setenv("ADAPTIVE_SOFTMAX_CACHE", str(tmp_path / "cost_models"))
-    auto = ["--model.init_args.head", "configs/heads/adaptive.yaml"]
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    auto = ["--model.init_args.head", "configs/heads/adaptive.yaml",
+            "--data.init_args.cache_dir", str(user_cache / "data")]  # fmt: skip
     ddp = fit(tmp_path / "ddp", ptb_path, "ptb_adaptive", *auto, steps=6, devices=2)
-    assert len(list((tmp_path / "cost_models").glob("*.json"))) == 1  # timed once
+    assert len(list((tmp_path / "cache" / "adaptive").glob("*.json"))) == 1  # timed once
     single = fit(tmp_path / "single", ptb_path, "ptb_adaptive", *auto, steps=6)
     rank0 = assert_ranks_agree(tmp_path / "ddp")
     assert (
@@ -233,7 +239,7 @@ def test_lightrnn_reassignment_under_ddp_sums_the_costs_of_both_ranks(tmp_path, 
 
 
 MT_TINY = [
-    "--config", "configs/mt/multi30k_softmax.yaml",
+    "--config", "configs/mt/multi30k.yaml",
     "--model.init_args.backbone.init_args.model_size", "32",
     "--model.init_args.backbone.init_args.num_heads", "2",
     "--model.init_args.backbone.init_args.encoder_layers", "1",
@@ -281,7 +287,7 @@ def test_rank_0_prepares_the_data_and_rank_1_reads_the_cache(tmp_path, vocab):
     corpus = tmp_path / "corpus"
     write_synthetic_corpus(corpus, tokens=60_000, types=3_000)
     args = [
-        sys.executable, "cli.py", "fit", "--config", "configs/lm/ptb_softmax.yaml",
+        sys.executable, "cli.py", "fit", "--config", "configs/lm/ptb.yaml",
         "--data.init_args.path", str(corpus), "--data.init_args.vocab", vocab,
         "--data.init_args.bpe_vocab_size", "500",
         "--data.init_args.cache_dir", str(tmp_path / "cache"), *NO_DROPOUT_TINY_LSTM,

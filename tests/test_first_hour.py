@@ -1,14 +1,10 @@
 """Issue 33, "the first hour with one's own corpus", end to end through ``cli.main``: training
 without validation, and the classic PTB recipe's config."""
 
-import tempfile
-
 import pytest
 import torch
 
-from cli import main
-
-pytestmark = pytest.mark.usefixtures("one_thread", "cli_argv")
+pytestmark = pytest.mark.usefixtures("one_thread")
 SMALL = [
     "--model.init_args.backbone.init_args.embedding_size", "16",
     "--model.init_args.backbone.init_args.hidden_size", "16",
@@ -16,21 +12,19 @@ SMALL = [
     "--trainer.enable_model_summary", "false",
     "--data.init_args.batch_size", "4",
 ]  # fmt: skip
-# Runs without a logger save their config.yaml in the root dir: keep it out of the repo.
-ROOT = tempfile.mkdtemp(prefix="first-hour-test-")
 
 
-def fit(config: str, ptb_path: str, tmp_path, *extra: str):
-    return main(["fit", "--trainer.default_root_dir", ROOT, "--config", config,
-                 "--data.init_args.path", ptb_path, "--trainer.logger.init_args.save_dir",
-                 str(tmp_path), *SMALL, *extra])  # fmt: skip
+def on_ptb(config: str, ptb_path: str, logs) -> list[str]:
+    """The options of a small model of ``config`` on PTB, logging under ``logs``."""
+    return ["--config", config, "--data.init_args.path", ptb_path,
+            "--trainer.logger.init_args.save_dir", str(logs), *SMALL]  # fmt: skip
 
 
-def test_fit_without_validation_completes(ptb_path, tmp_path):
+def test_fit_without_validation_completes(cli_run, ptb_path, tmp_path):
     # ReduceLROnPlateau on val/loss and ModelCheckpoint on val/loss, yet no validation at all
-    cli = fit("configs/lm/ptb_softmax.yaml", ptb_path, tmp_path,
-              "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "3",
-              "--trainer.limit_val_batches", "0")  # fmt: skip
+    cli = cli_run("fit", *on_ptb("configs/lm/ptb.yaml", ptb_path, tmp_path),
+                  "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "3",
+                  "--trainer.limit_val_batches", "0")  # fmt: skip
     trainer = cli.trainer
     assert trainer.current_epoch == 2 and trainer.global_step == 6
     assert "val/loss" not in trainer.callback_metrics
@@ -39,20 +33,20 @@ def test_fit_without_validation_completes(ptb_path, tmp_path):
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
 
 
-def test_plateau_steps_only_after_a_validation(ptb_path, tmp_path):
+def test_plateau_steps_only_after_a_validation(cli_run, ptb_path, tmp_path):
     # validation every 2nd epoch: on the others val/loss is missing (epoch 0) or stale
     # (epoch 2), and stepping on a stale value with patience 0 would halve the rate
-    cli = fit("configs/lm/ptb_softmax.yaml", ptb_path, tmp_path,
-              "--trainer.max_epochs", "4", "--trainer.limit_train_batches", "2",
-              "--trainer.limit_val_batches", "1", "--trainer.check_val_every_n_epoch", "2",
-              "--trainer.callbacks", "null")  # fmt: skip
+    cli = cli_run("fit", *on_ptb("configs/lm/ptb.yaml", ptb_path, tmp_path),
+                  "--trainer.max_epochs", "4", "--trainer.limit_train_batches", "2",
+                  "--trainer.limit_val_batches", "1", "--trainer.check_val_every_n_epoch", "2",
+                  "--trainer.callbacks", "null")  # fmt: skip
     scheduler = cli.trainer.lr_scheduler_configs[0].scheduler
     assert scheduler.last_epoch == 2  # after the validations of epochs 1 and 3 only
 
 
-def test_classic_ptb_recipe_resolves_and_trains_one_step(ptb_path, tmp_path):
-    cli = fit("configs/lm/ptb_classic.yaml", ptb_path, tmp_path,
-              "--trainer.fast_dev_run", "1")  # fmt: skip
+def test_classic_ptb_recipe_resolves_and_trains_one_step(cli_run, ptb_path, tmp_path):
+    cli = cli_run("fit", *on_ptb("configs/lm/ptb_classic.yaml", ptb_path, tmp_path),
+                  "--trainer.fast_dev_run", "1")  # fmt: skip
     model, trainer = cli.model, cli.trainer
     assert trainer.global_step == 1
     backbone = model.backbone

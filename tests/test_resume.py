@@ -8,22 +8,18 @@ data position inside the epoch (with the recurrent state carried across BPTT win
 """
 
 import csv
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from app.callbacks.fail_at_step import InjectedFailure
-from cli import main
-
-pytestmark = pytest.mark.usefixtures("cli_argv")
+from app.callbacks.training.fail_at_step import InjectedFailure
 
 EPOCH = 6  # training batches per epoch
 FAIL_AT = 15  # mid-epoch: the 4th batch of the third epoch
 EVERY = 5  # checkpoint interval (steps)
-ROOT = tempfile.mkdtemp(prefix="resume-test-")
+FAIL_AT_STEP = "app.callbacks.training.fail_at_step.FailAtStep"
 
 CALLBACKS = [
     {"class_path": "app.callbacks.Mitosis",
@@ -35,7 +31,9 @@ CALLBACKS = [
 ]  # fmt: skip
 
 
-def fit(tmp: Path, ptb_path: str, *extra_callbacks: dict, ckpt_path: str | None = None):
+def options(tmp: Path, ptb_path: str, *extra_callbacks: dict) -> list[str]:
+    """``fit``'s options after ``configs/lm/ptb.yaml`` for the run the module docstring
+    describes, logging and checkpointing under ``tmp``."""
     callbacks = [
         *CALLBACKS,
         {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
@@ -43,8 +41,7 @@ def fit(tmp: Path, ptb_path: str, *extra_callbacks: dict, ckpt_path: str | None 
                        "save_top_k": -1, "filename": "{step}"}},
         *extra_callbacks,
     ]  # fmt: skip
-    args = [
-        "fit", "--config", "configs/lm/ptb_softmax.yaml", "--trainer.default_root_dir", ROOT,
+    return [
         "--data.init_args.path", ptb_path, "--data.init_args.vocab", "hybrid_lightrnn",
         "--data.init_args.max_vocab_size", "2000", "--data.init_args.lightrnn_frequent", "200",
         "--data.init_args.batch_size", "4", "--data.init_args.eval_batch_size", "4",
@@ -66,9 +63,6 @@ def fit(tmp: Path, ptb_path: str, *extra_callbacks: dict, ckpt_path: str | None 
         "--trainer.logger.save_dir", str(tmp), "--trainer.logger.name", "csv",
         "--trainer.callbacks", yaml.safe_dump(callbacks),
     ]  # fmt: skip
-    if ckpt_path is not None:
-        args += ["--ckpt_path", ckpt_path]
-    return main(args)
 
 
 def logged(tmp: Path, key: str) -> dict[int, float]:
@@ -100,12 +94,12 @@ def structure(cli) -> dict:
     }
 
 
-def test_killed_mid_epoch_and_resumed_equals_an_uninterrupted_run(tmp_path, ptb_path):
-    whole = fit(tmp_path / "whole", ptb_path)
+def test_killed_mid_epoch_and_resumed_equals_an_uninterrupted_run(cli_run, tmp_path, ptb_path):
+    whole = cli_run("fit", *options(tmp_path / "whole", ptb_path), experiment="ptb_softmax")
     whole_losses = logged(tmp_path / "whole", "train/loss")
-    fail = {"class_path": "app.callbacks.fail_at_step.FailAtStep", "init_args": {"step": FAIL_AT}}
+    fail = {"class_path": FAIL_AT_STEP, "init_args": {"step": FAIL_AT}}
     with pytest.raises(InjectedFailure, match=f"global step {FAIL_AT}"):
-        fit(tmp_path / "killed", ptb_path, fail)
+        cli_run("fit", *options(tmp_path / "killed", ptb_path, fail), experiment="ptb_softmax")
     ckpt = tmp_path / "killed" / "ckpt" / f"step={FAIL_AT}.ckpt"
     assert ckpt.is_file(), sorted(p.name for p in (tmp_path / "killed" / "ckpt").iterdir())
     saved = torch.load(ckpt, map_location="cpu", weights_only=False)
@@ -114,7 +108,8 @@ def test_killed_mid_epoch_and_resumed_equals_an_uninterrupted_run(tmp_path, ptb_
         {"batches_served": FAIL_AT % EPOCH}
     ]
 
-    resumed = fit(tmp_path / "resumed", ptb_path, ckpt_path=str(ckpt))
+    resumed = cli_run("fit", *options(tmp_path / "resumed", ptb_path), "--ckpt_path", str(ckpt),
+                      experiment="ptb_softmax")  # fmt: skip
     # the resumed epoch skipped the batches trained before the failure
     assert resumed.trainer.train_dataloader.resumed_from == FAIL_AT % EPOCH
 
@@ -152,7 +147,7 @@ def test_resume_under_ddp_continues_each_ranks_streams(tmp_path, ptb_path):
     every = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
              "init_args": {"dirpath": str(tmp_path / "ckpt"), "every_n_train_steps": 4,
                            "save_top_k": -1, "filename": "{step}"}}  # fmt: skip
-    fail = {"class_path": "app.callbacks.fail_at_step.FailAtStep", "init_args": {"step": 8}}
+    fail = {"class_path": FAIL_AT_STEP, "init_args": {"step": 8}}
     whole = ddp_fit(tmp_path / "whole", ptb_path, "ptb_softmax", *common, devices=2)
     with pytest.raises(AssertionError, match="injected failure at global step 8"):
         ddp_fit(tmp_path / "killed", ptb_path, "ptb_softmax", *common, devices=2,

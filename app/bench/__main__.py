@@ -1,6 +1,6 @@
 import sys
 
 from app.bench.run import main
-from app.console import exit_status
+from app.cli.console import exit_status
 
 sys.exit(exit_status(main))

@@ -46,10 +46,17 @@ _EXTRA_FORMULAS = {
 }
 
 
-def matmul_flops(step: Callable[[], object]) -> int:
+def matmul_flops(step: Callable[[], object]) -> int | None:
     """FLOPs (2 per multiply-add) of the matrix products that ``step()`` runs, forward and
     backward: ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``mv`` and their in-place forms.
-    Elementwise work (softmax, tanh, the sigmoid tree) is not counted."""
-    with flop_counter.FlopCounterMode(display=False, custom_mapping=_EXTRA_FORMULAS) as counter:
-        step()
+    Elementwise work (softmax, tanh, the sigmoid tree) is not counted. Compiled functions
+    inside the step (the GPU plan's chunk bodies) run eagerly here, so that their products
+    are seen. None where the counter cannot read an operator's arguments (Liger's
+    ``addmm(..., out=)`` trips PyTorch's formula)."""
+    mode = flop_counter.FlopCounterMode(display=False, custom_mapping=_EXTRA_FORMULAS)
+    try:
+        with torch._dynamo.config.patch(disable=True), mode as counter:
+            step()
+    except TypeError:
+        return None
     return int(counter.get_total_flops())

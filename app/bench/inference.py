@@ -52,7 +52,7 @@ from app.bench.timing import (
     paired_ratio,
     time_once,
 )
-from app.lightning_cli import build
+from app.cli.lightning_cli import build
 from app.machine import load_average
 from heads import DSSoftmaxHead, SoftmaxHead
 from heads.ds_svd import SVDPreview, expert_cost

@@ -23,6 +23,9 @@ from lightning_modules.backbones import LSTMBackbone
 
 HEADS = ("softmax", "mixtape", "mos", "adaptive")
 PEERS = ("torch_adaptive", "matmul", "cce", "liger")
+# @eager: the torch backend's CPU-tuned chunk loop wherever it runs (on CUDA the default is
+# the compiled chunk plan): the two plans side by side on a GPU
+PLAN_SUBJECTS = ("eager",)
 DEFAULT_SUBJECTS = ("softmax", "mixtape", "mos", "adaptive", "torch_adaptive", "matmul")
 
 
@@ -57,9 +60,9 @@ def parse_subject(name: str) -> Subject:
             f"unknown subject {name!r}: a head ({', '.join(HEADS)}) with an optional "
             f"@backend ({', '.join(BACKENDS)}) and +compile, or a peer ({', '.join(PEERS)})"
         )
-    if backend and (head not in HEADS or backend not in BACKENDS):
+    if backend and (head not in HEADS or backend not in BACKENDS + PLAN_SUBJECTS):
         raise ValueError(f"subject {name!r}: @backend applies to {', '.join(HEADS)} only, "
-                         f"and must be one of {', '.join(BACKENDS)}")  # fmt: skip
+                         f"and must be one of {', '.join(BACKENDS + PLAN_SUBJECTS)}")  # fmt: skip
     if compiled and head in PEERS:
         raise ValueError(f"subject {name!r}: +compile applies to {', '.join(HEADS)} only")
     return Subject(head, backend or None, compiled)
@@ -135,7 +138,7 @@ class ExternalFusedSoftmax(nn.Module):
             dtype = torch.get_autocast_dtype(device)
             hidden, weight, bias = hidden.to(dtype), weight.to(dtype), bias.to(dtype)
         with torch.autocast(device, enabled=False):
-            return self.function(hidden, weight, target, bias=bias, reduction="mean").float()
+            return self.function(hidden, weight, bias, target).float().mean()
 
 
 def build_head(name: str, hidden: int, vocab: int, options: BenchOptions) -> nn.Module:
@@ -144,7 +147,10 @@ def build_head(name: str, hidden: int, vocab: int, options: BenchOptions) -> nn.
     if subject.head in HEADS:
         backend = subject.backend or options.loss_backend
         saved = {} if options.saved_bytes is None else {"saved_bytes": options.saved_bytes}
-        head.loss_options = LossOptions(backend=backend, **saved)
+        if backend in PLAN_SUBJECTS:
+            head.loss_options = LossOptions(backend="torch", plan=backend, **saved)
+        else:
+            head.loss_options = LossOptions(backend=backend, **saved)
         if subject.compiled:
             torch._dynamo.config.capture_scalar_outputs = True  # adaptive's cluster sizes
             head.compile()

@@ -1,19 +1,22 @@
-"""Lightning callbacks of the app."""
+"""Lightning callbacks of the app, grouped by feature: `ds/` (DS-Softmax), `lightrnn.py`
+(Hybrid-LightRNN table re-assignment), `training/` (utilities for every task)."""
 
-from app.callbacks.ds_monitor import DSMonitor, TopKAccuracy
-from app.callbacks.ds_pruning import DSPruning
-from app.callbacks.ds_target_classes import DSTargetClasses
-from app.callbacks.epoch_timer import EpochTimer
-from app.callbacks.lightrnn_reassignment import LightRNNTableReassignment
-from app.callbacks.mitosis import Mitosis
-from app.callbacks.nt_asgd import NTASGD
-from app.callbacks.prediction_writer import PredictionWriter
-from app.callbacks.preemption import PreemptionCheckpoint
-from app.callbacks.run_record import RunRecord
-from app.callbacks.throughput import TokenThroughputMonitor
-from app.callbacks.unknown_words import UnknownWords
+from app.callbacks.ds.mitosis import Mitosis
+from app.callbacks.ds.monitor import DSMonitor, TopKAccuracy
+from app.callbacks.ds.pruning import DSPruning
+from app.callbacks.ds.target_classes import DSTargetClasses
+from app.callbacks.lightrnn import LightRNNTableReassignment
+from app.callbacks.training.epoch_timer import EpochTimer
+from app.callbacks.training.nt_asgd import NTASGD
+from app.callbacks.training.optimum import DataOptimum
+from app.callbacks.training.prediction_writer import PredictionWriter
+from app.callbacks.training.preemption import PreemptionCheckpoint
+from app.callbacks.training.run_record import RunRecord
+from app.callbacks.training.throughput import TokenThroughputMonitor
+from app.callbacks.training.unknown_words import UnknownWords
 
 __all__ = [
+    "DataOptimum",
     "DSMonitor",
     "DSPruning",
     "DSTargetClasses",

@@ -13,7 +13,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from app.console import exit_status
+from app.cli.console import exit_status
 from app.study.grid import load_grid
 from app.study.report import render_markdown
 from app.study.runner import run_study

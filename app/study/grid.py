@@ -5,7 +5,7 @@ options that differ between runs. Schema (paths relative to the repository root)
 
     name: ptb_medium_gpu               # [A-Za-z0-9_.-]+, names the output folder and files
     description: PTB medium LSTM ...   # one line for the report
-    base: configs/lm/ptb_softmax.yaml  # or a list: later files override earlier ones
+    base: configs/lm/ptb.yaml  # or a list: later files override earlier ones
     heads:                             # label -> head fragment (--model.head FILE), or
       softmax: configs/heads/softmax.yaml
       mixtape:                         # a mapping with the fragment and head-only options

@@ -226,6 +226,83 @@ def _where(study: Mapping[str, Any]) -> str:
     return f"{device}, torch {env.get('torch', '?')}, commit {commit}{load_text}"
 
 
+# -- corpora with a known optimum (the synthetic Markov chain, app.callbacks.DataOptimum) --------
+def optimum_rows(study: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Per label, where the test logged ``test/optimum_nll``: the excess over the optimum
+    (``test/loss - test/optimum_nll``, nats) over seeds, the share of the same width's
+    baseline excess the head closes (of all of it, and of what lies above the floor: the
+    baseline's excess at the widest width, where d > r leaves only finite data and budget),
+    and the runs' ranks against ``d + 1`` and the data's rank ``r``."""
+    per_label: dict[str, dict[str, Any]] = {}
+    for run in study["runs"]:
+        test = run.get("test") or {}
+        if run["status"] != "ok" or "test/optimum_nll" not in test or "test/loss" not in test:
+            continue
+        row = per_label.setdefault(run["label"], {
+            "label": run["label"], "head": run["head"], "variant": run.get("variant"),
+            "excess": [], "ranks": [], "ranks_1e-2": [], "d": None,
+            "data_rank": test.get("test/data_rank"), "optimum": test["test/optimum_nll"],
+            "entropy_rate": test.get("test/entropy_rate"),
+        })  # fmt: skip
+        row["excess"].append(test["test/loss"] - test["test/optimum_nll"])
+        if run.get("rank"):
+            row["d"] = run["rank"]["hidden_size"]
+            row["ranks"].append(run["rank"]["rank"])
+            row["ranks_1e-2"].append(run["rank"].get("relative_ranks", {}).get("1e-02"))
+    rows = list(per_label.values())
+    for row in rows:
+        row["mean_std"] = _mean_std(row["excess"])
+    base = {r["variant"]: r["mean_std"][0] for r in rows if r["head"] == study["baseline"]}
+    widest = max((r for r in rows if r["d"] is not None), key=lambda r: r["d"], default=None)
+    floor = base.get(widest["variant"]) if widest else None
+    for row in rows:
+        reference = base.get(row["variant"])
+        row["closed"] = row["closed_above_floor"] = math.nan
+        if reference is not None and reference > 0:
+            row["closed"] = (reference - row["mean_std"][0]) / reference
+            if floor is not None and reference > floor and row["variant"] != widest["variant"]:
+                row["closed_above_floor"] = (reference - row["mean_std"][0]) / (reference - floor)
+        row["floor"] = floor
+    return rows
+
+
+def render_optimum(study: Mapping[str, Any]) -> list[str]:
+    """The excess table of :func:`optimum_rows` (no lines when the study has no optimum)."""
+    rows = optimum_rows(study)
+    if not rows:
+        return []
+    first = rows[0]
+    rate = first["entropy_rate"]
+    lines = [
+        f"Excess over the optimum (test/loss - the true chain's NLL on the test split, "
+        f"{first['optimum']:.4f} nats; entropy rate "
+        f"{'-' if rate is None else f'{rate:.4f}'} nats; data rank r = "
+        f"{'-' if first['data_rank'] is None else int(first['data_rank'])}). "
+        f"Closed: the share of `{study['baseline']}`'s excess at the same width the head "
+        f"closes; above the floor: of `{study['baseline']}`'s excess minus its excess at the "
+        f"widest width (floor {first['floor']:.4f} nats).",
+        "",
+        "| head | d | n | excess (nats) mean ± std | closed | closed above floor | "
+        "rank (per seed) | rank > 1e-2 σ₁ | d + 1 | r |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+
+        def share(value: float) -> str:
+            return "-" if math.isnan(value) else f"{value:.0%}"
+
+        lines.append("| " + " | ".join([
+            row["label"], str(row["d"] or "-"), str(len(row["excess"])),
+            _fmt(row["mean_std"], 4), share(row["closed"]), share(row["closed_above_floor"]),
+            "/".join(map(str, row["ranks"])) or "-",
+            "/".join(str(r) for r in row["ranks_1e-2"] if r is not None) or "-",
+            "-" if row["d"] is None else str(row["d"] + 1),
+            "-" if row["data_rank"] is None else str(int(row["data_rank"])),
+        ]) + " |")  # fmt: skip
+    lines.append("")
+    return lines
+
+
 def render_markdown(study: Mapping[str, Any], image_dir: Path | str, link_prefix: str = "") -> str:
     """Markdown for a study (table, comparison, plots); the PNGs are written to ``image_dir``
     as ``<name>_curves.png`` and ``<name>_quality_vs_time.png`` and linked as
@@ -295,6 +372,7 @@ def render_markdown(study: Mapping[str, Any], image_dir: Path | str, link_prefix
                 f"- `{c['label']}`: {c['delta']:+.2f} (std {c['spread']:.2f}): {verdict}{p_text}"
             )
         lines.append("")
+    lines += render_optimum(study)
     per_seed = ", ".join(
         f"{row['label']} " + "/".join(f"{v:.2f}" for v in row["values"]) for row in rows
     )

@@ -4,12 +4,12 @@
   preview of large experts). At batch 1 its arithmetic takes a few microseconds, where eager
   PyTorch's per-call overhead would dominate.
 
-Each shared library is built with the system C compiler (``$CC``, else ``cc``/``gcc``) into a
-per-user cache keyed by the source, the flags and the CPU, and loaded with ctypes, so no
-PyTorch headers are compiled.
+Each shared library is built with the system C compiler (``$CC``, else ``cc``/``gcc``) into
+``native/`` below the project's cache root (``heads/user_cache.py``), keyed by the source, the
+flags and the CPU, and loaded with ctypes, so no PyTorch headers are compiled.
 
 Everything here is optional. Without a compiler, on a build error, or with
-``LM_HEADS_NATIVE=0`` in the environment, the functions below return ``None`` and the callers
+``OUTPUT_HEADS_NATIVE=0`` in the environment, the functions below return ``None`` and the callers
 keep their PyTorch paths (same results, tested to agree).
 """
 
@@ -26,6 +26,8 @@ import tempfile
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+
+from heads.user_cache import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +56,6 @@ def _cpu_id() -> str:
     return "\n".join(keep) or platform.machine()
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "lm_heads" / "native"
-
-
 def _build(compiler: str, flags: list[str], source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     # build beside the target, then rename: several processes (DDP ranks) may race here
@@ -76,7 +73,7 @@ def _build(compiler: str, flags: list[str], source: Path, target: Path) -> None:
 
 def _library(stem: str, extra_flags: tuple[str, ...], what: str) -> ctypes.CDLL | None:
     """``<stem>.c`` built (once per source, flags and CPU) and loaded, or ``None``."""
-    if os.environ.get("LM_HEADS_NATIVE", "1") == "0":
+    if os.environ.get("OUTPUT_HEADS_NATIVE", "1") == "0":
         return None
     compiler = next(
         (c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None
@@ -88,7 +85,7 @@ def _library(stem: str, extra_flags: tuple[str, ...], what: str) -> ctypes.CDLL 
     key = hashlib.sha256(
         "\0".join([source.read_text(), compiler, *flags, _cpu_id()]).encode()
     ).hexdigest()[:16]
-    target = _cache_dir() / f"{stem}_{key}.so"
+    target = cache_root("native") / f"{stem}_{key}.so"
     try:
         if not target.exists():
             _build(compiler, flags, source, target)

@@ -4,6 +4,7 @@ from lightning_modules.backbones.awd_lstm import AWDLSTMBackbone
 from lightning_modules.backbones.base import LMBackbone
 from lightning_modules.backbones.lstm import LSTMBackbone
 from lightning_modules.backbones.mlp import MLPBackbone
+from lightning_modules.backbones.ngram import NGramBackbone
 from lightning_modules.backbones.seq2seq import Seq2SeqTransformer
 from lightning_modules.backbones.transformer import TransformerBackbone
 
@@ -12,6 +13,7 @@ __all__ = [
     "LMBackbone",
     "LSTMBackbone",
     "MLPBackbone",
+    "NGramBackbone",
     "Seq2SeqTransformer",
     "TransformerBackbone",
 ]

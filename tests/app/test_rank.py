@@ -10,6 +10,7 @@ import torch
 
 from app.rank import ContextSampler, centred_spectrum, head_rank, main, numerical_rank
 from heads import IGNORE_INDEX, MixtapeHead, MoSHead, SoftmaxHead
+from tests.conftest import EXPERIMENTS
 
 D, V, N = 6, 60, 40
 
@@ -90,7 +91,7 @@ def test_command_on_a_trained_checkpoint(ptb_path, tmp_path, monkeypatch):
     from cli import main as cli_main
 
     monkeypatch.setattr(sys, "argv", ["cli.py"])
-    small = ["--config", "configs/lm/ptb_mos.yaml", "--data.init_args.path", ptb_path,
+    small = [*EXPERIMENTS["ptb_mos"], "--data.init_args.path", ptb_path,
              "--model.init_args.backbone.init_args.embedding_size", "8",
              "--model.init_args.backbone.init_args.hidden_size", "8",
              "--model.init_args.head.init_args.num_components", "3"]  # fmt: skip

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from app.bench.run import main as bench
-from app.results import command_of, main, render, render_training_bench, table
+from app.results import command_of, main, render, table
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +47,38 @@ def test_renders_every_file_with_its_command_and_a_plot(results):
     assert render(results, results.parent) == text  # deterministic
 
 
-def test_a_baseline_file_names_its_commit(results, tmp_path):
-    report = json.loads((results / "bench_cpu.json").read_text())
-    text = render_training_bench(report, tmp_path / "bench_baseline_84b8afd_x.json", tmp_path)
-    assert "Measured with the code of commit `84b8afd`" in text
-    assert "commit" not in render_training_bench(report, tmp_path / "bench.json", tmp_path)
+def test_summary_first_then_topics_in_order(results):
+    # data_* belongs to a topic; bench_cpu and zz_other to none, so they come last
+    text = render(results, results.parent)
+    summary, data = text.index("## Summary"), text.index("## Data preparation")
+    other = text.index("## Other measurements")
+    assert summary < data < text.index("### data_small") < other
+    assert other < text.index("### bench_cpu\n") < text.index("### zz_other")
+    rows = text[summary : text.index("\n\n## ", summary + 1)].splitlines()
+    assert rows.index(next(r for r in rows if "[data_small]" in r)) < rows.index(
+        next(r for r in rows if "[bench_cpu]" in r)
+    )
+    bench = next(row for row in rows if "[bench_cpu](#bench_cpu)" in row)
+    assert "| Other measurements |" in bench and "`python -m app.bench --heads" in bench
+    assert "step time x softmax:" not in bench  # no head besides softmax and matmul
+    data_row = next(row for row in rows if "[data_small](#data_small)" in row)
+    assert "| Data preparation |" in data_row and "word: 20,000 tokens prepared in" in data_row
+    assert "`python -m app.bench --mode data --tokens 20000" in data_row
+    assert not any("zz_other" in row for row in rows)  # no renderer, no headline
+
+
+def test_recorded_measurements_and_notes(tmp_path):
+    (tmp_path / "recorded.json").write_text(json.dumps({
+        "schema": "recorded/1", "note": "A note.", "headline": "x 1.5",
+        "parts": ["Setting.", {"commands": ["python cli.py fit"]},
+                  {"header": ["a"], "rows": [[1.0]]}],
+    }))  # fmt: skip
+    text = render(tmp_path, tmp_path)
+    section = text[text.index("### recorded") :]
+    assert section.startswith(
+        "### recorded\n\nA note.\n\nSetting.\n\n```bash\npython cli.py fit\n```\n\n| a |"
+    )
+    assert "| Other measurements | [recorded](#recorded) | x 1.5 | `python cli.py fit` |" in text
 
 
 def test_table_and_command_formatting():

@@ -1,6 +1,7 @@
 """The prepared-data cache through its users: built once, found again, never trusted stale."""
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -102,11 +103,13 @@ def test_a_failed_preparation_leaves_nothing_to_trust(tmp_path, monkeypatch):
 
 def test_cache_location(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "env"))
-    assert cache_root() == tmp_path / "env"
+    assert cache_root() == tmp_path / "env" / "data"
     assert cache_root(str(tmp_path / "option")) == tmp_path / "option"  # data.cache_dir first
     monkeypatch.delenv(CACHE_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_root() == tmp_path / "xdg" / "output-heads" / "data"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache_root() == Path.home() / ".cache" / "output-heads" / "data"
     entry = CacheEntry(tmp_path, "corpus", {"a": 1})
     assert entry.key == CacheEntry(tmp_path, "other label", {"a": 1}).key
     assert entry.key != CacheEntry(tmp_path, "corpus", {"a": 2}).key

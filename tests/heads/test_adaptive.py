@@ -112,11 +112,23 @@ def test_tail_projection_sizes_follow_div_value():
     assert head.head.out_features == 102
 
 
-def test_loss_only_touches_needed_clusters():
-    head = AdaptiveSoftmaxHead(16, 100, cutoffs=[10, 50], div_value=2.0)
-    hidden = torch.randn(8, 16, requires_grad=True)
-    head(hidden, torch.randint(0, 10, (8,))).loss.backward()  # short-list targets only
-    assert all(p.grad is None for p in head.tail.parameters())
+@pytest.mark.parametrize("high", [10, 50], ids=["short_list_only", "first_cluster_only"])
+def test_a_cluster_the_batch_misses_gets_a_zero_gradient(high):
+    """Under DDP without find_unused_parameters every parameter needs a gradient on every
+    rank: a cluster without a target in the batch runs on zero rows, which gives its
+    parameters a zero gradient and the loss of the clusters it has."""
+    torch.manual_seed(0)
+    head = AdaptiveSoftmaxHead(16, 100, cutoffs=[10, 50], div_value=2.0).double()
+    hidden = torch.randn(8, 16, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, high, (8,))
+    head(hidden, target).loss.backward()
+    expected = -head.log_prob(hidden).gather(1, target[:, None]).mean()
+    torch.testing.assert_close(head(hidden, target).loss, expected)
+    missed = [head.tail[1]] if high == 50 else list(head.tail)
+    for module in missed:
+        assert all(p.grad is not None and not p.grad.any() for p in module.parameters())
+    if high == 50:
+        assert all(p.grad.any() for p in head.tail[0].parameters())
 
 
 def test_auto_cutoffs_from_the_cost_model():

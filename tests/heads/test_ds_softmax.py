@@ -504,3 +504,26 @@ def test_load_pretrained_takes_a_ds_state_of_any_structure():
     hidden, _ = _inputs()
     torch.testing.assert_close(fresh.log_prob(hidden), trained.log_prob(hidden))
     assert not fresh.load_pretrained({"weight": torch.zeros(3, 3)})  # neither DS nor softmax
+
+
+def test_row_experts_are_kept_per_structure_not_rebuilt_per_step():
+    """The ``[R]`` expert of every row (the expert lasso's groups) is computed when the
+    structure changes and follows pruning, mitosis, loading and moves; never per step (a
+    list copied to the device would be a blocking copy in every step on a GPU)."""
+    torch.manual_seed(0)
+    head = DSSoftmaxHead(8, 30, num_experts=3, lambda_expert=1e-2)
+
+    def expected(h: DSSoftmaxHead) -> torch.Tensor:
+        return torch.repeat_interleave(torch.arange(h.num_experts), torch.tensor(h.expert_sizes()))
+
+    assert torch.equal(head.row_expert(), expected(head))
+    assert head.row_expert() is head.row_expert()  # kept, not rebuilt
+    norms = torch.linalg.vector_norm(head.weight.detach(), dim=1)
+    assert head.prune(float(norms.median())) is not None
+    head.split_experts(noise_std=0.01)
+    assert torch.equal(head.row_expert(), expected(head))
+    fresh = DSSoftmaxHead(8, 30, num_experts=3, lambda_expert=1e-2)
+    fresh.load_state_dict(head.state_dict())
+    assert torch.equal(fresh.row_expert(), expected(head))
+    assert "_row_expert" not in fresh.state_dict()  # derived: not saved
+    assert fresh.double().row_expert().dtype == torch.long

@@ -85,6 +85,30 @@ def test_values_and_gradients_equal_plain_float64(options, eps, bias, rows, igno
 
 
 @pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
+def test_chunks_of_minus_inf_logits_are_finite_and_exact(options):
+    """Masked columns (``-inf`` bias: DS's pruned classes, padding) filling whole chunks,
+    the first one included: the shift of such a chunk is ``-inf`` and ``-inf - -inf`` was NaN.
+    Loss and every gradient equal the float64 reference (whose masked entries get 0)."""
+    hidden, weight, b, target = _case(11, seed=5)
+    with torch.no_grad():
+        b[:10] = -torch.inf  # chunks [0, 5) and [5, 10) of the 5-column layouts
+        b[15:] = -torch.inf  # [15, 20) and the short last chunk [20, 23)
+    target = torch.randint(10, 15, (11,), generator=torch.Generator().manual_seed(1))
+    target[3] = IGNORE_INDEX
+    inputs, weights = (hidden, weight, b), torch.rand(11, dtype=torch.float64) + 0.5
+    out = linear_cross_entropy(hidden, weight, b, target, options=options)
+    lse = linear_lse(hidden, weight, b, target, options=options).lse
+    torch.testing.assert_close(lse, torch.logsumexp(F.linear(hidden, weight, b), -1))
+    got = torch.autograd.grad((out.nll * weights).sum(), inputs)
+    nll, _ = _reference(hidden, weight, b, target, 0.0)
+    torch.testing.assert_close(out.nll, nll)
+    want = torch.autograd.grad((nll * weights).sum(), inputs)
+    for g, w in zip(got, want, strict=True):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
 def test_gradcheck_every_output_and_input(options):
     hidden, weight, b, target = _case(7, classes=11, dim=3, seed=1)
     target[3] = 20  # outside [0, V): no target logit (another block's target)
@@ -310,5 +334,6 @@ def test_cuda_external_backends_match_the_portable_path(backend):
                                        options=LossOptions(backend=name))  # fmt: skip
         grads = torch.autograd.grad((out.loss(0.1) * weights).sum(), (hidden, weight, bias))
         results.append([out.nll, out.smoothing, *grads])
-    for a, c in zip(*results, strict=True):
-        torch.testing.assert_close(c.float(), a.float(), rtol=3e-2, atol=3e-3)
+    for a, c in zip(*results, strict=True):  # bf16 error relative to each tensor's scale
+        scale = float(a.abs().max())
+        torch.testing.assert_close(c.float(), a.float(), rtol=3e-2, atol=2e-2 * scale)

@@ -166,7 +166,7 @@ def test_a_device_or_backend_this_machine_lacks_is_one_line(capsys, tmp_path):
     import pytest
     import torch
 
-    from app.console import exit_status
+    from app.cli.console import exit_status
 
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit) as stopped:

@@ -151,8 +151,8 @@ def test_ptb_softmax_then_ds_then_inference_bench(tmp_path, monkeypatch, ptb_pat
     monkeypatch.chdir(repo)
     logs = ["--trainer.logger.init_args.save_dir", str(tmp_path),
             "--data.init_args.path", ptb_path, "--trainer.max_epochs", "1"]  # fmt: skip
-    cli_main(["fit", "--config", "configs/lm/ptb_softmax.yaml", *TINY, *logs])
-    softmax_ckpt = next(tmp_path.glob("ptb_softmax/*/checkpoints/last.ckpt"))
+    cli_main(["fit", "--config", "configs/lm/ptb.yaml", *TINY, *logs])
+    softmax_ckpt = next(tmp_path.glob("ptb/*/checkpoints/last.ckpt"))
     cli = cli_main(["fit", "--config", "configs/ds/ptb_ds.yaml", *TINY, *logs,
                     "--trainer.max_epochs", "3",
                     "--model.init_args.pretrained_checkpoint", str(softmax_ckpt)])  # fmt: skip
@@ -161,7 +161,7 @@ def test_ptb_softmax_then_ds_then_inference_bench(tmp_path, monkeypatch, ptb_pat
     assert not any(p.requires_grad for p in cli.model.backbone.parameters())
     ds_ckpt = next(tmp_path.glob("ptb_ds/*/checkpoints/last.ckpt"))
     report = main(["--mode", "inference",
-                   "--softmax-config", f"{tmp_path}/ptb_softmax/version_0/config.yaml",
+                   "--softmax-config", f"{tmp_path}/ptb/version_0/config.yaml",
                    "--softmax-checkpoint", str(softmax_ckpt),
                    "--ds-config", str(next(tmp_path.glob("ptb_ds/*/config.yaml"))),
                    "--ds-checkpoint", str(ds_ckpt), "--max-eval-batches", "2",

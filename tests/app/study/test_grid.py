@@ -7,7 +7,7 @@ from app.study.grid import StudyConfigError, cli_value, load_grid, override_args
 
 VALID = {
     "name": "g",
-    "base": "configs/lm/ptb_softmax.yaml",
+    "base": "configs/lm/ptb.yaml",
     "heads": {"softmax": "configs/heads/softmax.yaml",
               "mixtape": {"head": "configs/heads/mixtape.yaml",
                           "overrides": {"model.init_args.head.init_args.gate_noise": 0.0}}},

@@ -87,7 +87,7 @@ def test_report_of_the_tiny_grid(study, tmp_path):
 @pytest.mark.slow
 def test_a_failing_run_is_recorded_and_not_retried_unless_asked(tmp_path):
     grid = parse_grid({
-        "name": "bad", "base": "configs/lm/ptb_softmax.yaml", "seeds": [1],
+        "name": "bad", "base": "configs/lm/ptb.yaml", "seeds": [1],
         "heads": {"mixtape": {"head": "configs/heads/mixtape.yaml",
                               "overrides": {"model.init_args.head.init_args.num_components": 3}}},
     })  # fmt: skip

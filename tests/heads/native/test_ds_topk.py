@@ -7,6 +7,7 @@ import torch
 
 from heads.ds_softmax import DSSoftmaxHead
 from heads.native import ds_topk_kernels
+from heads.user_cache import CACHE_ENV
 
 needs_compiler = pytest.mark.skipif(
     not any(shutil.which(c) for c in ("cc", "gcc", "clang")),
@@ -17,7 +18,7 @@ needs_compiler = pytest.mark.skipif(
 @pytest.fixture
 def fresh_kernel(monkeypatch, tmp_path):
     """An empty build cache and no memoised kernel, restored afterwards."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     ds_topk_kernels.cache_clear()
     yield tmp_path
     ds_topk_kernels.cache_clear()
@@ -94,7 +95,7 @@ def test_native_topk_under_autocast_and_with_a_strided_query():
 
 
 def test_disabled_by_environment(fresh_kernel, monkeypatch):
-    monkeypatch.setenv("LM_HEADS_NATIVE", "0")
+    monkeypatch.setenv("OUTPUT_HEADS_NATIVE", "0")
     assert ds_topk_kernels() is None
     head = uneven_head(bias=False)
     assert head._inference_cache().native is None

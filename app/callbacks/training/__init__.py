@@ -1,0 +1,2 @@
+"""Training utilities for every task: timing and throughput, NT-ASGD, checkpoints on
+pre-emption, the run record, prediction output, unknown-word counts, failure injection."""

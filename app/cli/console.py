@@ -1,0 +1,60 @@
+"""What the application prints besides Lightning's own lines."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from app.cli.errors import known_error_line
+from heads.errors import user_error
+
+# Set (to anything) to get the full traceback of an error that is otherwise one line.
+TRACEBACK_ENV = "OUTPUT_HEADS_TRACEBACK"
+
+
+def error_line(exc: BaseException) -> str | None:
+    """The one line for ``exc``: a user error's message (raised or wrapped, e.g. by
+    jsonargparse), or a known Lightning/PyTorch error that means "fix your command"; None for
+    anything else."""
+    cause = user_error(exc)
+    if cause is not None:
+        return str(cause)
+    while exc is not None:
+        line = known_error_line(exc)
+        if line is not None:
+            return line
+        exc = exc.__cause__
+    return None
+
+
+def exit_status(run: Callable[[], Any]) -> int:
+    """The exit status of an entry point: ``run()``'s own when it returns an int, else 0; a user
+    error becomes one ``error:`` line on stderr (printed by one process under DDP) and status 2;
+    anything else propagates with its traceback, as everything does with ``$TRACEBACK_ENV``."""
+    try:
+        status = run()
+    except Exception as exc:
+        line = error_line(exc)
+        if line is None or os.environ.get(TRACEBACK_ENV):
+            raise
+        if rank_zero_only.rank == 0:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    return status if isinstance(status, int) else 0
+
+
+def show_data_log() -> None:
+    """Print the data layer's INFO lines on stderr (whether a prepared corpus came from the
+    cache or was built, and how long it took), as Lightning does for its own logger: a handler
+    of our own only when the root logger has none, so a user's logging setup (or pytest's)
+    gets the lines instead."""
+    logger = logging.getLogger("datamodules")
+    logger.setLevel(logging.INFO)
+    if not logging.getLogger().hasHandlers() and not logger.handlers:
+        logger.addHandler(logging.StreamHandler())
+        logger.propagate = False

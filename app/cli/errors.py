@@ -1,0 +1,303 @@
+"""One line for every mistake on the command line.
+
+jsonargparse reports a bad option as a block of nested "Parser key" / "Does not validate against
+any of the Union subtypes" lines with the usage above it; :class:`OneLineErrorParser` turns that
+block into ``<key>: <what is wrong> (given <value>)``, with a "did you mean" for unknown options,
+classes and files, and leaves the usage to ``--help``. :func:`known_error_line` does the same for
+the exceptions of Lightning, PyTorch and datasets that mean "fix your command".
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import re
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from lightning.pytorch.cli import LightningArgumentParser
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from heads.errors import UserError
+
+
+@rank_zero_only
+def warn_line(message: str) -> None:
+    """A ``warning:`` line on stderr, once under DDP: what the run does that the user may not
+    have meant, in the same shape as the ``error:`` lines."""
+    print(f"warning: {message}", file=sys.stderr)
+
+
+class CommandLineError(UserError, ValueError):
+    """An option, value, class or file on the command line that cannot work."""
+
+
+_GIVEN_NESTED = re.compile(r"Given value: NestedArg\(key='(?P<key>[^']*)', val='(?P<val>.*)'\)$")
+_GIVEN = re.compile(r"Given value: (?P<val>.*)$")
+_TOP_KEY = re.compile(r'^Parser key "(?P<key>[^"]+)":\s*(?P<rest>.*)$')
+_CLASS_PATH = re.compile(r"Problem with given class_path '(?P<cls>[^']+)'")
+_NOT_ACCEPTED = re.compile(r"Option '(?P<option>[^']+)' is not accepted")
+_NO_ATTRIBUTE = re.compile(r"module '(?P<module>[^']+)' has no attribute '(?P<name>[^']+)'")
+_EXPECTED = re.compile(r"Expected an? (?P<type>.+?)(?:\. Got value: .*)?$")
+_LITERAL = re.compile(r"typing\.Literal\[(?P<choices>.*)\]")
+_CLASS = re.compile(r"<class '(?:builtins\.)?(?P<name>[\w.]+)'>")
+# lines of jsonargparse's blocks that only frame the reason
+_FRAME = (
+    "Does not validate",
+    "Subtypes:",
+    "Errors:",
+    "Given value",
+    "Parser key",
+    "Problem with given class_path",
+    "Expected a path but",
+)
+
+
+def _did_you_mean(word: str, candidates: Iterable[str]) -> str:
+    """Up to three candidates: the word cut short (``max_epoch``), the word with a suffix
+    (``bptt_length`` for ``bptt``), then the closest spellings."""
+    pool = sorted(set(candidates))
+    longer = [c for c in pool if len(word) >= 3 and c.startswith(word)]
+    shorter = [c for c in pool if len(c) >= 3 and word.startswith(c + "_")]
+    prefixed = longer + shorter
+    close = difflib.get_close_matches(word, pool, n=3, cutoff=0.6)
+    chosen = list(dict.fromkeys([*prefixed, *close]))[:3]
+    return f"; did you mean {' or '.join(chosen)}?" if chosen else ""
+
+
+def _type_name(text: str) -> str:
+    literal = _LITERAL.search(text)
+    if literal:
+        return ", ".join(c.strip().strip("'") for c in literal.group("choices").split(","))
+    match = _CLASS.search(text)
+    return match.group("name").rpartition(".")[2] if match else text
+
+
+def _expectations(reasons: list[str]) -> str | None:
+    """``expected an int`` / ``expected one of: ...`` from jsonargparse's "Expected a ..." lines
+    (None and import-path alternatives left out: nobody meant them)."""
+    wanted: list[str] = []
+    for reason in reasons:
+        match = _EXPECTED.match(reason)
+        if not match or "NoneType" in reason or "dot import path" in reason:
+            continue
+        name = _type_name(match.group("type"))
+        if name not in wanted:
+            wanted.append(name)
+    if not wanted:
+        return None
+    choices = [name for name in wanted if "," in name]
+    if choices:  # literal choices: the class-typed alternatives are their values' types
+        return "expected one of: " + ", ".join(choices)
+    if len(wanted) > 2:
+        return "expected one of: " + ", ".join(wanted)
+    return "expected " + " or ".join(f"a{'n' if n[0] in 'aeiou' else ''} {n}" for n in wanted)
+
+
+def _class_options(class_path: str) -> list[str]:
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        return [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
+    except Exception:  # the message stays useful without the suggestions
+        return []
+
+
+def _module_classes(module: str) -> list[str]:
+    try:
+        found = importlib.import_module(module)
+    except Exception:
+        return []
+    return [f"{module}.{n}" for n, obj in vars(found).items() if inspect.isclass(obj)]
+
+
+def _sibling_files(value: str) -> list[str]:
+    folder = Path(value).parent
+    return [str(folder / p.name) for p in folder.glob("*")] if folder.is_dir() else []
+
+
+def _reason(lines: list[str], value: str) -> str:
+    """What is wrong, from the innermost lines of a jsonargparse block."""
+    reasons = [
+        line.strip().removeprefix("- ").strip()
+        for line in lines
+        if line.strip() and not line.strip().removeprefix("- ").startswith(_FRAME)
+    ]
+    classes = [m.group("cls") for line in lines if (m := _CLASS_PATH.search(line))]
+    for reason in reasons:
+        if match := _NOT_ACCEPTED.search(reason):
+            option, owner = match.group("option"), classes[-1] if classes else "the class"
+            return f"{owner} has no option {option!r}" + _did_you_mean(
+                option, _class_options(owner)
+            )
+        if match := _NO_ATTRIBUTE.search(reason):
+            module, name = match.group("module"), match.group("name")
+            return f"no class {name!r} in module {module!r}" + _did_you_mean(
+                f"{module}.{name}", _module_classes(module)
+            )
+    if "/" in value or value.endswith((".yaml", ".yml")):
+        if not Path(value).exists():
+            return "no such file or class" + _did_you_mean(value, _sibling_files(value))
+    expected = _expectations(reasons)
+    if expected:
+        return expected
+    rest = [r for r in reasons if not r.startswith("Expected")]
+    return (rest or reasons or ["invalid value"])[-1]
+
+
+def one_line(message: str, known_options: Iterable[str] = ()) -> str:
+    """jsonargparse's error ``message`` as ``<key>: <what is wrong> (given <value>)``."""
+    lines = message.strip().splitlines() or ["invalid command line"]
+    first = lines[0].strip()
+    if first.startswith("unrecognized arguments:"):
+        given = first.removeprefix("unrecognized arguments:").split()
+        option = next((a for a in given if a.startswith("-")), given[0] if given else "")
+        return f"unknown option {option}" + _did_you_mean(option.split("=")[0], known_options)
+    if match := re.match(r"argument subcommand: invalid choice: '(?P<cmd>[^']*)'", first):
+        commands = ("fit", "validate", "test", "predict")
+        return f"unknown subcommand {match.group('cmd')!r}" + (
+            _did_you_mean(match.group("cmd"), commands) or f" (one of: {', '.join(commands)})"
+        )
+    top = _TOP_KEY.match(first)
+    if top is None:
+        return first
+    key, rest = top.group("key"), top.group("rest")
+    if rest:  # one-line messages such as "File does not exist: ..."
+        return f"{'--config' if key == 'config' else key}: {rest}"
+    value = ""
+    last = lines[-1].strip()
+    if nested := _GIVEN_NESTED.match(last):
+        key, value = f"{key}.init_args.{nested.group('key')}", nested.group("val")
+    elif given := _GIVEN.match(last):
+        value = given.group("val")
+    return f"{key}: {_reason(lines[1:], value)}" + (f" (given {value!r})" if value else "")
+
+
+class OneLineErrorParser(LightningArgumentParser):
+    """LightningCLI's parser that raises :class:`CommandLineError` (one line, exit status 2
+    through ``cli.py``) instead of printing the usage and the nested error block."""
+
+    def error(self, message: str, ex: Exception | None = None) -> Any:
+        if not self.exit_on_error:  # jsonargparse's inner parsers try alternatives this way
+            return super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        raise CommandLineError(one_line(message, parser._option_string_actions)) from ex
+
+
+def _config_files(args: Sequence[str]) -> list[Path]:
+    """The ``--config`` values that name existing files (others are YAML strings, which
+    ``app.cli.lightning_cli.build`` passes, or missing files, which the parser reports)."""
+    files = []
+    for flag, value in zip(args, args[1:], strict=False):
+        if flag not in ("--config", "-c") or "\n" in value:
+            continue
+        try:
+            if Path(value).is_file():
+                files.append(Path(value))
+        except OSError:  # a name too long to be a path
+            continue
+    return files
+
+
+def check_config_files(args: Sequence[str]) -> None:
+    """Every ``--config`` file that exists parses as YAML, or one line names the file (the
+    parser's own message names none)."""
+    for value in _config_files(args):
+        try:
+            yaml.safe_load(value.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+            where = getattr(exc, "problem_mark", None)
+            line = f" at line {where.line + 1}" if where is not None else ""
+            problem = getattr(exc, "problem", None) or type(exc).__name__
+            raise CommandLineError(
+                f"--config {str(value)!r} is not a YAML file ({problem}{line})"
+            ) from exc
+
+
+# Options the CLI links from elsewhere (app/cli/lightning_cli.py): a value given by hand would be
+# silently replaced, so it is refused. Keys without their ``init_args`` segments.
+LINKED = {
+    "model.head.hidden_size": "the backbone's output size",
+    "model.head.vocab_size": "data.vocab_size",
+    "model.backbone.vocab_size": "data.vocab_size",
+    "model.backbone.src_vocab_size": "data.src_vocab_size",
+}
+
+
+def _plain_key(key: str) -> str:
+    return ".".join(part for part in key.split(".") if part != "init_args")
+
+
+def _config_keys(tree: Any, prefix: str = "") -> Iterable[str]:
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _config_keys(value, f"{prefix}{key}.")
+    if prefix:
+        yield prefix[:-1]
+
+
+def check_linked_options(args: Sequence[str]) -> None:
+    """Refuse, naming the link, an option that the CLI sets from another (given on the command
+    line or in a ``--config`` file)."""
+    given = [a[2:].split("=")[0] for a in args if a.startswith("--")]
+    for value in _config_files(args):
+        given += list(_config_keys(yaml.safe_load(value.read_text())))
+    for key in given:
+        source = LINKED.get(_plain_key(key))
+        if source is not None:
+            raise CommandLineError(
+                f"{key}: set by the CLI from {source}; leave it out (a value given here would "
+                f"be replaced)"
+            )
+
+
+# Lightning's messages name Trainer options in backticks: `max_epochs`, `strategy='ddpp'`
+_TRAINER_OPTION = re.compile(r"`(?P<name>[a-z_]+)(?:=[^`]*)?`")
+
+
+def known_error_line(exc: BaseException) -> str | None:
+    """One line for the exceptions of Lightning and PyTorch that mean "fix your command", or
+    None for the rest (bugs keep their traceback)."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    message = " ".join(str(exc).split())
+    origin = _raised_in(exc)
+    lightning_check = isinstance(exc, ValueError) and "lightning/" in origin
+    if isinstance(exc, MisconfigurationException) or lightning_check:
+        if "No supported gpu backend found" in message or "CUDA" in message and "not" in message:
+            return (
+                "trainer.accelerator: no GPU is usable on this machine; use --trainer.accelerator "
+                "cpu (or auto)"
+            )
+        if "ckpt_path" in message:
+            return f"ckpt_path: {message.replace('`', '')}"
+        option = _trainer_option(message)
+        if option is not None:
+            return f"trainer.{option}: {message.replace('`', '')}"
+        if isinstance(exc, MisconfigurationException):
+            return message.replace("`", "")
+        return None
+    if isinstance(exc, ValueError) and "torch/optim/" in origin:
+        kind = "scheduler" if "lr_scheduler" in origin else "optimizer"
+        return f"model.init_args.{kind}: {message}"
+    return None
+
+
+def _raised_in(exc: BaseException) -> str:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code.co_filename.replace("\\", "/") if tb is not None else ""
+
+
+def _trainer_option(message: str) -> str | None:
+    """The Trainer option a Lightning message names in backticks, if any."""
+    from lightning.pytorch import Trainer
+
+    options = set(inspect.signature(Trainer.__init__).parameters)
+    named = (m.group("name") for m in _TRAINER_OPTION.finditer(message))
+    return next((name for name in named if name in options), None)

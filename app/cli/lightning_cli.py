@@ -1,0 +1,163 @@
+"""The application's LightningCLI: how configs become a model, a data module and a trainer.
+
+``cli.py`` runs it for users; the benchmark and the experiment runner build models with it
+too (:func:`build`), so a config means the same thing everywhere.
+
+Sizes are stated once: the data module's vocabulary size is linked into the backbone and the
+head (and a translation data module's ``src_vocab_size`` into the encoder), and the backbone's
+output size into ``head.hidden_size``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from jsonargparse import Namespace
+from lightning.pytorch.cli import LightningCLI
+
+from app.callbacks.training.preemption import PreemptionCheckpoint
+from app.callbacks.training.run_record import RunRecord
+from app.cli.errors import OneLineErrorParser, check_config_files, check_linked_options, warn_line
+from app.cli.run_folder import configure_loggers, run_hparams
+from lightning_modules.backbones.base import configured_output_size
+from lightning_modules.checkpoint_file import check_checkpoint_file
+
+# Lightning's own checkpoint names, not paths
+_CKPT_ALIASES = ("last", "best", "hpc")
+
+
+def backbone_output_size(backbone: Namespace) -> int:
+    """``head.hidden_size`` from the backbone's config (``class_path`` + ``init_args``)."""
+    module, _, name = backbone.class_path.rpartition(".")
+    backbone_class = getattr(importlib.import_module(module), name)
+    return configured_output_size(backbone_class, vars(backbone.init_args))
+
+
+def _remote(ckpt: str) -> bool:
+    """A model registry or remote storage address, which Lightning resolves itself."""
+    return ckpt.startswith("registry") or "://" in ckpt
+
+
+class AppCLI(LightningCLI):
+    """LightningCLI over any LightningModule and LightningDataModule of the app."""
+
+    def init_parser(self, **kwargs: Any):
+        # no prefix matching: a misspelt --trainer.max_epoch must not silently mean max_epochs
+        kwargs.setdefault("allow_abbrev", False)
+        return super().init_parser(**kwargs)
+
+    def _parse_ckpt_path(self) -> None:
+        # Lightning reads the checkpoint's hyper-parameters here, before anything is built: a
+        # missing or broken file is named first, in one line, instead of PyTorch's traceback
+        subcommand = self.config.get("subcommand")
+        ckpt = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if isinstance(ckpt, str) and ckpt not in _CKPT_ALIASES and not _remote(ckpt):
+            check_checkpoint_file(ckpt, "ckpt_path")
+        super()._parse_ckpt_path()
+
+    def before_predict(self) -> None:
+        if self.config_init["predict"].get("ckpt_path") is None:
+            warn_line("predict without --ckpt_path: the model is untrained")
+
+    def add_arguments_to_parser(self, parser) -> None:
+        for target in (
+            "model.init_args.backbone.init_args.vocab_size",
+            "model.init_args.head.init_args.vocab_size",
+        ):
+            parser.link_arguments("data.vocab_size", target, apply_on="instantiate")
+        parser.link_arguments(
+            "model.init_args.backbone",
+            "model.init_args.head.init_args.hidden_size",
+            compute_fn=backbone_output_size,
+            apply_on="parse",
+        )
+        # Translation only: the encoder's vocabulary. jsonargparse skips an instantiation link
+        # whose source object lacks the attribute, so LM data modules (no src_vocab_size)
+        # leave LM backbones (no such argument) untouched.
+        parser.link_arguments(
+            "data.src_vocab_size",
+            "model.init_args.backbone.init_args.src_vocab_size",
+            apply_on="instantiate",
+        )
+
+    # -- the run's folder and its TensorBoard record (app/cli/run_folder.py) ----------------------
+    def _subcommand_config(self) -> Namespace:
+        return self.config[self.subcommand] if self.subcommand else self.config
+
+    def before_instantiate_classes(self) -> None:
+        config = self._subcommand_config()
+        configure_loggers(config.trainer, self.subcommand, config.get("ckpt_path"))
+        # every run records its hyper-parameters and best validation figure (HPARAMS); every
+        # fit saves a resumable checkpoint when it is preempted or interrupted
+        extra = self.trainer_defaults.get("callbacks") or []
+        extra = extra if isinstance(extra, list) else [extra]
+        ours = [RunRecord(run_hparams(config))]
+        if self.subcommand == "fit":
+            ours.append(PreemptionCheckpoint())
+        self.trainer_defaults = {**self.trainer_defaults, "callbacks": [*extra, *ours]}
+        if self.subcommand not in (None, "fit"):  # the run folder's config.yaml is the fit's
+            self.save_config_kwargs = {
+                **self.save_config_kwargs,
+                "config_filename": f"{self.subcommand}_config.yaml",
+            }
+
+    def _evaluate(self, subcommand: str, **kwargs: Any) -> Any:
+        with warnings.catch_warnings():
+            # ModelCheckpoint saves nothing outside fit: that it does not take over the state
+            # of a checkpoint written in another folder (eval-<name>) is no news
+            warnings.filterwarnings("ignore", "The dirpath has changed", UserWarning)
+            return getattr(self.trainer, subcommand)(**kwargs)
+
+    # LightningCLI runs a method of the subcommand's name, when the CLI has one
+    def validate(self, **kwargs: Any) -> Any:
+        return self._evaluate("validate", **kwargs)
+
+    def test(self, **kwargs: Any) -> Any:
+        return self._evaluate("test", **kwargs)
+
+    def predict(self, **kwargs: Any) -> Any:
+        return self._evaluate("predict", **kwargs)
+
+
+def make_cli(args: Sequence[str], run: bool = True, **kwargs: Any) -> AppCLI:
+    """``AppCLI`` on ``args`` (a subcommand first when ``run``), as ``python cli.py`` builds it;
+    a mistake in ``args`` raises :class:`app.cli.errors.CommandLineError` (one line)."""
+    check_config_files(args)
+    check_linked_options(args)
+    kwargs.setdefault("parser_class", OneLineErrorParser)
+    with warnings.catch_warnings():  # args are passed on purpose, not read from sys.argv
+        warnings.filterwarnings("ignore", ".*args parameter is intended to run from within.*")
+        return AppCLI(
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            save_config_kwargs={"overwrite": True},
+            args=list(args),
+            run=run,
+            **kwargs,
+        )
+
+
+# what a config saved by a run (``<log dir>/config.yaml``) holds beyond the objects themselves
+_RUN_OPTIONS = ("ckpt_path", "weights_only")
+
+
+def _config_arg(config: str) -> str:
+    """A config file as ``--config`` takes it: shipped configs as paths (their fragments are
+    relative to them), configs saved by a run without the subcommand's own options."""
+    content = yaml.safe_load(Path(config).read_text()) or {}
+    if not any(key in content for key in _RUN_OPTIONS):
+        return config
+    return yaml.safe_dump({k: v for k, v in content.items() if k not in _RUN_OPTIONS})
+
+
+def build(configs: Sequence[str], overrides: Sequence[str] = ()) -> AppCLI:
+    """Model, data module and trainer of config files (later ones override earlier ones; shipped
+    configs or ones saved by a run) and ``--key value`` overrides, built but not run:
+    ``cli.model``, ``cli.datamodule``, ``cli.trainer``."""
+    args = [arg for config in configs for arg in ("--config", _config_arg(config))]
+    return make_cli([*args, *overrides], run=False)

@@ -1,0 +1,52 @@
+import lightning as L
+import pytest
+import torch
+
+from app.callbacks import DSMonitor
+from datamodules import SyntheticHierarchyDataModule
+from tests.app.callbacks.ds.test_mitosis import make_model, trainer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_monitor_logs_speedup_and_heatmap(tmp_path):
+    torch.manual_seed(0)
+    dm = SyntheticHierarchyDataModule(num_super=2, num_sub=2, train_per_sub=8, batch_size=32)
+    model = make_model(dm, num_experts=4)
+    logger = L.pytorch.loggers.TensorBoardLogger(tmp_path)
+    monitor = DSMonitor(heatmap_columns=3)
+    t = trainer(1, [monitor], logger=logger)
+    t.fit(model, dm)
+    metrics = t.callback_metrics
+    # no pruning: every expert holds all 4 classes, so the speed-up is V / (V + K) = 0.5
+    assert float(metrics["ds/speedup"]) == pytest.approx(4 / (4 + 4))
+    assert float(metrics["ds/num_experts"]) == 4
+    assert monitor.heatmap(model.head).shape == (4, 3)
+    assert list(tmp_path.rglob("events.out.tfevents*"))
+
+
+def test_heatmap_bins_classes():
+    torch.manual_seed(0)
+    dm = SyntheticHierarchyDataModule(num_super=2, num_sub=3)
+    head = make_model(dm, num_experts=2).head
+    head.prune(gamma=1e9, keep_every_class=True)  # each class keeps exactly one row
+    image = DSMonitor(heatmap_columns=2).heatmap(head)
+    assert image.shape == (head.num_experts, 2)
+    # each bin's classes live in exactly one expert: shares over experts add up to 1
+    torch.testing.assert_close(image.sum(0), torch.ones(2))
+
+
+def test_topk_accuracy_callback_matches_the_classifier_metrics():
+    from app.callbacks import TopKAccuracy
+
+    torch.manual_seed(0)
+    dm = SyntheticHierarchyDataModule(num_super=2, num_sub=4, train_per_sub=16, batch_size=32)
+    model = make_model(dm, num_experts=2)
+    t = trainer(2, [TopKAccuracy(top_k=(1, 5, 50), prefix="cb_")])
+    t.fit(model, dm)
+    metrics = t.callback_metrics
+    for k in (1, 5):
+        torch.testing.assert_close(metrics[f"val/cb_acc_top{k}"], metrics[f"val/acc_top{k}"])
+    assert "val/cb_acc_top50" not in metrics  # k above the class count is skipped
+    (result,) = t.test(model, dm, verbose=False)
+    assert result["test/cb_acc_top1"] == pytest.approx(result["test/acc_top1"])

@@ -1,0 +1,225 @@
+import math
+import random
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+
+from app.callbacks import LightRNNTableReassignment
+from app.callbacks.lightrnn import eq6_costs, word_of_each_code
+from datamodules import LanguageModelingDataModule
+from datamodules.bptt import BPTTBatches
+from datamodules.vocab.hybrid_lightrnn import HybridLightRNNVocab
+from datamodules.vocab.table_assignment import objective
+from heads import SoftmaxHead
+from lightning_modules import LanguageModel
+from lightning_modules.backbones import LSTMBackbone
+
+K, ROWS, COLS = 6, 6, 6
+
+
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    """A Markov chain over 30 words: each word has a likely successor, so a model learns."""
+    rng = random.Random(0)
+    folder = tmp_path_factory.mktemp("markov")
+    nxt = {i: (7 * i + 3) % 30 for i in range(30)}
+    for split, lines in (("train", 300), ("valid", 30), ("test", 30)):
+        text = []
+        for _ in range(lines):
+            w, words = rng.randrange(30), []
+            for _ in range(rng.randint(4, 10)):
+                words.append(f"w{w}")
+                w = nxt[w] if rng.random() < 0.8 else rng.randrange(30)
+            text.append(" ".join(words))
+        (folder / f"m.{split}.txt").write_text("\n".join(text) + "\n")
+    return str(folder)
+
+
+def make(corpus: str, **data_options):
+    options = dict(vocab="hybrid_lightrnn", lightrnn_frequent=K, lightrnn_rows=ROWS,
+                   lightrnn_cols=COLS, lightrnn_init="random", batch_size=8, bptt=10)  # fmt: skip
+    data = LanguageModelingDataModule(path=corpus, **(options | data_options))
+    torch.manual_seed(0)
+    backbone = LSTMBackbone(data.vocab_size, 16, 16, num_layers=1, input_dropout=0.0,
+                            hidden_dropout=0.0, output_dropout=0.0)  # fmt: skip
+    model = LanguageModel(
+        backbone, SoftmaxHead(16, data.vocab_size), optimizer=lambda p: torch.optim.Adam(p, 1e-2)
+    )
+    return data, model
+
+
+def trainer(epochs: int, **options) -> L.Trainer:
+    defaults = dict(accelerator="cpu", logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    return L.Trainer(max_epochs=epochs, **(defaults | options))
+
+
+def slow_costs(model, vocab: HybridLightRNNVocab, codes: torch.Tensor, bptt: int):
+    """Plain reference for Eq. 6: one stream, position by position."""
+    row = np.zeros((vocab.num_rare, vocab.rows))
+    col = np.zeros((vocab.num_rare, vocab.cols))
+    model.eval()
+    state, log_probs = None, []
+    with torch.no_grad():
+        for x, _ in BPTTBatches(codes, 1, bptt):
+            hidden, state = model.backbone(x, state)
+            log_probs += list(model.head.log_prob(hidden[0]))
+    seq = codes.tolist()
+    for k in range(len(seq) - 1):  # log_probs[k] predicts seq[k + 1]
+        code = seq[k + 1]
+        if K <= code < K + ROWS:  # first code of a rare word: the word is read off the table
+            word = int(vocab.table()[code - K, seq[k + 2] - K - ROWS])
+            row[word - K] -= log_probs[k][K : K + ROWS].numpy()
+        elif code >= K + ROWS:
+            word = int(vocab.table()[seq[k] - K, code - K - ROWS])
+            col[word - K] -= log_probs[k][K + ROWS :].numpy()
+    return row, col
+
+
+def test_eq6_costs_match_a_plain_reference(corpus):
+    data, model = make(corpus)
+    codes = data.split_tokens("valid")
+    vocab = data.vocab
+    row, col = eq6_costs(model, vocab, codes, batch_size=1, bptt=10)
+    ref_row, ref_col = slow_costs(model, vocab, codes, bptt=10)
+    np.testing.assert_allclose(row.numpy(), ref_row, rtol=1e-5)
+    np.testing.assert_allclose(col.numpy(), ref_col, rtol=1e-5)
+    # Eq. 6 at the current table = the model's NLL of the rare words' codes (paper, after
+    # Eq. 6), here recomputed from the code log-probabilities directly
+    words = word_of_each_code(vocab, codes)
+    assert torch.equal(vocab.encode_word_ids(words[vocab.word_start_mask[codes]]), codes)
+    nll = 0.0
+    model.eval()
+    with torch.no_grad():
+        hidden, _ = model.backbone(codes[:-1].unsqueeze(0))
+        lp = model.head.log_prob(hidden[0]).gather(1, codes[1:, None]).squeeze(1)
+    nll = -lp[codes[1:] >= K].sum().item()
+    assert objective(row, col, vocab.cells) == pytest.approx(nll, rel=1e-5)
+
+
+def test_reassignment_during_training(corpus):
+    data, model = make(corpus)
+    callback = LightRNNTableReassignment(every_n_epochs=1, batch_size=4)
+    history = []
+
+    class Spy(L.Callback):  # records each re-assignment (runs after the callback)
+        def on_train_epoch_start(self, trainer, pl_module):
+            callback.last, callback.last_cells = {}, None
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            history.append((dict(callback.last), callback.last_cells))
+
+    initial = data.vocab.cells.clone()
+    fit = trainer(3, callbacks=[callback, Spy()])
+    fit.fit(model, data)
+    # re-assigned after epochs 1 and 2, not after the last one
+    moves = [h for h in history if h[0]]
+    assert len(moves) == 2  # after epochs 1 and 2
+    for stats, cells in moves:
+        assert stats["lightrnn/objective_after"] <= stats["lightrnn/objective_before"] + 1e-9
+        assert stats["lightrnn/lower_bound"] <= stats["lightrnn/objective_after"] + 1e-9
+        assert 0 <= stats["lightrnn/moved"] <= 1
+        assert len(set(cells.tolist())) == data.vocab.num_rare  # a bijection
+    assert not torch.equal(data.vocab.cells, initial)  # a trained model moves words
+    assert torch.equal(data.vocab.cells, moves[-1][1])  # installed for the last epoch
+    # the data follows the table: the stream is the encoding of the words with the new table
+    words = data.split_word_ids("train")
+    assert torch.equal(data.split_tokens("train"), data.vocab.encode_word_ids(words))
+    x, _ = next(iter(data.train_dataloader()))
+    assert torch.equal(x[0], data.split_tokens("train")[: x.size(1)])
+    assert "val/word_ppl" in fit.callback_metrics
+    assert math.isfinite(fit.callback_metrics["val/word_ppl"])
+
+
+def test_words_outside_the_scored_sample_keep_their_cells(corpus):
+    data, model = make(corpus)
+    callback = LightRNNTableReassignment(max_batches=1, batch_size=2)
+    before = data.vocab.cells.clone()
+    words = word_of_each_code(data.vocab, data.split_tokens("train"))
+    _, targets = next(iter(BPTTBatches(words, 2, data.hparams.bptt)))  # the scored window
+    seen = set(targets.flatten().tolist())
+    trainer(2, callbacks=[callback]).fit(model, data)  # one re-assignment, after epoch 1
+    unseen = [i for i in range(data.vocab.num_rare) if K + i not in seen]
+    assert unseen and all(data.vocab.cells[i] == before[i] for i in unseen)
+    assert callback.last["lightrnn/seen"] == pytest.approx(1 - len(unseen) / data.vocab.num_rare)
+
+
+def test_a_resumed_run_continues_with_the_saved_table(corpus, tmp_path):
+    data, model = make(corpus)
+    callback = LightRNNTableReassignment(batch_size=4)
+    fit = trainer(2, callbacks=[callback], enable_checkpointing=True,
+                  default_root_dir=tmp_path)  # fmt: skip
+    fit.fit(model, data)
+    learnt = data.vocab.cells.clone()
+    ckpt = tmp_path / "resumable.ckpt"
+    fit.save_checkpoint(ckpt)
+    # a fresh process: the data module rebuilds the initial table, the checkpoint restores
+    data2, model2 = make(corpus)
+    assert not torch.equal(data2.vocab.cells, learnt)
+    resumed = trainer(2, enable_checkpointing=False, default_root_dir=tmp_path)
+    resumed.validate(model2, data2, ckpt_path=ckpt)
+    assert torch.equal(data2.vocab.cells, learnt)
+    assert torch.equal(data2.split_tokens("valid"), data2.vocab.encode_word_ids(
+        data2.split_word_ids("valid")))  # fmt: skip
+
+
+def test_resuming_from_an_epoch_end_checkpoint_uses_the_scheduled_table(corpus, tmp_path):
+    data, model = make(corpus)
+    callback = LightRNNTableReassignment(batch_size=4)
+    every_epoch = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_top_k=-1)
+    trainer(2, callbacks=[callback, every_epoch], enable_checkpointing=True).fit(model, data)
+    scheduled = callback.last_cells  # re-assigned after epoch 1, trained with in epoch 2
+    assert torch.equal(data.vocab.cells, scheduled)
+    (first,) = tmp_path.glob("epoch=0-*.ckpt")
+    state = torch.load(first, weights_only=False)["LanguageModelingDataModule"]
+    assert state["lightrnn_scheduled_cells"] == scheduled.tolist()
+    # validate that checkpoint: the table its weights were trained with (the initial one)
+    data2, model2 = make(corpus)
+    initial = data2.vocab.cells.clone()
+    trainer(2).validate(model2, data2, ckpt_path=first, verbose=False)
+    assert torch.equal(data2.vocab.cells, initial)
+    # resume it: epoch 2 trains with the scheduled table, as the uninterrupted run did
+    data3, model3 = make(corpus)
+    trainer(2, callbacks=[LightRNNTableReassignment(batch_size=4)]).fit(
+        model3, data3, ckpt_path=first
+    )
+    assert torch.equal(data3.vocab.cells, scheduled)
+
+
+def test_needs_a_lightrnn_vocabulary(corpus):
+    data, model = make(corpus, vocab="word")
+    with pytest.raises(ValueError, match="hybrid_lightrnn"):
+        trainer(1, callbacks=[LightRNNTableReassignment()]).fit(model, data)
+
+
+@pytest.mark.slow
+def test_cli_fit_then_test_restores_the_learnt_table(ptb_path, tmp_path, monkeypatch):
+    """End to end through cli.py with the shipped config (small sizes, a few batches)."""
+    import sys
+
+    from cli import main
+
+    monkeypatch.setattr(sys, "argv", ["cli.py"])
+    common = ["--config", "configs/lm/ptb_lightrnn.yaml", "--data.init_args.path",
+              ptb_path, "--trainer.default_root_dir", str(tmp_path),
+              "--model.init_args.backbone.init_args.embedding_size", "16",
+              "--model.init_args.backbone.init_args.hidden_size", "16",
+              "--trainer.enable_progress_bar", "false"]  # fmt: skip
+    fit = main(["fit", *common, "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "5",
+                "--trainer.limit_val_batches", "3", "--trainer.callbacks.max_batches", "3",
+                "--trainer.logger.init_args.save_dir", str(tmp_path)])  # fmt: skip
+    (callback,) = [c for c in fit.trainer.callbacks if isinstance(c, LightRNNTableReassignment)]
+    assert callback.max_batches == 3
+    assert fit.trainer.callback_metrics["lightrnn/moved"] > 0
+    assert "val/word_ppl" in fit.trainer.callback_metrics
+    learnt = fit.datamodule.vocab.cells
+    ckpt = str(next(tmp_path.rglob("last.ckpt")))
+    test = main(["test", *common, "--ckpt_path", ckpt, "--trainer.limit_test_batches", "3",
+                 "--trainer.logger", "false"])  # fmt: skip
+    assert torch.equal(test.datamodule.vocab.cells, learnt)
+    assert math.isfinite(test.trainer.callback_metrics["test/word_ppl"])

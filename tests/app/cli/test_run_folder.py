@@ -1,0 +1,156 @@
+"""TensorBoard tells the truth: a 2-epoch fit and a ``test`` of its ``last.ckpt`` through the CLI
+give one run folder, one meaning per tag on the training step axis, and HPARAMS that compare
+runs (issue 36)."""
+
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
+
+from app.cli.run_folder import FLUSH_SECS, checkpoint_run_dir
+from cli import main
+
+pytestmark = pytest.mark.usefixtures("cli_argv")
+
+TINY = [
+    "--config", "configs/lm/ptb.yaml",
+    "--model.init_args.backbone.init_args.embedding_size", "16",
+    "--model.init_args.backbone.init_args.hidden_size", "16",
+    "--data.init_args.batch_size", "4", "--trainer.enable_progress_bar", "false",
+    "--trainer.limit_train_batches", "12", "--trainer.limit_val_batches", "8",
+    "--trainer.limit_test_batches", "4", "--trainer.log_every_n_steps", "2",
+]  # fmt: skip
+# every tag of the run and what a reader needs of it; nothing else (no throughput counters,
+# no validation figures at validation-batch steps)
+EXPECTED_TAGS = {
+    "epoch",  # Lightning's epoch number at each logged step
+    "lr-Adam",
+    "train/loss",  # per batch
+    "train/ppl_batch",
+    "train/loss_epoch",  # the epoch's token-weighted means
+    "train/ppl",
+    "train/tokens_per_sec",
+    "time/train_epoch_s",
+    "val/loss",
+    "val/ppl",
+    "val/tokens_per_sec",
+    "hp_metric",
+    "test/loss",
+    "test/ppl",
+    "test/tokens_per_sec",
+}
+
+
+@pytest.fixture(scope="module")
+def fitted_and_tested(tmp_path_factory, ptb_path):
+    logs = tmp_path_factory.mktemp("logs")
+    common = [*TINY, "--data.init_args.path", ptb_path,
+              "--trainer.logger.init_args.save_dir", str(logs)]  # fmt: skip
+    fit = main(["fit", *common, "--trainer.max_epochs", "2"])
+    ckpt = logs / "ptb" / "version_0" / "checkpoints" / "last.ckpt"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        test = main(["test", *common, "--ckpt_path", str(ckpt)])
+    return fit, test, logs, [str(w.message) for w in caught]
+
+
+def scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
+    events = EventAccumulator(str(run))
+    events.Reload()
+    return {
+        tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+    }
+
+
+def hparams(run: Path) -> tuple[dict[str, object], list[str]]:
+    """The HPARAMS tab's hyper-parameters of the run and the names of its metrics."""
+    events = EventAccumulator(str(run))
+    events.Reload()
+    content = events.PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"])
+    values = {}
+    for name, value in start.session_start_info.hparams.items():
+        kind = value.WhichOneof("kind")
+        values[name] = getattr(value, kind)
+    metrics = [m.name.tag for m in experiment.experiment.metric_infos]
+    return values, metrics
+
+
+def test_fit_and_test_of_its_checkpoint_are_one_run_folder(fitted_and_tested):
+    fit, test, logs, caught = fitted_and_tested
+    runs = sorted(p.name for p in (logs / "ptb").iterdir())
+    assert runs == ["version_0"]
+    assert test.trainer.log_dir == fit.trainer.log_dir
+    assert not [m for m in caught if "dirpath has changed" in m]
+    run = logs / "ptb" / "version_0"
+    # the run's config stays the fit's; the test's is beside it
+    assert "ckpt_path" not in yaml.safe_load((run / "config.yaml").read_text()) or (
+        yaml.safe_load((run / "config.yaml").read_text())["ckpt_path"] is None
+    )
+    assert (run / "test_config.yaml").is_file()
+
+
+def test_tags_have_one_meaning_on_the_training_step_axis(fitted_and_tested):
+    fit, _, logs, _ = fitted_and_tested
+    logged = scalars(logs / "ptb" / "version_0")
+    # (data/*: the corpus's figures, such as its share of unknown words, logged once)
+    assert {tag for tag in logged if not tag.startswith("data/")} == EXPECTED_TAGS
+    for tag, points in logged.items():
+        steps = [step for step, _ in points]
+        assert steps == sorted(steps), (tag, steps)
+    last = fit.trainer.global_step - 1  # Lightning logs a batch at the steps done before it
+    assert last == 23
+    assert [s for s, _ in logged["val/ppl"]] == [11, last]
+    for tag in ("test/loss", "test/ppl", "test/tokens_per_sec"):
+        assert [s for s, _ in logged[tag]] == [last], tag
+    # per batch and per epoch apart: one point per logged step, one per epoch
+    assert [s for s, _ in logged["train/loss"]] == list(range(1, 24, 2))
+    assert [s for s, _ in logged["train/loss_epoch"]] == [11, 23]
+
+
+def test_hparams_name_the_head_and_hp_metric_is_the_best_validation_perplexity(
+    fitted_and_tested,
+):
+    _, _, logs, _ = fitted_and_tested
+    run = logs / "ptb" / "version_0"
+    values, metrics = hparams(run)
+    assert metrics == ["hp_metric"]
+    assert values["head/class"] == "SoftmaxHead"
+    assert values["head/zipf_bias_init"] == 1 and values["head/hidden_size"] == 16  # (bools as 1)
+    assert values["backbone/class"] == "LSTMBackbone" and values["backbone/hidden_size"] == 16
+    assert values["optimizer/class"] == "Adam" and values["optimizer/lr"] == pytest.approx(0.002)
+    assert values["vocab"] == "word" and values["vocab_size"] == 10_000
+    assert values["batch_size"] == 4 and values["bptt"] == 35
+    logged = scalars(run)
+    best = min(value for _, value in logged["val/ppl"])
+    assert logged["hp_metric"][-1][1] == pytest.approx(best)
+    assert all(value != -1 for _, value in logged["hp_metric"])
+    saved = yaml.safe_load((run / "hparams.yaml").read_text())
+    assert saved["head"]["class"] == "SoftmaxHead" and saved["vocab_size"] == 10_000
+
+
+def test_tensorboard_flushes_within_30_seconds(fitted_and_tested):
+    fit, *_ = fitted_and_tested
+    assert fit.trainer.logger.experiment.flush_secs == FLUSH_SECS <= 30
+
+
+def test_a_checkpoint_from_elsewhere_gets_an_eval_folder(fitted_and_tested, ptb_path, tmp_path):
+    _, _, logs, _ = fitted_and_tested
+    foreign = tmp_path / "downloaded" / "model.ckpt"
+    foreign.parent.mkdir()
+    foreign.write_bytes((logs / "ptb/version_0/checkpoints/last.ckpt").read_bytes())
+    assert checkpoint_run_dir(str(foreign)) is None
+    eval_logs = tmp_path / "logs"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli = main(["validate", *TINY, "--data.init_args.path", ptb_path,
+                    "--trainer.logger.init_args.save_dir", str(eval_logs),
+                    "--ckpt_path", str(foreign)])  # fmt: skip
+    assert Path(cli.trainer.log_dir) == eval_logs / "ptb" / "eval-model"
+    assert not [w for w in caught if "dirpath has changed" in str(w.message)]
+    logged = scalars(eval_logs / "ptb" / "eval-model")
+    assert [s for s, _ in logged["val/ppl"]] == [23]

@@ -1,0 +1,226 @@
+"""The GPU plan of the fused loss (heads/kernels/compiled_lse.py): float64 equality with the
+eager plan at chunk, padding and tile edges; the chunk plan planned for a stated device
+memory; and on CUDA, bf16 against float64 and the field's kernels against our plan."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import heads.kernels.compiled_lse as compiled_lse
+from heads.fused_cross_entropy import (
+    IGNORE_INDEX,
+    LossOptions,
+    linear_cross_entropy,
+    linear_lse,
+    plan_tiles,
+    spans,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# columns 5 and 23 over V = 23: padded last chunk / one chunk; rows 4: row tiles
+LAYOUTS = {
+    "padded": {"columns": 5},
+    "padded_tiles": {"columns": 5, "rows": 4},
+    "one_chunk": {"columns": 23},
+}
+
+
+@pytest.fixture
+def quick_compile(monkeypatch):
+    """The plan's logic through torch.compile's aot_eager backend (seconds, not a minute of
+    Inductor code generation per shape); one test below keeps Inductor."""
+    monkeypatch.setattr(compiled_lse, "COMPILE_BACKEND", "aot_eager")
+    yield
+    torch._dynamo.reset()
+
+
+def _case(rows=11, classes=23, dim=6, seed=0, bias=True):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, dim, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(classes, dim, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(classes, generator=gen, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, classes, (rows,), generator=gen)
+    target[[2, 7] if rows > 7 else []] = IGNORE_INDEX
+    return hidden, weight, b if bias else None, target
+
+
+def _loss_and_grads(options, hidden, weight, b, target, eps=0.1):
+    inputs = [t for t in (hidden, weight, b) if t is not None]
+    out = linear_cross_entropy(hidden, weight, b, target, label_smoothing=eps, options=options)
+    scale = torch.linspace(0.5, 1.5, hidden.size(0), dtype=hidden.dtype, device=hidden.device)
+    grads = torch.autograd.grad((out.loss(eps) * scale).sum(), inputs)
+    return [out.nll, out.smoothing, *grads]
+
+
+@pytest.mark.usefixtures("quick_compile")
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", [11, 1, 0])
+def test_compiled_plan_equals_the_eager_one_in_float64(layout, bias, rows):
+    case = _case(rows=rows, bias=bias)
+    got = _loss_and_grads(LossOptions(plan="compiled", **layout), *case)
+    want = _loss_and_grads(LossOptions(plan="eager", saved_bytes=0), *case)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.usefixtures("quick_compile")
+def test_targets_outside_the_block_never_pick_a_padding_column():
+    """V = 11 padded to 15: a target of 12 (another block's) must not read padding."""
+    hidden, weight, b, _ = _case(rows=4, classes=11, seed=3)
+    target = torch.tensor([12, 3, -1, 14])
+    out = linear_lse(hidden, weight, b, target, options=LossOptions(plan="compiled", columns=5))
+    logits = F.linear(hidden, weight, b)
+    torch.testing.assert_close(out.lse, torch.logsumexp(logits, -1))
+    want = torch.zeros(4, dtype=logits.dtype)
+    want[1] = logits[1, 3]
+    torch.testing.assert_close(out.target_logit, want)
+
+
+@pytest.mark.usefixtures("quick_compile")
+def test_minus_inf_chunks_are_finite():
+    hidden, weight, b, target = _case(seed=5)
+    with torch.no_grad():
+        b[:10] = -torch.inf
+    target = torch.randint(10, 23, (11,), generator=torch.Generator().manual_seed(2))
+    got = _loss_and_grads(LossOptions(plan="compiled", columns=5), hidden, weight, b, target, 0)
+    want = _loss_and_grads(LossOptions(plan="eager"), hidden, weight, b, target, 0)
+    for g, w in zip(got[::2] + got[3:], want[::2] + want[3:], strict=True):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, w)
+
+
+def test_inductor_chunk_bodies_equal_the_eager_plan():
+    """The real compiler (Inductor's C++ code on a CPU, Triton on a GPU) in float64."""
+    case = _case(rows=9, seed=4)
+    got = _loss_and_grads(LossOptions(plan="compiled", columns=8), *case)
+    want = _loss_and_grads(LossOptions(plan="eager"), *case)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+    torch._dynamo.reset()
+
+
+def test_one_compiled_body_serves_every_chunk(quick_compile):
+    """Equal padded chunks: one graph for the forward body and one for the backward, however
+    many chunks; no recompilation per chunk."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    hidden, weight, b, target = _case(rows=12, classes=100, seed=6)  # 12 rows, 16 columns:
+    _loss_and_grads(LossOptions(plan="compiled", columns=16), hidden, weight, b, target)
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    # (equal sizes would be "duck-sized" into one symbol, and a later call would recompile)
+    # other row counts, chunk widths, and inputs that need no gradient: the same two graphs
+    # (each head, cluster and expert has its own shapes; recompiling per shape ran into
+    # Dynamo's recompile limit on a GPU and fell back to eager)
+    hidden, weight, b, target = _case(rows=9, classes=60, seed=7)
+    _loss_and_grads(LossOptions(plan="compiled", columns=24), hidden, weight, b, target)
+    frozen = weight.detach()
+    out = linear_lse(hidden, frozen, None, target, options=LossOptions(plan="compiled"))
+    torch.autograd.grad(out.lse.sum(), hidden)
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+
+
+# -- the CUDA chunk plan, checked on a CPU by stating the device's memory ----------------------
+H100 = 80 << 30
+N, D = 16_384, 512
+
+
+def _chunk_iterations(rows: int, columns: int, entries: int = 1) -> int:
+    options = LossOptions(device_memory=H100)
+    tile, width = plan_tiles(rows, columns, torch.device("cuda"), options, entries)
+    return len(spans(rows, tile)) * len(spans(columns, width))
+
+
+def test_a_training_step_at_100k_runs_at_most_64_chunk_iterations_per_head():
+    """V = 100k, 16,384 tokens, d = 512, planned for an 80 GiB GPU (issue 28's bound)."""
+    v = 100_000
+    counts = {
+        "softmax": _chunk_iterations(N, v),
+        "mos15": _chunk_iterations(15 * N, v),  # K N component rows
+        # frequent block (S = V/10, 2K floats a column) + the shared-gate tail
+        "mixtape": _chunk_iterations(N, v // 10, 2 * 4) + _chunk_iterations(N, v - v // 10),
+        # head (shortlist + cluster tokens), then tail clusters on their own rows
+        "adaptive": sum(
+            _chunk_iterations(rows, c)
+            for rows, c in ((N, 20_002), (N // 5, 20_000), (N // 20, 60_000))
+        ),  # fmt: skip
+        "ds64": 64 * _chunk_iterations(N // 64, v // 8),  # an expert's tokens and classes
+    }
+    assert all(count <= 64 for name, count in counts.items() if name != "ds64"), counts
+    assert counts["ds64"] == 64, counts  # one chunk per expert
+
+
+# -- on CUDA ---------------------------------------------------------------------------------
+def _cuda_case(rows=512, classes=5000, dim=64, seed=9):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, dim, generator=gen).cuda().requires_grad_()
+    weight = (dim**-0.5 * torch.randn(classes, dim, generator=gen)).cuda().requires_grad_()
+    bias = torch.randn(classes, generator=gen).cuda().requires_grad_()
+    target = torch.randint(0, classes, (rows,), generator=gen).cuda()
+    target[[1, 5]] = IGNORE_INDEX
+    return hidden, weight, bias, target
+
+
+def _double(tensors):
+    return [t.detach().double().requires_grad_() for t in tensors]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "cce", "liger"])
+def test_cuda_bf16_backends_against_float64(backend):
+    """Each backend under bf16 autocast against the float64 maths: NLL, smoothing and every
+    gradient, with bias, ignored rows, label smoothing and a non-uniform incoming gradient.
+    Within bf16's error relative to each tensor's scale (CCE also drops gradient entries
+    below 2^-12 by design: its ``filter_eps``)."""
+    if backend != "torch":
+        pytest.importorskip({"cce": "cut_cross_entropy", "liger": "liger_kernel"}[backend])
+    hidden, weight, bias, target = _cuda_case()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = _loss_and_grads(LossOptions(backend=backend), hidden, weight, bias, target)
+    want = _loss_and_grads(LossOptions(plan="eager"), *_double((hidden, weight, bias)), target)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=3e-2, atol=2e-2 * float(w.abs().max()))
+
+
+@pytest.mark.gpu
+def test_cuda_compiled_plan_is_sync_free_and_exact_in_float64():
+    hidden, weight, bias, target = _double(_cuda_case(rows=256, classes=3000))[:3] + [
+        _cuda_case(rows=256, classes=3000)[3]
+    ]
+    options = LossOptions(plan="compiled", columns=512)
+    _loss_and_grads(options, hidden, weight, bias, target)  # compile outside the check
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = _loss_and_grads(options, hidden, weight, bias, target)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = _loss_and_grads(LossOptions(plan="eager"), hidden, weight, bias, target)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.usefixtures("quick_compile")
+@pytest.mark.parametrize("bias", [True, False])
+def test_mos_label_smoothing_term_compiled_equals_eager(bias):
+    """MoS's ``sum_x log P(x|c)`` (label smoothing) through compiled chunk bodies, the last
+    chunk narrower, in float64: value and every gradient."""
+    from heads.mos import mixture_log_prob_sum
+
+    gen = torch.Generator().manual_seed(7)
+    contexts = torch.randn(5, 3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(23, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(23, generator=gen, dtype=torch.float64, requires_grad=True) if bias else None
+    shift = torch.randn(5, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    inputs = [t for t in (contexts, weight, b, shift) if t is not None]
+    results = []
+    for plan in ("compiled", "eager"):
+        total = mixture_log_prob_sum(contexts, weight, b, shift, LossOptions(plan=plan, columns=5))
+        scale = torch.linspace(0.5, 1.5, 5, dtype=torch.float64)
+        results.append([total, *torch.autograd.grad((total * scale).sum(), inputs)])
+    logits = torch.einsum("nkd,vd->nkv", contexts, weight) + (0 if b is None else b)
+    plain = torch.logsumexp(logits + shift[..., None], dim=1).sum(1)
+    torch.testing.assert_close(results[0][0], plain)
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want)
