@@ -23,13 +23,14 @@ import copy
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from heads import IGNORE_INDEX, Head
+from lightning_modules.decoding import DecodeConfig
 
 SCHEMA = "rank/1"
 RELATIVE = (1e-2, 1e-4, 1e-6)
@@ -150,8 +151,9 @@ def collect_contexts(cli: Any, checkpoint: str, contexts: int, split: str, seed:
     """Run the checkpoint's model over a split (Lightning's ``validate`` / ``test``, so the
     vocabulary and head are restored as for any evaluation) and sample its head's inputs."""
     model = cli.model
-    if hasattr(model, "val_beam_size"):  # translation: teacher-forced contexts only
-        model.val_beam_size = 0
+    if isinstance(getattr(model, "decode", None), DecodeConfig):
+        # translation: teacher-forced contexts only
+        model.decode = replace(model.decode, val_beam_size=0)
     sampler = ContextSampler(contexts, seed)
     handle = model.head.register_forward_pre_hook(sampler, with_kwargs=True)
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -32,16 +33,13 @@ from datamodules.text_source import (
     text_source,
     tokenizers_progress,
 )
-from datamodules.vocab import BPEVocab, WordVocab, vocab_from_state
+from datamodules.vocab import VOCABS, BPEVocab, Vocab, WordVocab, vocab_from_state, vocab_over
 from datamodules.vocab.bpe import StreamEncoder, warn_if_smaller_bpe, written_unk
-from datamodules.vocab.hybrid_lightrnn import HybridLightRNNVocab
 from datamodules.vocab.word import UNK, count_words
 from heads.errors import UserError
 
 log = logging.getLogger(__name__)
 
-VOCABS = ("word", "bpe", "hybrid_lightrnn")
-Vocab = WordVocab | BPEVocab | HybridLightRNNVocab
 # Above this share of a split's tokens, the unknown-word line is a warning.
 UNKNOWN_WARN_SHARE = 0.01
 
@@ -63,12 +61,12 @@ class _UnknownCounter:
 
 
 class _LiveBPTT(IterableDataset):
-    """BPTT batches over the split's *current* token stream, re-read at every pass. A
-    Hybrid-LightRNN table scheduled by the re-assignment is installed when a training pass
-    starts, so the next epoch (also after a resume) trains and validates with it. (The number
-    of tokens never changes: it depends on which words are frequent, not on the table.)
-    Only this rank's streams are read (a view of the memory-mapped token file, or for
-    Hybrid-LightRNN codes this rank's share encoded)."""
+    """BPTT batches over the split's *current* token stream, re-read at every pass. The
+    vocabulary is told when a training pass starts (``begin_training_pass``): state it
+    scheduled for it (a re-assigned table) then takes effect, so the next epoch (also after a
+    resume) trains and validates with it. (The number of tokens never changes.) Only this
+    rank's streams are read (a view of the memory-mapped token file, or this rank's share of
+    the vocabulary's stream encoded)."""
 
     def __init__(self, data: LanguageModelingDataModule, split: str, batch_size: int) -> None:
         super().__init__()
@@ -92,7 +90,7 @@ class _LiveBPTT(IterableDataset):
 
     def __iter__(self):
         if self.split == "train":
-            self.data.install_scheduled_lightrnn_cells()
+            self.data.vocab.begin_training_pass()
         streams = self.data.rank_streams(self.split, self.batch_size, self.rank, self.world_size)
         yield from BPTTBatches(streams.reshape(-1), streams.size(0), self.bptt)
 
@@ -188,9 +186,10 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         self._identity: dict[str, Any] = {}
         self._vocab: Vocab | None = None
         self._ids: dict[str, torch.Tensor] = {}  # word or BPE ids per split: int32, mapped
-        self._num_codes: dict[str, int] = {}  # Hybrid-LightRNN code count per split
-        self._codes: dict[Any, torch.Tensor] = {}  # Hybrid-LightRNN codes (current table)
-        self._scheduled_cells: torch.Tensor | None = None
+        self._num_tokens: dict[str, int] = {}  # stream length per split
+        # the vocabulary's streams (whole splits, rank shares) at its `version`
+        self._streams: dict[Any, torch.Tensor] = {}
+        self._streams_version = -1
         # split -> (tokens that became <unk> without being written so, tokens): see
         # :meth:`_report_unknown`
         self.unknown_tokens: dict[str, tuple[int, int]] = {}
@@ -207,7 +206,7 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         # pickled (ddp_spawn, DataLoader workers under spawn): the token files are mapped again
         # where it is unpickled, not copied into the pickle
         state = self.__dict__.copy()
-        state["_ids"], state["_codes"] = {}, {}
+        state["_ids"], state["_streams"] = {}, {}
         return state
 
     # -- source and cache ----------------------------------------------------------------
@@ -260,16 +259,7 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
             what = f"the {self._level} vocabulary of {self.source.label!r}"
             cache.ensure(lambda: cache.has("vocab.json"), self._build_vocab, what)
             base = vocab_from_state(cache.read_json("vocab.json"))
-            if hp.vocab != "hybrid_lightrnn":
-                return base
-            return HybridLightRNNVocab.from_words(
-                base,
-                hp.lightrnn_frequent,
-                hp.lightrnn_rows,
-                hp.lightrnn_cols,
-                hp.lightrnn_init,
-                hp.lightrnn_seed,
-            )
+            return vocab_over(base, hp.vocab, hp)
         except UserError:
             raise
         except ValueError as exc:  # sizes that cannot work: one line naming the options
@@ -314,12 +304,6 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         cache.write_json("vocab.json", vocab.state_dict())
 
     @property
-    def _token_vocab(self) -> WordVocab | BPEVocab:
-        """The vocabulary the cached ids are in (the word vocabulary of Hybrid-LightRNN)."""
-        vocab = self.vocab
-        return vocab.words if isinstance(vocab, HybridLightRNNVocab) else vocab
-
-    @property
     def word_start_mask(self) -> torch.Tensor | None:
         """``[vocab_size]`` bool, True for the ids that begin a word, so that the model can
         report word-level perplexity (sum of code NLLs / number of words); None for ``word``
@@ -345,7 +329,7 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
     def _split_ids(self, split: str) -> torch.Tensor:
         """A split's ids in the cached vocabulary (word or BPE), int32, memory-mapped."""
         if split not in self._ids:
-            vocab, cache, source = self._token_vocab, self.cache, self.source
+            vocab, cache, source = self.vocab.base, self.cache, self.source
             identity = self._identity_of(split)
 
             def done() -> bool:
@@ -395,42 +379,33 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
             log.info("%s", line)
 
     def num_tokens(self, split: str) -> int:
-        """Length of a split's stream (codes for Hybrid-LightRNN), without encoding it."""
-        vocab = self.vocab
-        if not isinstance(vocab, HybridLightRNNVocab):
-            return len(self._split_ids(split))
-        if split not in self._num_codes:
-            self._num_codes[split] = vocab.count_codes(self._split_ids(split))
-        return self._num_codes[split]
+        """Length of a split's stream (the vocabulary's: e.g. codes), without encoding it."""
+        if split not in self._num_tokens:
+            self._num_tokens[split] = self.vocab.count_stream(self._split_ids(split))
+        return self._num_tokens[split]
+
+    def _stream(self, key: Any, encode: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A stream of the vocabulary (``encode()``), kept until the vocabulary changes it."""
+        if self._streams_version != self.vocab.version:
+            self._streams.clear()
+            self._streams_version = self.vocab.version
+        if key not in self._streams:
+            self._streams[key] = encode()
+        return self._streams[key]
 
     def split_tokens(self, split: str) -> torch.Tensor:
         """All ids (codes) of a split as one int32 stream (``<eos>`` after every line):
-        a view of the memory-mapped token file, or the Hybrid-LightRNN codes of the current
-        table."""
-        vocab = self.vocab
-        if not isinstance(vocab, HybridLightRNNVocab):
-            return self._split_ids(split)
-        if split not in self._codes:
-            self._codes[split] = vocab.encode_word_ids(self._split_ids(split))
-        return self._codes[split]
+        a view of the memory-mapped token file, or the vocabulary's stream of it (the
+        Hybrid-LightRNN codes of the current table)."""
+        return self._stream(split, lambda: self.vocab.encode_stream(self._split_ids(split)))
 
     @property
     def token_counts(self) -> np.ndarray:
         """Training count of every class id the head predicts (``[vocab_size]``, int64): what a
         head's ``setup`` may use, e.g. adaptive ``cutoffs: auto`` ranks classes by it. Read off
-        the vocabulary (it holds the training counts of its words or BPE tokens): a Hybrid-
-        LightRNN code counts every word it stands for (a frequent word's own code, or a rare
-        word's row and column)."""
-        vocab = self.vocab
-        word_counts = np.asarray(self._token_vocab.counts, dtype=np.int64)
-        if not isinstance(vocab, HybridLightRNNVocab):
-            return word_counts
-        counts = torch.zeros(len(vocab), dtype=torch.long)
-        codes, per_word = vocab.word_codes, torch.from_numpy(word_counts)
-        for column in codes.unbind(1):  # first codes, then second codes (-1: none)
-            used = column >= 0
-            counts.index_add_(0, column[used], per_word[used])
-        return counts.numpy()
+        the vocabulary (it holds the training counts of its words or BPE tokens; a code counts
+        every word it stands for)."""
+        return self.vocab.class_counts()
 
     def split_word_ids(self, split: str) -> torch.Tensor:
         """Word ids of a split (word and Hybrid-LightRNN vocabularies), int32."""
@@ -445,42 +420,13 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
             self.num_tokens(split), batch_size, rank, world_size
         )
         stop = start + streams * stream_len
-        vocab = self.vocab
-        if not isinstance(vocab, HybridLightRNNVocab):
-            return self._split_ids(split)[start:stop].view(streams, stream_len)
-        key = (split, start, stop)
-        if key not in self._codes:
-            if split in self._codes:  # the whole stream is already encoded
-                self._codes[key] = self._codes[split][start:stop]
-            else:
-                self._codes[key] = vocab.encode_word_ids_range(self._split_ids(split), start, stop)
-        return self._codes[key].view(streams, stream_len)
 
-    # -- Hybrid-LightRNN table -------------------------------------------------------------
-    def set_lightrnn_cells(self, cells: torch.Tensor) -> None:
-        """Install a Hybrid-LightRNN table now; the loaders follow from their next pass (the
-        code streams are re-encoded on demand)."""
-        vocab = self.vocab
-        if not isinstance(vocab, HybridLightRNNVocab):
-            raise DataConfigError("the LightRNN table needs data.vocab=hybrid_lightrnn")
-        vocab.set_cells(cells)
-        self._codes.clear()
+        def encode() -> torch.Tensor:
+            if split in self._streams:  # the whole stream is already encoded
+                return self._streams[split][start:stop]
+            return self.vocab.encode_stream_range(self._split_ids(split), start, stop)
 
-    def schedule_lightrnn_cells(self, cells: torch.Tensor) -> None:
-        """Install a re-assigned table when the next training pass starts. Until then the
-        vocabulary keeps the table the current weights were trained with, so a checkpoint
-        saved in between tests with that table and resumes with the new one."""
-        vocab = self.vocab
-        if not isinstance(vocab, HybridLightRNNVocab):
-            raise DataConfigError("the LightRNN table needs data.vocab=hybrid_lightrnn")
-        # checks the cells now (a bijection into the table), not at the next epoch
-        HybridLightRNNVocab(vocab.words, vocab.num_frequent, vocab.rows, vocab.cols, cells)
-        self._scheduled_cells = torch.as_tensor(cells, dtype=torch.long).clone()
-
-    def install_scheduled_lightrnn_cells(self) -> None:
-        if self._scheduled_cells is not None:
-            self.set_lightrnn_cells(self._scheduled_cells)
-            self._scheduled_cells = None
+        return self._stream((split, start, stop), encode).view(streams, stream_len)
 
     # -- loaders ---------------------------------------------------------------------------
     def _batches(self, split: str, batch_size: int) -> DataLoader:
@@ -514,26 +460,17 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
 
     # -- checkpoint --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"vocab": self.vocab.state_dict()}
-        if self._scheduled_cells is not None:
-            state["lightrnn_scheduled_cells"] = self._scheduled_cells.tolist()
-        return state
+        return {"vocab": self.vocab.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = vocab_from_state(state_dict["vocab"])
         current = self.vocab
-        if isinstance(saved, HybridLightRNNVocab) and isinstance(current, HybridLightRNNVocab):
-            if saved.same_structure(current):
-                # the learnt table is training state: continue with the checkpoint's
-                self.set_lightrnn_cells(saved.cells)
-                scheduled = state_dict.get("lightrnn_scheduled_cells")
-                self._scheduled_cells = None if scheduled is None else torch.tensor(scheduled)
-                return
-        if saved != current:
+        if not current.accepts(saved):
             raise VocabularyMismatchError(
                 f"the checkpoint was trained with another vocabulary ({len(saved)} tokens, "
                 f"fingerprint {saved.fingerprint()}) than the data at {self.location} "
-                f"gives ({len(self.vocab)} tokens, fingerprint {self.vocab.fingerprint()}); "
+                f"gives ({len(current)} tokens, fingerprint {current.fingerprint()}); "
                 f"point data.path at the corpus the checkpoint was trained on, and data.vocab "
                 f"and its options at the checkpoint's ({state_dict['vocab'].get('type')})"
             )
+        current.load_state_dict(state_dict["vocab"])  # its training state (a learnt table)

@@ -2,7 +2,7 @@
 
 from heads.adaptive import AdaptiveSoftmaxHead
 from heads.base import IGNORE_INDEX, Head, HeadOutput, HeadSetup
-from heads.ds_softmax import DSSoftmaxHead
+from heads.ds.softmax import DSSoftmaxHead
 from heads.errors import HeadConfigError, UserError
 from heads.mixtape import MixtapeHead
 from heads.mos import MoSHead

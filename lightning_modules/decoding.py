@@ -10,6 +10,7 @@ with the GNMT length penalty ``lp(n) = ((5 + n) / 6) ** alpha`` (Wu et al. 2016,
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -18,22 +19,30 @@ from heads import Head
 from lightning_modules.backbones.seq2seq import Seq2SeqTransformer
 
 
-@dataclass
+@dataclass(frozen=True)
 class DecodeConfig:
-    """Search options.
+    """Decoding options of a translation task (``model.init_args.decode: {beam_size: 4, ...}``).
 
-    bos_id, eos_id: decoder start token and end token.
+    beam_size: beam of ``test`` and ``predict`` (1 = greedy).
+    val_beam_size: beam for validation BLEU (greedy by default: cheap); 0 skips decoding in
+        validation.
+    bleu_every_n_epochs: decode the validation set (and log ``val/bleu``) after every n-th
+        epoch only: a checkpoint chosen by validation BLEU (``ModelCheckpoint(monitor=
+        "val/bleu", mode="max")``) then needs ``every_n_epochs`` a multiple of n.
+    length_penalty: alpha of the GNMT length penalty in beam search (0 = none).
     max_length_a, max_length_b: a hypothesis has at most ``a * source_length + b`` tokens
         (with ``<eos>``; source length with its ``<eos>``), and never more than the
         backbone's positions allow; at that length ``<eos>`` is forced.
-    length_penalty: alpha of the GNMT length penalty (0 = none).
+    num_samples: sample translations logged per validation / test.
     """
 
-    bos_id: int
-    eos_id: int
+    beam_size: int = 4
+    val_beam_size: int = 1
+    bleu_every_n_epochs: int = 1
+    length_penalty: float = 0.6
     max_length_a: float = 1.5
     max_length_b: int = 10
-    length_penalty: float = 0.0
+    num_samples: int = 3
 
 
 def length_penalty(length: torch.Tensor | int, alpha: float) -> torch.Tensor | float:
@@ -70,24 +79,26 @@ def greedy_decode(
     source: torch.Tensor,
     source_padding: torch.Tensor,
     config: DecodeConfig,
+    bos_id: int,
+    eos_id: int,
 ) -> list[list[int]]:
     """The most likely next token at each step until ``<eos>``; ids without ``<eos>``."""
     memory = backbone.encode(source, source_padding)
     batch = source.size(0)
     max_lengths = _max_lengths(source_padding, config, backbone)
-    prefix = torch.full((batch, 1), config.bos_id, dtype=torch.long, device=source.device)
+    prefix = torch.full((batch, 1), bos_id, dtype=torch.long, device=source.device)
     outputs: list[list[int]] = [[] for _ in range(batch)]
     active = torch.arange(batch, device=source.device)
     cache = None
     for step in range(int(max_lengths.max())):
         hidden, cache = backbone.decode_step(prefix, memory, source_padding, cache)
         force = max_lengths[active] == step + 1
-        _, tokens = _step_log_probs(head, hidden, 1, force, config.eos_id)
+        _, tokens = _step_log_probs(head, hidden, 1, force, eos_id)
         tokens = tokens[:, 0]
         for row, token in zip(active.tolist(), tokens.tolist(), strict=True):
-            if token != config.eos_id:
+            if token != eos_id:
                 outputs[row].append(token)
-        keep = tokens != config.eos_id
+        keep = tokens != eos_id
         if not keep.any():
             break
         # shrink the batch to the sentences still running
@@ -104,7 +115,9 @@ def beam_search(
     source: torch.Tensor,
     source_padding: torch.Tensor,
     config: DecodeConfig,
-    beam_size: int = 4,
+    bos_id: int,
+    eos_id: int,
+    beam_size: int | None = None,
 ) -> list[list[int]]:
     """Beam search; the best finished hypothesis per sentence, ids without ``<eos>``.
 
@@ -113,18 +126,17 @@ def beam_search(
     a fast top-k path never form the full distribution); extensions by ``<eos>`` become
     finished hypotheses, the best others the next beams. A sentence is done when it holds
     ``beam_size`` finished hypotheses (so ``beam_size = 1`` is greedy decoding) or at its
-    maximum length, where ``<eos>`` is forced.
+    maximum length, where ``<eos>`` is forced. ``beam_size`` defaults to ``config``'s.
     """
-    if beam_size < 1:
-        raise ValueError(f"beam_size must be at least 1, got {beam_size}")
-    device = source.device
-    batch, k = source.size(0), beam_size
+    k = config.beam_size if beam_size is None else beam_size
+    if k < 1:
+        raise ValueError(f"beam_size must be at least 1, got {k}")
+    batch, device = source.size(0), source.device
     max_lengths = _max_lengths(source_padding, config, backbone)
-    memory = backbone.encode(source, source_padding)
     # every live sentence keeps k rows: [n * k, ...]
-    memory = memory.repeat_interleave(k, dim=0)
+    memory = backbone.encode(source, source_padding).repeat_interleave(k, dim=0)
     padding = source_padding.repeat_interleave(k, dim=0)
-    prefix = torch.full((batch * k, 1), config.bos_id, dtype=torch.long, device=device)
+    prefix = torch.full((batch * k, 1), bos_id, dtype=torch.long, device=device)
     # only beam 0 is live at the start, so the first step does not pick k copies
     scores = torch.full((batch, k), float("-inf"), device=device)
     scores[:, 0] = 0.0
@@ -137,48 +149,87 @@ def beam_search(
         n = len(active)
         hidden, cache = backbone.decode_step(prefix, memory, padding, cache)  # [n * k, d]
         force = (max_lengths[active] == step + 1).repeat_interleave(k)
-        log_probs, tokens = _step_log_probs(head, hidden, per_beam, force, config.eos_id)
+        log_probs, tokens = _step_log_probs(head, hidden, per_beam, force, eos_id)
         candidates = (scores.unsqueeze(-1) + log_probs.view(n, k, -1)).view(n, -1)
         top_scores, top_pos = candidates.topk(num_candidates, dim=1)  # [n, 2k]
-        top_tokens = tokens.view(n, -1).gather(1, top_pos)
-        top_beams = top_pos // per_beam
+        top = (top_scores, tokens.view(n, -1).gather(1, top_pos), top_pos // per_beam)
         penalty = length_penalty(step + 1, config.length_penalty)
-
-        # the bookkeeping is per sentence in Python lists (small), tensors are built once
-        all_scores, all_tokens = top_scores.tolist(), top_tokens.tolist()
-        all_beams, prefix_rows = top_beams.tolist(), prefix.tolist()
-        next_scores, next_rows, next_tokens, still_running = [], [], [], []
-        for i, sentence in enumerate(active):
-            scores_i, rows_i, tokens_i = [], [], []
-            for rank, (score, token, beam) in enumerate(
-                zip(all_scores[i], all_tokens[i], all_beams[i], strict=True)
-            ):
-                if score == float("-inf") or len(finished[sentence]) >= k:
-                    break
-                if token == config.eos_id:
-                    # as in fairseq: <eos> finishes a hypothesis only from the top k, so that
-                    # with k = 1 a non-<eos> best candidate carries on exactly as in greedy
-                    if rank < k:
-                        hypothesis = prefix_rows[i * k + beam][1:]
-                        finished[sentence].append((score / penalty, hypothesis))
-                elif len(scores_i) < k:
-                    scores_i.append(score)
-                    rows_i.append(i * k + beam)
-                    tokens_i.append(token)
-            if len(finished[sentence]) < k and scores_i:
-                still_running.append(i)
-                # fewer than k live extensions (tiny vocabularies): pad with dead beams
-                missing = k - len(scores_i)
-                next_scores.append(scores_i + [float("-inf")] * missing)
-                next_rows.append(rows_i + [rows_i[0]] * missing)
-                next_tokens.append(tokens_i + [tokens_i[0]] * missing)
-        if not still_running:
+        chosen = _next_beams(*top, prefix, active, finished, eos_id, penalty)
+        if chosen is None:
             break
-        rows = torch.tensor(next_rows, device=device).view(-1)
-        new_tokens = torch.tensor(next_tokens, device=device).view(-1, 1)
+        rows, new_tokens, scores, still_running = chosen
         prefix = torch.cat((prefix[rows], new_tokens), dim=1)
         memory, padding = memory[rows], padding[rows]
         cache = [c[rows] for c in cache]
-        scores = torch.tensor(next_scores, device=device)
         active = [active[i] for i in still_running]
     return [max(hyps, key=lambda h: h[0])[1] if hyps else [] for hyps in finished]
+
+
+def _next_beams(
+    top_scores: torch.Tensor,
+    top_tokens: torch.Tensor,
+    top_beams: torch.Tensor,
+    prefix: torch.Tensor,
+    active: list[int],
+    finished: list[list[tuple[float, list[int]]]],
+    eos_id: int,
+    penalty: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None:
+    """One step's choice from each active sentence's best candidates ``[n, 2k]`` (score,
+    token, beam): hypotheses finished by ``<eos>`` go to ``finished``; returns the rows of
+    ``prefix`` the next beams extend ``[n' * k]``, their new tokens ``[n' * k, 1]``, their
+    scores ``[n', k]`` and the indices (into ``active``) of the sentences still running, or
+    None when every sentence is done."""
+    k = prefix.size(0) // len(active)
+    # the bookkeeping is per sentence in Python lists (small), tensors are built once
+    all_scores, all_tokens = top_scores.tolist(), top_tokens.tolist()
+    all_beams, prefix_rows = top_beams.tolist(), prefix.tolist()
+    next_scores, next_rows, next_tokens, still_running = [], [], [], []
+    for i, sentence in enumerate(active):
+        candidates = zip(all_scores[i], all_tokens[i], all_beams[i], strict=True)
+        done = finished[sentence]
+        scores_i, rows_i, tokens_i = _extend(
+            candidates, done, prefix_rows, i * k, k, eos_id, penalty
+        )
+        if len(done) < k and scores_i:
+            still_running.append(i)
+            # fewer than k live extensions (tiny vocabularies): pad with dead beams
+            missing = k - len(scores_i)
+            next_scores.append(scores_i + [float("-inf")] * missing)
+            next_rows.append(rows_i + [rows_i[0]] * missing)
+            next_tokens.append(tokens_i + [tokens_i[0]] * missing)
+    if not still_running:
+        return None
+    device = prefix.device
+    rows = torch.tensor(next_rows, device=device).view(-1)
+    new_tokens = torch.tensor(next_tokens, device=device).view(-1, 1)
+    return rows, new_tokens, torch.tensor(next_scores, device=device), still_running
+
+
+def _extend(
+    candidates: Iterable[tuple[float, int, int]],
+    finished: list[tuple[float, list[int]]],
+    prefix_rows: list[list[int]],
+    first_row: int,
+    k: int,
+    eos_id: int,
+    penalty: float,
+) -> tuple[list[float], list[int], list[int]]:
+    """One sentence's step over its candidates (score, token, beam), best first: an
+    extension by ``<eos>`` finishes a hypothesis (appended to ``finished`` with its
+    length-penalised score); the best ``k`` others are the next beams (scores, rows of the
+    prefix they extend, tokens)."""
+    scores, rows, tokens = [], [], []
+    for rank, (score, token, beam) in enumerate(candidates):
+        if score == float("-inf") or len(finished) >= k:
+            break
+        if token == eos_id:
+            # as in fairseq: <eos> finishes a hypothesis only from the top k, so that with
+            # k = 1 a non-<eos> best candidate carries on exactly as in greedy
+            if rank < k:
+                finished.append((score / penalty, prefix_rows[first_row + beam][1:]))
+        elif len(scores) < k:
+            scores.append(score)
+            rows.append(first_row + beam)
+            tokens.append(token)
+    return scores, rows, tokens

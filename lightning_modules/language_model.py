@@ -251,7 +251,7 @@ class LanguageModel(HeadTask):
 
     def on_train_epoch_end(self) -> None:
         self._log_split_perplexity("train")
-        step_schedulers_skipped_by_resume(self.trainer)
+        step_schedulers_skipped_by_resume(self)
 
     def on_validation_epoch_end(self) -> None:
         super().on_validation_epoch_end()  # a non-finite loss stops the run before logging

@@ -52,18 +52,31 @@ def configure_optimizers(
     return {"optimizer": built, "lr_scheduler": config}
 
 
-def step_schedulers_skipped_by_resume(trainer: Any) -> None:
-    """Step the epoch-interval schedulers at the end of an epoch that was resumed mid-way.
+def step_schedulers_skipped_by_resume(module: Any) -> None:
+    """Step the epoch-interval plateau schedulers at the end of an epoch resumed mid-way.
 
-    Lightning (2.6) keeps its fit loop ``restarting`` through the whole first epoch after
-    ``fit --ckpt_path`` and skips that epoch's scheduler step (meant for checkpoints written
-    after the step). A run resumed from a mid-epoch checkpoint (its loader skipped batches)
-    has not stepped yet, so an uninterrupted run would step here: do it through Lightning's
-    own scheduler update. Call from ``on_train_epoch_end`` (it runs before Lightning's check).
+    Lightning (2.6) skips the end-of-epoch step of ``ReduceLROnPlateau``-style schedulers in
+    the first epoch after ``fit --ckpt_path`` (meant for checkpoints written after the step).
+    A run resumed from a mid-epoch checkpoint (its loader skipped the batches trained before
+    it) has not stepped yet, so an uninterrupted run would step here: through the public
+    ``lr_scheduler_configs``, ``callback_metrics`` and the module's ``lr_scheduler_step`` hook,
+    as Lightning does, once the epoch's last batch was trained on. Call from
+    ``on_train_epoch_end`` (it runs before Lightning's own check).
     """
-    fit_loop = trainer.fit_loop
+    trainer = module.trainer
     loader = trainer.train_dataloader
-    if not (fit_loop.restarting and getattr(loader, "resumed_from", 0) > 0):
+    resumed = getattr(loader, "resumed_from", 0) > 0
+    # the loader's position goes back to 0 once the epoch's last batch is trained on
+    finished = resumed and loader.position == 0 and loader.batches_served > 0
+    if not (finished and module.automatic_optimization):
         return
-    if fit_loop.epoch_loop._num_ready_batches_reached():
-        fit_loop.epoch_loop.update_lr_schedulers("epoch", update_plateau_schedulers=True)
+    for config in trainer.lr_scheduler_configs:
+        due = (trainer.current_epoch + 1) % config.frequency == 0
+        if not (config.reduce_on_plateau and config.interval == "epoch" and due):
+            continue
+        value = trainer.callback_metrics.get(config.monitor)
+        if value is None:
+            if config.strict:
+                raise KeyError(f"ReduceLROnPlateau monitors {config.monitor!r}: not logged")
+            continue
+        module.lr_scheduler_step(config.scheduler, value)

@@ -21,6 +21,7 @@ from lightning_modules.errors import ModelConfigError
 from lightning_modules.head_task import NO_READ_BACK, HeadTask
 
 STAGES = ("train", "val", "test")
+DEFAULT_DECODE = DecodeConfig()
 
 
 class Translation(HeadTask):
@@ -43,15 +44,10 @@ class Translation(HeadTask):
             ``[N, V]`` tensor where it can, auxiliary losses kept; evaluation reports the
             plain NLL.
         tie_weights: share the head's output embeddings with the decoder's input embedding.
-        beam_size: beam of ``test`` (1 = greedy).
-        val_beam_size: beam for validation BLEU (greedy by default: cheap); 0 skips decoding
-            in validation.
-        bleu_every_n_epochs: decode the validation set (and log ``val/bleu``) after every n-th
-            epoch only: a checkpoint chosen by validation BLEU (``ModelCheckpoint(monitor=
-            "val/bleu", mode="max")``) then needs ``every_n_epochs`` a multiple of n.
-        length_penalty: alpha of the GNMT length penalty in beam search.
-        max_length_a, max_length_b: longest translation, ``a * source_length + b`` tokens.
-        num_samples: sample translations logged per validation / test.
+        decode: the decoding options (:class:`~lightning_modules.decoding.DecodeConfig`:
+            ``beam_size``, ``val_beam_size``, ``bleu_every_n_epochs``, ``length_penalty``,
+            ``max_length_a``, ``max_length_b``, ``num_samples``), e.g. ``model.init_args.decode:
+            {beam_size: 4, length_penalty: 0.6}``.
         translations_file: where ``test`` writes translations, one line per test line; default
             ``<log dir>/translations_test.txt``.
         compile: ``torch.compile`` the backbone and the head (true, or torch.compile's keyword
@@ -71,13 +67,7 @@ class Translation(HeadTask):
         scheduler: LRSchedulerCallable | None = None,
         label_smoothing: float = 0.0,
         tie_weights: bool = False,
-        beam_size: int = 4,
-        val_beam_size: int = 1,
-        bleu_every_n_epochs: int = 1,
-        length_penalty: float = 0.6,
-        max_length_a: float = 1.5,
-        max_length_b: int = 10,
-        num_samples: int = 3,
+        decode: DecodeConfig = DEFAULT_DECODE,
         translations_file: str | None = None,
         compile: bool | dict[str, Any] = False,
         loss_backend: str = "auto",
@@ -87,13 +77,14 @@ class Translation(HeadTask):
             raise ModelConfigError(
                 f"model.label_smoothing must be in [0, 1), got {label_smoothing}"
             )
-        if beam_size < 1 or val_beam_size < 0:
+        if decode.beam_size < 1 or decode.val_beam_size < 0:
             raise ModelConfigError(
-                f"beam_size must be >= 1 and val_beam_size >= 0, got {beam_size}, {val_beam_size}"
+                "model.decode.beam_size must be >= 1 and model.decode.val_beam_size >= 0, "
+                f"got {decode.beam_size}, {decode.val_beam_size}"
             )
-        if bleu_every_n_epochs < 1:
+        if decode.bleu_every_n_epochs < 1:
             raise ModelConfigError(
-                f"model.bleu_every_n_epochs must be >= 1, got {bleu_every_n_epochs}"
+                f"model.decode.bleu_every_n_epochs must be >= 1, got {decode.bleu_every_n_epochs}"
             )
         if tie_weights:
             head.tie_output_embedding(backbone.embedding.weight)
@@ -105,26 +96,14 @@ class Translation(HeadTask):
                 "head",
                 "optimizer",
                 "scheduler",
-                "beam_size",
-                "val_beam_size",
-                "bleu_every_n_epochs",
-                "length_penalty",
-                "max_length_a",
-                "max_length_b",
-                "num_samples",
+                "decode",
                 "translations_file",
                 "compile",
                 "loss_backend",
             ]
         )
         self.label_smoothing = label_smoothing
-        self.beam_size = beam_size
-        self.val_beam_size = val_beam_size
-        self.bleu_every_n_epochs = bleu_every_n_epochs
-        self.length_penalty = length_penalty
-        self.max_length_a = max_length_a
-        self.max_length_b = max_length_b
-        self.num_samples = num_samples
+        self.decode = decode
         self.translations_file = translations_file
         self.metrics = torch.nn.ModuleDict({f"{s}_nll": MeanMetric(**NO_READ_BACK) for s in STAGES})
         self._translations: dict[int, list[int]] = {}
@@ -158,22 +137,14 @@ class Translation(HeadTask):
         return self._step(batch, "train")
 
     # -- decoding ----------------------------------------------------------------------
-    def decode_config(self) -> DecodeConfig:
-        data = self.trainer.datamodule
-        return DecodeConfig(
-            bos_id=data.bos_id,
-            eos_id=data.target_vocab.eos_id,
-            max_length_a=self.max_length_a,
-            max_length_b=self.max_length_b,
-            length_penalty=self.length_penalty,
-        )
-
     def translate(self, batch: dict[str, torch.Tensor], beam_size: int) -> list[list[int]]:
         """Target ids (without ``<eos>``) for each source sentence of a batch."""
-        args = (self.backbone, self.head, batch["source"], batch["source_padding"])
+        data = self.trainer.datamodule
+        args = (self.backbone, self.head, batch["source"], batch["source_padding"], self.decode)
+        tokens = (data.bos_id, data.target_vocab.eos_id)
         if beam_size == 1:
-            return greedy_decode(*args, self.decode_config())
-        return beam_search(*args, self.decode_config(), beam_size=beam_size)
+            return greedy_decode(*args, *tokens)
+        return beam_search(*args, *tokens, beam_size=beam_size)
 
     def _eval_step(self, batch: dict[str, torch.Tensor], stage: str, beam_size: int) -> None:
         self._step(batch, stage)
@@ -185,7 +156,9 @@ class Translation(HeadTask):
                 self._translations[index] = ids
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._eval_step(batch, "val", self.val_beam_size if self._decodes_validation() else 0)
+        self._eval_step(
+            batch, "val", self.decode.val_beam_size if self._decodes_validation() else 0
+        )
 
     def _decodes_validation(self) -> bool:
         """Whether this validation decodes (BLEU): every ``bleu_every_n_epochs``-th epoch, and
@@ -193,7 +166,7 @@ class Translation(HeadTask):
         trainer = self._trainer
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return True
-        return (trainer.current_epoch + 1) % self.bleu_every_n_epochs == 0
+        return (trainer.current_epoch + 1) % self.decode.bleu_every_n_epochs == 0
 
     def on_fit_start(self) -> None:
         # ModelCheckpoint would stop the run with a vaguer message on the first validation
@@ -201,21 +174,22 @@ class Translation(HeadTask):
         for callback in self.trainer.checkpoint_callbacks:
             every = getattr(callback, "_every_n_epochs", 1) or 1
             bleu = getattr(callback, "monitor", None) == "val/bleu"
-            if bleu and every % self.bleu_every_n_epochs:
+            if bleu and every % self.decode.bleu_every_n_epochs:
                 raise ModelConfigError(
                     f"ModelCheckpoint(monitor='val/bleu') saves every {every} epochs but BLEU "
-                    f"is computed every {self.bleu_every_n_epochs} (model.bleu_every_n_epochs): "
+                    f"is computed every {self.decode.bleu_every_n_epochs} "
+                    f"(model.decode.bleu_every_n_epochs): "
                     f"set the checkpoint's every_n_epochs to a multiple of it"
                 )
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._eval_step(batch, "test", self.beam_size)
+        self._eval_step(batch, "test", self.decode.beam_size)
 
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> list[dict[str, str]]:
         """Translations of ``data.predict_sentences`` (with ``beam_size``)."""
         data = self.trainer.datamodule
         sources = data.hparams.predict_sentences
-        hypotheses = self.translate(batch, self.beam_size)
+        hypotheses = self.translate(batch, self.decode.beam_size)
         return [
             {"source": sources[i], "translation": data.detokenize(ids)}
             for i, ids in zip(batch["index"].tolist(), hypotheses, strict=True)
@@ -272,15 +246,15 @@ class Translation(HeadTask):
         hypotheses: dict[int, str],
         references: list[str],
     ) -> None:
-        if self.num_samples <= 0:
+        if self.decode.num_samples <= 0:
             return
         sources = self.trainer.datamodule.sources(split)
         # the same lines every epoch, spread over the split, so progress is comparable
-        step = max(1, len(indices) // self.num_samples)
+        step = max(1, len(indices) // self.decode.num_samples)
         rows = [
             f"**source:** {sources[i]}  \n**reference:** {references[i]}  \n"
             f"**translation:** {hypotheses[i]}"
-            for i in indices[::step][: self.num_samples]
+            for i in indices[::step][: self.decode.num_samples]
         ]
         for logger in self.loggers:
             if isinstance(logger, TensorBoardLogger):

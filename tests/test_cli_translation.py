@@ -57,8 +57,9 @@ def test_test_writes_translations_and_bleu(trained, cli_run, tmp_path):
     ckpt = str(next(logs.rglob("last.ckpt")))
     out = tmp_path / "hyp.txt"
     cli = cli_run("test", *ON_MULTI30K, "--ckpt_path", ckpt, "--trainer.logger", "false",
-                  "--trainer.limit_test_batches", "2", "--model.init_args.beam_size", "2",
-                  "--model.init_args.max_length_a", "1.0", "--model.init_args.max_length_b", "2",
+                  "--trainer.limit_test_batches", "2", "--model.init_args.decode.beam_size", "2",
+                  "--model.init_args.decode.max_length_a", "1.0",
+                  "--model.init_args.decode.max_length_b", "2",
                   "--model.init_args.translations_file", str(out),
                   experiment="multi30k_mixtape")  # fmt: skip
     lines = out.read_text().splitlines()
@@ -76,7 +77,7 @@ def test_predict_translates_given_sentences(trained, cli_run, tmp_path):
     sentences = ["Ein Hund rennt durch den Schnee.", "Zwei Männer spielen Fußball."]
     cli_run("predict", *ON_MULTI30K, "--ckpt_path", ckpt, "--trainer.logger", "false",
             "--data.init_args.predict_sentences", json.dumps(sentences, ensure_ascii=False),
-            "--model.init_args.max_length_b", "3",
+            "--model.init_args.decode.max_length_b", "3",
             "--trainer.callbacks+=app.callbacks.PredictionWriter",
             f"--trainer.callbacks.output_file={out}", experiment="multi30k_mixtape")  # fmt: skip
     (rows,) = [json.loads(line) for line in out.read_text().splitlines()]
@@ -98,8 +99,9 @@ def test_configs_swap_the_head_and_bf16_mixed_trains_and_searches(head_class, cl
     cli = cli_run("fit", *ON_MULTI30K, "--trainer.max_epochs", "1",
                   "--trainer.limit_train_batches", "2",
                   "--trainer.limit_val_batches", "2", "--trainer.num_sanity_val_steps", "0",
-                  "--trainer.precision", "bf16-mixed", "--model.init_args.val_beam_size", "2",
-                  "--model.init_args.max_length_b", "3",
+                  "--trainer.precision", "bf16-mixed",
+                  "--model.init_args.decode.val_beam_size", "2",
+                  "--model.init_args.decode.max_length_b", "3",
                   "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
                   "--trainer.callbacks", "null", experiment=config)  # fmt: skip
     assert type(cli.model.head) is head_class and cli.model.head.vocab_size == 2000
@@ -124,7 +126,8 @@ def test_gpu_fit_and_beam_search_under_mixed_precision(precision, cli_run):
     cli = cli_run("fit", *ON_MULTI30K, "--trainer.accelerator", "gpu", "--trainer.devices", "1",
                   "--trainer.precision", precision, "--trainer.max_epochs", "1",
                   "--trainer.limit_train_batches", "20", "--trainer.limit_val_batches", "2",
-                  "--trainer.num_sanity_val_steps", "0", "--model.init_args.val_beam_size", "3",
+                  "--trainer.num_sanity_val_steps", "0",
+                  "--model.init_args.decode.val_beam_size", "3",
                   "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
                   "--trainer.callbacks", "null", experiment="multi30k_mixtape")  # fmt: skip
     assert cli.trainer.strategy.root_device.type == "cuda"  # (Lightning moves it back after fit)

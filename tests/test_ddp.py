@@ -258,7 +258,8 @@ def test_translation_under_ddp_trains_and_reduces_validation_over_ranks(tmp_path
             "init_args": {"dirpath": str(tmp_path / "ckpt"), "save_last": True}}  # fmt: skip
     probe = {"class_path": "tests.ddp_probe.DumpRankState",
              "init_args": {"folder": str(tmp_path / "ddp")}}  # fmt: skip
-    fit_args = ["fit", *MT_TINY, "--trainer.max_steps", "4", "--model.init_args.val_beam_size", "0"]
+    fit_args = ["fit", *MT_TINY, "--trainer.max_steps", "4",
+                "--model.init_args.decode.val_beam_size", "0"]  # fmt: skip
     run_cli(tmp_path / "ddp", fit_args, 2, [ckpt, probe])
     assert_ranks_agree(tmp_path / "ddp")
     # Evaluation: the same checkpoint on 1 and on 2 processes gives the same test loss, so
@@ -268,7 +269,8 @@ def test_translation_under_ddp_trains_and_reduces_validation_over_ranks(tmp_path
     results = {}
     for devices in (1, 2):
         out = tmp_path / f"test{devices}"
-        run_cli(out, ["test", *MT_TINY, "--ckpt_path", last, "--model.init_args.beam_size", "1",
+        run_cli(out, ["test", *MT_TINY, "--ckpt_path", last,
+                      "--model.init_args.decode.beam_size", "1",
                       "--trainer.limit_test_batches", str(4 // devices)], devices)  # fmt: skip
         results[devices] = last_metrics(out)
     print(f"\nDDP-vs-single translation test/loss: {results[1]['test/loss']:.6f} (1 process), "

@@ -4,7 +4,7 @@ Times top-k retrieval per query, at batch 1 and batched, for DS-Softmax (gate, t
 over the selected expert's surviving classes), DS-Softmax with the SVD-softmax preview on its
 large experts, and the full softmax followed by ``topk`` (DS-Softmax paper, Tables 1 and 3).
 ``softmax_1x`` is the same full softmax as a DS head with one expert over every class: at
-batch 1 it runs through the same C kernel as DS (``heads/native``), so DS's speed-up against
+batch 1 it runs through the same C kernel as DS (``heads/ds/native``), so DS's speed-up against
 it is what sparsity alone buys, while the one against ``softmax`` (``F.linear`` +
 ``log_softmax`` + ``topk``) is what a user of the plain softmax head gains. Heads are
 interleaved block by block so they share the machine's state; each figure is the median over
@@ -23,7 +23,7 @@ Two sources of heads:
   (random experts have no low-rank structure: SVD rows measure speed only).
 
 ``--svd RANK:CANDIDATES[:MIN_CLASSES]`` (repeatable) adds, for every DS model, a copy that
-answers ``topk`` by SVD-softmax (``heads/ds_svd.py``): the paper's SVD-50 on experts over
+answers ``topk`` by SVD-softmax (``heads/ds/svd.py``): the paper's SVD-50 on experts over
 1,000 classes is ``16:0.5:1000``. ``breakdown`` splits the C kernel's batch-1 time into gate,
 expert rows, SVD candidate selection and normaliser/top-k, and the rest of a ``topk`` call
 (Python, allocation, ctypes; and the memory stalls of a query whose expert's rows are not in
@@ -55,8 +55,8 @@ from app.bench.timing import (
 from app.cli.lightning_cli import build
 from app.machine import load_average
 from heads import DSSoftmaxHead, SoftmaxHead
-from heads.ds_svd import SVDPreview, expert_cost
-from heads.native import ds_topk_kernels
+from heads.ds.native import ds_topk_kernels
+from heads.ds.svd import SVDPreview, expert_cost
 
 ACCURACY_K = (1, 5, 10)
 
@@ -195,7 +195,7 @@ def evaluate_lm(
 
 def ds_structure(head: DSSoftmaxHead, utilisation: torch.Tensor, k: int = 10) -> dict[str, Any]:
     """Experts, utilisation and FLOP speed-ups; with an SVD preview, also the speed-up of
-    its top-``k`` (``heads.ds_svd.expert_cost``) and how many experts use the preview."""
+    its top-``k`` (``heads.ds.svd.expert_cost``) and how many experts use the preview."""
     sizes = head.expert_sizes()
     result = {
         "num_experts": head.num_experts,

@@ -27,20 +27,25 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+import yaml
 
 from app.bench.flops import matmul_flops
 from app.bench.memory import can_reset_peak_rss, extra_peak_bytes, measure_in_child
 from app.bench.subjects import (
     DEFAULT_SUBJECTS,
+    FRAGMENTS,
     PRECISIONS,
     BenchOptions,
     WholeLM,
     build_head,
+    head_config,
+    parse_head,
     parse_subject,
     step_fn,
 )
@@ -48,6 +53,9 @@ from app.bench.timing import CLOCKS, check_clock, check_device, time_once
 from app.machine import load_average
 from heads.adaptive_cutoffs import zipf_probabilities
 from heads.fused_cross_entropy import BACKENDS
+
+TRAINING_MODES = ("same-batch", "same-memory")
+MODES = (*TRAINING_MODES, "inference", "data")  # the last two with options of their own
 
 
 def make_targets(kind: str, vocab: int, count: int, generator: torch.Generator) -> torch.Tensor:
@@ -63,60 +71,74 @@ def make_targets(kind: str, vocab: int, count: int, generator: torch.Generator) 
     raise ValueError(f"unknown targets {kind!r}: zipf or ptb")
 
 
-def build_case(name, scope, vocab, hidden, tokens, targets, options, device, bptt,
-               precision="32-true"):  # fmt: skip
-    head = build_head(name, hidden, vocab, options)
-    if scope == "lm":
-        module = WholeLM(head, hidden, vocab).to(device)
-        streams = max(1, tokens // bptt)
-        ids = targets[: streams * bptt].view(streams, bptt).to(device)
-        return module, step_fn(module, ids, ids, precision)
+@dataclass(frozen=True, eq=False)
+class Case:
+    """One subject at one size: what a step is built from."""
+
+    name: str
+    scope: str
+    vocab: int
+    hidden: int
+    tokens: int
+    targets: torch.Tensor
+    options: BenchOptions
+    device: torch.device
+    bptt: int
+    precision: str = "32-true"
+
+
+def build_case(case: Case):
+    head = build_head(case.name, case.hidden, case.vocab, case.options)
+    device, tokens = case.device, case.tokens
+    if case.scope == "lm":
+        module = WholeLM(head, case.hidden, case.vocab).to(device)
+        streams = max(1, tokens // case.bptt)
+        ids = case.targets[: streams * case.bptt].view(streams, case.bptt).to(device)
+        return module, step_fn(module, ids, ids, case.precision)
     module = head.to(device)
     # drawn where it is used: same-memory mode builds many cases of up to ~10^5 rows, and a
     # CPU draw then copy took seconds each before a GPU step of milliseconds
     gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(tokens, hidden, generator=gen, device=device).requires_grad_(True)
-    return module, step_fn(module, x, targets[:tokens].to(device), precision)
+    x = torch.randn(tokens, case.hidden, generator=gen, device=device).requires_grad_(True)
+    return module, step_fn(module, x, case.targets[:tokens].to(device), case.precision)
 
 
-def _child_case(name, scope, vocab, hidden, tokens, targets, options, device, bptt, precision,
-                threads):  # fmt: skip
+def _child_case(case: Case, threads: int):
     """``build_case``'s step in a child process (``measure_in_child``)."""
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    return build_case(name, scope, vocab, hidden, tokens, targets, options, device, bptt,
-                      precision)[1]  # fmt: skip
+    return build_case(case)[1]
 
 
-def step_memory(step, device: torch.device, case: tuple) -> int:
+def step_memory(step, case: Case) -> int:
     """Extra peak bytes of one step (``app/bench/memory.py``); ``case`` rebuilds it in a child
     process where this one cannot reset its peak RSS. Run after a warm-up step."""
-    if device.type == "cuda" or can_reset_peak_rss():
-        return extra_peak_bytes(step, device, clear=getattr(step, "clear", None))
+    if case.device.type == "cuda" or can_reset_peak_rss():
+        return extra_peak_bytes(step, case.device, clear=getattr(step, "clear", None))
     import functools
 
-    return measure_in_child(functools.partial(_child_case, *case, torch.get_num_threads()))
+    return measure_in_child(functools.partial(_child_case, case, torch.get_num_threads()))
 
 
-def largest_batch(name, scope, vocab, hidden, budget, targets, options, device, bptt, limit,
-                  precision="32-true"):  # fmt: skip
+def largest_batch(case: Case, budget: int, limit: int) -> int:
     """Largest token count (a multiple of ``bptt``) whose extra peak memory fits ``budget``
-    bytes."""
+    bytes (``case.tokens`` is ignored)."""
 
     def fits(tokens: int) -> bool:
         start = time.perf_counter()
-        case = (name, scope, vocab, hidden, tokens, targets, options, device, bptt, precision)
-        _, step = build_case(*case)
+        probe = replace(case, tokens=tokens)
+        _, step = build_case(probe)
         step()  # warm: lazy initialisation and compilation are not the step's memory
-        peak = step_memory(step, device, case)
+        peak = step_memory(step, probe)
         # one line per probe: the search can take minutes on big vocabularies
-        print(f"    {name}: {tokens} tokens, peak {peak / 2**20:.0f} MiB "
+        print(f"    {case.name}: {tokens} tokens, peak {peak / 2**20:.0f} MiB "
               f"({time.perf_counter() - start:.1f} s)", flush=True)  # fmt: skip
         return peak <= budget
 
     # in units of bptt: ``low`` fits (or is 0), ``high`` misses or is past the limit. Counting
     # in tokens let the search stall for ever once ``high`` was the limit and not a multiple
     # of bptt (the midpoint rounded down onto ``low``).
+    bptt = case.bptt
     most = limit // bptt
     low, high = 0, 1
     while high <= most and fits(high * bptt):
@@ -128,69 +150,98 @@ def largest_batch(name, scope, vocab, hidden, budget, targets, options, device, 
     return low * bptt
 
 
+def bench_options(args: argparse.Namespace) -> BenchOptions:
+    """The subjects' build options: ``--init-args`` and the named shortcuts over the head
+    fragments' ``init_args``, the loss backend and its kept bytes."""
+    init_args: dict[str, dict] = {}
+    shortcuts = {
+        ("mos", "num_components"): args.mos_components,
+        ("mixtape", "num_components"): args.mixtape_components,
+        ("mixtape", "frequent_ratio"): args.mixtape_ratio,
+        ("adaptive", "cutoffs"): args.cutoffs,
+        ("adaptive", "div_value"): args.div_value,
+    }
+    for (fragment, key), value in [*shortcuts.items(), *_init_args(args.init_args).items()]:
+        if value is not None:
+            init_args.setdefault(fragment, {})[key] = value
+    saved = None if args.saved_mb is None else int(args.saved_mb * 2**20)
+    return BenchOptions(init_args, args.loss_backend, saved)  # fmt: skip
+
+
+def _cases(args, options, vocab: int, hidden: int, batch: int, device) -> dict[str, Case]:
+    """The case of every subject with tokens to run at this size (``--tokens-for``, or the
+    largest batch in the memory budget in same-memory mode)."""
+    tokens_for = _tokens_for(args.tokens_for, args.heads)
+    max_tokens = max(batch, args.max_batch, *tokens_for.values())
+    targets = make_targets(args.targets, vocab, max_tokens, torch.Generator().manual_seed(1))
+    cases = {
+        name: Case(name, args.scope, vocab, hidden, tokens_for.get(name, batch), targets,
+                   options, device, args.bptt, args.precision)
+        for name in args.heads
+    }  # fmt: skip
+    if args.mode == "same-memory":
+        budget = int(args.memory_budget_mb * 2**20)
+        for name, case in cases.items():
+            cases[name] = replace(case, tokens=largest_batch(case, budget, args.max_batch))
+            print(f"  {name}: {cases[name].tokens} tokens fit {args.memory_budget_mb} MiB")
+    return {name: case for name, case in cases.items() if case.tokens > 0}
+
+
+def _memory_rows(args, cases: dict[str, Case]) -> list[dict]:
+    """``--time skip``: one case at a time (only one head's memory is held)."""
+    rows = []
+    for name, case in cases.items():
+        torch.manual_seed(0)
+        module, step = build_case(case)
+        step()  # warm: lazy initialisation and compilation are not the step's memory
+        rows.append(_row(module, step, None, args, case))
+        memory = rows[-1]["extra_peak_mb"]
+        print(f"  {name}: {case.tokens} tokens, extra peak "
+              f"{'-' if memory is None else f'{memory:.1f}'} MiB", flush=True)  # fmt: skip
+        del module, step
+    return rows
+
+
+def _timed_rows(args, cases: dict[str, Case]) -> list[dict]:
+    """Every case timed, interleaved: each repeat steps every subject once."""
+    built = {}
+    for name, case in cases.items():
+        torch.manual_seed(0)
+        built[name] = build_case(case)
+    for _ in range(args.warmup):
+        for _, step in built.values():
+            step()
+    times: dict[str, list[float]] = {name: [] for name in built}
+    for _ in range(args.repeats):  # interleaved: every head sees the same machine state
+        for name, (_, step) in built.items():
+            # an untimed step first: the previous head's allocations (MoS frees GBs) leave
+            # the allocator and caches cold for whichever head comes next
+            step()
+            times[name].append(time_once(step, cases[name].device, CLOCKS[args.clock]))
+    return [_row(module, step, times[name], args, cases[name])
+            for name, (module, step) in built.items()]  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     torch.manual_seed(0)
-    options = BenchOptions(
-        mos_components=args.mos_components, mixtape_components=args.mixtape_components,
-        mixtape_ratio=args.mixtape_ratio, cutoffs=args.cutoffs, div_value=args.div_value,
-        loss_backend=args.loss_backend,
-        saved_bytes=None if args.saved_mb is None else int(args.saved_mb * 2**20),
-    )  # fmt: skip
+    options = bench_options(args)
     results = []
-    tokens_for = _tokens_for(args.tokens_for, args.heads)
-    configs = [(v, d, b) for v in args.vocab_sizes for d in args.hidden_sizes
-               for b in args.batch_sizes]  # fmt: skip
-    for index, (vocab, hidden, batch) in enumerate(configs, start=1):
-        print(f"[{index}/{len(configs)}] V={vocab} d={hidden} batch={batch}", flush=True)
-        max_tokens = max(batch, args.max_batch, *tokens_for.values())
-        targets = make_targets(args.targets, vocab, max_tokens, torch.Generator().manual_seed(1))
-        tokens = {name: tokens_for.get(name, batch) for name in args.heads}
-        if args.mode == "same-memory":
-            budget = int(args.memory_budget_mb * 2**20)
-            for name in args.heads:
-                tokens[name] = largest_batch(
-                    name, args.scope, vocab, hidden, budget, targets, options, device,
-                    args.bptt, args.max_batch, args.precision,
-                )  # fmt: skip
-                print(f"  {name}: {tokens[name]} tokens fit {args.memory_budget_mb} MiB")
-        names = [name for name in args.heads if tokens[name] > 0]
-        case_of = {name: (name, args.scope, vocab, hidden, tokens[name], targets, options,
-                          device, args.bptt, args.precision) for name in names}  # fmt: skip
-        if args.time == "skip":  # one case at a time: only one head's memory is held
-            for name in names:
-                torch.manual_seed(0)
-                module, step = build_case(*case_of[name])
-                step()  # warm: lazy initialisation and compilation are not the step's memory
-                results.append(_row(name, module, step, None, args, case_of[name]))
-                memory = results[-1]["extra_peak_mb"]
-                print(f"  {name}: {tokens[name]} tokens, extra peak "
-                      f"{'-' if memory is None else f'{memory:.1f}'} MiB", flush=True)  # fmt: skip
-                del module, step
-            continue
-        cases = {}
-        for name in names:
-            torch.manual_seed(0)
-            cases[name] = build_case(*case_of[name])
-        for _ in range(args.warmup):
-            for _, step in cases.values():
-                step()
-        times: dict[str, list[float]] = {name: [] for name in cases}
-        for _ in range(args.repeats):  # interleaved: every head sees the same machine state
-            for name, (_, step) in cases.items():
-                # an untimed step first: the previous head's allocations (MoS frees GBs) leave
-                # the allocator and caches cold for whichever head comes next
-                step()
-                times[name].append(time_once(step, device, CLOCKS[args.clock]))
-        for name, (module, step) in cases.items():
-            results.append(_row(name, module, step, times[name], args, case_of[name]))
+    sizes = [(v, d, b) for v in args.vocab_sizes for d in args.hidden_sizes
+             for b in args.batch_sizes]  # fmt: skip
+    for index, (vocab, hidden, batch) in enumerate(sizes, start=1):
+        print(f"[{index}/{len(sizes)}] V={vocab} d={hidden} batch={batch}", flush=True)
+        cases = _cases(args, options, vocab, hidden, batch, device)
+        results += (_memory_rows if args.time == "skip" else _timed_rows)(args, cases)
     memory_method = (
         "cuda_allocator"
         if device.type == "cuda"
         else ("rss_reset_peak" if can_reset_peak_rss() else "rss_child_process")
     )
+    configs = {name: head_config(name, options) for name in FRAGMENTS
+               if any(parse_subject(s).head == name for s in args.heads)}  # fmt: skip
     return {
-        "args": vars(args), "options": asdict(options), "results": results,
+        "args": vars(args), "options": {**asdict(options), "heads": configs}, "results": results,
         "machine": {"platform": platform.platform(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "device": str(device),
                     "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
@@ -198,22 +249,18 @@ def run(args: argparse.Namespace) -> dict:
     }  # fmt: skip
 
 
-def _row(name, module, step, times: list[float] | None, args, case: tuple) -> dict:
+def _row(module, step, times: list[float] | None, args, case: Case) -> dict:
     """One result row: the median time (None with ``--time skip``), and the FLOPs and memory
     of one more step where asked for."""
-    _, scope, vocab, hidden, tokens, targets, options, device, _, precision = case
     median = None if times is None else statistics.median(times)
-    flops = None  # not counted (--flops skip)
-    if args.flops == "count":
-        flops = _flops(name, step, args, vocab, hidden, tokens, targets, options, device)
-    memory = None
-    if args.memory == "measure":
-        memory = step_memory(step, device, case) / 2**20
+    flops = None if args.flops == "skip" else _flops(step, case)
+    memory = None if args.memory == "skip" else step_memory(step, case) / 2**20
     row = {
-        "head": name, "vocab_size": vocab, "hidden_size": hidden, "tokens": tokens,
-        "scope": scope, "mode": args.mode, "precision": precision,
+        "head": case.name, "vocab_size": case.vocab, "hidden_size": case.hidden,
+        "tokens": case.tokens, "scope": case.scope, "mode": args.mode,
+        "precision": case.precision,
         "time_ms": None if median is None else median * 1e3,
-        "time_per_token_us": None if median is None else median / tokens * 1e6,
+        "time_per_token_us": None if median is None else median / case.tokens * 1e6,
         "times_ms": None if times is None else [t * 1e3 for t in times],
         "matmul_gflop": None if flops is None else flops / 1e9,
         "matmul_gflop_per_s": None if flops is None or median is None else flops / median / 1e9,
@@ -225,133 +272,118 @@ def _row(name, module, step, times: list[float] | None, args, case: tuple) -> di
     return row
 
 
-def _flops(name, step, args, vocab, hidden, tokens, targets, options, device) -> int:
+def _flops(step, case: Case) -> int:
     """The step's matrix-product FLOPs, counted once and untimed (the counter slows the step);
     a compiled subject's from its eager twin (the counter sees no compiled kernels)."""
-    if not parse_subject(name).compiled:
+    if not parse_subject(case.name).compiled:
         return matmul_flops(step)
     torch.manual_seed(0)
-    _, eager = build_case(name.removesuffix("+compile"), args.scope, vocab, hidden, tokens,
-                          targets, options, device, args.bptt, args.precision)  # fmt: skip
+    _, eager = build_case(replace(case, name=case.name.removesuffix("+compile")))
     return matmul_flops(eager)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m app.bench",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"want a positive integer, got {text!r}")
+    return int(text)
+
+
+def _subject(text: str) -> str:
+    try:
+        parse_subject(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def _add_subject_args(parser: argparse.ArgumentParser) -> None:
+    """What is benchmarked: the subjects and how their heads are built."""
+    group = parser.add_argument_group("subjects (app/bench/subjects.py)")
+    group.add_argument("--heads", nargs="+", type=_subject, default=list(DEFAULT_SUBJECTS),
+                       help="<head>[@<backend>][+compile] or a peer; our heads (and torch_"
+                       "adaptive's cut-offs) from configs/heads/<head>.yaml")  # fmt: skip
+    group.add_argument("--init-args", nargs="+", default=[], metavar="HEAD.KEY=VALUE",
+                       help="override a head fragment's init_args (VALUE in YAML), e.g. "
+                       "mixtape.gate_dropout=0 adaptive.cutoffs=[2000,10000]")  # fmt: skip
+    group.add_argument("--mos-components", type=int, help="= --init-args mos.num_components=")
+    group.add_argument("--mixtape-components", type=int,
+                       help="= --init-args mixtape.num_components=")  # fmt: skip
+    group.add_argument("--mixtape-ratio", type=float, help="= mixtape.frequent_ratio")
+    group.add_argument("--cutoffs", nargs="+", type=int, help="= adaptive.cutoffs")
+    group.add_argument("--div-value", type=float, help="= adaptive.div_value")
+    group.add_argument("--loss-backend", choices=BACKENDS, default="auto",
+                       help="fused-loss backend of our heads without an @backend")  # fmt: skip
+    group.add_argument("--saved-mb", type=float, help="chunk results the fused loss keeps for "
+                       "its backward (default 128; 0: recompute)")  # fmt: skip
+
+
+def _add_case_args(parser: argparse.ArgumentParser) -> None:
+    """The sizes, inputs, device and precision of the cases."""
+    sizes = dict(nargs="+", type=_positive)
+    parser.add_argument("--vocab-sizes", **sizes, default=[10_000, 33_000, 100_000])
+    parser.add_argument("--hidden-sizes", **sizes, default=[512])
+    parser.add_argument("--batch-sizes", **sizes, default=[2048],
+                        help="tokens per batch (same-batch mode)")  # fmt: skip
+    parser.add_argument("--tokens-for", nargs="+", default=[], metavar="SUBJECT=TOKENS",
+                        help="tokens per step for one subject instead of --batch-sizes, "
+                        "e.g. mos=2048")  # fmt: skip
+    parser.add_argument("--memory-budget-mb", type=float, default=1024)
+    parser.add_argument("--max-batch", type=_positive, default=65_536,
+                        help="largest token count tried in same-memory mode")  # fmt: skip
+    parser.add_argument("--scope", choices=["head", "lm"], default="head")
+    parser.add_argument("--bptt", type=_positive, default=35, help="sequence length (--scope lm)")
+    parser.add_argument("--targets", choices=["zipf", "ptb"], default="zipf")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--precision", choices=list(PRECISIONS), default="32-true",
+                        help="as Lightning's --trainer.precision: the forward under autocast "
+                        "for *-mixed")  # fmt: skip
+
+
+def _add_measure_args(parser: argparse.ArgumentParser) -> None:
+    """What is measured, how often, and where it is written."""
+    measure = dict(choices=["measure", "skip"], default="measure")
+    parser.add_argument("--time", **measure, help="skip: no timed steps, one warm-up step then "
+                        "the memory (and FLOPs) per row")  # fmt: skip
     parser.add_argument(
-        "--heads",
-        nargs="+",
-        default=list(DEFAULT_SUBJECTS),
-        help="subjects: <head>[@<backend>][+compile] or a peer (app/bench/subjects.py)",
-    )
-    parser.add_argument(
-        "--loss-backend",
-        choices=BACKENDS,
-        default="auto",
-        help="fused-loss backend of our heads without an @backend",
-    )
-    parser.add_argument(
-        "--saved-mb",
-        type=float,
-        default=None,
-        help="chunk results the fused loss keeps for its backward (default 128; 0: recompute)",
-    )
-    parser.add_argument(
-        "--memory",
-        choices=["measure", "skip"],
-        default="measure",
-        help="extra peak memory of a step per row (app/bench/memory.py)",
-    )
-    parser.add_argument(
-        "--time",
-        choices=["measure", "skip"],
-        default="measure",
-        help="skip: no timed steps, one warm-up step then the memory (and FLOPs) per row",
-    )
-    parser.add_argument(
-        "--tokens-for",
-        nargs="+",
-        default=[],
-        metavar="SUBJECT=TOKENS",
-        help="tokens per step for one subject instead of --batch-sizes, e.g. mos=2048",
+        "--memory", **measure, help="extra peak memory of a step per row (app/bench/memory.py)"
     )
     parser.add_argument(
         "--flops",
         choices=["count", "skip"],
         default="count",
-        help="count the step's matrix-product FLOPs (one more untimed step per row)",
+        help="count the step's matrix-product FLOPs (one more untimed step)",
     )
-    parser.add_argument("--vocab-sizes", nargs="+", type=int, default=[10_000, 33_000, 100_000])
-    parser.add_argument("--hidden-sizes", nargs="+", type=int, default=[512])
-    parser.add_argument(
-        "--batch-sizes",
-        nargs="+",
-        type=int,
-        default=[2048],
-        help="tokens per batch (same-batch mode)",
-    )
-    parser.add_argument(
-        "--mode",
-        choices=["same-batch", "same-memory", "inference", "data"],
-        default="same-batch",
-        help="inference: top-k latency, DS-Softmax vs softmax (own options: --mode inference -h); "
-        "data: corpus preparation and cached-load cost (own options: --mode data -h)",
-    )
-    parser.add_argument("--memory-budget-mb", type=float, default=1024)
-    parser.add_argument(
-        "--max-batch",
-        type=int,
-        default=65_536,
-        help="largest token count tried in same-memory mode",
-    )
-    parser.add_argument("--scope", choices=["head", "lm"], default="head")
-    parser.add_argument("--bptt", type=int, default=35, help="sequence length for --scope lm")
-    parser.add_argument("--targets", choices=["zipf", "ptb"], default="zipf")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument(
-        "--precision",
-        choices=list(PRECISIONS),
-        default="32-true",
-        help="as Lightning's --trainer.precision: the forward under autocast for *-mixed",
-    )
-    parser.add_argument(
-        "--clock",
-        choices=sorted(CLOCKS),
-        default="wall",
-        help="wall: elapsed time; cpu: process CPU time, steadier on a shared machine",
-    )
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall: elapsed time; cpu: process CPU time, steadier on a shared "
+                        "machine")  # fmt: skip
+    parser.add_argument("--repeats", type=_positive, default=7)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--mos-components", type=int, default=15)
-    parser.add_argument("--mixtape-components", type=int, default=4)
-    parser.add_argument("--mixtape-ratio", type=float, default=0.1)
-    parser.add_argument(
-        "--cutoffs",
-        nargs="+",
-        type=int,
-        default=None,
-        help="adaptive cut-offs (default: the paper's dynamic program)",
-    )
-    parser.add_argument("--div-value", type=float, default=4.0)
     parser.add_argument("--out", default="bench_results", help="folder for JSON and PNG")
     parser.add_argument("--name", default=None, help="file stem (default: mode-scope)")
+
+
+def _mode_parser(add_help: bool) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m app.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     add_help=add_help, allow_abbrev=False)  # fmt: skip
+    parser.add_argument("--mode", choices=MODES, default="same-batch",
+                        help="inference: top-k latency, DS-Softmax vs softmax; data: "
+                        "corpus preparation (own options: --mode MODE -h)")  # fmt: skip
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options of the training modes (same-batch, same-memory), checked together."""
+    parser = _mode_parser(add_help=True)
+    _add_subject_args(parser)
+    _add_case_args(parser)
+    _add_measure_args(parser)
     args = parser.parse_args(argv)
-    for name in ("repeats", "bptt", "max_batch"):
-        if getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be positive")
-    if min(args.vocab_sizes + args.hidden_sizes + args.batch_sizes) <= 0:
-        parser.error("sizes must be positive")
+    if args.mode not in TRAINING_MODES:
+        parser.error(f"--mode {args.mode} has its own options: python -m app.bench --mode "
+                     f"{args.mode} -h")  # fmt: skip
     check_device(parser, args.device)
     check_clock(parser, args.clock, args.device)
-    for name in args.heads:
-        try:
-            parse_subject(name)
-        except ValueError as error:
-            parser.error(str(error))
     if args.saved_mb is not None and args.saved_mb < 0:
         parser.error("--saved-mb must be >= 0")
     if args.mode == "same-memory" and args.memory == "skip":
@@ -360,6 +392,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--time skip with --memory skip and --flops skip measures nothing")
     try:  # checked here, used in run
         _tokens_for(args.tokens_for, args.heads)
+        options = bench_options(args)
+        for name in {parse_subject(s).head for s in args.heads} & set(FRAGMENTS):
+            parse_head(head_config(name, options), 8, 64)  # a bad override, named now
     except ValueError as error:
         parser.error(str(error))
     return args
@@ -378,23 +413,29 @@ def _tokens_for(pairs: list[str], subjects: list[str]) -> dict[str, int]:
     return tokens
 
 
-def _mode(argv: list[str]) -> str | None:
-    """The ``--mode`` given (the modes with options of their own are dispatched on it)."""
-    for i, arg in enumerate(argv):
-        if arg.startswith("--mode="):
-            return arg.split("=", 1)[1]
-        if arg == "--mode" and i + 1 < len(argv):
-            return argv[i + 1]
-    return None
+def _init_args(pairs: list[str]) -> dict[tuple[str, str], Any]:
+    """``["mixtape.gate_dropout=0", ...]`` -> ``{("mixtape", "gate_dropout"): 0}`` (values
+    read as YAML); a ``ValueError`` naming the bad pair otherwise."""
+    fragments = sorted(set(FRAGMENTS.values()))
+    values = {}
+    for pair in pairs:
+        key, equals, value = pair.partition("=")
+        fragment, dot, name = key.partition(".")
+        if not (equals and dot and name) or fragment not in fragments:
+            raise ValueError(f"--init-args {pair!r}: want HEAD.KEY=VALUE with HEAD one of "
+                             f"{', '.join(fragments)}")  # fmt: skip
+        values[fragment, name] = yaml.safe_load(value)
+    return values
 
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    if _mode(argv) == "inference":
+    mode = _mode_parser(add_help=False).parse_known_args(argv)[0].mode
+    if mode == "inference":
         from app.bench.inference import main as inference_main  # its own options
 
         return inference_main(argv)
-    if _mode(argv) == "data":
+    if mode == "data":
         from app.bench.data import main as data_main  # its own options
 
         return data_main(argv)

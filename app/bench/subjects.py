@@ -6,18 +6,26 @@ and/or under ``torch.compile``, e.g. ``softmax@cce`` or ``mixtape+compile``; or 
 (``PEERS``): PyTorch's adaptive softmax, the bare matmul (the machine's limit), and on CUDA
 the field's fused linear cross-entropy kernels on the softmax, Apple's cut-cross-entropy
 (``cce``) and Liger-Kernel's (``liger``).
+
+Our heads are built from the CLI's head fragments (``configs/heads/<head>.yaml``, e.g. Mixtape
+with its dropouts, gate noise and weight norm) through jsonargparse, as ``cli.py`` builds
+``--model.head``: the benchmark times the head users train.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
+import yaml
+from jsonargparse import ArgumentError, ArgumentParser
 from torch import nn
 
-from heads import MixtapeHead, MoSHead, SoftmaxHead
-from heads.adaptive import AdaptiveSoftmaxHead
+from heads import Head
 from heads.fused_cross_entropy import BACKENDS, LossOptions, external_loss_function
 from lightning_modules.backbones import LSTMBackbone
 
@@ -29,15 +37,55 @@ PLAN_SUBJECTS = ("eager",)
 DEFAULT_SUBJECTS = ("softmax", "mixtape", "mos", "adaptive", "torch_adaptive", "matmul")
 
 
+# each of our heads (and torch's adaptive softmax, for its cut-offs) is built from the CLI's
+# head fragment, as a user trains it: ``--model.head configs/heads/<name>.yaml``
+FRAGMENTS = {"softmax": "softmax", "mixtape": "mixtape", "mos": "mos", "adaptive": "adaptive",
+             "torch_adaptive": "adaptive"}  # fmt: skip
+FRAGMENT_DIR = Path(__file__).resolve().parents[2] / "configs" / "heads"
+
+
 @dataclass
 class BenchOptions:
-    mos_components: int = 15
-    mixtape_components: int = 4
-    mixtape_ratio: float = 0.1
-    cutoffs: list[int] | None = None  # adaptive; None: "auto" (the paper's program)
-    div_value: float = 4.0
+    """How subjects are built: ``init_args`` overrides each fragment's (by fragment name, e.g.
+    ``{"mos": {"num_components": 4}}``); the fused loss's backend and kept chunk bytes."""
+
+    init_args: dict[str, dict[str, Any]] = field(default_factory=dict)
     loss_backend: str = "auto"  # for our heads without an explicit @backend
     saved_bytes: int | None = None  # the fused loss's kept chunks; None: LossOptions' default
+
+
+def head_config(name: str, options: BenchOptions) -> dict[str, Any]:
+    """``configs/heads/<fragment>.yaml`` of a head or peer (``class_path`` + ``init_args``), with
+    ``options.init_args`` of that fragment over its own."""
+    fragment = FRAGMENTS[name]
+    config = yaml.safe_load((FRAGMENT_DIR / f"{fragment}.yaml").read_text())
+    init_args = {**(config.get("init_args") or {}), **options.init_args.get(fragment, {})}
+    return {"class_path": config["class_path"], "init_args": init_args}
+
+
+@functools.cache
+def _head_parser() -> ArgumentParser:
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--head", type=Head)  # as the CLI's --model.head
+    return parser
+
+
+def parse_head(config: dict[str, Any], hidden: int, vocab: int):
+    """A head's config checked by jsonargparse as the CLI checks ``--model.head`` (unknown or
+    mistyped ``init_args`` named), with the case's sizes (the CLI links them from the
+    backbone and the data); a ``ValueError`` otherwise."""
+    sizes = {"hidden_size": hidden, "vocab_size": vocab}
+    value = {"class_path": config["class_path"], "init_args": {**config["init_args"], **sizes}}
+    try:
+        return _head_parser().parse_object({"head": value})
+    except ArgumentError as error:
+        detail = " ".join(str(error).split())  # one line
+        raise ValueError(f"head {config['class_path']}: {detail}") from error
+
+
+def instantiate_head(config: dict[str, Any], hidden: int, vocab: int) -> Head:
+    """A head from its config through jsonargparse, as the CLI builds ``model.head``."""
+    return _head_parser().instantiate(parse_head(config, hidden, vocab)).head
 
 
 @dataclass(frozen=True)
@@ -158,22 +206,11 @@ def build_head(name: str, hidden: int, vocab: int, options: BenchOptions) -> nn.
 
 
 def _build(name: str, hidden: int, vocab: int, options: BenchOptions) -> nn.Module:
-    if name == "softmax":
-        return SoftmaxHead(hidden, vocab)
-    if name == "mos":
-        return MoSHead(hidden, vocab, num_components=options.mos_components)
-    if name == "mixtape":
-        return MixtapeHead(
-            hidden, vocab, num_components=options.mixtape_components,
-            frequent_ratio=options.mixtape_ratio,
-        )  # fmt: skip
-    if name in ("adaptive", "torch_adaptive"):
-        ours = AdaptiveSoftmaxHead(
-            hidden, vocab, cutoffs=options.cutoffs or "auto", div_value=options.div_value
-        )
-        if name == "adaptive":
-            return ours
-        return TorchAdaptive(hidden, vocab, ours.cutoffs[:-1], options.div_value)
+    if name in FRAGMENTS:
+        head = instantiate_head(head_config(name, options), hidden, vocab)
+        if name == "torch_adaptive":  # torch's layer with our fragment's cut-offs
+            return TorchAdaptive(hidden, vocab, head.cutoffs[:-1], head.div_value)
+        return head
     if name == "matmul":
         return BareMatmul(hidden, vocab)
     if name in ("cce", "liger"):

@@ -169,7 +169,7 @@ class LightRNNTableReassignment(L.Callback):
         seen = (row_cost.sum(1) + col_cost.sum(1) > 0).cpu().numpy()
         result = reassign(row_cost, col_cost, vocab.cells.numpy(), solver=self.solver, movable=seen)
         new_cells = torch.from_numpy(result.cells)
-        data.schedule_lightrnn_cells(new_cells)
+        vocab.schedule_cells(new_cells)
         self.last_cells = new_cells
         self.last = {
             "lightrnn/objective_before": result.before,

@@ -1,7 +1,8 @@
 """A study grid: heads x variants x seeds over one base experiment, read from a small YAML file.
 
 A grid file is not a CLI config: it names CLI configs (``base``, head fragments) and the
-options that differ between runs. Schema (paths relative to the repository root)::
+options that differ between runs. Schema (``GridFile`` below, checked by jsonargparse; paths
+relative to the repository root)::
 
     name: ptb_medium_gpu               # [A-Za-z0-9_.-]+, names the output folder and files
     description: PTB medium LSTM ...   # one line for the report
@@ -27,41 +28,96 @@ options that differ between runs. Schema (paths relative to the repository root)
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
+from jsonargparse import ArgumentError, ArgumentParser
 
 from heads.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
-_KEYS = {
-    "name",
-    "description",
-    "base",
-    "heads",
-    "seeds",
-    "overrides",
-    "budget",
-    "variants",
-    "metric",
-    "mode",
-    "baseline",
-    "rank",
-    "finetune",
-    "reference",
-    "instability_threshold",
-}
 _HIGHER_IS_BETTER = ("bleu", "acc", "top")
 
 
 class StudyConfigError(UserError, ValueError):
     """A grid file that cannot describe a study (missing key, unknown head, bad seed...)."""
+
+
+# -- the grid file's schema, checked by jsonargparse (types, unknown and missing keys) ---------
+@dataclass
+class HeadSpec:
+    head: str | None = None  # a head fragment, given as --model.head FILE
+    base: str | list[str] | None = None  # this head's own base configs
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RankSpec:
+    contexts: int = 2000
+    split: Literal["val", "test"] = "val"
+
+
+@dataclass
+class FinetuneSpec:
+    configs: str | list[str] = field(default_factory=list)
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ReferenceSpec:
+    source: str
+    values: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class GridFile:
+    """A grid file as written (the module docstring's schema)."""
+
+    name: str
+    heads: dict[str, str | HeadSpec]
+    seeds: list[int]
+    description: str = ""
+    base: str | list[str] | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+    budget: dict[str, Any] = field(default_factory=dict)
+    variants: dict[str, dict[str, Any]] = field(default_factory=dict)
+    metric: str = "test/ppl"
+    mode: Literal["min", "max"] | None = None
+    baseline: str | None = None
+    rank: RankSpec | None = None
+    finetune: FinetuneSpec | None = None
+    reference: ReferenceSpec | None = None
+    instability_threshold: float = 0.1
+
+
+_KEYS = {f.name for f in fields(GridFile)}
+_MAPPING = "must be a mapping of option names to values"
+# what each key must be, for the one-line error when jsonargparse rejects its value
+_SHAPES = {
+    "name": "name must match [A-Za-z0-9_.-]+",
+    "description": "description must be one line of text",
+    "base": "base must be a config path or a non-empty list of them",
+    "heads": "heads must be a non-empty mapping label -> head fragment or {head, base, overrides}",
+    "seeds": "seeds must be a non-empty list of distinct integers >= 0",
+    "overrides": f"overrides {_MAPPING}",
+    "budget": f"budget {_MAPPING}",
+    "variants": "variants must be a mapping label -> {option name: value}",
+    "metric": "metric must be a test metric such as test/ppl",
+    "mode": "mode must be min or max",
+    "baseline": "baseline must be a head label",
+    "rank": "rank must be {contexts: int >= 2, split: val|test}",
+    "finetune": "finetune takes configs (paths) and overrides (a mapping)",
+    "reference": "reference must be {source: text, values: {head label: number}}",
+    "instability_threshold": "instability_threshold must be a positive number",
+}
 
 
 @dataclass(frozen=True)
@@ -147,155 +203,126 @@ def _fail(path: Path | str, message: str) -> StudyConfigError:
     return StudyConfigError(f"study grid {path}: {message}")
 
 
-def _mapping(value: Any, what: str, path: Path | str) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-        raise _fail(path, f"{what} must be a mapping of option names to values, got {value!r}")
-    return dict(value)
+@functools.cache
+def _parser() -> ArgumentParser:
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(GridFile)
+    return parser
 
 
-def _config_file(value: Any, what: str, path: Path | str, root: Path) -> str:
-    if not isinstance(value, str) or not value.endswith((".yaml", ".yml")):
-        raise _fail(path, f"{what} must be a YAML config path, got {value!r}")
-    if not (root / value).is_file():
-        raise _fail(path, f"{what} {value!r} does not exist (paths are relative to {root})")
-    return value
-
-
-def _config_list(value: Any, what: str, path: Path | str, root: Path) -> list[str]:
-    values = [value] if isinstance(value, str) else value
-    if not isinstance(values, list) or not values:
-        raise _fail(path, f"{what} must be a config path or a non-empty list of them")
-    return [_config_file(v, what, path, root) for v in values]
-
-
-def _heads(value: Any, path: Path | str, root: Path) -> list[HeadEntry]:
-    if not isinstance(value, Mapping) or not value:
-        raise _fail(path, "heads must be a non-empty mapping label -> head fragment")
-    entries = []
-    for label, spec in value.items():
-        if not isinstance(label, str) or not _NAME.match(label) or "+" in label:
-            raise _fail(path, f"head label {label!r} must match [A-Za-z0-9_.-]+")
-        if isinstance(spec, str):
-            spec = {"head": spec}
-        if (
-            not isinstance(spec, Mapping)
-            or set(spec) - {"head", "overrides", "base"}
-            or not ("head" in spec or "base" in spec)
-        ):
-            raise _fail(path, f"heads.{label} must be a fragment path or {{head, base, overrides}}")
-        fragment = None
-        if "head" in spec:
-            fragment = _config_file(spec["head"], f"heads.{label}", path, root)
-        base = (
-            _config_list(spec["base"], f"heads.{label}.base", path, root)
-            if ("base" in spec)
-            else None
-        )
-        overrides = _mapping(spec.get("overrides"), f"heads.{label}.overrides", path)
-        entries.append(HeadEntry(label, fragment, overrides, base))
-    return entries
-
-
-def _seeds(value: Any, path: Path | str) -> list[int]:
-    if (
-        not isinstance(value, list)
-        or not value
-        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in value)
-        or len(set(value)) != len(value)
-    ):
-        raise _fail(
-            path, f"seeds must be a non-empty list of distinct integers >= 0, got {value!r}"
-        )
-    return list(value)
-
-
-def _rank(value: Any, path: Path | str) -> dict[str, Any] | None:
-    if value is None:
-        return None
-    spec = _mapping(value, "rank", path)
-    unknown = set(spec) - {"contexts", "split"}
-    contexts, split = spec.get("contexts", 2000), spec.get("split", "val")
-    if unknown or not isinstance(contexts, int) or contexts < 2 or split not in ("val", "test"):
-        raise _fail(path, "rank must be {contexts: int >= 2, split: val|test}")
-    return {"contexts": contexts, "split": split}
-
-
-def _finetune(value: Any, path: Path | str, root: Path) -> dict[str, Any] | None:
-    if value is None:
-        return None
-    spec = _mapping(value, "finetune", path)
-    if set(spec) - {"configs", "overrides"}:
-        raise _fail(path, f"finetune takes configs and overrides, got {sorted(spec)}")
-    configs = spec.get("configs") or []
-    configs = _config_list(configs, "finetune.configs", path, root) if configs else []
-    return {"configs": configs, "overrides": _mapping(spec.get("overrides"), "finetune", path)}
-
-
-def _reference(value: Any, path: Path | str) -> dict[str, Any] | None:
-    if value is None:
-        return None
-    spec = _mapping(value, "reference", path)
-    values = _mapping(spec.get("values"), "reference.values", path)
-    if set(spec) - {"source", "values"} or not isinstance(spec.get("source"), str):
-        raise _fail(path, "reference must be {source: text, values: {head label: number}}")
-    if not all(isinstance(v, int | float) for v in values.values()):
-        raise _fail(path, "reference.values must be numbers")
-    return {"source": spec["source"], "values": values}
-
-
-def parse_grid(content: Any, path: Path | str = "<grid>", root: Path = REPO) -> Grid:
-    """A validated :class:`Grid` from a grid file's content; paths checked under ``root``."""
-    if not isinstance(content, Mapping):
-        raise _fail(path, "must be a YAML mapping")
+def _schema(content: Mapping[str, Any], path: Path | str) -> GridFile:
+    """``content`` as a :class:`GridFile`, or one error naming the key and what it must be."""
     unknown = set(content) - _KEYS
     if unknown:
         raise _fail(path, f"unknown keys {sorted(unknown)} (known: {sorted(_KEYS)})")
     for key in ("name", "heads", "seeds"):
-        if key not in content:
+        if content.get(key) is None:
             raise _fail(path, f"missing {key!r}")
-    name = content["name"]
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise _fail(path, f"name must match [A-Za-z0-9_.-]+, got {name!r}")
-    heads = _heads(content["heads"], path, root)
-    if "base" not in content and any(h.base is None for h in heads):
+    # an empty key: its default; a copy, as jsonargparse rewrites what it parses
+    given = copy.deepcopy({k: v for k, v in content.items() if v is not None})
+    parser = _parser()
+    try:
+        return GridFile(**vars(parser.instantiate(parser.parse_object(given))))
+    except ArgumentError as error:
+        key = re.search(r'Parser key "(\w+)"', str(error))
+        if key is None or key[1] not in _SHAPES:
+            raise _fail(path, str(error).splitlines()[0]) from None
+        raise _fail(path, f"{_SHAPES[key[1]]}, got {content[key[1]]!r}") from None
+
+
+def _config_list(value: str | list[str], what: str, path: Path | str, root: Path) -> list[str]:
+    values = [value] if isinstance(value, str) else list(value)
+    if not values:
+        raise _fail(path, f"{what} must be a config path or a non-empty list of them")
+    for v in values:
+        if not v.endswith((".yaml", ".yml")):
+            raise _fail(path, f"{what} must be a YAML config path, got {v!r}")
+        if not (root / v).is_file():
+            raise _fail(path, f"{what} {v!r} does not exist (paths are relative to {root})")
+    return values
+
+
+def _label(label: str, what: str, path: Path | str) -> str:
+    if not _NAME.match(label) or "+" in label:
+        raise _fail(path, f"{what} label {label!r} must match [A-Za-z0-9_.-]+")
+    return label
+
+
+def _heads(spec: GridFile, raw: Mapping[str, Any], path: Path | str, root: Path):
+    if not spec.heads:
+        raise _fail(path, "heads must be a non-empty mapping label -> head fragment")
+    entries = []
+    for label, head in spec.heads.items():
+        _label(label, "head", path)
+        head = HeadSpec(head) if isinstance(head, str) else head
+        if head.head is None and head.base is None:
+            raise _fail(path, f"heads.{label} must be a fragment path or {{head, base, overrides}}")
+        fragment = head.head and _config_list(head.head, f"heads.{label}", path, root)[0]
+        base = None if head.base is None else _config_list(head.base, f"heads.{label}.base", path,
+                                                           root)  # fmt: skip
+        overrides = raw[label].get("overrides") if isinstance(raw[label], Mapping) else None
+        entries.append(HeadEntry(label, fragment, dict(overrides or {}), base))
+    if spec.base is None and any(h.base is None for h in entries):
         raise _fail(path, "missing 'base' (needed by every head without a base of its own)")
-    variants_raw = _mapping(content.get("variants"), "variants", path)
-    variants = {}
-    for label, options in variants_raw.items():
-        if not _NAME.match(label) or "+" in label:
-            raise _fail(path, f"variant label {label!r} must match [A-Za-z0-9_.-]+")
-        variants[label] = _mapping(options, f"variants.{label}", path)
-    metric = content.get("metric", "test/ppl")
-    if not isinstance(metric, str) or not metric.startswith("test/"):
-        raise _fail(path, f"metric must be a test metric such as test/ppl, got {metric!r}")
-    mode = content.get("mode", default_mode(metric))
-    if mode not in ("min", "max"):
-        raise _fail(path, f"mode must be min or max, got {mode!r}")
-    labels = [h.label for h in heads]
-    baseline = content.get("baseline", labels[0])
-    if baseline not in labels:
-        raise _fail(path, f"baseline {baseline!r} is not one of the heads {labels}")
-    threshold = content.get("instability_threshold", 0.1)
-    if not isinstance(threshold, int | float) or not threshold > 0 or not math.isfinite(threshold):
+    return entries
+
+
+def _checked(spec: GridFile, path: Path | str) -> None:
+    """What types cannot say: name and seeds, the metric and its baseline, the thresholds."""
+    if not _NAME.match(spec.name):
+        raise _fail(path, f"name must match [A-Za-z0-9_.-]+, got {spec.name!r}")
+    seeds = spec.seeds
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise _fail(
+            path, f"seeds must be a non-empty list of distinct integers >= 0, got {seeds!r}"
+        )
+    if not spec.metric.startswith("test/"):
+        raise _fail(path, f"metric must be a test metric such as test/ppl, got {spec.metric!r}")
+    if spec.baseline is not None and spec.baseline not in spec.heads:
+        raise _fail(path, f"baseline {spec.baseline!r} is not one of the heads {list(spec.heads)}")
+    threshold = spec.instability_threshold
+    if not threshold > 0 or not math.isfinite(threshold):
         raise _fail(path, f"instability_threshold must be a positive number, got {threshold!r}")
+    if spec.rank is not None and spec.rank.contexts < 2:
+        raise _fail(path, _SHAPES["rank"])
+
+
+def parse_grid(content: Any, path: Path | str = "<grid>", root: Path = REPO) -> Grid:
+    """A validated :class:`Grid` from a grid file's content; paths checked under ``root``.
+    Option values (``overrides``, ``budget``, ``variants``) are kept as written: they become
+    ``--key value`` arguments of the CLI, which reads them itself."""
+    if not isinstance(content, Mapping):
+        raise _fail(path, "must be a YAML mapping")
+    spec = _schema(content, path)
+    _checked(spec, path)
+    heads = _heads(spec, content["heads"], path, root)
+    variants = {_label(k, "variant", path): dict(v or {})
+                for k, v in (content.get("variants") or {}).items()}  # fmt: skip
+    finetune = spec.finetune and {
+        "configs": _config_list(spec.finetune.configs, "finetune.configs", path, root)
+        if spec.finetune.configs else [],
+        "overrides": dict((content["finetune"] or {}).get("overrides") or {}),
+    }  # fmt: skip
     return Grid(
-        name=name,
-        description=str(content.get("description", "")),
-        base=_config_list(content["base"], "base", path, root) if "base" in content else [],
+        name=spec.name,
+        description=spec.description,
+        base=[] if spec.base is None else _config_list(spec.base, "base", path, root),
         heads=heads,
-        seeds=_seeds(content["seeds"], path),
-        overrides=_mapping(content.get("overrides"), "overrides", path),
-        budget=_mapping(content.get("budget"), "budget", path),
+        seeds=list(spec.seeds),
+        overrides=dict(content.get("overrides") or {}),
+        budget=dict(content.get("budget") or {}),
         variants=variants,
-        metric=metric,
-        mode=mode,
-        baseline=baseline,
-        rank=_rank(content.get("rank"), path),
-        finetune=_finetune(content.get("finetune"), path, root),
-        reference=_reference(content.get("reference"), path),
-        instability_threshold=float(threshold),
+        metric=spec.metric,
+        mode=spec.mode or default_mode(spec.metric),
+        baseline=spec.baseline or heads[0].label,
+        rank=None if spec.rank is None else vars(spec.rank),
+        finetune=finetune,
+        reference=spec.reference
+        and {
+            "source": spec.reference.source,
+            "values": dict(content["reference"].get("values") or {}),  # as written
+        },
+        instability_threshold=float(spec.instability_threshold),
         raw=dict(content),
     )
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+from datamodules.vocab.stream import CachedIdsVocab
 from datamodules.vocab.word import EOS, UNK, lengths_from_eos, words_of
 
 # Word-start marker of the Metaspace pre-tokenizer: makes the segmentation reversible.
@@ -107,7 +108,7 @@ class StreamEncoder:
         self.flat = np.concatenate([self.flat, *pieces])
 
 
-class BPEVocab:
+class BPEVocab(CachedIdsVocab):
     """Sub-word vocabulary trained with HuggingFace ``tokenizers`` BPE.
 
     Text is split on spaces with a ``\u2581`` word-start marker (Metaspace), so

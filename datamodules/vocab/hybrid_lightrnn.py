@@ -16,8 +16,9 @@ a dense d1 x d2 table: every other word owns one cell (r, c) and is written as t
     codes K+d1 .. K+d1+d2-1      the columns of L (second code of a rare word)
 
 The table (which cell each rare word owns) is re-learnt during training by
-:mod:`datamodules.vocab.table_assignment`; it is part of the state dict, so a resumed run continues
-with the table it had.
+:mod:`datamodules.vocab.table_assignment`: a new table is scheduled (:meth:`schedule_cells`) and
+installed when the next training pass starts. Both tables are part of the state dict, so a resumed
+run continues with the table it had.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ import hashlib
 import logging
 import math
 from collections.abc import Iterable, Sequence
+from typing import Any
 
+import numpy as np
 import torch
 
 from datamodules.vocab.word import EOS, WordVocab
@@ -83,6 +86,8 @@ class HybridLightRNNVocab:
             + [f"<row{r}>" for r in range(rows)]
             + [f"<col{c}>" for c in range(cols)]
         )
+        self.version = 0  # bumped by every new table: the code streams change
+        self.scheduled_cells: torch.Tensor | None = None
         self.set_cells(torch.arange(self.num_rare) if cells is None else cells)
 
     # -- construction --------------------------------------------------------------------
@@ -174,6 +179,21 @@ class HybridLightRNNVocab:
         codes[K:, 0] = K + cells // self.cols
         codes[K:, 1] = K + self.rows + cells % self.cols
         self.word_codes = codes
+        self.version += 1
+
+    def schedule_cells(self, cells: Sequence[int] | torch.Tensor) -> None:
+        """Install a re-assigned table when the next training pass starts
+        (:meth:`begin_training_pass`). Until then the vocabulary keeps the table the current
+        weights were trained with, so a checkpoint saved in between tests with that table and
+        resumes with the new one. The cells are checked now (a bijection into the table)."""
+        HybridLightRNNVocab(self.words, self.num_frequent, self.rows, self.cols, cells)
+        self.scheduled_cells = torch.as_tensor(cells, dtype=torch.long).clone()
+
+    def begin_training_pass(self) -> None:
+        """A training pass starts: the scheduled table, if any, is installed."""
+        if self.scheduled_cells is not None:
+            self.set_cells(self.scheduled_cells)
+            self.scheduled_cells = None
 
     # -- sizes and code kinds ----------------------------------------------------------
     def __len__(self) -> int:
@@ -192,6 +212,21 @@ class HybridLightRNNVocab:
         mask[self.num_frequent + self.rows :] = False
         return mask
 
+    @property
+    def base(self) -> WordVocab:
+        """The vocabulary of the cached ids: the words."""
+        return self.words
+
+    def class_counts(self) -> np.ndarray:
+        """Training count of every code (``[num_codes]``, int64): a code counts every word it
+        stands for (a frequent word's own code, or a rare word's row and column)."""
+        counts = torch.zeros(len(self), dtype=torch.long)
+        per_word = torch.as_tensor(self.words.counts, dtype=torch.long)
+        for column in self.word_codes.unbind(1):  # first codes, then second codes (-1: none)
+            used = column >= 0
+            counts.index_add_(0, column[used], per_word[used])
+        return counts.numpy()
+
     def table(self) -> torch.Tensor:
         """``[rows, cols]`` word ids of the L table (-1 where unused)."""
         return self.word_at.view(self.rows, self.cols)
@@ -205,12 +240,14 @@ class HybridLightRNNVocab:
         ]
         return torch.cat(parts) if parts else word_ids.new_empty(0)
 
+    encode_stream = encode_word_ids
+
     def _encode_chunk(self, word_ids: torch.Tensor) -> torch.Tensor:
         codes = self.word_codes[word_ids.long()]  # [n, 2]
         # row-major: keeps (row, col) order, drops the -1 padding
         return codes[codes >= 0].to(word_ids.dtype)
 
-    def count_codes(self, word_ids: torch.Tensor) -> int:
+    def count_stream(self, word_ids: torch.Tensor) -> int:
         """Length of the code stream of ``word_ids`` (it does not depend on the table)."""
         K = self.num_frequent
         rare = sum(
@@ -218,7 +255,7 @@ class HybridLightRNNVocab:
         )
         return len(word_ids) + rare
 
-    def encode_word_ids_range(self, word_ids: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    def encode_stream_range(self, word_ids: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """``encode_word_ids(word_ids)[start:stop]`` without encoding the rest: a DDP rank's
         streams of a 100M-word corpus cost only its share of memory."""
         K, parts, position = self.num_frequent, [], 0
@@ -285,6 +322,17 @@ class HybridLightRNNVocab:
             other.cols,
         )
 
+    def accepts(self, saved: object) -> bool:
+        """Whether a checkpoint's vocabulary can be loaded: same words and table shape (the
+        learnt table is training state, restored by :meth:`load_state_dict`)."""
+        return isinstance(saved, HybridLightRNNVocab) and saved.same_structure(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue with a checkpoint's table (and the table it had scheduled)."""
+        self.set_cells(state["cells"])
+        scheduled = state.get("scheduled_cells")
+        self.scheduled_cells = None if scheduled is None else torch.tensor(scheduled)
+
     def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, HybridLightRNNVocab)
@@ -298,7 +346,7 @@ class HybridLightRNNVocab:
         return hashlib.sha1(text.encode()).hexdigest()[:12]
 
     def state_dict(self) -> dict:
-        return {
+        state = {
             "type": "hybrid_lightrnn",
             "words": self.words.state_dict(),
             "num_frequent": self.num_frequent,
@@ -306,6 +354,9 @@ class HybridLightRNNVocab:
             "cols": self.cols,
             "cells": self.cells.tolist(),
         }
+        if self.scheduled_cells is not None:
+            state["scheduled_cells"] = self.scheduled_cells.tolist()
+        return state
 
     @classmethod
     def from_state_dict(cls, state: dict) -> HybridLightRNNVocab:

@@ -10,6 +10,8 @@ from itertools import repeat
 
 import numpy as np
 
+from datamodules.vocab.stream import CachedIdsVocab
+
 UNK = "<unk>"
 EOS = "<eos>"
 # Joins a batch of lines so that one C-level ``str.split`` yields every line's words followed by
@@ -42,7 +44,7 @@ def lengths_from_eos(ids: np.ndarray, eos_id: int, num_lines: int) -> np.ndarray
     return np.diff(ends, prepend=-1)
 
 
-class WordVocab:
+class WordVocab(CachedIdsVocab):
     """Maps words to ids and back.
 
     Ids are sorted by decreasing training frequency (ties by first occurrence), id 0 upward,

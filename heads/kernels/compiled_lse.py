@@ -1,6 +1,6 @@
 """The GPU plan of the fused linear + log-sum-exp: one compiled function per chunk.
 
-Same outputs and gradients as ``heads.fused_cross_entropy._LinearLSE`` (the CPU plan), built
+Same outputs and gradients as ``heads.kernels.eager_lse.EagerLinearLSE`` (the CPU plan), built
 for a GPU's costs instead of a CPU cache's:
 
 - the vocabulary is padded once per call to a whole number of equal chunks (padding columns

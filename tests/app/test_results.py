@@ -29,9 +29,11 @@ def test_renders_every_file_with_its_command_and_a_plot(results):
     assert "## bench_cpu" in text and "## zz_other" in text
     assert "`zz_other.json`: no renderer knows this file." in text
     command = next(
-        line for line in text.splitlines() if line.startswith("python -m app.bench --heads")
+        line
+        for line in text.splitlines()
+        if line.startswith("python -m app.bench --mode same-batch")
     )
-    assert command.startswith("python -m app.bench --heads softmax matmul ")
+    assert command.startswith("python -m app.bench --mode same-batch --heads softmax matmul ")
     assert " --vocab-sizes 300 " in command and " --batch-sizes 32 " in command
     assert "![bench_cpu](results/bench_cpu.png)" in text
     assert (results / "bench_cpu.png").stat().st_size > 0

@@ -207,7 +207,7 @@ def test_a_scheduled_table_waits_for_the_next_training_pass(tmp_path):
     data = LanguageModelingDataModule(**options)
     trained = data.vocab.cells.clone()
     new = trained.flip(0)
-    data.schedule_lightrnn_cells(new)
+    data.vocab.schedule_cells(new)
     assert torch.equal(data.vocab.cells, trained)
     state = data.state_dict()
     restored = LanguageModelingDataModule(**options)
@@ -217,9 +217,9 @@ def test_a_scheduled_table_waits_for_the_next_training_pass(tmp_path):
     next(iter(restored.train_dataloader()))  # a training pass starts: the new table
     assert torch.equal(restored.vocab.cells, new)
     assert not torch.equal(restored.split_tokens("valid"), valid)
-    assert "lightrnn_scheduled_cells" not in restored.state_dict()
+    assert "scheduled_cells" not in restored.state_dict()["vocab"]
     with pytest.raises(ValueError, match="bijection"):
-        data.schedule_lightrnn_cells(torch.zeros_like(new))
+        data.vocab.schedule_cells(torch.zeros_like(new))
 
 
 # -- prepared once, cached: the same vocabulary and ids as the algorithm it replaced -------------

@@ -1,14 +1,24 @@
-"""Checks every head must pass (DESIGN.md, "The head contract"). Used by each head's tests."""
+"""Checks every head must pass (DESIGN.md, "The head contract"), run on every head of the
+registry ``HEADS`` by ``tests/heads/test_contract.py``; a new head joins them with a line there."""
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
 
-from heads import IGNORE_INDEX, Head
+from heads import (
+    IGNORE_INDEX,
+    AdaptiveSoftmaxHead,
+    DSSoftmaxHead,
+    Head,
+    MixtapeHead,
+    MoSHead,
+    SoftmaxHead,
+)
 from heads.fused_cross_entropy import LossOptions
 
 HIDDEN, VOCAB, ROWS = 6, 23, 9
@@ -389,3 +399,39 @@ def run_check(
     """``check`` on the heads ``make`` builds (through ``fused`` when given), seeded."""
     torch.manual_seed(0)
     check(fused(make) if fused else make)
+
+
+def _head(head_class: type[Head], **options) -> Callable[[], Head]:
+    return partial(head_class, HIDDEN, VOCAB, **options)
+
+
+_MOS = {"num_components": 3, "embedding_size": 5}
+_MIXTAPE = {"num_components": 4, "frequent_ratio": 0.3, "gate_embedding_size": 3,
+            "embedding_size": 5}  # fmt: skip
+
+# The heads the contract runs on, one line each: ``id -> make`` (a head of HIDDEN x VOCAB;
+# wrapped in ``chunked`` to run its fused loss over several chunks).
+HEADS: dict[str, Callable[[], Head]] = {
+    "softmax-no_projection": _head(SoftmaxHead),
+    "softmax-projection": _head(SoftmaxHead, embedding_size=4),
+    "softmax-projection_chunked": chunked(_head(SoftmaxHead, embedding_size=4)),
+    "mos-one_chunk": _head(MoSHead, **_MOS),
+    "mos-chunked": chunked(_head(MoSHead, **_MOS)),
+    "mixtape-shared_gates": _head(MixtapeHead, **_MIXTAPE),
+    "mixtape-no_sharing": _head(MixtapeHead, **{**_MIXTAPE, "frequent_ratio": 1.0}),
+    "mixtape-k8_weight_norm": _head(
+        MixtapeHead, **{**_MIXTAPE, "num_components": 8, "weight_norm_scale": 2.0}
+    ),
+    "mixtape-shared_gates_chunked": chunked(
+        _head(MixtapeHead, **{**_MIXTAPE, "frequent_ratio": 0.5})
+    ),
+    "adaptive-one_cluster": _head(AdaptiveSoftmaxHead, cutoffs=[5], div_value=2.0),
+    "adaptive-two_clusters": _head(AdaptiveSoftmaxHead, cutoffs=[4, 11], div_value=2.0),
+    "adaptive-one_cluster_chunked": chunked(
+        _head(AdaptiveSoftmaxHead, cutoffs=[12], div_value=2.0)
+    ),
+    "ds-k1": _head(DSSoftmaxHead, num_experts=1),
+    "ds-k3_lasso": _head(DSSoftmaxHead, num_experts=3, lambda_lasso=0.01, lambda_expert=0.01),
+    "ds-k2_bias": _head(DSSoftmaxHead, num_experts=2, bias=True),
+    "ds-k3_bias_chunked": chunked(_head(DSSoftmaxHead, num_experts=3, bias=True, lambda_load=1.0)),
+}

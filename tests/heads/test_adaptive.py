@@ -1,5 +1,3 @@
-from functools import partial
-
 import numpy as np
 import pytest
 import torch
@@ -13,25 +11,11 @@ from tests.heads.contract import (
     check_compiles_without_graph_breaks,
     check_loss_matches_reference,
     check_training_keeps_no_vocabulary_rows,
-    chunked,
-    each_check,
-    run_check,
 )
 
 COST = {"c": 0.05, "lam": 1e-6, "k0b0": 5000.0}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@each_check
-@pytest.mark.parametrize(
-    "cutoffs, fused",
-    [([5], None), ([4, 11], None), ([12], chunked)],
-    ids=["one_cluster", "two_clusters", "one_cluster_chunked"],
-)
-def test_contract(check, cutoffs, fused):
-    make = partial(AdaptiveSoftmaxHead, HIDDEN, VOCAB, cutoffs=cutoffs, div_value=2.0)
-    run_check(check, make, fused)
 
 
 def copy_into_torch(ours: AdaptiveSoftmaxHead, div: float) -> torch.nn.AdaptiveLogSoftmaxWithLoss:

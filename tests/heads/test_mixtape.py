@@ -1,5 +1,3 @@
-from functools import partial
-
 import pytest
 import torch
 
@@ -13,9 +11,6 @@ from tests.heads.contract import (
     check_compiles_without_graph_breaks,
     check_loss_matches_reference,
     check_training_keeps_no_vocabulary_rows,
-    chunked,
-    each_check,
-    run_check,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -24,21 +19,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def make_head(**options) -> MixtapeHead:
     defaults = dict(num_components=4, frequent_ratio=0.3, gate_embedding_size=3, embedding_size=5)
     return MixtapeHead(HIDDEN, VOCAB, **{**defaults, **options})
-
-
-@each_check
-@pytest.mark.parametrize(
-    "options, fused",
-    [
-        ({}, None),
-        ({"frequent_ratio": 1.0}, None),
-        ({"num_components": 8, "weight_norm_scale": 2.0}, None),
-        ({"frequent_ratio": 0.5}, chunked),
-    ],
-    ids=["shared_gates", "no_sharing", "k8_weight_norm", "shared_gates_chunked"],
-)
-def test_contract(check, options, fused):
-    run_check(check, partial(make_head, **options), fused)
 
 
 def reference_log_prob(head: MixtapeHead, g: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,6 @@ from tests.heads.contract import (
     check_compiles_without_graph_breaks,
     check_loss_matches_reference,
     check_training_keeps_no_vocabulary_rows,
-    chunked,
-    each_check,
-    run_check,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -18,12 +15,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def make_head(**options) -> MoSHead:
     return MoSHead(HIDDEN, VOCAB, **{"num_components": 3, "embedding_size": 5, **options})
-
-
-@each_check
-@pytest.mark.parametrize("fused", [None, chunked], ids=["one_chunk", "chunked"])
-def test_contract(check, fused):
-    run_check(check, make_head, fused)
 
 
 def plain_log_prob(head: MoSHead, g: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,3 @@
-from functools import partial
-
 import pytest
 import torch
 
@@ -11,19 +9,7 @@ from tests.heads.contract import (
     check_loss_matches_reference,
     check_training_keeps_no_vocabulary_rows,
     chunked,
-    each_check,
-    run_check,
 )
-
-
-@each_check
-@pytest.mark.parametrize(
-    "embedding_size, fused",
-    [(None, None), (4, None), (4, chunked)],
-    ids=["no_projection", "projection", "projection_chunked"],
-)
-def test_contract(check, embedding_size, fused):
-    run_check(check, partial(SoftmaxHead, HIDDEN, VOCAB, embedding_size=embedding_size), fused)
 
 
 def plain_log_prob(head: SoftmaxHead, hidden: torch.Tensor) -> torch.Tensor:

@@ -46,10 +46,9 @@ def rescore(backbone, head, source, padding, hypothesis: list[int], eos: int, bo
 def test_beam_size_one_is_greedy(alpha, seed):
     backbone, head = make(9, 7, seed)
     source, padding = sources(9, seed)
-    config = DecodeConfig(bos_id=0, eos_id=0, max_length_a=1.0, max_length_b=4,
-                          length_penalty=alpha)  # fmt: skip
-    greedy = greedy_decode(backbone, head, source, padding, config)
-    assert greedy == beam_search(backbone, head, source, padding, config, beam_size=1)
+    config = DecodeConfig(max_length_a=1.0, max_length_b=4, length_penalty=alpha)
+    greedy = greedy_decode(backbone, head, source, padding, config, 0, 0)
+    assert greedy == beam_search(backbone, head, source, padding, config, 0, 0, beam_size=1)
     assert len({len(g) for g in greedy}) > 1  # varied lengths: the check has teeth
     for hyp, length in zip(greedy, (~padding).sum(1).tolist(), strict=True):
         assert len(hyp) + 1 <= length + 4  # max length a * |x| + b, <eos> included
@@ -62,9 +61,8 @@ def test_wide_beam_finds_the_exhaustive_optimum(alpha):
     vocab, eos = 4, 0
     backbone, head = make(6, vocab, seed=3)
     source, padding = sources(6, seed=3)
-    config = DecodeConfig(bos_id=eos, eos_id=eos, max_length_a=0.0, max_length_b=3,
-                          length_penalty=alpha)  # fmt: skip
-    found = beam_search(backbone, head, source, padding, config, beam_size=16)
+    config = DecodeConfig(max_length_a=0.0, max_length_b=3, length_penalty=alpha)
+    found = beam_search(backbone, head, source, padding, config, eos, eos, beam_size=16)
     for i in range(source.size(0)):
         candidates = [
             list(h)
@@ -106,9 +104,9 @@ def test_beam_finds_a_sequence_at_least_as_likely_as_greedy(trained):
     gen = torch.Generator().manual_seed(1)
     source = torch.randint(1, vocab, (12, 5), generator=gen)
     padding = torch.zeros_like(source, dtype=torch.bool)
-    config = DecodeConfig(bos_id=0, eos_id=0, length_penalty=0.0)
-    greedy = greedy_decode(backbone, head, source, padding, config)
-    beam = beam_search(backbone, head, source, padding, config, beam_size=4)
+    config = DecodeConfig(length_penalty=0.0)
+    greedy = greedy_decode(backbone, head, source, padding, config, 0, 0)
+    beam = beam_search(backbone, head, source, padding, config, 0, 0, beam_size=4)
     gains = []
     for i in range(source.size(0)):
         g = rescore(backbone, head, source[i], padding[i], greedy[i], 0, 0)
@@ -133,6 +131,6 @@ def test_beam_uses_the_heads_topk_fast_path(trained, monkeypatch):
 
     monkeypatch.setattr(head, "topk", counting_topk)
     monkeypatch.setattr(head, "log_prob", no_log_prob)
-    config = DecodeConfig(bos_id=0, eos_id=0, max_length_b=30)
-    beam_search(backbone, head, source, padding, config, beam_size=3)
+    config = DecodeConfig(max_length_b=30, length_penalty=0.0)
+    beam_search(backbone, head, source, padding, config, 0, 0, beam_size=3)
     assert calls["topk"] > 0

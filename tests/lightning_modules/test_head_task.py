@@ -90,6 +90,26 @@ def test_loss_backend_reaches_the_head_and_is_checked():
         LanguageModel(LSTMBackbone(30, 8, 8), SoftmaxHead(8, 30), loss_backend="fastest")
 
 
+def test_a_missing_or_misplaced_loss_backend_is_named_when_the_model_is_built():
+    """CCE/Liger not installed: one line at construction, not at the first step; and a model
+    placed on a CPU refuses them when the trainer sets it up (they run on CUDA only)."""
+    from heads.fused_cross_entropy import MissingBackendError
+
+    for backend in ("cce", "liger"):
+        try:
+            __import__({"cce": "cut_cross_entropy", "liger": "liger_kernel"}[backend])
+        except ImportError:
+            with pytest.raises(MissingBackendError, match="pip install") as raised:
+                LanguageModel(LSTMBackbone(30, 8, 8), SoftmaxHead(8, 30), loss_backend=backend)
+            assert "\n" not in str(raised.value)
+    task = LanguageModel(LSTMBackbone(30, 8, 8), SoftmaxHead(8, 30), loss_backend="auto")
+    task.place_loss_backend(torch.device("cpu"))
+    assert task.head.loss_options.backend == "torch"
+    task.loss_backend = "liger"  # as if installed: the device check still refuses a CPU
+    with pytest.raises(MissingBackendError, match="CUDA only"):
+        task.place_loss_backend(torch.device("cpu"))
+
+
 def test_compile_option_takes_true_false_or_compile_arguments():
     from lightning_modules.errors import ModelConfigError
 

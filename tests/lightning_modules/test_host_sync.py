@@ -34,6 +34,7 @@ from datamodules.bptt import BPTTBatches
 from heads import AdaptiveSoftmaxHead, DSSoftmaxHead, MixtapeHead, MoSHead, SoftmaxHead
 from lightning_modules import LanguageModel, Translation
 from lightning_modules.backbones import LSTMBackbone, Seq2SeqTransformer
+from lightning_modules.decoding import DecodeConfig
 from lightning_modules.errors import NonFiniteLossError
 from tests.datamodules.test_translation import TINY, write_corpus
 
@@ -242,7 +243,7 @@ def test_translation_steps_make_no_host_sync(head, tmp_path, monkeypatch):
     # label smoothing on: every head's smoothed loss runs; validation without decoding (a
     # search loop for BLEU, not the step's loss)
     model = Translation(backbone, make_head(D, data.vocab_size), label_smoothing=0.1,
-                        val_beam_size=0)  # fmt: skip
+                        decode=DecodeConfig(val_beam_size=0))  # fmt: skip
     sentinel = SyncSentinel()
     windows = StepWindows(model, sentinel)
     with sentinel.installed(monkeypatch):

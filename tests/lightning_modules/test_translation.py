@@ -91,7 +91,7 @@ def test_options_are_checked(data):
 
 
 def test_validation_bleu_and_test_translations_file(data, tmp_path):
-    model = make(data, beam_size=2, val_beam_size=1, num_samples=2)
+    model = make(data, decode=DecodeConfig(beam_size=2, val_beam_size=1, num_samples=2))
     out = tmp_path / "out" / "translations.txt"
     model.translations_file = str(out)
     trainer = L.Trainer(max_steps=30, logger=False, enable_checkpointing=False,
@@ -101,11 +101,10 @@ def test_validation_bleu_and_test_translations_file(data, tmp_path):
     (val,) = trainer.validate(model, datamodule=data)
     # val BLEU = sacreBLEU of the greedy translations against the raw reference lines
     batch = collate_pairs([data.encoded("valid")[i] for i in range(5)], data.bos_id, data.bos_id)
-    config = DecodeConfig(bos_id=data.bos_id, eos_id=data.target_vocab.eos_id,
-                          length_penalty=model.length_penalty)  # fmt: skip
     model.eval()
     hypotheses = [data.detokenize(h) for h in greedy_decode(model.backbone, model.head,
-                  batch["source"], batch["source_padding"], config)]  # fmt: skip
+                  batch["source"], batch["source_padding"], model.decode, data.bos_id,
+                  data.target_vocab.eos_id)]  # fmt: skip
     expected = sacrebleu.corpus_bleu(hypotheses, [data.references("valid")]).score
     assert val["val/bleu"] == pytest.approx(expected, abs=1e-4)
     assert val["val/ppl"] < data.vocab_size  # learnt something in 30 steps
@@ -121,7 +120,7 @@ def test_validation_bleu_and_test_translations_file(data, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("head_class", [SoftmaxHead, MixtapeHead])
 def test_a_tiny_model_learns_to_translate_the_toy_corpus(data, tmp_path, head_class):
-    model = make(data, head_class, beam_size=3)
+    model = make(data, head_class, decode=DecodeConfig(beam_size=3))
     model.translations_file = str(tmp_path / "translations.txt")
     trainer = L.Trainer(max_steps=150, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,
@@ -136,7 +135,7 @@ def test_a_tiny_model_learns_to_translate_the_toy_corpus(data, tmp_path, head_cl
 def test_bleu_schedule_and_the_checkpoint_chosen_by_validation_bleu(data, tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    model = make(data, bleu_every_n_epochs=2, val_beam_size=1)
+    model = make(data, decode=DecodeConfig(bleu_every_n_epochs=2, val_beam_size=1))
     checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="val/bleu", mode="max",
                                  every_n_epochs=2, save_top_k=1)  # fmt: skip
     trainer = L.Trainer(max_epochs=6, logger=False, enable_progress_bar=False,
@@ -172,11 +171,11 @@ def test_bleu_schedule_and_the_checkpoint_chosen_by_validation_bleu(data, tmp_pa
 def test_bleu_checkpoint_out_of_step_with_the_schedule_is_one_clear_error(data, tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    model = make(data, bleu_every_n_epochs=2)
+    model = make(data, decode=DecodeConfig(bleu_every_n_epochs=2))
     trainer = L.Trainer(max_epochs=2, logger=False, enable_progress_bar=False,
                         callbacks=[ModelCheckpoint(dirpath=tmp_path, monitor="val/bleu")],
                         use_distributed_sampler=False, default_root_dir=tmp_path)  # fmt: skip
     with pytest.raises(ModelConfigError, match="every_n_epochs to a multiple"):
         trainer.fit(model, datamodule=data)
     with pytest.raises(ModelConfigError, match="bleu_every_n_epochs"):
-        make(data, bleu_every_n_epochs=0)
+        make(data, decode=DecodeConfig(bleu_every_n_epochs=0))

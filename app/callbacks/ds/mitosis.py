@@ -23,7 +23,7 @@ class Mitosis(Callback):
     together; the next split is then due ``every_n_epochs`` after this one.
 
     Each split clones every expert's surviving rows (plus Gaussian noise) and its gate row
-    (see :meth:`heads.ds_softmax.DSSoftmaxHead.split_experts`), then rebuilds the optimizer
+    (see :meth:`heads.ds.softmax.DSSoftmaxHead.split_experts`), then rebuilds the optimizer
     through Lightning, carrying the Adam moments of the parent rows to both twins. The noise
     comes from a generator seeded by ``seed`` and the split count, identical on every rank.
 

@@ -11,7 +11,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from heads.ds_softmax import DSSoftmaxHead
+from heads.ds.softmax import DSSoftmaxHead
 from heads.errors import HeadConfigError
 
 

@@ -112,18 +112,46 @@ def test_same_memory_search_stops_at_the_limit_when_everything_fits(monkeypatch)
     import torch
 
     import app.bench.run as bench_run
-    from app.bench.run import largest_batch
+    from app.bench.run import Case, largest_batch
     from app.bench.subjects import BenchOptions
 
-    monkeypatch.setattr(bench_run, "step_memory", lambda step, device, case: case[4] * 1000)
+    monkeypatch.setattr(bench_run, "step_memory", lambda step, case: case.tokens * 1000)
 
     targets = torch.zeros(200, dtype=torch.long)
-    args = ("softmax", "head", 50, 8)
-    common = dict(targets=targets, options=BenchOptions(), device=torch.device("cpu"), bptt=7)
-    assert largest_batch(*args, budget=2**40, limit=100, **common) == 98
-    assert largest_batch(*args, budget=2**40, limit=6, **common) == 0
-    assert largest_batch(*args, budget=0, limit=100, **common) == 0
-    assert largest_batch(*args, budget=50_000, limit=100, **common) == 49  # 7 sequences
+    case = Case("softmax", "head", 50, 8, 0, targets, BenchOptions(), torch.device("cpu"), 7)
+    assert largest_batch(case, budget=2**40, limit=100) == 98
+    assert largest_batch(case, budget=2**40, limit=6) == 0
+    assert largest_batch(case, budget=0, limit=100) == 0
+    assert largest_batch(case, budget=50_000, limit=100) == 49  # 7 sequences
+
+
+def test_heads_are_built_from_the_cli_fragments_with_overrides(capsys):
+    """The benchmarked heads are the ones users train: configs/heads/<head>.yaml through
+    jsonargparse (Mixtape with its dropouts and weight norm), with --init-args and the named
+    shortcuts over the fragment's init_args; a bad override is one parser error."""
+    import pytest
+    import yaml
+
+    from app.bench.run import bench_options, parse_args
+    from app.bench.subjects import FRAGMENT_DIR, build_head, head_config
+    from heads import MixtapeHead
+
+    fragment = yaml.safe_load((FRAGMENT_DIR / "mixtape.yaml").read_text())["init_args"]
+    args = parse_args(["--heads", "mixtape", "mos", "--mos-components", "3", "--init-args",
+                       "mixtape.gate_noise=0", "adaptive.cutoffs=[10,20]"])  # fmt: skip
+    options = bench_options(args)
+    assert options.init_args == {"mos": {"num_components": 3}, "mixtape": {"gate_noise": 0},
+                                 "adaptive": {"cutoffs": [10, 20]}}  # fmt: skip
+    config = head_config("mixtape", options)
+    assert config["init_args"] == {**fragment, "gate_noise": 0}
+    head = build_head("mixtape", 16, 300, options)
+    assert isinstance(head, MixtapeHead) and head.training
+    assert build_head("torch_adaptive", 16, 300, options).layer.cutoffs == [10, 20, 300]
+    for bad in (["--init-args", "mixtape.colour=1"], ["--init-args", "nohead.x=1"],
+                ["--mixtape-ratio", "high"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse_args(["--heads", "mixtape", *bad])
+        assert "error:" in capsys.readouterr().err
 
 
 def test_subject_names_are_checked_with_one_clear_error(capsys):

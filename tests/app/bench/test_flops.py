@@ -60,5 +60,5 @@ def test_mixtape_step_counts_every_product_of_its_hand_written_backward():
     # every product is run three times (forward, and the gradient of each operand; the small
     # blocks are kept, not recomputed)
     expected = 2 * (3 * forward + bias_gradient)
-    options = {"mixtape_components": k, "mixtape_ratio": ratio}
-    assert matmul_flops(_step("mixtape", d, v, n, **options)) == expected
+    options = {"mixtape": {"num_components": k, "frequent_ratio": ratio}}
+    assert matmul_flops(_step("mixtape", d, v, n, init_args=options)) == expected

@@ -177,7 +177,7 @@ def test_resuming_from_an_epoch_end_checkpoint_uses_the_scheduled_table(corpus, 
     assert torch.equal(data.vocab.cells, scheduled)
     (first,) = tmp_path.glob("epoch=0-*.ckpt")
     state = torch.load(first, weights_only=False)["LanguageModelingDataModule"]
-    assert state["lightrnn_scheduled_cells"] == scheduled.tolist()
+    assert state["vocab"]["scheduled_cells"] == scheduled.tolist()
     # validate that checkpoint: the table its weights were trained with (the initial one)
     data2, model2 = make(corpus)
     initial = data2.vocab.cells.clone()

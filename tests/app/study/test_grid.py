@@ -59,11 +59,32 @@ def test_bleu_is_maximised_and_a_head_may_bring_its_own_base():
         ({"overrides": ["--trainer.max_epochs", "1"]}, "overrides must be a mapping"),
         ({"instability_threshold": 0}, "instability_threshold"),
         ({"reference": {"values": {"softmax": 59}}}, "reference must be"),
+        # wrong types and unknown keys inside a value, found by the jsonargparse schema
+        ({"rank": {"split": "train"}}, "rank must be"),
+        ({"heads": {"a": {"head": "configs/heads/softmax.yaml", "colour": 1}}}, "heads must be"),
+        ({"heads": {"a": {"overrides": {}}}}, r"heads.a must be a fragment path"),
+        ({"seeds": [True]}, "distinct integers"),
+        ({"variants": {"v": [1]}}, "variants must be a mapping"),
+        ({"finetune": {"configs": 3}}, "finetune takes configs"),
+        ({"mode": "best"}, "mode must be min or max"),
     ],
 )
 def test_bad_grids_get_one_clear_error(change, message):
     with pytest.raises(StudyConfigError, match=message):
         parse_grid({**VALID, **change}, "grid.yaml")
+
+
+def test_the_grid_is_read_not_rewritten():
+    """Option values stay as written (the CLI reads them), and the content is left as it was."""
+    import copy
+
+    content = copy.deepcopy({**VALID, "overrides": {"trainer.max_time": "00:01:00:00",
+                                                    "model.init_args.lr": "1e-3"}})  # fmt: skip
+    grid = parse_grid(content)
+    assert content == {**VALID, "overrides": {"trainer.max_time": "00:01:00:00",
+                                              "model.init_args.lr": "1e-3"}}  # fmt: skip
+    assert grid.overrides == content["overrides"] and grid.raw == content
+    assert grid.heads[1].overrides == {"model.init_args.head.init_args.gate_noise": 0.0}
 
 
 def test_missing_base_is_named():

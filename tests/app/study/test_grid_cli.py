@@ -1,5 +1,6 @@
-"""The study grids of issue 31 parse against the CLI: every head and variant of the grid (its
-first seed), with the grid's overrides, as the runner would call ``cli.py fit``."""
+"""Every shipped study grid parses against the CLI: every head and variant of the grid (its
+first seed), with the grid's overrides, as the runner calls ``cli.py fit``, and a fine-tuning
+stage's configs and overrides over the same run."""
 
 import pytest
 
@@ -8,7 +9,7 @@ from app.study import load_grid
 from app.study.grid import override_args
 from tests.conftest import REPO
 
-GRIDS = ("markov_bottleneck_cpu", "ptb_medium_gpu_10min")
+GRIDS = sorted(path.stem for path in (REPO / "configs" / "studies").glob("*.yaml"))
 
 
 def _fit_args(name: str) -> list[list[str]]:
@@ -20,8 +21,16 @@ def _fit_args(name: str) -> list[list[str]]:
         args = [a for config in grid.run_base(run) for a in ("--config", config)]
         if run.head.fragment:
             args += ["--model.head", run.head.fragment]
-        calls.append(args + override_args(grid.run_overrides(run)))
+        args += override_args(grid.run_overrides(run))
+        calls.append(args)
+        if grid.finetune is not None:  # the saved config of the fit stands for the run above
+            stage = [a for config in grid.finetune["configs"] for a in ("--config", config)]
+            calls.append(args + stage + override_args(grid.finetune["overrides"]))
     return calls
+
+
+def test_every_shipped_grid_is_checked():
+    assert {"tiny_cpu", "ptb_small_cpu", "ptb_awd_paper", "multi30k_base_gpu"} <= set(GRIDS)
 
 
 @pytest.mark.parametrize("name", GRIDS)

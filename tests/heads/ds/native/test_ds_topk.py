@@ -1,12 +1,12 @@
-"""The C batch-1 top-k of DS-Softmax (heads/native/ds_topk.c) against the PyTorch paths."""
+"""The C batch-1 top-k of DS-Softmax (heads/ds/native/ds_topk.c) against the PyTorch paths."""
 
 import shutil
 
 import pytest
 import torch
 
-from heads.ds_softmax import DSSoftmaxHead
-from heads.native import ds_topk_kernels
+from heads.ds.native import ds_topk_kernels
+from heads.ds.softmax import DSSoftmaxHead
 from heads.user_cache import CACHE_ENV
 
 needs_compiler = pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""SVD-softmax on DS-Softmax experts (heads/ds_svd.py) against plain float64 references."""
+"""SVD-softmax on DS-Softmax experts (heads/ds/svd.py) against plain float64 references."""
 
 import copy
 import math
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from heads import HeadConfigError
-from heads.ds_softmax import DSSoftmaxHead
-from heads.ds_svd import ExpertPreviews, SVDPreview, expert_cost, expert_preview, preview_topk
+from heads.ds.softmax import DSSoftmaxHead
+from heads.ds.svd import ExpertPreviews, SVDPreview, expert_cost, expert_preview, preview_topk
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

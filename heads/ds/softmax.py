@@ -47,8 +47,9 @@ from heads.base import (
     upcast,
 )
 from heads.cross_entropy import IGNORE_INDEX
-from heads.ds_inference import DSInference, float32_context
-from heads.ds_svd import SVDPreview
+from heads.ds.inference import DSInference
+from heads.ds.structure import DSStructure, float32_context, split_rows
+from heads.ds.svd import SVDPreview
 from heads.errors import HeadConfigError
 from heads.fused_cross_entropy import linear_lse
 
@@ -79,7 +80,7 @@ class DSSoftmaxHead(Head):
             hold more than ``svd_min_classes`` classes: a preview with this many singular
             directions (the paper's window width, 16), then exact logits for the best
             ``svd_candidates`` share of the expert's classes (DS paper section 4.6, Table 3;
-            ``heads/ds_svd.py``). An inference option: ``log_prob`` and training are exact.
+            ``heads/ds/svd.py``). An inference option: ``log_prob`` and training are exact.
             Default 0: exact ``topk``.
         svd_candidates: share of an expert's classes given exact logits (SVD-50: 0.5).
         svd_min_classes: experts up to this many classes stay exact (the paper: 1,000).
@@ -164,9 +165,7 @@ class DSSoftmaxHead(Head):
 
     def _split_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(W, b)`` of packed rows (``b`` is ``None`` without ``bias``)."""
-        if self.bias:
-            return rows[:, :-1], rows[:, -1]
-        return rows, None
+        return split_rows(rows, self.bias)
 
     def expert_sizes(self) -> list[int]:
         """``|v_k|``: surviving classes per expert."""
@@ -380,8 +379,8 @@ class DSSoftmaxHead(Head):
 
     def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k inside the selected expert only: a softmax over its ``|v_k|`` rows
-        (``heads/ds_inference.py``), or SVD-softmax on the large experts when ``svd_rank``
-        is set (``heads/ds_svd.py``). No gradient flows through the answer.
+        (``heads/ds/inference.py``), or SVD-softmax on the large experts when ``svd_rank``
+        is set (``heads/ds/svd.py``). No gradient flows through the answer.
 
         When the expert holds fewer than ``k`` classes the rest of the answer is classes
         outside it, with log-probability ``-inf`` (probability 0).
@@ -401,7 +400,7 @@ class DSSoftmaxHead(Head):
     ) -> None:
         """Answer ``topk`` by SVD-softmax on experts with more than ``min_classes`` classes:
         a preview with ``rank`` singular directions, exact logits for the best ``candidates``
-        share of the classes (``heads/ds_svd.py``). ``rank=None`` (or 0): exact ``topk``."""
+        share of the classes (``heads/ds/svd.py``). ``rank=None`` (or 0): exact ``topk``."""
         self.svd_preview = SVDPreview(rank, candidates, min_classes) if rank else None
         self._cache = None
 
@@ -413,8 +412,21 @@ class DSSoftmaxHead(Head):
         ``.double()``) and new SVD options drop the cache."""
         cache = self._cache
         if cache is None:
-            cache = self._cache = DSInference(self, self.svd_preview)
+            cache = self._cache = DSInference(self.structure(), self.svd_preview)
         return cache
+
+    def structure(self) -> DSStructure:
+        """The packed experts as inference reads them (detached views of the parameters)."""
+        return DSStructure(
+            weight=self.weight.detach(),
+            gate=self.gate.detach(),
+            row_class=self.row_class,
+            expert_offsets=self.expert_offsets,
+            offsets=self._offsets,
+            hidden_size=self.hidden_size,
+            vocab_size=self.vocab_size,
+            bias=self.bias,
+        )
 
     def _apply(self, fn, *args, **kwargs):
         self._cache = None  # the parameters may move to new storage

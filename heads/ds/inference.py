@@ -3,63 +3,51 @@
 Eq. 1 picks one expert per query, Eq. 2 is a softmax over its surviving classes; the answer is
 that softmax's top-k (ds-softmax.txt, Table 1 times it). The paths, fastest first:
 
-- C (``heads/native/ds_topk.c``; a float32 head on CPU, a compiler at hand): one call per
+- C (``heads/ds/native/ds_topk.c``; a float32 head on CPU, a compiler at hand): one call per
   query, or per batch with the queries sorted by expert so each expert's rows are read once.
 - PyTorch, batch 1: a matrix-vector product on cached per-expert views, a few calls.
 - PyTorch, batched: queries sorted by expert, then either one ``baddbmm`` over every expert's
   rows padded to the largest (GPU; CPU when the padding is cheap) or one product per expert.
 
-With an SVD preview (``heads/ds_svd.py``) the large experts answer by SVD-softmax on every
+With an SVD preview (``heads/ds/svd.py``) the large experts answer by SVD-softmax on every
 path. Everything here is derived from the head's parameters and rebuilt when its structure
 changes; the exact ``log_prob`` is the head's own.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from heads.base import float32_no_autocast, upcast
-from heads.ds_svd import ExpertPreviews, SVDPreview, preview_topk
-from heads.native import DSPlan, DSTopkKernels, ds_topk_kernels
-
-if TYPE_CHECKING:
-    from heads.ds_softmax import DSSoftmaxHead
+from heads.base import upcast
+from heads.ds.native import DSPlan, DSTopkKernels, ds_topk_kernels
+from heads.ds.structure import DSStructure, float32_context, split_rows
+from heads.ds.svd import ExpertPreviews, SVDPreview, preview_topk
 
 TopK = tuple[torch.Tensor, torch.Tensor]
 FLOAT32 = torch.float32
 # batches with at most this many queries per expert (on average) go through the C kernel
 NATIVE_QUERIES_PER_EXPERT = 8
-# stages timed by ds_topk_profile (heads/native/ds_topk.c), then the kernel's whole call
+# stages timed by ds_topk_profile (heads/ds/native/ds_topk.c), then the kernel's whole call
 PROFILE_STAGES = ("gate", "expert_rows", "svd_select", "normalise_topk", "kernel_total")
-
-
-def float32_context(device: torch.device) -> contextlib.AbstractContextManager:
-    """``float32_no_autocast``, skipped when autocast is off: entering an autocast context
-    costs about as much as the whole batch-1 expert softmax."""
-    if torch.is_autocast_enabled(device.type):
-        return float32_no_autocast(device)
-    return contextlib.nullcontext()
 
 
 class NativeTopk:
     """The C kernels bound to one head's structure (a ``DSPlan`` pointing at its tensors)."""
 
-    def __init__(self, kernels: DSTopkKernels, head: DSSoftmaxHead, max_rows: int) -> None:
-        weight, gate = head.weight.detach(), head.gate.detach()
-        offsets = head.expert_offsets.to(torch.int64).contiguous()
-        row_class = head.row_class.to(torch.int64).contiguous()
+    def __init__(self, kernels: DSTopkKernels, structure: DSStructure, max_rows: int) -> None:
+        weight, gate = structure.weight, structure.gate
+        offsets = structure.expert_offsets.to(torch.int64).contiguous()
+        row_class = structure.row_class.to(torch.int64).contiguous()
         self._tensors: tuple = (weight, gate, offsets, row_class)  # the pointers stay valid
         self._plan = DSPlan(
-            d=head.hidden_size,
+            d=structure.hidden_size,
             n_experts=gate.size(0),
-            row_stride=head.row_size,
-            has_bias=int(head.bias),
+            row_stride=structure.row_size,
+            has_bias=int(structure.bias),
             max_rows=max_rows,
             gate=gate.data_ptr(),
             weight=weight.data_ptr(),
@@ -125,8 +113,8 @@ class NativeTopk:
 
 
 class DSInference:
-    """Inference-side copies of a head's structure, built once per structure (see
-    ``DSSoftmaxHead._inference_cache``).
+    """Inference-side copies of a head's structure (``DSStructure``), built once per
+    structure (see ``DSSoftmaxHead._inference_cache``).
 
     ``experts[k]``: detached views ``(W^(k) [|v_k|, d], b^(k) [|v_k|] or None, class ids)``,
     ``rows[k]`` the same rows with the bias column. Views share the parameters' storage, so
@@ -135,19 +123,19 @@ class DSInference:
     counters move.
     """
 
-    def __init__(self, head: DSSoftmaxHead, svd: SVDPreview | None) -> None:
-        weight, gate = head.weight.detach(), head.gate.detach()
-        self._head = head
+    def __init__(self, structure: DSStructure, svd: SVDPreview | None) -> None:
+        weight, gate = structure.weight, structure.gate
+        self._structure = structure
         self.gate = gate
         self.dtype = weight.dtype
-        self.vocab_size = head.vocab_size
-        self.hidden_size = head.hidden_size
-        self.bias = head.bias
-        bounds = list(zip(head._offsets[:-1], head._offsets[1:], strict=True))
+        self.vocab_size = structure.vocab_size
+        self.hidden_size = structure.hidden_size
+        self.bias = structure.bias
+        bounds = structure.bounds()
         self.rows = [weight[a:b] for a, b in bounds]
-        self.experts = [(*head._split_rows(rows), head.row_class[a:b])
+        self.experts = [(*split_rows(rows, self.bias), structure.row_class[a:b])
                         for rows, (a, b) in zip(self.rows, bounds, strict=True)]  # fmt: skip
-        sizes = head.expert_sizes()
+        sizes = structure.expert_sizes()
         self.max_size, self.min_size = max(sizes), min(sizes)
         self.svd = svd
         self._previews: ExpertPreviews | None = None
@@ -156,21 +144,21 @@ class DSInference:
         self._padded: tuple[torch.Tensor, torch.Tensor] | None = None
         self.padded_classes: torch.Tensor | None = None
         self.can_pad = len(sizes) * self.max_size <= 2 * weight.size(0)
-        self.native = self._bind_native(head, weight, gate)
+        self.native = self._bind_native(structure)
 
-    def _bind_native(self, head, weight: torch.Tensor, gate: torch.Tensor) -> NativeTopk | None:
+    def _bind_native(self, structure: DSStructure) -> NativeTopk | None:
         """The C kernels bound to this structure, or ``None`` (not float32 on CPU, no
         compiler): the PyTorch paths answer then."""
+        weight, gate = structure.weight, structure.gate
         if not (weight.device.type == "cpu" and weight.dtype == gate.dtype == torch.float32):
             return None
         if not (weight.is_contiguous() and gate.is_contiguous()):
             return None
         kernels = ds_topk_kernels()
-        return None if kernels is None else NativeTopk(kernels, head, self.max_size)
+        return None if kernels is None else NativeTopk(kernels, structure, self.max_size)
 
     def _version(self) -> tuple[int, int]:
-        head = self._head
-        return head.weight._version, head.gate._version
+        return self._structure.version()
 
     # -- derived copies -----------------------------------------------------------------
     @property
@@ -354,7 +342,7 @@ class DSInference:
         return self.top_of_expert(log_probs, classes, k)
 
     def _preview_topk(self, e: int, hidden: torch.Tensor, gate_value: torch.Tensor, k: int):
-        """SVD-softmax over expert ``e`` (``heads/ds_svd.py``), in float32 or float64."""
+        """SVD-softmax over expert ``e`` (``heads/ds/svd.py``), in float32 or float64."""
         previews = self.previews
         with float32_context(hidden.device):
             h = upcast(hidden).to(self.dtype)

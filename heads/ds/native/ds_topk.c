@@ -1,4 +1,4 @@
-/* DS-Softmax top-k queries in C (heads/ds_softmax.py, DSSoftmaxHead.topk; heads/ds_svd.py).
+/* DS-Softmax top-k queries in C (heads/ds/softmax.py, DSSoftmaxHead.topk; heads/ds/svd.py).
  *
  * At batch 1 the selected expert holds a few hundred rows: its matrix-vector product is a
  * read of ~200 KB from L3 cache (about 7 us here), while each eager PyTorch call costs 1-5 us.
@@ -9,9 +9,9 @@
  * paper's section 4.6 applies it to large experts) an expert first scores its classes with
  * its top singular directions and computes exact logits for the best candidates only.
  *
- * The structure is described once per head by a ds_plan (built by heads/ds_softmax.py and
+ * The structure is described once per head by a ds_plan (built by heads/ds/softmax.py and
  * kept alive with the tensors it points to), so a query passes five arguments.
- * Compiled at first use by heads/native/__init__.py.
+ * Compiled at first use by heads/ds/native/__init__.py.
  */
 #define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <float.h>

@@ -1,12 +1,11 @@
 import math
-from functools import partial
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from heads import HeadConfigError
-from heads.ds_softmax import DSSoftmaxHead
+from heads.ds.softmax import DSSoftmaxHead
 from heads.softmax import SoftmaxHead
 from tests.heads.contract import (
     HIDDEN,
@@ -16,9 +15,6 @@ from tests.heads.contract import (
     check_compiles_without_graph_breaks,
     check_loss_matches_reference,
     check_training_keeps_no_vocabulary_rows,
-    chunked,
-    each_check,
-    run_check,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -26,21 +22,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def make_head(**options) -> DSSoftmaxHead:
     return DSSoftmaxHead(HIDDEN, VOCAB, **options)
-
-
-@each_check
-@pytest.mark.parametrize(
-    "options, fused",
-    [
-        ({"num_experts": 1}, None),
-        ({"num_experts": 3, "lambda_lasso": 0.01, "lambda_expert": 0.01}, None),
-        ({"num_experts": 2, "bias": True}, None),
-        ({"num_experts": 3, "bias": True, "lambda_load": 1.0}, chunked),
-    ],
-    ids=["k1", "k3_lasso", "k2_bias", "k3_bias_chunked"],
-)
-def test_contract(check, options, fused):
-    run_check(check, partial(make_head, **options), fused)
 
 
 def pruned_head(dtype=torch.float64, keep_every_class=True) -> DSSoftmaxHead:

@@ -1,0 +1,132 @@
+"""The chunk passes every eager loss kernel shares: one chunk's product ``h W_c^T + b_c``,
+its in-place ``exp`` and row sums, the online log-sum-exp that joins chunks, the target's
+column in a chunk, and the dtype rules (products in the compute dtype, reductions in float32,
+float64 kept). Shapes only, never values: the loops trace under ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# exp below about -87 gives subnormal floats, 20-40x slower on x86 CPUs (in the exp and in the
+# products that read them). A class below the floor counts as exp(-60) = 9e-27 of the
+# row's largest term: 1e-21 relative at 100k classes, far below float32 rounding.
+EXP_FLOOR = -60.0
+
+
+def spans(total: int, width: int | None) -> list[tuple[int, int]]:
+    """``[0, total)`` in consecutive ``(start, stop)`` spans of at most ``width``; one span
+    when ``width`` is None (a symbolic row count under ``torch.compile``: no loop on it)."""
+    if width is None:
+        return [(0, total)]
+    return [(start, min(total, start + width)) for start in range(0, total, width)]
+
+
+# -- the row passes ---------------------------------------------------------------------------
+# The elementwise passes of the loss over one chunk's float32/64 logits ``z [R, C]``. On a CPU
+# the exps are floored at ``EXP_FLOOR``.
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)`` without a dispatcher call when it already is (the loss's loops make
+    dozens of these per call, most of them no-ops)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def chunk_logits(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    accumulate: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``h W^T + b`` in the compute dtype (``hidden``'s), returned in the accumulation dtype,
+    written into the start of ``out`` (flat storage reused from chunk to chunk) when given."""
+    if out is not None:
+        rows, columns = hidden.size(0), weight.size(0)
+        out = out[: rows * columns].view(rows, columns)
+    if hidden.dtype == accumulate:
+        if bias is None:
+            return torch.mm(hidden, as_dtype(weight, hidden.dtype).t(), out=out)
+        return torch.addmm(
+            as_dtype(bias, accumulate), hidden, as_dtype(weight, hidden.dtype).t(), out=out
+        )
+    z = torch.mm(hidden, as_dtype(weight, hidden.dtype).t())
+    z = as_dtype(z, accumulate) if out is None else out.copy_(z)
+    return z if bias is None else z.add_(as_dtype(bias, accumulate))
+
+
+def finite_shift(top: torch.Tensor) -> torch.Tensor:
+    """A row maximum to shift by: 0 where the row is all ``-inf`` (masked columns), whose
+    ``exp(-inf - 0) = 0`` where ``-inf - -inf`` would be NaN."""
+    return torch.where(top == -math.inf, 0.0, top)
+
+
+def exp_sum_(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place ``z <- exp(z - m)`` with ``m`` the row maximum (floored on a CPU); returns
+    ``(m, sum of the row)``. A row of ``-inf`` has ``m = -inf`` and ``z <- exp(z)``: its sum
+    only ever enters :func:`combine_chunk` times ``exp(-inf) = 0``."""
+    top = z.amax(1)
+    return top, exp_shifted_(z, finite_shift(top)).sum(1)
+
+
+def exp_shifted_(z: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """In place ``z <- exp(z - shift)`` per row, ``exp(max(z - shift, EXP_FLOOR))`` on a CPU."""
+    z.sub_(shift.unsqueeze(1))
+    if z.device.type == "cpu":
+        z.clamp_(min=EXP_FLOOR)
+    return z.exp_()
+
+
+def target_columns(target: torch.Tensor, start: int, stop: int):
+    """``(inside, column)`` of targets for the columns ``[start, stop)``: whether each row's
+    target falls there, and its column in the chunk (clamped to a valid one where not),
+    ``[R, 1]`` for ``gather``/``scatter_add_``."""
+    inside = (target >= start) & (target < stop)
+    return inside, (target - start).clamp(0, stop - start - 1).unsqueeze(1)
+
+
+def chunk_buffer(like: torch.Tensor, rows: int, width: int, dtype: torch.dtype):
+    """Flat storage for the chunks that are not kept, reused from one to the next: a fresh
+    tensor per chunk costs a page fault per 4 KiB on a CPU (glibc maps large blocks anew) and
+    leaves freed blocks in the resident set. None under ``torch.compile``, which plans its
+    own buffers."""
+    if torch.compiler.is_compiling():
+        return None
+    return like.new_empty(rows * width, dtype=dtype)
+
+
+def combine_chunk(
+    top: torch.Tensor, total: torch.Tensor, chunk_top: torch.Tensor, chunk_total: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online log-sum-exp: ``(m, s)`` and one more chunk's ``(m_c, s_c)`` into the pair with
+    ``m' = max(m, m_c)``, ``s' = s e^(m - m') + s_c e^(m_c - m')``."""
+    new_top = torch.maximum(top, chunk_top)
+    shift = finite_shift(new_top)  # both -inf: total 0, not NaN
+    return new_top, total * torch.exp(top - shift) + chunk_total * torch.exp(chunk_top - shift)
+
+
+def accumulation_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float64 if any input is float64, else float32 (the reductions' dtype)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The products' dtype: the autocast dtype under autocast, else the inputs' common one."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device) and hidden.dtype != torch.float64:
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: bool) -> None:
+    """``out (+)= a b`` without a temporary where the dtypes allow."""
+    if out.dtype == a.dtype:
+        if add:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
+    elif add:
+        out += torch.mm(a, b).to(out.dtype)
+    else:
+        out.copy_(torch.mm(a, b))
