@@ -71,3 +71,37 @@ class BPTTBatches(IterableDataset):
                 self.streams[:, start:stop].long(),
                 self.streams[:, start + 1 : stop + 1].long(),
             )
+
+
+class StreamWindows(IterableDataset):
+    """Contiguous BPTT batches over one split of a data module, this rank's share of the
+    ``batch_size`` streams, re-read at every pass (``data.rank_streams``). ``tokens``: the
+    split's length; ``before_pass``: called as each pass starts (a vocabulary's scheduled
+    state takes effect there)."""
+
+    def __init__(self, data, split: str, batch_size: int, bptt: int, tokens: int,
+                 before_pass=None) -> None:  # fmt: skip
+        from datamodules.errors import DataConfigError
+
+        super().__init__()
+        trainer = data.trainer
+        self.rank, self.world_size = (
+            (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
+        )
+        self.data, self.split, self.batch_size, self.bptt = data, split, batch_size, bptt
+        self.before_pass = before_pass
+        try:
+            _, _, stream_len = stream_layout(tokens, batch_size, self.rank, self.world_size)
+        except ValueError as exc:  # too few tokens for the streams, or streams vs. ranks
+            option = "data.batch_size" if split == "train" else "data.eval_batch_size"
+            raise DataConfigError(f"{split} split with {option}={batch_size}: {exc}") from exc
+        self._len = num_windows(stream_len, bptt)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self):
+        if self.before_pass is not None:
+            self.before_pass()
+        streams = self.data.rank_streams(self.split, self.batch_size, self.rank, self.world_size)
+        yield from BPTTBatches(streams.reshape(-1), streams.size(0), self.bptt)

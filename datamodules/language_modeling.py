@@ -11,9 +11,9 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
-from datamodules.bptt import BPTTBatches, num_windows, stream_layout
+from datamodules.bptt import StreamWindows, stream_layout
 from datamodules.cache import (
     CacheEntry,
     SourceIdentities,
@@ -58,41 +58,6 @@ class _UnknownCounter:
 
     def counted(self) -> dict[str, int]:
         return {"unknown": self.unknown}
-
-
-class _LiveBPTT(IterableDataset):
-    """BPTT batches over the split's *current* token stream, re-read at every pass. The
-    vocabulary is told when a training pass starts (``begin_training_pass``): state it
-    scheduled for it (a re-assigned table) then takes effect, so the next epoch (also after a
-    resume) trains and validates with it. (The number of tokens never changes.) Only this
-    rank's streams are read (a view of the memory-mapped token file, or this rank's share of
-    the vocabulary's stream encoded)."""
-
-    def __init__(self, data: LanguageModelingDataModule, split: str, batch_size: int) -> None:
-        super().__init__()
-        trainer = data.trainer
-        self.batch_size, self.bptt = batch_size, data.hparams.bptt
-        self.rank, self.world_size = (
-            (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
-        )
-        self.data, self.split = data, split
-        try:
-            _, _, stream_len = stream_layout(
-                data.num_tokens(split), batch_size, self.rank, self.world_size
-            )
-        except ValueError as exc:  # too few tokens for the streams, or streams vs. ranks
-            option = "data.batch_size" if split == "train" else "data.eval_batch_size"
-            raise DataConfigError(f"{split} split with {option}={batch_size}: {exc}") from exc
-        self._len = num_windows(stream_len, self.bptt)
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __iter__(self):
-        if self.split == "train":
-            self.data.vocab.begin_training_pass()
-        streams = self.data.rank_streams(self.split, self.batch_size, self.rank, self.world_size)
-        yield from BPTTBatches(streams.reshape(-1), streams.size(0), self.bptt)
 
 
 class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
@@ -430,11 +395,20 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
 
     # -- loaders ---------------------------------------------------------------------------
     def _batches(self, split: str, batch_size: int) -> DataLoader:
-        return DataLoader(_LiveBPTT(self, split, batch_size), batch_size=None)
+        return DataLoader(self._windows(split, batch_size), batch_size=None)
 
     def train_dataloader(self) -> DataLoader:
         # resumable: a mid-epoch checkpoint saves the position, `fit --ckpt_path` continues there
-        return ResumableLoader(_LiveBPTT(self, "train", self.hparams.batch_size))
+        return ResumableLoader(self._windows("train", self.hparams.batch_size))
+
+    def _windows(self, split: str, batch_size: int) -> StreamWindows:
+        """BPTT batches over the split's *current* token stream, re-read at every pass; the
+        vocabulary is told when a training pass starts (``begin_training_pass``): state it
+        scheduled (a re-assigned table) then takes effect, so the next epoch (also after a
+        resume) trains and validates with it."""
+        before = self.vocab.begin_training_pass if split == "train" else None
+        return StreamWindows(self, split, batch_size, self.hparams.bptt, self.num_tokens(split),
+                             before_pass=before)  # fmt: skip
 
     def val_dataloader(self) -> DataLoader:
         return self._batches("valid", self.hparams.eval_batch_size)

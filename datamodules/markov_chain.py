@@ -41,9 +41,9 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
-from datamodules.bptt import BPTTBatches, num_windows, stream_layout
+from datamodules.bptt import StreamWindows, stream_layout
 from datamodules.cache import CacheEntry, cache_root, splits_to_prepare
 from datamodules.errors import DataConfigError, VocabularyMismatchError
 from datamodules.resumable import ResumableLoader
@@ -181,32 +181,6 @@ def stationary_distribution(
             return new
         pi = new
     return pi
-
-
-class _Windows(IterableDataset):
-    """Contiguous BPTT windows over one split (``batch_size`` streams, this rank's share)."""
-
-    def __init__(self, data: MarkovChainDataModule, split: str, batch_size: int) -> None:
-        super().__init__()
-        trainer = data.trainer
-        self.rank, self.world_size = (
-            (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
-        )
-        self.data, self.split, self.batch_size, self.bptt = data, split, batch_size, data.bptt
-        tokens = len(data.split_tokens(split))
-        try:
-            _, _, stream_len = stream_layout(tokens, batch_size, self.rank, self.world_size)
-        except ValueError as exc:
-            option = "data.batch_size" if split == "train" else "data.eval_batch_size"
-            raise DataConfigError(f"{split} split with {option}={batch_size}: {exc}") from exc
-        self._len = num_windows(stream_len, self.bptt)
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __iter__(self):
-        streams = self.data.rank_streams(self.split, self.batch_size, self.rank, self.world_size)
-        yield from BPTTBatches(streams.reshape(-1), streams.size(0), self.bptt)
 
 
 class MarkovChainDataModule(L.LightningDataModule):
@@ -411,14 +385,17 @@ class MarkovChainDataModule(L.LightningDataModule):
         return np.bincount(self.split_tokens("train").numpy(), minlength=self.vocab_size)
 
     # -- loaders -------------------------------------------------------------------------------
+    def _windows(self, split: str, batch_size: int) -> StreamWindows:
+        return StreamWindows(self, split, batch_size, self.hparams.bptt, self.num_tokens(split))
+
     def train_dataloader(self) -> DataLoader:
-        return ResumableLoader(_Windows(self, "train", self.hparams.batch_size))
+        return ResumableLoader(self._windows("train", self.hparams.batch_size))
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(_Windows(self, "valid", self.hparams.eval_batch_size), batch_size=None)
+        return DataLoader(self._windows("valid", self.hparams.eval_batch_size), batch_size=None)
 
     def test_dataloader(self) -> DataLoader:
-        return DataLoader(_Windows(self, "test", self.hparams.eval_batch_size), batch_size=None)
+        return DataLoader(self._windows("test", self.hparams.eval_batch_size), batch_size=None)
 
     def predict_dataloader(self) -> DataLoader:
         raise DataConfigError(

@@ -61,7 +61,10 @@ def test_summary_first_then_topics_in_order(results):
         next(r for r in rows if "[bench_cpu]" in r)
     )
     bench = next(row for row in rows if "[bench_cpu](#bench_cpu)" in row)
-    assert "| Other measurements |" in bench and "`python -m app.bench --mode same-batch --heads" in bench
+    assert (
+        "| Other measurements |" in bench
+        and "`python -m app.bench --mode same-batch --heads" in bench
+    )
     assert "step time x softmax:" not in bench  # no head besides softmax and matmul
     data_row = next(row for row in rows if "[data_small](#data_small)" in row)
     assert "| Data preparation |" in data_row and "word: 20,000 tokens prepared in" in data_row
