@@ -28,6 +28,23 @@ def _map_tensors(state: Any, fn: Any) -> Any:
     return type(state)(_map_tensors(s, fn) for s in state)
 
 
+NOT_HPARAMS = [
+    "backbone", "head", "optimizer", "scheduler", "predict_top_k", "generate_tokens",
+    "temperature", "pretrained_checkpoint", "compile", "loss_backend",
+]  # fmt: skip
+
+
+def _check_predict_options(predict_top_k: int, generate_tokens: int, temperature: float) -> None:
+    if temperature <= 0:
+        raise ModelConfigError(f"model.temperature must be positive, got {temperature}")
+    if predict_top_k < 1:
+        raise ModelConfigError(f"model.predict_top_k must be at least 1, got {predict_top_k}")
+    if generate_tokens < 0:
+        raise ModelConfigError(
+            f"model.generate_tokens must be 0 (none) or more, got {generate_tokens}"
+        )
+
+
 class LanguageModel(HeadTask):
     """Next-token language model over any :class:`~heads.Head`.
 
@@ -79,31 +96,11 @@ class LanguageModel(HeadTask):
         super().__init__(backbone, head, optimizer, scheduler, compile, loss_backend)
         if tie_weights:
             head.tie_output_embedding(backbone.embedding.weight)
-        if temperature <= 0:
-            raise ModelConfigError(f"model.temperature must be positive, got {temperature}")
-        if predict_top_k < 1:
-            raise ModelConfigError(f"model.predict_top_k must be at least 1, got {predict_top_k}")
-        if generate_tokens < 0:
-            raise ModelConfigError(
-                f"model.generate_tokens must be 0 (none) or more, got {generate_tokens}"
-            )
+        _check_predict_options(predict_top_k, generate_tokens, temperature)
         # Only structural options go to hparams: LightningCLI re-applies a checkpoint's hparams
         # over the command line, which must stay free to change the predict options. (Modules
         # and factories are described by the config LightningCLI saves beside the logs.)
-        self.save_hyperparameters(
-            ignore=[
-                "backbone",
-                "head",
-                "optimizer",
-                "scheduler",
-                "predict_top_k",
-                "generate_tokens",
-                "temperature",
-                "pretrained_checkpoint",
-                "compile",
-                "loss_backend",
-            ]
-        )
+        self.save_hyperparameters(ignore=NOT_HPARAMS)
         self.predict_top_k = predict_top_k
         self.generate_tokens = generate_tokens
         self.temperature = temperature

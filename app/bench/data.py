@@ -193,21 +193,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     corpus_dir = Path(args.corpus_dir or Path(tempfile.gettempdir()) / (
         f"output-heads-bench-corpus-{args.tokens}-{args.types}-{args.zipf}-{args.line_words}"
     ))  # fmt: skip
-    marker = corpus_dir / "corpus.json"
-    if marker.is_file():
-        corpus = json.loads(marker.read_text())
-        print(f"corpus: {corpus_dir} (written before)", flush=True)
-    else:
-        print(f"writing a {args.tokens:,}-token corpus to {corpus_dir} ...", flush=True)
-        start = time.perf_counter()
-        corpus = write_synthetic_corpus(
-            corpus_dir, args.tokens, args.types, args.zipf, args.line_words, args.seed
-        )
-        corpus["write_s"] = time.perf_counter() - start
-        marker.write_text(json.dumps(corpus))
     report: dict[str, Any] = {
         "mode": "data",
-        "corpus": corpus,
+        "corpus": _corpus(args, corpus_dir),
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
@@ -225,33 +213,54 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "bptt": args.bptt,
         }
         cache = Path(args.cache_dir) if args.cache_dir else Path(tempfile.mkdtemp("-data-cache"))
-        entry: dict[str, Any] = {"vocab": vocab}
         try:
-            spec = {"data": {**data, "cache_dir": str(cache)}}
-            print(f"[{vocab}] first preparation (empty cache {cache}) ...", flush=True)
-            entry["prepare"] = phase({**spec, "phase": "prepare"})
-            print(f"[{vocab}] {_line(entry['prepare'])}", flush=True)
-            entry["cached"] = []
-            for repeat in range(args.repeats):
-                read = args.read_epoch and repeat == 0
-                entry["cached"].append(phase({**spec, "phase": "cached", "read_epoch": read}))
-                print(f"[{vocab}] cached setup: {_line(entry['cached'][-1])}", flush=True)
-            entry["cached_wall_s"] = statistics.median(r["wall_s"] for r in entry["cached"])
-            if args.concurrent > 1:
-                fresh = Path(tempfile.mkdtemp("-data-cache"))
-                spec_now = {**spec, "data": {**data, "cache_dir": str(fresh)}, "phase": "prepare"}
-                print(f"[{vocab}] {args.concurrent} processes at once, empty cache ...", flush=True)
-                processes = [_spawn(spec_now) for _ in range(args.concurrent)]
-                entry["concurrent"] = [_result(p) for p in processes]
-                for result in entry["concurrent"]:
-                    print(f"[{vocab}]   {_line(result)}", flush=True)
-                shutil.rmtree(fresh, ignore_errors=True)
+            report["results"].append(_measure_vocab(args, vocab, data, cache))
         finally:
             if not args.cache_dir:
                 shutil.rmtree(cache, ignore_errors=True)
-        report["results"].append(entry)
     report["machine"]["load_after"] = os.getloadavg()
     return report
+
+
+def _corpus(args: argparse.Namespace, corpus_dir: Path) -> dict[str, Any]:
+    """The synthetic corpus's description, written first where it is not there yet."""
+    marker = corpus_dir / "corpus.json"
+    if marker.is_file():
+        print(f"corpus: {corpus_dir} (written before)", flush=True)
+        return json.loads(marker.read_text())
+    print(f"writing a {args.tokens:,}-token corpus to {corpus_dir} ...", flush=True)
+    start = time.perf_counter()
+    corpus = write_synthetic_corpus(
+        corpus_dir, args.tokens, args.types, args.zipf, args.line_words, args.seed
+    )
+    corpus["write_s"] = time.perf_counter() - start
+    marker.write_text(json.dumps(corpus))
+    return corpus
+
+
+def _measure_vocab(args, vocab: str, data: dict[str, Any], cache: Path) -> dict[str, Any]:
+    """One vocabulary: the first preparation, the cached setups, and concurrent preparations."""
+    entry: dict[str, Any] = {"vocab": vocab}
+    spec = {"data": {**data, "cache_dir": str(cache)}}
+    print(f"[{vocab}] first preparation (empty cache {cache}) ...", flush=True)
+    entry["prepare"] = phase({**spec, "phase": "prepare"})
+    print(f"[{vocab}] {_line(entry['prepare'])}", flush=True)
+    entry["cached"] = []
+    for repeat in range(args.repeats):
+        read = args.read_epoch and repeat == 0
+        entry["cached"].append(phase({**spec, "phase": "cached", "read_epoch": read}))
+        print(f"[{vocab}] cached setup: {_line(entry['cached'][-1])}", flush=True)
+    entry["cached_wall_s"] = statistics.median(r["wall_s"] for r in entry["cached"])
+    if args.concurrent > 1:
+        fresh = Path(tempfile.mkdtemp("-data-cache"))
+        spec_now = {**spec, "data": {**data, "cache_dir": str(fresh)}, "phase": "prepare"}
+        print(f"[{vocab}] {args.concurrent} processes at once, empty cache ...", flush=True)
+        processes = [_spawn(spec_now) for _ in range(args.concurrent)]
+        entry["concurrent"] = [_result(p) for p in processes]
+        for result in entry["concurrent"]:
+            print(f"[{vocab}]   {_line(result)}", flush=True)
+        shutil.rmtree(fresh, ignore_errors=True)
+    return entry
 
 
 def _line(result: dict[str, Any]) -> str:

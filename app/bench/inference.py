@@ -328,44 +328,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     load_before = load_average()
     softmax_paths = named_paths(args.softmax_checkpoint, "softmax")
     ds_paths = named_paths(args.ds_checkpoint, "ds")
-    heads: dict[str, nn.Module] = {}
     if softmax_paths or ds_paths:
-        if not (args.softmax_config and softmax_paths and args.ds_config and ds_paths):
-            raise SystemExit("error: give --softmax-config, --softmax-checkpoint, --ds-config and "
-                             "--ds-checkpoint together")  # fmt: skip
-        quality, queries = {}, None
-        for kind, paths in (("softmax", softmax_paths), ("ds", ds_paths)):
-            for name, path in paths.items():
-                model, datamodule = load_lm(getattr(args, f"{kind}_config"), path)
-                variants = {name: model.head}
-                if kind == "ds":
-                    variants.update({svd_name(name, s): with_svd(model.head, s) for s in args.svd})
-                print(f"evaluating {', '.join(variants)} on the test split", flush=True)
-                evaluated = evaluate_lm(model, datamodule, variants, args.queries,
-                                        args.max_eval_batches)  # fmt: skip
-                quality.update(evaluated["metrics"])
-                if kind == "ds" and queries is None:
-                    queries = evaluated["queries"]
-                # extra softmax checkpoints are quality references: same latency as the first
-                if kind == "ds" or not heads:
-                    heads.update(variants)
-        reference = next(iter(softmax_paths))
-        report["quality"] = quality
-        report["accuracy_vs_softmax_points"] = {
-            name: {key: 100 * (metrics[key] - quality[reference][key])
-                   for key in (f"acc_top{k}" for k in ACCURACY_K)}
-            for name, metrics in quality.items() if name != reference
-        }  # fmt: skip
+        heads, queries, reference = _checkpoint_heads(args, softmax_paths, ds_paths, report)
     else:
-        ds = synthetic_ds_head(args.vocab_size, args.hidden_size, args.experts, args.expert_size)
-        reference = "softmax"
-        heads = {"softmax": SoftmaxHead(args.hidden_size, args.vocab_size), "ds": ds}
-        heads.update({svd_name("ds", s): with_svd(ds, s) for s in args.svd})
-        queries = torch.randn(args.queries, args.hidden_size)
-        expert, _ = ds.select(queries)
-        counts = torch.bincount(expert, minlength=ds.num_experts).double()
-        report["quality"] = {name: ds_structure(head, counts / counts.sum())
-                             for name, head in heads.items() if name != "softmax"}  # fmt: skip
+        heads, queries, reference = _synthetic_heads(args, report)
     report["reference"] = reference
     heads["softmax_1x"] = softmax_as_one_expert(heads[reference])
     for head in heads.values():
@@ -386,6 +352,52 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "load_average_after": load_average(),
     }
     return report
+
+
+def _checkpoint_heads(args, softmax_paths, ds_paths, report):
+    """Heads of trained checkpoints (and DS's SVD variants), their test-split quality into
+    ``report``, and the DS model's test contexts as queries."""
+    if not (args.softmax_config and softmax_paths and args.ds_config and ds_paths):
+        raise SystemExit("error: give --softmax-config, --softmax-checkpoint, --ds-config and "
+                         "--ds-checkpoint together")  # fmt: skip
+    heads: dict[str, nn.Module] = {}
+    quality, queries = {}, None
+    for kind, paths in (("softmax", softmax_paths), ("ds", ds_paths)):
+        for name, path in paths.items():
+            model, datamodule = load_lm(getattr(args, f"{kind}_config"), path)
+            variants = {name: model.head}
+            if kind == "ds":
+                variants.update({svd_name(name, s): with_svd(model.head, s) for s in args.svd})
+            print(f"evaluating {', '.join(variants)} on the test split", flush=True)
+            evaluated = evaluate_lm(model, datamodule, variants, args.queries,
+                                    args.max_eval_batches)  # fmt: skip
+            quality.update(evaluated["metrics"])
+            if kind == "ds" and queries is None:
+                queries = evaluated["queries"]
+            # extra softmax checkpoints are quality references: same latency as the first
+            if kind == "ds" or not heads:
+                heads.update(variants)
+    reference = next(iter(softmax_paths))
+    report["quality"] = quality
+    report["accuracy_vs_softmax_points"] = {
+        name: {key: 100 * (metrics[key] - quality[reference][key])
+               for key in (f"acc_top{k}" for k in ACCURACY_K)}
+        for name, metrics in quality.items() if name != reference
+    }  # fmt: skip
+    return heads, queries, reference
+
+
+def _synthetic_heads(args, report):
+    """A synthetic DS head beside a softmax of the same size, random queries."""
+    ds = synthetic_ds_head(args.vocab_size, args.hidden_size, args.experts, args.expert_size)
+    heads = {"softmax": SoftmaxHead(args.hidden_size, args.vocab_size), "ds": ds}
+    heads.update({svd_name("ds", s): with_svd(ds, s) for s in args.svd})
+    queries = torch.randn(args.queries, args.hidden_size)
+    expert, _ = ds.select(queries)
+    counts = torch.bincount(expert, minlength=ds.num_experts).double()
+    report["quality"] = {name: ds_structure(head, counts / counts.sum())
+                         for name, head in heads.items() if name != "softmax"}  # fmt: skip
+    return heads, queries, "softmax"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -311,17 +311,43 @@ def render_markdown(study: Mapping[str, Any], image_dir: Path | str, link_prefix
     image_dir.mkdir(parents=True, exist_ok=True)
     name, metric = study["name"], study["metric"]
     rows = summarize(study)
-    reference = study.get("reference") or {}
-    ref_values = reference.get("values", {})
     lines = [f"### Study `{name}`", ""]
     if study.get("description"):
         lines += [study["description"], ""]
     budget = ", ".join(f"{k}={v}" for k, v in (study.get("budget") or {}).items()) or "see grid"
     lines += [f"Budget: {budget}. Ran on: {_where(study)}.", ""]
+    lines += _summary_table(study, rows)
+    if not study.get("epoch_time_excludes_validation"):
+        lines += [
+            "Training times include validation: this study was run before the epoch timer "
+            "excluded it (`time/train_epoch_s`, issue 33).",
+            "",
+        ]
+    lines += _comparison(study, rows)
+    lines += render_optimum(study)
+    per_seed = ", ".join(
+        f"{row['label']} " + "/".join(f"{v:.2f}" for v in row["values"]) for row in rows
+    )
+    lines += [f"Per seed ({metric}, seeds in grid order): {per_seed}.", ""]
+    curves, quality = f"{name}_curves.png", f"{name}_quality_vs_time.png"
+    plot_curves(study, image_dir / curves)
+    plot_quality_vs_time(study, rows, image_dir / quality)
+    lines += [
+        f"![validation curves]({link_prefix}{curves})",
+        f"![quality vs training time]({link_prefix}{quality})",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _summary_table(study: Mapping[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """One row per head: the metric, best validation, epochs, times, rank (and the paper's)."""
+    reference = study.get("reference") or {}
+    ref_values = reference.get("values", {})
     header = [
         "head",
         "n (ok/runs)",
-        f"{metric} mean ± std",
+        f"{study['metric']} mean ± std",
         f"best {study['curve_metric']}",
         "epochs",
         f"train s/epoch ({timing_label(study)})",
@@ -330,7 +356,7 @@ def render_markdown(study: Mapping[str, Any], image_dir: Path | str, link_prefix
     ]
     if ref_values:
         header.append(f"paper ({reference.get('source', '')})")
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         notes = [f"{row[k]} {k}" for k in ("diverged", "failed", "unstable") if row[k]]
         count = f"{row['ok']}/{row['runs']}" + (f" ({', '.join(notes)})" if notes else "")
@@ -349,40 +375,24 @@ def render_markdown(study: Mapping[str, Any], image_dir: Path | str, link_prefix
             value = ref_values.get(row["label"].split("+")[0])
             cells.append("-" if value is None else f"{value}")
         lines.append("| " + " | ".join(cells) + " |")
-    lines.append("")
-    if not study.get("epoch_time_excludes_validation"):
-        lines += [
-            "Training times include validation: this study was run before the epoch timer "
-            "excluded it (`time/train_epoch_s`, issue 33).",
-            "",
-        ]
+    return [*lines, ""]
+
+
+def _comparison(study: Mapping[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """Each head against the baseline: the difference, its spread and Welch's t-test."""
     comparisons = compare(study, rows)
-    if comparisons:
-        direction = "lower" if study["mode"] == "min" else "higher"
-        lines.append(f"Against `{study['baseline']}` ({metric}, {direction} is better):")
-        lines.append("")
-        for c in comparisons:
-            verdict = (
-                f"{direction} by more than one std"
-                if c["better_by_more_than_one_std"]
-                else f"not {direction} by more than one std"
-            )
-            p_text = "" if math.isnan(c["p_value"]) else f", Welch's t-test p = {c['p_value']:.3f}"
-            lines.append(
-                f"- `{c['label']}`: {c['delta']:+.2f} (std {c['spread']:.2f}): {verdict}{p_text}"
-            )
-        lines.append("")
-    lines += render_optimum(study)
-    per_seed = ", ".join(
-        f"{row['label']} " + "/".join(f"{v:.2f}" for v in row["values"]) for row in rows
-    )
-    lines += [f"Per seed ({metric}, seeds in grid order): {per_seed}.", ""]
-    curves, quality = f"{name}_curves.png", f"{name}_quality_vs_time.png"
-    plot_curves(study, image_dir / curves)
-    plot_quality_vs_time(study, rows, image_dir / quality)
-    lines += [
-        f"![validation curves]({link_prefix}{curves})",
-        f"![quality vs training time]({link_prefix}{quality})",
-        "",
-    ]
-    return "\n".join(lines)
+    if not comparisons:
+        return []
+    direction = "lower" if study["mode"] == "min" else "higher"
+    lines = [f"Against `{study['baseline']}` ({study['metric']}, {direction} is better):", ""]
+    for c in comparisons:
+        verdict = (
+            f"{direction} by more than one std"
+            if c["better_by_more_than_one_std"]
+            else f"not {direction} by more than one std"
+        )
+        p_text = "" if math.isnan(c["p_value"]) else f", Welch's t-test p = {c['p_value']:.3f}"
+        lines.append(
+            f"- `{c['label']}`: {c['delta']:+.2f} (std {c['spread']:.2f}): {verdict}{p_text}"
+        )
+    return [*lines, ""]
