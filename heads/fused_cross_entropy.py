@@ -39,13 +39,14 @@ import torch
 
 from heads.cross_entropy import IGNORE_INDEX
 from heads.errors import HeadConfigError, UserError
+from heads.kernels.checkpointed_lse import checkpointed_lse
 from heads.kernels.chunks import accumulation_dtype, compute_dtype
 from heads.kernels.chunks import spans as spans  # re-exported: callers plan chunks with it
 from heads.kernels.compiled_lse import CompiledLinearLSE
 from heads.kernels.eager_lse import EagerLinearLSE
 
 BACKENDS = ("auto", "torch", "cce", "liger")
-PLANS = ("auto", "eager", "compiled")
+PLANS = ("auto", "eager", "compiled", "checkpoint")
 
 # Working set of one chunk's logits (float32 entries): small enough on a CPU for the chunk's
 # passes to run from cache and for glibc to reuse the freed memory; on a GPU large enough for
@@ -77,8 +78,10 @@ class LossOptions:
     fold: how the backward forms ``dL/dz``: True, chunk by chunk in one pass over the logits;
         False, by scaling ``[N, d]`` rows; None: True where ``V <= 4 d`` (tests, tuning).
     plan: ``eager`` (the hand-written chunk loop, tuned for CPUs), ``compiled`` (one
-        compiled function per chunk, ``heads/kernels/compiled_lse.py``, tuned for GPUs), or
-        ``auto``: compiled on CUDA, eager elsewhere.
+        compiled function per chunk, ``heads/kernels/compiled_lse.py``, tuned for GPUs),
+        ``checkpoint`` (plain maths per chunk under ``torch.utils.checkpoint``: the yardstick
+        the hand-written plans are measured against), or ``auto``: compiled on CUDA, eager
+        elsewhere.
     device_memory: bytes of device memory the CUDA chunks are planned for; None: the
         device's own (tests state one to check a plan on a CPU).
     """
@@ -194,6 +197,10 @@ def linear_lse(
         saved = options.saved_bytes
     else:
         (_, width), tile, saved = plan_tiles(row_bound, v, hidden.device, options), None, 0
+    if options.plan == "checkpoint":  # plain maths per chunk: the hand-written plans' yardstick
+        target = torch.where((target >= 0) & (target < v), target, -1)
+        lse, target_logit = checkpointed_lse(hidden, weight, bias, target, width)
+        return LinearLSE(lse, target_logit, logit_sums(hidden, weight, bias) if logit_sum else None)
     if resolve_plan(options.plan, hidden) == "compiled":
         acc = accumulation_dtype(hidden, weight)
         lse, target_logit = CompiledLinearLSE.apply(

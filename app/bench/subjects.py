@@ -31,9 +31,10 @@ from lightning_modules.backbones import LSTMBackbone
 
 HEADS = ("softmax", "mixtape", "mos", "adaptive")
 PEERS = ("torch_adaptive", "matmul", "cce", "liger")
+# @checkpoint: plain maths per chunk under torch.utils.checkpoint (no hand-written backward).
 # @eager: the torch backend's CPU-tuned chunk loop wherever it runs (on CUDA the default is
 # the compiled chunk plan): the two plans side by side on a GPU
-PLAN_SUBJECTS = ("eager",)
+PLAN_SUBJECTS = ("eager", "checkpoint")
 DEFAULT_SUBJECTS = ("softmax", "mixtape", "mos", "adaptive", "torch_adaptive", "matmul")
 
 

@@ -268,3 +268,13 @@ def test_a_compiled_model_traces_the_plan_into_one_graph():
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_checkpoint_plan_equals_the_eager_one_in_float64(layout):
+    """The yardstick plan (plain maths per chunk under torch.utils.checkpoint)."""
+    case = _case(rows=11)
+    got = _loss_and_grads(LossOptions(plan="checkpoint", **layout), *case)
+    want = _loss_and_grads(LossOptions(plan="eager"), *case)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
