@@ -36,9 +36,6 @@ TOPICS = [
     ("Translation", ("bleu_",)),
     ("Data preparation", ("data_",)),
 ]
-# the names the commands record the load average under (the benchmark's modes differ)
-LOAD_AVERAGE_KEYS = ("load_average", "load_average_before", "load_before")
-
 # a renderer gets the report, its JSON path and the folder of the markdown file (for links)
 Renderer = Callable[[dict[str, Any], Path, Path], str]
 
@@ -89,7 +86,8 @@ def link(path: Path, doc_dir: Path) -> str:
 
 
 def _load_average(machine: dict[str, Any]) -> list[float] | None:
-    return next((machine[key] for key in LOAD_AVERAGE_KEYS if machine.get(key)), None)
+    """The load average the command recorded as it started (every mode: ``load_average``)."""
+    return machine.get("load_average") or None
 
 
 def _machine(report: dict[str, Any]) -> str:

@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
-            "load_before": os.getloadavg(),
+            "load_average": os.getloadavg(),
         },
         "options": {k: v for k, v in vars(args).items() if k != "out"},
         "results": [],
@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             if not args.cache_dir:
                 shutil.rmtree(cache, ignore_errors=True)
-    report["machine"]["load_after"] = os.getloadavg()
+    report["machine"]["load_average_after"] = os.getloadavg()
     return report
 
 

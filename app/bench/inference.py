@@ -348,7 +348,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "native_kernel": ds_topk_kernels() is not None,
-        "load_average_before": load_before,
+        "load_average": load_before,
         "load_average_after": load_average(),
     }
     return report
@@ -486,7 +486,7 @@ def print_report(report: dict[str, Any]) -> None:
     kernel = "C kernel" if report["machine"]["native_kernel"] else "PyTorch (no C compiler)"
     print(
         f"DS and softmax_1x top-k ran through: {kernel}; load average before/after: "
-        f"{report['machine']['load_average_before']} / {report['machine']['load_average_after']}"
+        f"{report['machine']['load_average']} / {report['machine']['load_average_after']}"
     )
 
 

@@ -43,7 +43,7 @@ def test_inference_mode_runs_through_app_bench(tmp_path):
     expected = 500 / ((4 + 80 * 4 / 16 + 20) + 8)
     assert svd["svd_flops_speedup_top10"] == pytest.approx(expected)
     assert saved["args"]["svd"] == [{"rank": 4, "candidates": 0.25, "min_classes": 50}]
-    assert len(saved["machine"]["load_average_before"]) == 3
+    assert len(saved["machine"]["load_average"]) == 3
     if saved["machine"]["native_kernel"]:
         stages = saved["breakdown"]["ds"]
         assert stages["same_answers"] and stages["kernel_total"] > 0
@@ -91,7 +91,7 @@ def test_plot_of_a_report(tmp_path):
             "ds": timings(16.0),
             "ds+svd16-50": timings(11.0),
         },
-        "machine": {"device": "cpu", "threads": 1, "load_average_before": [1.0, 1.0, 1.0]},
+        "machine": {"device": "cpu", "threads": 1, "load_average": [1.0, 1.0, 1.0]},
     }
     path = tmp_path / "report.json"
     path.write_text(json.dumps(report))
