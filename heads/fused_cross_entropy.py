@@ -30,6 +30,7 @@ linear cross-entropy), imported on first use.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from heads.errors import HeadConfigError, UserError
 from heads.kernels.checkpointed_lse import checkpointed_lse
 from heads.kernels.chunks import accumulation_dtype, compute_dtype
 from heads.kernels.chunks import spans as spans  # re-exported: callers plan chunks with it
-from heads.kernels.compiled_lse import CompiledLinearLSE
+from heads.kernels.compiled_lse import CompiledLinearLSE, own_targets
 from heads.kernels.eager_lse import EagerLinearLSE
 
 BACKENDS = ("auto", "torch", "cce", "liger")
@@ -198,7 +199,7 @@ def linear_lse(
     else:
         (_, width), tile, saved = plan_tiles(row_bound, v, hidden.device, options), None, 0
     if options.plan == "checkpoint":  # plain maths per chunk: the hand-written plans' yardstick
-        target = torch.where((target >= 0) & (target < v), target, -1)
+        target = own_targets(target, v)
         lse, target_logit = checkpointed_lse(hidden, weight, bias, target, width)
         return LinearLSE(lse, target_logit, logit_sums(hidden, weight, bias) if logit_sum else None)
     if resolve_plan(options.plan, hidden) == "compiled":
@@ -339,6 +340,7 @@ def check_backend_device(name: str, device: torch.device) -> None:
         )
 
 
+@functools.cache  # checked once per process: a forward must not read package metadata
 def external_loss_function(name: str) -> Callable:
     """A per-row NLL function ``(h, W, b, target) -> [N]`` float32 for ``cce`` or ``liger``,
     sync-free, ``target`` all in ``[0, V)``; a one-line error naming the package to install

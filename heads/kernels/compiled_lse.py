@@ -24,6 +24,8 @@ import math
 
 import torch
 
+from heads.kernels.chunks import finite_shift
+
 # torch.compile's backend for the chunk bodies; tests swap in "aot_eager" to check the plan's
 # logic quickly, and keep one test on the real one
 COMPILE_BACKEND = "inductor"
@@ -42,7 +44,7 @@ def forward_chunk(h, w, b, local, top, total, picked):
     inside = (local >= 0) & (local < columns)
     picked = torch.where(inside, z.gather(1, local.clamp(0, columns - 1)[:, None])[:, 0], picked)
     new_top = torch.maximum(top, z.amax(1))
-    shift = torch.where(new_top == -math.inf, 0.0, new_top)  # all -inf so far: 0, not NaN
+    shift = finite_shift(new_top)  # all -inf so far: 0, not NaN
     total = total * torch.exp(top - shift) + torch.exp(z - shift[:, None]).sum(1)
     return new_top, total, picked
 
@@ -184,9 +186,11 @@ class CompiledLinearLSE(torch.autograd.Function):
         g = grad_lse.to(acc) if grad_lse is not None else lse.new_zeros(n)
         g_t = grad_target.to(acc) if grad_target is not None else lse.new_zeros(n)
         grad_h = hidden.new_zeros(n, hidden.size(1), dtype=acc)
-        grad_w = weight.new_zeros(w.shape, dtype=acc)
-        grad_b = weight.new_zeros(w.size(0), dtype=acc)
-        for r0, r1 in row_spans(n, tile):
+        # the first row tile writes dW and db, later ones add (no rows: zeros)
+        tiles = row_spans(n, tile)
+        new = weight.new_empty if tiles else weight.new_zeros
+        grad_w, grad_b = new(w.shape, dtype=acc), new(w.size(0), dtype=acc)
+        for r0, r1 in tiles:
             rows_grad = grad_h[r0:r1].clone()
             h_r, lse_r, g_r, g_t_r = (own(t, r0, r1) for t in (h, lse, g, g_t))
             for c0 in range(0, w.size(0), width):
@@ -194,8 +198,12 @@ class CompiledLinearLSE(torch.autograd.Function):
                     h_r, own(w, c0, c0 + width), own(b, c0, c0 + width), target[r0:r1] - c0,
                     lse_r, g_r, g_t_r, rows_grad,
                 )  # fmt: skip
-                grad_w[c0 : c0 + width] += dw
-                grad_b[c0 : c0 + width] += db
+                if r0 == 0:
+                    grad_w[c0 : c0 + width] = dw
+                    grad_b[c0 : c0 + width] = db
+                else:
+                    grad_w[c0 : c0 + width] += dw
+                    grad_b[c0 : c0 + width] += db
             grad_h[r0:r1] = rows_grad
         return (
             grad_h.to(hidden.dtype),
