@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from app.cli.errors import known_error_line
@@ -45,7 +46,18 @@ def exit_status(run: Callable[[], Any]) -> int:
         if rank_zero_only.rank == 0:
             print(f"error: {line}", file=sys.stderr)
         return 2
+    finally:
+        release_process_group()
     return status if isinstance(status, int) else 0
+
+
+def release_process_group() -> None:
+    """Destroy the default process group while the interpreter is whole. Lightning does it at
+    exit for NCCL only; a Gloo group left to interpreter finalisation can join its worker
+    threads too late and abort the process (SIGABRT, "terminate called without an active
+    exception"), turning a clean exit status into -6 (pytorch/pytorch#190489)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def show_data_log() -> None:
