@@ -45,9 +45,10 @@ from heads.kernels.chunks import accumulation_dtype, compute_dtype
 from heads.kernels.chunks import spans as spans  # re-exported: callers plan chunks with it
 from heads.kernels.compiled_lse import CompiledLinearLSE, own_targets
 from heads.kernels.eager_lse import EagerLinearLSE
+from heads.kernels.rows_ce import RowsCrossEntropy
 
 BACKENDS = ("auto", "torch", "cce", "liger")
-PLANS = ("auto", "eager", "compiled", "checkpoint")
+PLANS = ("auto", "eager", "compiled", "checkpoint", "rows")
 
 # Working set of one chunk's logits (float32 entries): small enough on a CPU for the chunk's
 # passes to run from cache and for glibc to reuse the freed memory; on a GPU large enough for
@@ -62,6 +63,10 @@ _CUDA_MIN_BYTES = 256 << 20
 _CUDA_MEMORY_SHARE = 16
 # Chunk results kept for the backward instead of recomputed, per call (see LossOptions).
 DEFAULT_SAVED_BYTES = 128 << 20
+# the rows plan's tiles (row_tile)
+_ROWS_MIN_CPU = 512
+_ROWS_MAX_CPU_BYTES = 256 << 20
+_ROWS_CUDA_BYTES = 1 << 30
 _MIN_COLUMNS = 128  # narrower chunks make the products inefficient: tile the rows instead
 _ALIGN = 16  # chunk widths are multiples of 16 columns (MKL and tensor cores prefer them)
 
@@ -81,8 +86,10 @@ class LossOptions:
     plan: ``eager`` (the hand-written chunk loop, tuned for CPUs), ``compiled`` (one
         compiled function per chunk, ``heads/kernels/compiled_lse.py``, tuned for GPUs),
         ``checkpoint`` (plain maths per chunk under ``torch.utils.checkpoint``: the yardstick
-        the hand-written plans are measured against), or ``auto``: compiled on CUDA, eager
-        elsewhere.
+        the hand-written plans are measured against), ``rows`` (a single softmax's mean loss
+        with its gradient computed in the forward, by row tiles over the whole vocabulary:
+        three products instead of four, ``heads/kernels/rows_ce.py``; the heads' other
+        blocks run as under ``auto``), or ``auto``: compiled on CUDA, eager elsewhere.
     device_memory: bytes of device memory the CUDA chunks are planned for; None: the
         device's own (tests state one to check a plan on a CPU).
     """
@@ -216,10 +223,31 @@ def linear_lse(
 
 
 def resolve_plan(plan: str, hidden: torch.Tensor) -> str:
-    """``auto``: the compiled chunk plan on CUDA, the eager one (CPU-tuned) elsewhere."""
-    if plan == "auto":
+    """The column plan that runs: ``auto`` (and ``rows``, which only a single softmax's mean
+    loss runs by rows: :func:`mean_cross_entropy`) is the compiled chunk plan on CUDA, the
+    eager one (CPU-tuned) elsewhere."""
+    if plan in ("auto", "rows"):
         return "compiled" if hidden.device.type == "cuda" else "eager"
     return plan
+
+
+def row_tile(rows: int, columns: int, device: torch.device, options: LossOptions) -> int:
+    """Rows per tile of the ``rows`` plan (``options.rows``, or from ``options.chunk_bytes``
+    of float32 logits over all ``columns``). A CPU tile has at least ``_ROWS_MIN_CPU`` rows
+    (the ``dW`` product's inner size: measured 15% faster at V = 33k, d = 512 than the chunk
+    budget's 127), within ``_ROWS_MAX_CPU_BYTES``; a CUDA tile's logits take at most
+    ``_ROWS_CUDA_BYTES`` and a ``1/_CUDA_MEMORY_SHARE`` of the device memory."""
+    if options.rows is not None:
+        return max(1, min(options.rows, rows))
+    if options.chunk_bytes is not None:
+        tile = options.chunk_bytes // (4 * columns)
+    elif device.type == "cuda":
+        memory = options.device_memory or _device_memory(device)
+        tile = min(_ROWS_CUDA_BYTES, memory // _CUDA_MEMORY_SHARE) // (4 * columns)
+    else:
+        wide = max(_CHUNK_BYTES["cpu"] // (4 * columns), _ROWS_MIN_CPU)
+        tile = min(wide, _ROWS_MAX_CPU_BYTES // (4 * columns))
+    return max(1, min(tile, rows))
 
 
 def logit_sums(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -275,6 +303,67 @@ def linear_cross_entropy(
         mean_logit = parts.logit_sum / weight.size(0)
         smoothing = torch.where(keep, parts.lse - mean_logit, zero)
     return CrossEntropyRows(nll, smoothing, parts.lse)
+
+
+class MeanCrossEntropy(NamedTuple):
+    """A single softmax's training loss: the mean over kept rows of ``(1 - eps) nll + eps
+    smoothing``, and the per-row ``nll`` (0 at ignored rows) for the metrics."""
+
+    loss: torch.Tensor
+    nll: torch.Tensor
+
+
+def mean_loss_plan(options: LossOptions, hidden: torch.Tensor) -> str:
+    """The plan of a softmax's or a mixture's mean loss: ``auto`` is ``rows`` on a CPU, run
+    eagerly (measured: softmax as fast at V = 10k, d = 200, 700 tokens and 16% faster at
+    V = 33k, d = 512, 4,096 tokens; MoS-15 19% faster at V = 10k, d = 200; less memory in
+    all: docs/results/bench_cpu_rows_*.json, bench_cpu_mos_rows_10k_d200.json), and the
+    column plan of :func:`resolve_plan` under ``torch.compile`` and on CUDA (until a GPU run
+    measures the rows plan there: ``bash .ci/gpu bench``)."""
+    if resolve_backend(options.backend, hidden) != "torch":
+        return options.backend
+    if options.plan == "auto":
+        # traced by torch.compile, the rows plan's backward always gets a tangent for its NLL
+        # output (zeros) and runs its extra pass: the column plan runs fewer products there
+        eager_cpu = hidden.device.type != "cuda" and not torch.compiler.is_compiling()
+        return "rows" if eager_cpu else resolve_plan("auto", hidden)
+    return options.plan
+
+
+def mean_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    *,
+    log_prior: torch.Tensor | None = None,
+    label_smoothing: float = 0.0,
+    ignore_index: int = IGNORE_INDEX,
+    options: LossOptions | None = None,
+) -> MeanCrossEntropy | None:
+    """The whole mean loss of ``softmax(hidden W^T + b)`` by the ``rows`` plan, its gradient
+    computed in the forward (``heads/kernels/rows_ce.py``); with ``log_prior`` ``[N, K]``, of
+    the mixture ``sum_k pi_k softmax(z_k)`` over the ``[N K, d]`` component rows ``hidden``
+    (token-major). None where another plan or backend runs (:func:`mean_loss_plan`), or for
+    a mixture with label smoothing: the caller then runs its column plan."""
+    options = options or LossOptions()
+    if mean_loss_plan(options, hidden) != "rows" or (log_prior is not None and label_smoothing):
+        return None
+    k = 1 if log_prior is None else log_prior.size(1)
+    if hidden.size(0) != k * target.size(0):
+        raise ValueError(f"hidden must be [N K, d] = [{k * target.size(0)}, d], got "
+                         f"{tuple(hidden.shape)}")  # fmt: skip
+    _check_shapes(hidden, weight, bias, None)
+    v = weight.size(0)
+    keep = (target >= 0) & (target < v) & (target != ignore_index)
+    own = torch.where(keep, target, -1)
+    row_weight = keep.to(accumulation_dtype(hidden, weight)) / keep.sum().clamp_min(1)
+    tile = row_tile(hidden.size(0), v, hidden.device, options)
+    loss, nll = RowsCrossEntropy.apply(
+        hidden, weight, bias, own, log_prior, row_weight, float(label_smoothing),
+        compute_dtype(hidden, weight), tile, torch.is_grad_enabled(),
+    )  # fmt: skip
+    return MeanCrossEntropy(loss, nll)
 
 
 def combine_lse(*parts: torch.Tensor) -> torch.Tensor:

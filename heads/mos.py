@@ -4,11 +4,14 @@
 ``pi_c = softmax(U g_c)``, computed in log space:
 ``log P = logsumexp_k(log pi_k + log_softmax_k)``.
 
-Training never builds the ``[N, K, V]`` component logits: each of the ``K N`` component rows
-``h_{c,k}`` goes through the fused linear + log-sum-exp primitive, giving its cross-entropy
-``CE_k = lse_k - z_{k,t}``, and ``nll = -logsumexp_k(log pi_k - CE_k)``: memory ``O(K N)``
-beyond one vocabulary chunk. Label smoothing's ``sum_x log P(x)`` is summed chunk by chunk
-with the chunks recomputed in its backward (``heads/kernels/mixture_lse.py``).
+Training never builds the ``[N, K, V]`` component logits. By the ``rows`` plan (a CPU's
+default) the mixture's mean loss and its gradient come in one forward, by tiles of tokens with
+all their ``K`` component rows (``heads/kernels/rows_ce.py``); by the column plans each of the
+``K N`` component rows ``h_{c,k}`` goes through the fused linear + log-sum-exp primitive,
+giving its cross-entropy ``CE_k = lse_k - z_{k,t}``, and ``nll = -logsumexp_k(log pi_k -
+CE_k)``: memory ``O(K N)`` beyond one vocabulary chunk. Label smoothing (column plans only)
+sums ``sum_x log P(x)`` chunk by chunk, the chunks recomputed in its backward
+(``heads/kernels/mixture_lse.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,13 @@ from heads.base import (
     upcast,
 )
 from heads.cross_entropy import IGNORE_INDEX
-from heads.fused_cross_entropy import LossOptions, linear_lse, plan_tiles, resolve_plan
+from heads.fused_cross_entropy import (
+    LossOptions,
+    linear_lse,
+    mean_cross_entropy,
+    plan_tiles,
+    resolve_plan,
+)
 from heads.kernels.chunks import accumulation_dtype, compute_dtype, spans
 from heads.kernels.compiled_lse import CompiledMixtureLogProbSum
 from heads.kernels.mixture_lse import MixtureLogProbSum, column_chunk
@@ -120,7 +129,13 @@ class MoSHead(Head):
         self.check_inputs(hidden, target)
         check_label_smoothing(label_smoothing)
         contexts, log_prior = self._mixture(hidden)
-        n, k, _ = contexts.shape
+        n, k, d = contexts.shape
+        mean = mean_cross_entropy(
+            contexts.reshape(n * k, d), self.weight, self.bias, target, log_prior=log_prior,
+            label_smoothing=label_smoothing, options=self.loss_options,
+        )  # fmt: skip
+        if mean is not None:  # the rows plan: the loss's gradient computed in the forward
+            return HeadOutput(mean.loss, mean.nll, mean.loss.new_zeros(()))
         ids = torch.where(target != IGNORE_INDEX, target, -1)
         parts = self._component_lse(contexts, ids)
         lse = parts.lse.view(n, k)

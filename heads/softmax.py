@@ -13,7 +13,7 @@ from heads.base import (
     check_positive_int,
     output_bias,
 )
-from heads.fused_cross_entropy import linear_cross_entropy
+from heads.fused_cross_entropy import linear_cross_entropy, mean_cross_entropy
 
 
 class SoftmaxHead(SingleSoftmaxHead):
@@ -64,6 +64,12 @@ class SoftmaxHead(SingleSoftmaxHead):
         check_label_smoothing(label_smoothing)
         if self.projection is not None:
             hidden = self.projection(hidden)
+        mean = mean_cross_entropy(
+            hidden, self.weight, self.bias, target, label_smoothing=label_smoothing,
+            options=self.loss_options,
+        )  # fmt: skip
+        if mean is not None:  # the rows plan: the loss's gradient computed in the forward
+            return HeadOutput(mean.loss, mean.nll, mean.loss.new_zeros(()))
         rows = linear_cross_entropy(
             hidden, self.weight, self.bias, target, label_smoothing=label_smoothing,
             options=self.loss_options,

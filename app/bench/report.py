@@ -94,13 +94,13 @@ def print_table(report: dict) -> None:
     ``extra MiB``: the step's extra peak memory (``app/bench/memory.py``)."""
     rows = report["results"]
     print(f"\n{'head':<22}{'V':>8}{'d':>6}{'tokens':>8}{'ms/batch':>11}{'us/token':>10}"
-          f"{'x softmax':>11}{'95% CI':>11}{'GFLOP':>9}{'% matmul':>10}"
+          f"{'x softmax':>11}{'95% CI':>14}{'GFLOP':>9}{'% matmul':>10}"
           f"{'extra MiB':>11}")  # fmt: skip
     for row in rows:
         rel, low, high, gflop, rate, memory = row_figures(rows, row)
         print(f"{row['head']:<22}{row['vocab_size']:>8}{row['hidden_size']:>6}{row['tokens']:>8}"
               f"{_number(row['time_ms'], 11, 2)}{_number(row['time_per_token_us'], 10, 3)}"
-              f"{rel:>11.2f}{interval_text(low, high):>11}{gflop:>9.1f}{rate:>10.0f}"
+              f"{rel:>11.2f}{interval_text(low, high):>14}{gflop:>9.1f}{rate:>10.0f}"
               f"{memory:>11.1f}")  # fmt: skip
     for line in peer_speedups(rows):
         print(line.replace("`", ""))

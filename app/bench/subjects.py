@@ -33,8 +33,9 @@ HEADS = ("softmax", "mixtape", "mos", "adaptive")
 PEERS = ("torch_adaptive", "matmul", "cce", "liger")
 # @checkpoint: plain maths per chunk under torch.utils.checkpoint (no hand-written backward).
 # @eager: the torch backend's CPU-tuned chunk loop wherever it runs (on CUDA the default is
-# the compiled chunk plan): the two plans side by side on a GPU
-PLAN_SUBJECTS = ("eager", "checkpoint")
+# the compiled chunk plan): the two plans side by side on a GPU.
+# @rows: a single softmax's mean loss with its gradient in the forward, by row tiles.
+PLAN_SUBJECTS = ("eager", "checkpoint", "rows")
 DEFAULT_SUBJECTS = ("softmax", "mixtape", "mos", "adaptive", "torch_adaptive", "matmul")
 
 

@@ -89,19 +89,24 @@ BODIES = {
 
 
 @functools.cache
-def _compiled(name: str, backend: str):
+def _compiled(function, backend: str):
     # dynamic: one graph for every row count and chunk width (heads, clusters, experts and
     # batch sizes differ); the callers pass detached tensors, so requires_grad never varies
     # either. Measured on an H100 before both: 8 recompilations and eager fallback.
-    return torch.compile(BODIES[name], backend=backend, dynamic=True)
+    return torch.compile(function, backend=backend, dynamic=True)
+
+
+def compiled_body(function):
+    """``function`` compiled (once per process), or as it is while Dynamo is already tracing
+    the caller (a compiled model: the body is inlined into its graph)."""
+    if torch.compiler.is_compiling():
+        return function
+    return _compiled(function, COMPILE_BACKEND)
 
 
 def chunk_body(name: str):
-    """The compiled chunk body, or the plain one while Dynamo is already tracing the caller
-    (a compiled model: the body is inlined into its graph)."""
-    if torch.compiler.is_compiling():
-        return BODIES[name]
-    return _compiled(name, COMPILE_BACKEND)
+    """The compiled chunk body ``name`` of :data:`BODIES`."""
+    return compiled_body(BODIES[name])
 
 
 def padded_output(weight, bias, width: int, dtype: torch.dtype, acc: torch.dtype):

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from heads import MoSHead, mos
+from heads.fused_cross_entropy import LossOptions
 from tests.heads.contract import (
     HIDDEN,
     VOCAB,
@@ -30,13 +31,21 @@ def plain_log_prob(head: MoSHead, g: torch.Tensor) -> torch.Tensor:
     return expected.log()
 
 
+@pytest.mark.parametrize("plan", ["rows", "eager"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_loss_gradients_log_prob_and_topk_equal_plain_reference(bias, monkeypatch):
-    """Chunked training loss (K N component rows, smoothing by recomputed chunks) and the
-    exact log_prob by vocabulary blocks (7 columns here) against probability-space math."""
+def test_loss_gradients_log_prob_and_topk_equal_plain_reference(bias, plan, monkeypatch):
+    """The training loss by either plan (rows: the gradient in the forward by token tiles;
+    eager: K N component rows by column chunks; smoothing by recomputed chunks in both) and
+    the exact log_prob by vocabulary blocks (7 columns here) against probability-space math."""
     monkeypatch.setattr(mos, "_EVAL_ENTRIES", 7 * 3 * 9)
     torch.manual_seed(2)
-    check_loss_matches_reference(lambda: make_head(bias=bias), plain_log_prob)
+
+    def make() -> MoSHead:
+        head = make_head(bias=bias)
+        head.loss_options = LossOptions(plan=plan, rows=6)  # rows: tiles of 2 tokens
+        return head
+
+    check_loss_matches_reference(make, plain_log_prob)
 
 
 def test_training_keeps_no_vocabulary_rows():

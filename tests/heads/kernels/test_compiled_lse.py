@@ -15,6 +15,7 @@ from heads.fused_cross_entropy import (
     plan_tiles,
     spans,
 )
+from tests.heads.kernels.cases import float64_case
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,16 +36,6 @@ def quick_compile(monkeypatch):
     torch._dynamo.reset()
 
 
-def _case(rows=11, classes=23, dim=6, seed=0, bias=True):
-    gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(rows, dim, generator=gen, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(classes, dim, generator=gen, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(classes, generator=gen, dtype=torch.float64, requires_grad=True)
-    target = torch.randint(0, classes, (rows,), generator=gen)
-    target[[2, 7] if rows > 7 else []] = IGNORE_INDEX
-    return hidden, weight, b if bias else None, target
-
-
 def _loss_and_grads(options, hidden, weight, b, target, eps=0.1):
     inputs = [t for t in (hidden, weight, b) if t is not None]
     out = linear_cross_entropy(hidden, weight, b, target, label_smoothing=eps, options=options)
@@ -58,7 +49,7 @@ def _loss_and_grads(options, hidden, weight, b, target, eps=0.1):
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("rows", [11, 1, 0])
 def test_compiled_plan_equals_the_eager_one_in_float64(layout, bias, rows):
-    case = _case(rows=rows, bias=bias)
+    case = float64_case(rows=rows, bias=bias)
     got = _loss_and_grads(LossOptions(plan="compiled", **layout), *case)
     want = _loss_and_grads(LossOptions(plan="eager", saved_bytes=0), *case)
     for g, w in zip(got, want, strict=True):
@@ -68,7 +59,7 @@ def test_compiled_plan_equals_the_eager_one_in_float64(layout, bias, rows):
 @pytest.mark.usefixtures("quick_compile")
 def test_targets_outside_the_block_never_pick_a_padding_column():
     """V = 11 padded to 15: a target of 12 (another block's) must not read padding."""
-    hidden, weight, b, _ = _case(rows=4, classes=11, seed=3)
+    hidden, weight, b, _ = float64_case(rows=4, classes=11, seed=3)
     target = torch.tensor([12, 3, -1, 14])
     out = linear_lse(hidden, weight, b, target, options=LossOptions(plan="compiled", columns=5))
     logits = F.linear(hidden, weight, b)
@@ -80,7 +71,7 @@ def test_targets_outside_the_block_never_pick_a_padding_column():
 
 @pytest.mark.usefixtures("quick_compile")
 def test_minus_inf_chunks_are_finite():
-    hidden, weight, b, target = _case(seed=5)
+    hidden, weight, b, target = float64_case(seed=5)
     with torch.no_grad():
         b[:10] = -torch.inf
     target = torch.randint(10, 23, (11,), generator=torch.Generator().manual_seed(2))
@@ -93,7 +84,7 @@ def test_minus_inf_chunks_are_finite():
 
 def test_inductor_chunk_bodies_equal_the_eager_plan():
     """The real compiler (Inductor's C++ code on a CPU, Triton on a GPU) in float64."""
-    case = _case(rows=9, seed=4)
+    case = float64_case(rows=9, seed=4)
     got = _loss_and_grads(LossOptions(plan="compiled", columns=8), *case)
     want = _loss_and_grads(LossOptions(plan="eager"), *case)
     for g, w in zip(got, want, strict=True):
@@ -107,14 +98,14 @@ def test_one_compiled_body_serves_every_chunk(quick_compile):
     from torch._dynamo.utils import counters
 
     counters.clear()
-    hidden, weight, b, target = _case(rows=12, classes=100, seed=6)  # 12 rows, 16 columns:
+    hidden, weight, b, target = float64_case(rows=12, classes=100, seed=6)  # 12 rows, 16 columns:
     _loss_and_grads(LossOptions(plan="compiled", columns=16), hidden, weight, b, target)
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     # (equal sizes would be "duck-sized" into one symbol, and a later call would recompile)
     # other row counts, chunk widths, and inputs that need no gradient: the same two graphs
     # (each head, cluster and expert has its own shapes; recompiling per shape ran into
     # Dynamo's recompile limit on a GPU and fell back to eager)
-    hidden, weight, b, target = _case(rows=9, classes=60, seed=7)
+    hidden, weight, b, target = float64_case(rows=9, classes=60, seed=7)
     _loss_and_grads(LossOptions(plan="compiled", columns=24), hidden, weight, b, target)
     frozen = weight.detach()
     out = linear_lse(hidden, frozen, None, target, options=LossOptions(plan="compiled"))
@@ -251,7 +242,7 @@ def test_a_compiled_model_traces_the_plan_into_one_graph():
     graph, no breaks, the eager plan's values and gradients."""
     import torch._dynamo
 
-    hidden, weight, b, target = _case(rows=12, classes=40, seed=8)
+    hidden, weight, b, target = float64_case(rows=12, classes=40, seed=8)
     options = LossOptions(plan="compiled", columns=16)
 
     def loss(h, w, bb, t):
@@ -273,7 +264,7 @@ def test_a_compiled_model_traces_the_plan_into_one_graph():
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_checkpoint_plan_equals_the_eager_one_in_float64(layout):
     """The yardstick plan (plain maths per chunk under torch.utils.checkpoint)."""
-    case = _case(rows=11)
+    case = float64_case(rows=11)
     got = _loss_and_grads(LossOptions(plan="checkpoint", **layout), *case)
     want = _loss_and_grads(LossOptions(plan="eager"), *case)
     for g, w in zip(got, want, strict=True):

@@ -1,0 +1,276 @@
+"""The rows plan of a single softmax's mean loss (heads/kernels/rows_ce.py): float64 equality
+with the plain maths for the loss, the NLL and every gradient, whichever outputs are
+differentiated; three products, not four; both tile bodies; the tile planning."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+import heads.kernels.compiled_lse as compiled_lse
+import heads.kernels.rows_ce as rows_ce
+from heads.fused_cross_entropy import (
+    IGNORE_INDEX,
+    LossOptions,
+    mean_cross_entropy,
+    mean_loss_plan,
+    row_tile,
+)
+from tests.heads.kernels.cases import float64_case
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TILES = {"one_tile": None, "tiles_of_4": 4, "tiles_of_1": 1}
+# what is differentiated: the loss (training), the NLL (another use), or both
+USES = {
+    "loss": lambda loss, nll, scale: 1.7 * loss,
+    "nll": lambda loss, nll, scale: (scale * nll).sum(),
+    "both": lambda loss, nll, scale: 1.7 * loss + (scale * nll).sum(),
+}
+
+
+def _rows(use, hidden, weight, b, target, eps, options=None):
+    """``[loss, nll, grads...]`` of the rows plan."""
+    inputs = [t for t in (hidden, weight, b) if t is not None]
+    scale = torch.linspace(0.5, 1.5, hidden.size(0), dtype=hidden.dtype, device=hidden.device)
+    out = mean_cross_entropy(hidden, weight, b, target, label_smoothing=eps,
+                             options=options or LossOptions(plan="rows"))  # fmt: skip
+    return [out.loss, out.nll, *torch.autograd.grad(use(out.loss, out.nll, scale), inputs)]
+
+
+def _plain(use, hidden, weight, b, target, eps):
+    """The same from ``F.cross_entropy`` (the plain maths)."""
+    inputs = [t for t in (hidden, weight, b) if t is not None]
+    scale = torch.linspace(0.5, 1.5, hidden.size(0), dtype=hidden.dtype, device=hidden.device)
+    logits = F.linear(hidden, weight, b)
+    loss = F.cross_entropy(logits, target, label_smoothing=eps)
+    nll = F.cross_entropy(logits, target, reduction="none")
+    return [loss, nll, *torch.autograd.grad(use(loss, nll, scale), inputs)]
+
+
+def _results(use, hidden, weight, b, target, eps, options=None):
+    """``(rows plan, plain maths)``."""
+    case = hidden, weight, b, target, eps
+    return _rows(use, *case, options), _plain(use, *case)
+
+
+@pytest.mark.parametrize("use", USES.values(), ids=USES.keys())
+@pytest.mark.parametrize("tile", TILES.values(), ids=TILES.keys())
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("bias", [True, False])
+def test_rows_plan_equals_the_plain_maths_in_float64(use, tile, eps, bias):
+    case = float64_case(bias=bias)
+    got, want = _results(use, *case, eps, LossOptions(plan="rows", rows=tile))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_no_rows_and_all_ignored_rows_give_zero_loss_and_gradients():
+    for rows in (0, 5):
+        hidden, weight, b, target = float64_case(rows=rows)
+        target[:] = IGNORE_INDEX
+        out = mean_cross_entropy(hidden, weight, b, target, options=LossOptions(plan="rows"))
+        grads = torch.autograd.grad(out.loss, (hidden, weight, b))
+        assert out.loss.item() == 0 and not out.nll.any()
+        assert all(not g.any() for g in grads)
+
+
+def test_the_loss_runs_three_products_the_column_plan_four():
+    """The gradient in the forward: no recomputed logits (the column plans' fourth product)."""
+    hidden, weight, b, target = float64_case(rows=64, classes=500, dim=16)
+    product = 2 * 64 * 500 * 16
+
+    def flops(plan: str) -> int:
+        with FlopCounterMode(display=False) as counter:
+            if plan == "rows":
+                options = LossOptions(plan="rows")
+                loss = mean_cross_entropy(hidden, weight, None, target, options=options).loss
+            else:  # the column plan, recomputing (nothing kept for the backward)
+                from heads.fused_cross_entropy import linear_cross_entropy
+
+                options = LossOptions(plan="eager", saved_bytes=0)
+                loss = linear_cross_entropy(hidden, weight, None, target, options=options).nll
+                loss = loss.sum()
+            loss.backward()
+        return counter.get_total_flops()
+
+    assert flops("rows") == 3 * product
+    assert flops("eager") == 4 * product
+
+
+def test_a_frozen_output_layer_and_no_grad_form_no_gradient():
+    """Evaluation (no_grad) and frozen inputs: only what is asked for is formed."""
+    hidden, weight, b, target = float64_case()
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        out = mean_cross_entropy(hidden, weight, b, target, options=LossOptions(plan="rows"))
+    assert counter.get_total_flops() == 2 * 11 * 23 * 6  # the logits' product only
+    logits = F.linear(hidden, weight, b)
+    torch.testing.assert_close(out.loss, F.cross_entropy(logits, target))
+    frozen = mean_cross_entropy(hidden, weight.detach(), None, target,
+                                options=LossOptions(plan="rows"))  # fmt: skip
+    (grad,) = torch.autograd.grad(frozen.loss, hidden)
+    want = torch.autograd.grad(F.cross_entropy(F.linear(hidden, weight), target), hidden)[0]
+    torch.testing.assert_close(grad, want)
+
+
+@pytest.fixture
+def compiled_tiles(monkeypatch):
+    """The GPU tile body on a CPU, through torch.compile's aot_eager backend."""
+    monkeypatch.setattr(rows_ce, "COMPILED_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(compiled_lse, "COMPILE_BACKEND", "aot_eager")
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.usefixtures("compiled_tiles")
+@pytest.mark.parametrize("use", USES.values(), ids=USES.keys())
+@pytest.mark.parametrize("tile", [None, 4], ids=["one_tile", "tiles_of_4"])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_compiled_tile_body_equals_the_plain_maths_in_float64(use, tile, eps):
+    got, want = _results(use, *float64_case(seed=3), eps, LossOptions(plan="rows", rows=tile))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_compiled_tile_body_under_inductor(monkeypatch):
+    """The real compiler (C++ on a CPU, Triton on a GPU) in float64, bias and smoothing."""
+    monkeypatch.setattr(rows_ce, "COMPILED_DEVICES", ("cuda", "cpu"))
+    got, want = _results(USES["loss"], *float64_case(seed=4), 0.1, LossOptions(plan="rows", rows=4))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+    torch._dynamo.reset()
+
+
+def test_bf16_autocast_is_close_to_float64():
+    hidden, weight, b, target = float64_case(rows=64, classes=300, dim=32, seed=5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _rows(USES["loss"], hidden, weight, b, target, 0.1)
+    want = _plain(USES["loss"], hidden, weight, b, target, 0.1)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype  # gradients in the inputs' dtype, statistics in float32+
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2 * float(w.detach().abs().max()))
+
+
+def test_auto_runs_rows_on_a_cpu_and_columns_under_compile_and_on_cuda():
+    cpu = torch.zeros(1)
+    assert mean_loss_plan(LossOptions(), cpu) == "rows"
+    assert mean_loss_plan(LossOptions(plan="eager"), cpu) == "eager"
+    meta_cuda = torch.empty(1, device="meta")  # not cuda: the CPU rule
+    assert mean_loss_plan(LossOptions(), meta_cuda) == "rows"
+    seen = []
+    torch.compile(lambda x: seen.append(mean_loss_plan(LossOptions(), x)) or x,
+                  backend="eager")(cpu)  # fmt: skip
+    assert seen == ["eager"]
+    torch._dynamo.reset()
+
+
+def test_row_tiles_are_planned_from_the_vocabulary():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert row_tile(700, 10_000, cpu, LossOptions()) == 512  # the dW product's inner size
+    assert row_tile(100, 10_000, cpu, LossOptions()) == 100
+    assert row_tile(4096, 262_144, cpu, LossOptions()) == 256  # 256 MiB of logits at most
+    assert row_tile(4096, 1_000, cpu, LossOptions()) == 4096  # 16 MiB: every row
+    h100 = LossOptions(device_memory=80 << 30)
+    assert row_tile(16_384, 10_000, cuda, h100) == 16_384  # one tile within 1 GiB
+    assert row_tile(16_384, 100_000, cuda, h100) == (1 << 30) // 400_000
+    assert row_tile(16_384, 100_000, cuda, LossOptions(device_memory=8 << 30)) == 1342
+    assert row_tile(9, 10, cpu, LossOptions(rows=4)) == 4
+
+
+@pytest.mark.gpu
+def test_cuda_rows_plan_is_sync_free_and_close_to_float64_under_bf16():
+    """The compiled tile body on the GPU: bf16 autocast within bf16's error of the float64
+    maths (loss, NLL, every gradient), and no host sync in the forward and backward."""
+    gen = torch.Generator().manual_seed(9)
+    rows, classes, dim = 512, 5000, 64
+    hidden = torch.randn(rows, dim, generator=gen).cuda().requires_grad_()
+    weight = (dim**-0.5 * torch.randn(classes, dim, generator=gen)).cuda().requires_grad_()
+    b = torch.randn(classes, generator=gen).cuda().requires_grad_()
+    target = torch.randint(0, classes, (rows,), generator=gen).cuda()
+    target[[1, 5]] = IGNORE_INDEX
+    options = LossOptions(plan="rows", rows=200)  # three tiles, the last one narrower
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        _rows(USES["loss"], hidden, weight, b, target, 0.1, options)  # compile first
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = _rows(USES["loss"], hidden, weight, b, target, 0.1, options)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    doubles = [t.detach().double().requires_grad_() for t in (hidden, weight, b)]
+    want = _plain(USES["loss"], *doubles, target, 0.1)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(
+            g.double(), w, rtol=3e-2, atol=2e-2 * float(w.detach().abs().max())
+        )
+
+
+# -- a mixture of softmaxes (MoS) ------------------------------------------------------------
+def _mixture_case(tokens=7, k=3, classes=19, dim=5, seed=11):
+    gen = torch.Generator().manual_seed(seed)
+    contexts = torch.randn(tokens * k, dim, generator=gen, dtype=torch.float64,
+                           requires_grad=True)  # fmt: skip
+    weight = torch.randn(classes, dim, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(classes, generator=gen, dtype=torch.float64, requires_grad=True)
+    prior_logits = torch.randn(tokens, k, generator=gen, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, classes, (tokens,), generator=gen)
+    target[[1, 4] if tokens > 4 else []] = IGNORE_INDEX
+    return contexts, weight, b, prior_logits, target
+
+
+def _mixture_plain(contexts, weight, b, log_prior, target):
+    """``log P(t) = logsumexp_k(log pi_k + log_softmax(z_k)_t)`` from the full logits."""
+    n, k = log_prior.shape
+    log_p = torch.log_softmax(F.linear(contexts, weight, b).view(n, k, -1), -1)
+    mixed = torch.logsumexp(log_prior[..., None] + log_p, 1)  # [N, V]
+    keep = target != IGNORE_INDEX
+    nll = torch.where(keep, -mixed.gather(1, target.clamp_min(0)[:, None])[:, 0], 0.0)
+    return nll.sum() / keep.sum(), nll
+
+
+@pytest.mark.parametrize("use", USES.values(), ids=USES.keys())
+@pytest.mark.parametrize("tile", [None, 6, 1], ids=["one_tile", "tiles_of_2_tokens", "row_1"])
+def test_mixture_equals_the_plain_maths_in_float64(use, tile):
+    contexts, weight, b, prior_logits, target = _mixture_case()
+    inputs = (contexts, weight, b, prior_logits)
+    scale = torch.linspace(0.5, 1.5, target.size(0), dtype=torch.float64)
+    log_prior = prior_logits.log_softmax(-1)
+    out = mean_cross_entropy(contexts, weight, b, target, log_prior=log_prior,
+                             options=LossOptions(plan="rows", rows=tile))  # fmt: skip
+    got = [out.loss, out.nll, *torch.autograd.grad(use(out.loss, out.nll, scale), inputs)]
+    loss, nll = _mixture_plain(contexts, weight, b, prior_logits.log_softmax(-1), target)
+    want = [loss, nll, *torch.autograd.grad(use(loss, nll, scale), inputs)]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.usefixtures("compiled_tiles")
+@pytest.mark.parametrize("use", USES.values(), ids=USES.keys())
+def test_mixture_compiled_tile_bodies_equal_the_plain_maths_in_float64(use):
+    contexts, weight, b, prior_logits, target = _mixture_case(seed=12)
+    inputs = (contexts, weight, b, prior_logits)
+    scale = torch.linspace(0.5, 1.5, target.size(0), dtype=torch.float64)
+    out = mean_cross_entropy(contexts, weight, b, target, log_prior=prior_logits.log_softmax(-1),
+                             options=LossOptions(plan="rows", rows=6))  # fmt: skip
+    got = [out.loss, out.nll, *torch.autograd.grad(use(out.loss, out.nll, scale), inputs)]
+    loss, nll = _mixture_plain(contexts, weight, b, prior_logits.log_softmax(-1), target)
+    want = [loss, nll, *torch.autograd.grad(use(loss, nll, scale), inputs)]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_mixture_runs_three_products_and_refuses_nothing_it_cannot_do():
+    """Three ``[N K, V]`` products (the column plan: four); with label smoothing the rows
+    plan steps aside (None: the head runs its column plan); a wrong row count is one line."""
+    contexts, weight, b, prior_logits, target = _mixture_case(tokens=16, classes=300, dim=8)
+    log_prior = prior_logits.log_softmax(-1).detach()
+    options = LossOptions(plan="rows")
+    with FlopCounterMode(display=False) as counter:
+        out = mean_cross_entropy(contexts, weight, None, target, log_prior=log_prior,
+                                 options=options)  # fmt: skip
+        out.loss.backward()
+    assert counter.get_total_flops() == 3 * 2 * (16 * 3) * 300 * 8
+    smoothed = mean_cross_entropy(contexts, weight, b, target, log_prior=log_prior,
+                                  label_smoothing=0.1, options=options)  # fmt: skip
+    assert smoothed is None
+    with pytest.raises(ValueError, match=r"\[N K, d\]"):
+        mean_cross_entropy(contexts[:-1], weight, b, target, log_prior=log_prior, options=options)
