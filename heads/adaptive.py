@@ -34,7 +34,7 @@ from heads.base import (
     upcast,
 )
 from heads.errors import CheckpointMismatchError, HeadConfigError
-from heads.fused_cross_entropy import linear_cross_entropy, linear_lse
+from heads.fused_cross_entropy import linear_lse, mean_cross_entropy, mean_weights
 
 log = logging.getLogger(__name__)
 _REBUILD_SEED_OFFSET = 0xADA  # a stream apart from the backbone's first draws
@@ -269,40 +269,64 @@ class AdaptiveSoftmaxHead(Head):
         head_target = torch.where(
             cluster == 0, target, self.shortlist_size + cluster - 1
         ).masked_fill(~keep, -100)
+        compiling = torch.compiler.is_compiling()
+        # Eagerly and without smoothing, each classifier gives its part of the mean loss
+        # (token weights 1 / count over the whole batch), by the rows plan where that pays
+        weights = None if label_smoothing or compiling else mean_weights(keep, hidden)
         # product and loss fused per classifier (heads/fused_cross_entropy.py): no [N, C]
-        head_rows = linear_cross_entropy(
-            hidden, self.head.weight, self.head.bias, head_target, options=self.loss_options
+        loss, nll, head_lse = self._classify(
+            hidden, self.head.weight, self.head.bias, head_target, weights
         )
-        nll = head_rows.nll
         smoothing = None
         if label_smoothing:
-            smoothing = self._smoothing(hidden, head_rows.lse)
+            smoothing = self._smoothing(hidden, head_lse)
         # One sort groups the rows by cluster (ignored and short-list rows first), so each
         # tail cluster is a contiguous slice of one gather: one index_select (and one
         # scatter in its backward) for all tail clusters instead of one per cluster. The
         # group sizes are the step's one read-back (``sort_into_groups``).
         order, sizes = sort_into_groups(cluster + 1, self.num_clusters + 2)  # ignored first
-        compiling = torch.compiler.is_compiling()
         tail_rows = order[sizes[0] + sizes[1] :]
         tail_hidden = hidden.index_select(0, tail_rows)
         tail_target = target.index_select(0, tail_rows)
+        tail_weights = None if weights is None else weights.index_select(0, tail_rows)
         cluster_nll, start = [], 0
         # Every cluster runs, one without a target in this batch on zero rows: its parameters
         # get a (zero) gradient all the same, which DDP without find_unused_parameters needs
         # on every rank (a rank whose batch misses a cluster would leave the all-reduce of the
         # other ranks waiting); the cost is a few launches on empty tensors.
         for i, (tail, size) in enumerate(zip(self.tail, sizes[2:], strict=True), start=1):
-            projected = tail[0](tail_hidden[start : start + size])  # d -> d / div^i
-            relative = tail_target[start : start + size] - self.cutoffs[i - 1]
-            # every row here has a target in the cluster: no ignored rows to mask
-            parts = linear_lse(
-                projected, tail[1].weight, None, relative, options=self.loss_options,
+            rows = slice(start, start + size)
+            projected = tail[0](tail_hidden[rows])  # d -> d / div^i
+            relative = tail_target[rows] - self.cutoffs[i - 1]  # all in the cluster
+            part, part_nll, _ = self._classify(
+                projected, tail[1].weight, None, relative,
+                None if weights is None else tail_weights[rows],
                 row_bound=hidden.size(0) if compiling else None,
             )  # fmt: skip
-            cluster_nll.append(parts.lse - parts.target_logit)
+            loss = None if weights is None else loss + part
+            cluster_nll.append(part_nll)
             start += size
         nll = nll.index_add(0, tail_rows, torch.cat(cluster_nll).to(nll.dtype))
+        if weights is not None:
+            return HeadOutput(loss, nll, loss.new_zeros(()))
         return self.output(nll, target, smoothing=smoothing, label_smoothing=label_smoothing)
+
+    def _classify(self, hidden, weight, bias, target, weights, row_bound=None):
+        """One classifier's ``(part of the mean loss, NLL, log-sum-exp)``: the part (``sum_n
+        w_n nll_n``) only with ``weights``, by the rows plan where :func:`mean_loss_plan`
+        picks it (then no log-sum-exp), else by a column plan; NLL 0 where ``target`` is
+        ignored (negative)."""
+        if weights is not None:
+            mean = mean_cross_entropy(hidden, weight, bias, target, weights=weights,
+                                      options=self.loss_options)  # fmt: skip
+            if mean is not None:
+                return mean.loss, mean.nll, None
+        valid = target >= 0
+        parts = linear_lse(hidden, weight, bias, torch.where(valid, target, -1),
+                           options=self.loss_options, row_bound=row_bound)  # fmt: skip
+        nll = torch.where(valid, parts.lse - parts.target_logit, 0.0)
+        loss = None if weights is None else (weights * nll).sum()
+        return loss, nll, parts.lse
 
     def _smoothing(self, hidden: torch.Tensor, head_lse: torch.Tensor) -> torch.Tensor:
         """``mean_x(-log P(x))`` per row, every cluster for every row but no ``[N, V]``:

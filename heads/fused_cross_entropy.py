@@ -30,6 +30,7 @@ linear cross-entropy), imported on first use.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -86,10 +87,12 @@ class LossOptions:
     plan: ``eager`` (the hand-written chunk loop, tuned for CPUs), ``compiled`` (one
         compiled function per chunk, ``heads/kernels/compiled_lse.py``, tuned for GPUs),
         ``checkpoint`` (plain maths per chunk under ``torch.utils.checkpoint``: the yardstick
-        the hand-written plans are measured against), ``rows`` (a single softmax's mean loss
-        with its gradient computed in the forward, by row tiles over the whole vocabulary:
-        three products instead of four, ``heads/kernels/rows_ce.py``; the heads' other
-        blocks run as under ``auto``), or ``auto``: compiled on CUDA, eager elsewhere.
+        the hand-written plans are measured against), ``rows`` (a whole mean loss, of a
+        softmax, a mixture or Mixtape's rare block, with its gradient computed in the
+        forward by row tiles over the whole vocabulary: three products instead of four,
+        ``heads/kernels/rows_ce.py``; the heads' other blocks run as under ``auto``), or
+        ``auto``: compiled on CUDA, eager elsewhere (rows for a whole mean loss on a CPU:
+        :func:`mean_loss_plan`).
     device_memory: bytes of device memory the CUDA chunks are planned for; None: the
         device's own (tests state one to check a plan on a CPU).
     """
@@ -313,21 +316,31 @@ class MeanCrossEntropy(NamedTuple):
     nll: torch.Tensor
 
 
-def mean_loss_plan(options: LossOptions, hidden: torch.Tensor) -> str:
-    """The plan of a softmax's or a mixture's mean loss: ``auto`` is ``rows`` on a CPU, run
-    eagerly (measured: softmax as fast at V = 10k, d = 200, 700 tokens and 16% faster at
-    V = 33k, d = 512, 4,096 tokens; MoS-15 19% faster at V = 10k, d = 200; less memory in
-    all: docs/results/bench_cpu_rows_*.json, bench_cpu_mos_rows_10k_d200.json), and the
-    column plan of :func:`resolve_plan` under ``torch.compile`` and on CUDA (until a GPU run
-    measures the rows plan there: ``bash .ci/gpu bench``)."""
+def mean_loss_plan(options: LossOptions, hidden: torch.Tensor, columns: int) -> str:
+    """The plan of a whole mean loss (a softmax's, a mixture's ``[N K, d]`` rows, a block's)
+    over ``columns``: ``auto`` on a CPU, run eagerly, is ``rows`` where the column plan would
+    recompute logits (``N x columns`` float32 over ``options.saved_bytes``; measured 16-19%
+    faster for softmax and 4% for Mixtape at V = 33k, d = 512, 4,096 tokens, 19% for MoS-15 at
+    V = 10k, d = 200, with less memory) and the column plan where it keeps them all (there 2-4%
+    faster: V = 10k, d = 200, 700 tokens, softmax and Mixtape); docs/results/
+    bench_cpu_rows_heads_*.json and bench_cpu_mos_rows_10k_d200.json. Under ``torch.compile``
+    and on CUDA: the column plan of :func:`resolve_plan` (on CUDA until a GPU run measures the
+    rows plan there: ``MEASURED_FASTEST``)."""
     if resolve_backend(options.backend, hidden) != "torch":
         return options.backend
     if options.plan == "auto":
         # traced by torch.compile, the rows plan's backward always gets a tangent for its NLL
         # output (zeros) and runs its extra pass: the column plan runs fewer products there
         eager_cpu = hidden.device.type != "cuda" and not torch.compiler.is_compiling()
-        return "rows" if eager_cpu else resolve_plan("auto", hidden)
+        recomputes = 4 * hidden.size(0) * columns > options.saved_bytes
+        return "rows" if eager_cpu and recomputes else resolve_plan("auto", hidden)
     return options.plan
+
+
+def mean_weights(keep: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Each token's weight in a mean loss: ``1 / count`` where ``keep``, else 0 (in the
+    accumulation dtype of ``like``: float64 stays float64)."""
+    return keep.to(accumulation_dtype(like)) / keep.sum().clamp_min(1)
 
 
 def mean_cross_entropy(
@@ -337,17 +350,25 @@ def mean_cross_entropy(
     target: torch.Tensor,
     *,
     log_prior: torch.Tensor | None = None,
+    outside: tuple[torch.Tensor, torch.Tensor] | None = None,
+    weights: torch.Tensor | None = None,
     label_smoothing: float = 0.0,
     ignore_index: int = IGNORE_INDEX,
     options: LossOptions | None = None,
 ) -> MeanCrossEntropy | None:
     """The whole mean loss of ``softmax(hidden W^T + b)`` by the ``rows`` plan, its gradient
-    computed in the forward (``heads/kernels/rows_ce.py``); with ``log_prior`` ``[N, K]``, of
+    computed in the forward (``heads/kernels/rows_ce.py``). With ``log_prior`` ``[N, K]``: of
     the mixture ``sum_k pi_k softmax(z_k)`` over the ``[N K, d]`` component rows ``hidden``
-    (token-major). None where another plan or backend runs (:func:`mean_loss_plan`), or for
-    a mixture with label smoothing: the caller then runs its column plan."""
+    (token-major). With ``outside = (lse, target logit)`` ``[N]`` of the rest of the
+    vocabulary: of the softmax over both, these columns one block of it (``target`` then
+    counts here only inside ``[0, V)``). ``weights`` ``[N]``: each token's weight in the loss
+    (0: ignored), when it is not ``1 / count`` over the tokens whose target is inside
+    ``[0, V)`` (a block's or a cluster's tokens are counted among all of the batch's).
+    None where another plan or backend runs (:func:`mean_loss_plan`), or for a mixture or a
+    block with label smoothing: the caller then runs its column plan."""
     options = options or LossOptions()
-    if mean_loss_plan(options, hidden) != "rows" or (log_prior is not None and label_smoothing):
+    mixed = log_prior is not None or outside is not None
+    if mean_loss_plan(options, hidden, weight.size(0)) != "rows" or (mixed and label_smoothing):
         return None
     k = 1 if log_prior is None else log_prior.size(1)
     if hidden.size(0) != k * target.size(0):
@@ -355,13 +376,15 @@ def mean_cross_entropy(
                          f"{tuple(hidden.shape)}")  # fmt: skip
     _check_shapes(hidden, weight, bias, None)
     v = weight.size(0)
-    keep = (target >= 0) & (target < v) & (target != ignore_index)
-    own = torch.where(keep, target, -1)
-    row_weight = keep.to(accumulation_dtype(hidden, weight)) / keep.sum().clamp_min(1)
+    inside = (target >= 0) & (target < v) & (target != ignore_index)
+    if weights is None:
+        weights = inside.to(accumulation_dtype(hidden, weight)) / inside.sum().clamp_min(1)
+    outside_lse, outside_logit = (None, None) if outside is None else outside
     tile = row_tile(hidden.size(0), v, hidden.device, options)
     loss, nll = RowsCrossEntropy.apply(
-        hidden, weight, bias, own, log_prior, row_weight, float(label_smoothing),
-        compute_dtype(hidden, weight), tile, torch.is_grad_enabled(),
+        hidden, weight, bias, torch.where(inside, target, -1), log_prior, outside_lse,
+        outside_logit, weights, float(label_smoothing), compute_dtype(hidden, weight), tile,
+        torch.is_grad_enabled(),
     )  # fmt: skip
     return MeanCrossEntropy(loss, nll)
 
@@ -389,25 +412,37 @@ def _check_shapes(hidden, weight, bias, target) -> None:
 # through its version's own arguments; another version is refused with the pin to install.
 EXTERNAL_PACKAGES = {"cce": "cut-cross-entropy==25.1.1", "liger": "liger-kernel==0.8.5"}
 
-# auto on CUDA: the backend the GPU benchmark measured fastest, per head class, at vocabulary
-# sizes up to the first number (bf16, d = 512, 16,384 tokens; `bash .ci/gpu bench`). Heads or
-# sizes not listed, or a backend not installed: the compiled torch plan.
+# auto on CUDA: the backend (cce, liger) or torch plan (rows) the GPU benchmark measured
+# fastest, per head class, at vocabulary sizes up to the first number (bf16, d = 512, 16,384
+# tokens; `bash .ci/gpu bench`, whose subjects softmax@rows and mos@rows are the rows plan).
+# Heads or sizes not listed, or a backend not installed: the compiled column plan.
 # docs/results/bench_gpu_heads_10k.json (H100): MoS-15 117.5 ms with torch, 52.5 with Liger.
 MEASURED_FASTEST: dict[str, list[tuple[int, str]]] = {"MoSHead": [(10_000, "liger")]}
 
 
 def fastest_backend(head: str, vocab_size: int, device: torch.device) -> str:
-    """What ``auto`` runs for ``head`` (its class name) at ``vocab_size`` on ``device``."""
+    """What ``auto`` runs for ``head`` (its class name) at ``vocab_size`` on ``device``: a
+    backend, or a plan of the torch backend (:func:`measured_options`)."""
     if device.type != "cuda":
         return "torch"
     for largest, backend in MEASURED_FASTEST.get(head, []):
         if vocab_size <= largest:
+            if backend in PLANS:
+                return backend
             try:
                 external_loss_function(backend)
             except MissingBackendError:
                 return "torch"
             return backend
     return "torch"
+
+
+def measured_options(options: LossOptions, choice: str) -> LossOptions:
+    """``options`` running ``choice`` (:func:`fastest_backend`'s): a backend, or a plan of the
+    torch backend."""
+    if choice in PLANS:
+        return dataclasses.replace(options, backend="torch", plan=choice)
+    return dataclasses.replace(options, backend=choice)
 
 
 def resolve_backend(name: str, hidden: torch.Tensor) -> str:

@@ -42,6 +42,8 @@ from heads.fused_cross_entropy import (
     LinearLSE,
     combine_lse,
     linear_lse,
+    mean_cross_entropy,
+    mean_weights,
     plan_tiles,
     resolve_backend,
 )
@@ -236,6 +238,15 @@ class MixtapeHead(SingleSoftmaxHead):
         if s < v:  # Eq. 6: one prior for every rare token, so the contexts are mixed first
             mixed = self._mixed_context(contexts, shared)
             rare_target = torch.where(ids >= s, ids - s, -1)
+            # the rows plan: the rare block's loss and gradient in one forward, the frequent
+            # block's log-sum-exp and target logit taken in as the rest of the softmax
+            mean = mean_cross_entropy(
+                mixed, w_rare, b_rare, rare_target, outside=(parts[0].lse, parts[0].target_logit),
+                weights=mean_weights(ids >= 0, mixed), label_smoothing=label_smoothing,
+                options=self.loss_options,
+            )  # fmt: skip
+            if mean is not None:
+                return HeadOutput(mean.loss, mean.nll, mean.loss.new_zeros(()))
             parts.append(linear_lse(mixed, w_rare, b_rare, rare_target, logit_sum=smoothing,
                                     options=self.loss_options))  # fmt: skip
         lse = combine_lse(*(p.lse for p in parts)) if len(parts) > 1 else parts[0].lse

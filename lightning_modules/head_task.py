@@ -20,6 +20,7 @@ from heads.fused_cross_entropy import (
     check_backend_device,
     external_loss_function,
     fastest_backend,
+    measured_options,
 )
 from lightning_modules.checks import (
     HEAD_KEY,
@@ -125,9 +126,9 @@ class HeadTask(L.LightningModule):
         backend measured fastest for this head there (``fastest_backend``)."""
         backend = self.loss_backend
         check_backend_device(backend, device)
-        if backend == "auto":
+        if backend == "auto":  # a backend, or a plan of the torch one
             backend = fastest_backend(type(self.head).__name__, self.head.vocab_size, device)
-        self.head.loss_options = replace(self.head.loss_options, backend=backend)
+        self.head.loss_options = measured_options(self.head.loss_options, backend)
 
     def configure_model(self) -> None:
         if self.compile_options is None or self._compiled:

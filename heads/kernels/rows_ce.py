@@ -27,6 +27,8 @@ products' dtype). Nothing branches on values: no host sync.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -48,38 +50,70 @@ from heads.kernels.compiled_lse import compiled_body
 COMPILED_DEVICES = ("cuda",)
 
 
+class Mixing(NamedTuple):
+    """What the tokens' rows mix with, per token: a mixture's ``log pi`` ``[N, K]`` (MoS), or
+    the rest of the vocabulary when these rows are one block of a larger softmax: its
+    log-sum-exp and its part of the target logit (Mixtape's rare tokens, outside the gated
+    frequent block). All None: one softmax over the rows' columns."""
+
+    log_prior: torch.Tensor | None = None
+    outside_lse: torch.Tensor | None = None
+    outside_logit: torch.Tensor | None = None
+
+    @property
+    def k(self) -> int:
+        return 1 if self.log_prior is None else self.log_prior.size(1)
+
+    def tokens(self, t0: int, t1: int) -> Mixing:
+        return Mixing(*(None if x is None else x[t0:t1] for x in self))
+
+
 class Terms:
     """The loss's per-token terms from the tile's per-row statistics: the NLL, the row loss
     (with label smoothing) and the coefficients of ``dL/dz = a p - b onehot(t) - c`` per row
-    (``c`` None without smoothing), and ``dL/d log pi`` (None for one softmax)."""
+    (``p`` the softmax over these columns; ``c`` None without smoothing), and the gradients of
+    the mixing inputs (:class:`Mixing`; None where absent)."""
 
-    def __init__(self, lse, picked, total_logit, log_prior, weight, eps: float, v: int):
-        k = 1 if log_prior is None else log_prior.size(1)
-        component_nll = (lse - picked).view(-1, k)  # CE_k = lse_k - z_{k,t}
+    def __init__(self, lse, picked, total_logit, mixing: Mixing, weight, eps: float, v: int):
+        component_nll = (lse - picked).view(-1, mixing.k)  # CE_k = lse_k - z_{k,t}
         self.uniform = None
-        if log_prior is None:
-            self.nll, coefficient, self.grad_log_prior = component_nll[:, 0], weight, None
-            self.loss = self.nll
-            if eps:  # mean_x(-log p_x) = lse - mean_x z_x; its dL/dz is the uniform eps w / V
-                self.loss = (1 - eps) * self.nll + eps * (lse - total_logit / v)
-                self.uniform = eps / v * weight
-        else:  # nll = -logsumexp_k(log pi_k - CE_k), r = its softmax over k (Eq. 1)
-            log_posterior = log_prior - component_nll
+        self.grads = Mixing()
+        if mixing.log_prior is not None:  # nll = -logsumexp_k(log pi_k - CE_k), Eq. 1
+            log_posterior = mixing.log_prior - component_nll
             self.nll = -torch.logsumexp(log_posterior, 1)
-            responsibility = torch.exp(log_posterior + self.nll[:, None])
-            self.loss = self.nll
-            self.grad_log_prior = -weight[:, None] * responsibility
-            coefficient = (weight[:, None] * responsibility).reshape(-1)
-        self.scale = coefficient
-        self.onehot = (1 - eps) * coefficient if log_prior is None else coefficient
+            responsibility = torch.exp(log_posterior + self.nll[:, None])  # r, softmax over k
+            self.grads = Mixing(log_prior=-weight[:, None] * responsibility)
+            self.scale = (weight[:, None] * responsibility).reshape(-1)
+            self.onehot = self.scale
+        elif mixing.outside_lse is not None:  # a block: log Z = logaddexp(lse, lse_outside)
+            total_lse = torch.logaddexp(lse, mixing.outside_lse)
+            self.nll = total_lse - picked - mixing.outside_logit
+            self.grads = Mixing(None, weight * torch.exp(mixing.outside_lse - total_lse), -weight)
+            self.scale = weight * torch.exp(lse - total_lse)  # this block's share of Z
+            self.onehot = weight
+        else:
+            self.nll, self.scale, self.onehot = component_nll[:, 0], weight, (1 - eps) * weight
+            if eps:  # mean_x(-log p_x) = lse - mean_x z_x; its dL/dz is the uniform eps w / V
+                self.uniform = eps / v * weight
+        self.loss = self.nll
+        if eps:
+            self.loss = (1 - eps) * self.nll + eps * (lse - total_logit / v)
 
 
-def responsibilities(lse, picked, log_prior) -> torch.Tensor | None:
-    """``r_{n,k}`` per component row, from the saved statistics (the backward's extra pass)."""
-    if log_prior is None:
-        return None
-    log_posterior = log_prior - (lse - picked).view(log_prior.shape)
-    return torch.softmax(log_posterior, 1).reshape(-1)
+def nll_terms(lse, picked, mixing: Mixing, g):
+    """For an incoming gradient ``g`` of the NLL output (the backward's extra pass), from the
+    saved statistics: the coefficients of ``dz = a p - b onehot(t)`` per row and the mixing
+    inputs' gradients."""
+    if mixing.log_prior is not None:
+        log_posterior = mixing.log_prior - (lse - picked).view(mixing.log_prior.shape)
+        r = torch.softmax(log_posterior, 1)
+        scale = (g[:, None] * r).reshape(-1)
+        return scale, scale, Mixing(log_prior=-g[:, None] * r)
+    if mixing.outside_lse is not None:
+        total_lse = torch.logaddexp(lse, mixing.outside_lse)
+        outside = g * torch.exp(mixing.outside_lse - total_lse)
+        return g * torch.exp(lse - total_lse), g, Mixing(None, outside, -g)
+    return g, g, Mixing()
 
 
 # -- the tile bodies --------------------------------------------------------------------------
@@ -118,28 +152,28 @@ def _gradient(probs, target, scale, onehot, uniform, dtype):
     return (dz if uniform is None else dz - uniform[:, None]).to(dtype)
 
 
-def compiled_forward_tile(h, weight, bias, target, log_prior, row_weight, eps: float, want_dz):
+def compiled_forward_tile(h, weight, bias, target, mixing, row_weight, eps: float, want_dz):
     """One tile of the forward as one functional body for ``torch.compile`` (GPUs): ``(lse,
-    z_target, nll, row loss, dL/d log pi or None, dz)`` with ``dz`` in the products' dtype
-    (None unless ``want_dz``). ``bias`` is a tensor (zeros when the head has none); ``target``
-    per component row."""
+    z_target, nll, row loss, the mixing inputs' gradients, dz)`` with ``dz`` in the products'
+    dtype (None unless ``want_dz``). ``bias`` is a tensor (zeros when the head has none);
+    ``target`` per component row."""
     z, picked = _statistics(h, weight, bias, target)
     shift = finite_shift(z.amax(1))
     exps = torch.exp(z - shift[:, None])
     total = exps.sum(1)
     lse = shift + total.log()
-    terms = Terms(lse, picked, z.sum(1), log_prior, row_weight, eps, z.size(1))
+    terms = Terms(lse, picked, z.sum(1), mixing, row_weight, eps, z.size(1))
     if not want_dz:
-        return lse, picked, terms.nll, terms.loss, terms.grad_log_prior, None
+        return lse, picked, terms.nll, terms.loss, terms.grads, None
     probs = exps * (1 / total)[:, None]
     dz = _gradient(probs, target, terms.scale, terms.onehot, terms.uniform, h.dtype)
-    return lse, picked, terms.nll, terms.loss, terms.grad_log_prior, dz
+    return lse, picked, terms.nll, terms.loss, terms.grads, dz
 
 
-def compiled_recompute_tile(h, weight, bias, target, lse, scale):
-    """The backward's extra pass over one tile: ``dz = scale (p - onehot(t))``."""
+def compiled_recompute_tile(h, weight, bias, target, lse, scale, onehot):
+    """The backward's extra pass over one tile: ``dz = scale p - onehot onehot(t)``."""
     z, _ = _statistics(h, weight, bias, target)
-    return _gradient(torch.exp(z - lse[:, None]), target, scale, scale, None, h.dtype)
+    return _gradient(torch.exp(z - lse[:, None]), target, scale, onehot, None, h.dtype)
 
 
 class _Gradients:
@@ -187,19 +221,19 @@ class _Walk:
             rows = (self.tiles[0][1] - self.tiles[0][0]) * k
             self.buffer = chunk_buffer(hidden, rows, weight.size(0), self.acc)
 
-    def forward(self, log_prior, row_weight, eps: float, grads: _Gradients):
+    def forward(self, mixing: Mixing, row_weight, eps: float, grads: _Gradients):
         """Every tile: ``(lse, z_target)`` per component row, ``(nll, row loss)`` per token
-        and ``dL/d log pi``; each tile's ``dz`` products added into ``grads``."""
+        and the mixing inputs' gradients; each tile's ``dz`` products added into ``grads``."""
         k, n = self.k, self.h.size(0)
         lse, picked = self.h.new_empty(n, dtype=self.acc), self.h.new_empty(n, dtype=self.acc)
-        parts = []  # per tile: nll, row loss, dL/d log pi
+        parts = []  # per tile: nll, row loss, the mixing inputs' gradients
         for t0, t1 in self.tiles:
             r0, r1 = t0 * k, t1 * k
-            rows_prior = None if log_prior is None else log_prior[t0:t1]
+            rows_mixing = mixing.tokens(t0, t1)
             if self.compiled:
                 body = compiled_body(compiled_forward_tile)
                 *stats, dz = body(self.h[r0:r1], self.w, self.b, self.rows_target[r0:r1],
-                                  rows_prior, row_weight[t0:t1], eps, grads.any)  # fmt: skip
+                                  rows_mixing, row_weight[t0:t1], eps, grads.any)  # fmt: skip
                 lse[r0:r1], picked[r0:r1] = stats[0], stats[1]
                 parts.append(stats[2:])
             else:
@@ -207,102 +241,104 @@ class _Walk:
                     self.h[r0:r1], self.weight, self.bias, self.rows_target[r0:r1], self.acc,
                     self.buffer, eps > 0,
                 )  # fmt: skip
-                terms = Terms(lse[r0:r1], picked[r0:r1], total_logit, rows_prior,
+                terms = Terms(lse[r0:r1], picked[r0:r1], total_logit, rows_mixing,
                               row_weight[t0:t1], eps, self.weight.size(0))  # fmt: skip
-                parts.append((terms.nll, terms.loss, terms.grad_log_prior))
+                parts.append((terms.nll, terms.loss, terms.grads))
                 dz = None
-                if grads.any:
-                    # p = exps / total
+                if grads.any:  # p = exps / total
                     dz = eager_gradient_(exps, self.rows_target[r0:r1], terms.scale / total,
                                          terms.onehot, terms.uniform)  # fmt: skip
             if grads.any:
                 grads.add_tile(r0, r1, self.h[r0:r1], self.w, dz, self.dtype)
         if not parts:  # no tokens
             empty = self.h.new_zeros(0, dtype=self.acc)
-            return lse, picked, [empty, empty, None if log_prior is None else log_prior * 0]
-        return lse, picked, [_join(column) for column in zip(*parts, strict=True)]
+            zeros = Mixing(*(None if x is None else x * 0 for x in mixing))
+            return lse, picked, empty, empty, zeros
+        nll, loss, mixing_grads = zip(*parts, strict=True)
+        joined = Mixing(*(_join(tiles) for tiles in zip(*mixing_grads, strict=True)))
+        return lse, picked, _join(nll), _join(loss), joined
 
-    def recompute(self, lse, scale, grads: _Gradients) -> None:
-        """The backward's extra pass: ``dz = scale (p - onehot(t))`` into ``grads``."""
+    def recompute(self, lse, scale, onehot, grads: _Gradients) -> None:
+        """The backward's extra pass: ``dz = scale p - onehot onehot(t)`` into ``grads``."""
         k = self.k
         for t0, t1 in self.tiles:
             r0, r1 = t0 * k, t1 * k
             if self.compiled:
                 body = compiled_body(compiled_recompute_tile)
                 dz = body(self.h[r0:r1], self.w, self.b, self.rows_target[r0:r1], lse[r0:r1],
-                          scale[r0:r1])  # fmt: skip
+                          scale[r0:r1], onehot[r0:r1])  # fmt: skip
             else:
                 z = chunk_logits(self.h[r0:r1], self.weight, self.bias, self.acc, self.buffer)
                 probs = exp_shifted_(z, lse[r0:r1])
                 dz = eager_gradient_(probs, self.rows_target[r0:r1], scale[r0:r1],
-                                     scale[r0:r1], None)  # fmt: skip
+                                     onehot[r0:r1], None)  # fmt: skip
             grads.add_tile(r0, r1, self.h[r0:r1], self.w, dz, self.dtype)
 
 
 def _join(parts):
-    """The tiles' per-token tensors as one (None for one softmax's ``dL/d log pi``)."""
+    """The tiles' per-token tensors as one (None where the tiles have none)."""
     if parts[0] is None:
         return None
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class RowsCrossEntropy(torch.autograd.Function):
-    """``(sum_n w_n loss_n, nll [N])`` of one softmax (``log_prior`` None; ``hidden``
-    ``[N, d]``) or of a mixture (``log_prior`` ``[N, K]``, ``hidden`` the ``[N K, d]``
-    component rows, token-major), against ``target`` ``[N]``, with the gradient computed in
-    the forward (module docstring). ``row_weight`` ``[N]``: 0 on ignored tokens (``target``
-    outside ``[0, V)``, whose NLL is 0); the mean loss's ``1 / count`` on the others. Label
-    smoothing: one softmax only."""
+    """``(sum_n w_n loss_n, nll [N])`` of one softmax over ``hidden W^T + b`` (``hidden``
+    ``[N, d]``), of a mixture (``log_prior`` ``[N, K]``; ``hidden`` the ``[N K, d]``
+    component rows, token-major) or of one block of a larger softmax (``outside_lse`` and
+    ``outside_logit`` ``[N]``: :class:`Mixing`), against ``target`` ``[N]`` (outside
+    ``[0, V)``: another block's token, or ignored), with the gradient computed in the forward
+    (module docstring). ``row_weight`` ``[N]``: the mean loss's ``1 / count`` on kept tokens,
+    0 on ignored ones (whose NLL is 0). Label smoothing: one softmax only."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, log_prior, row_weight, eps, dtype, tile, grad):
+    def forward(ctx, hidden, weight, bias, target, log_prior, outside_lse, outside_logit,
+                row_weight, eps, dtype, tile, grad):  # fmt: skip
         ctx.set_materialize_grads(False)  # an undifferentiated NLL output gives None, not 0s
-        k = 1 if log_prior is None else log_prior.size(1)
-        walk = _Walk(hidden, weight, bias, target, dtype, tile, k)
+        mixing = Mixing(log_prior, outside_lse, outside_logit)
+        walk = _Walk(hidden, weight, bias, target, dtype, tile, mixing.k)
         # `grad`: the caller's grad mode (needs_input_grad ignores no_grad)
         need = ctx.needs_input_grad[:3] if grad else (False,) * 3
         grads = _Gradients(hidden, weight, bias, walk.acc, need)
+        row_weight = row_weight.to(walk.acc)
         with torch.autocast(hidden.device.type, enabled=False):
-            lse, picked, (nll, row_loss, grad_log_prior) = walk.forward(
-                log_prior, row_weight.to(walk.acc), eps, grads
-            )
-        keep = (target >= 0) & (target < weight.size(0))
+            lse, picked, nll, row_loss, mixing_grads = walk.forward(mixing, row_weight, eps, grads)
+        keep = row_weight > 0
         nll = torch.where(keep, nll, 0.0)
         loss = (row_weight * torch.where(keep, row_loss, 0.0)).sum()
-        ctx.save_for_backward(hidden, weight, bias, target, log_prior, lse, picked, grads.h,
-                              grads.w, grads.b, grad_log_prior)  # fmt: skip
+        ctx.save_for_backward(hidden, weight, bias, target, row_weight, lse, picked, *mixing,
+                              grads.h, grads.w, grads.b, *mixing_grads)  # fmt: skip
         ctx.layout = dtype, tile
         return loss, nll
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, grad_nll):
-        hidden, weight, bias, target, log_prior, lse, picked, *stored = ctx.saved_tensors
+        hidden, weight, bias, target, row_weight, lse, picked, *rest = ctx.saved_tensors
+        mixing, stored = Mixing(*rest[:3]), rest[3:]
         dtype, tile = ctx.layout
-        need = (*ctx.needs_input_grad[:3], ctx.needs_input_grad[4])
+        need = (*ctx.needs_input_grad[:3], *ctx.needs_input_grad[4:7])
         scaled = [None if g is None or grad_loss is None or not wanted
                   else g * as_dtype(grad_loss, g.dtype)
                   for g, wanted in zip(stored, need, strict=True)]  # fmt: skip
         if grad_nll is not None:  # the NLL output is differentiated too: g r (p - onehot)
-            keep = (target >= 0) & (target < weight.size(0))
-            g = torch.where(keep, as_dtype(grad_nll, lse.dtype), 0.0)
-            r = responsibilities(lse, picked, log_prior)
-            k = 1 if log_prior is None else log_prior.size(1)
-            scale = g.repeat_interleave(k) if r is None else g.repeat_interleave(k) * r
+            g = torch.where(row_weight > 0, as_dtype(grad_nll, lse.dtype), 0.0)
+            scale, onehot, mixing_extra = nll_terms(lse, picked, mixing, g)
             extra = _Gradients(hidden, weight, bias, lse.dtype, ctx.needs_input_grad[:3])
             with torch.autocast(hidden.device.type, enabled=False):
-                _Walk(hidden, weight, bias, target, dtype, tile, k).recompute(lse, scale, extra)
-            extra_prior = None if r is None or not need[3] else -g[:, None] * r.view(-1, k)
+                walk = _Walk(hidden, weight, bias, target, dtype, tile, mixing.k)
+                walk.recompute(lse, scale, onehot, extra)
+            added = (extra.h, extra.w, extra.b, *mixing_extra)
             scaled = [
-                x if y is None else (y if x is None else x + y)
-                for x, y in zip(scaled, (extra.h, extra.w, extra.b, extra_prior), strict=True)
+                x if y is None or not wanted else (y if x is None else x + y)
+                for x, y, wanted in zip(scaled, added, need, strict=True)
             ]
-        dh, dw, db, d_prior = scaled
+        dh, dw, db, *d_mixing = scaled
         return (
             None if dh is None else dh.to(hidden.dtype),
             None if dw is None else dw.to(weight.dtype),
             None if db is None or bias is None else db.to(bias.dtype),
             None,
-            None if d_prior is None else d_prior.to(log_prior.dtype),
+            *(None if d is None else d.to(x.dtype) for d, x in zip(d_mixing, mixing, strict=True)),
             *([None] * 5),
         )

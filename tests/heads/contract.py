@@ -24,8 +24,11 @@ from heads.fused_cross_entropy import LossOptions
 HIDDEN, VOCAB, ROWS = 6, 23, 9
 # the fused loss over several chunks: 5 columns (V = 23 is not a multiple of 5), row tiles of
 # 4, recomputed in the backward; and the same with the first chunks kept
-CHUNKED = LossOptions(columns=5, rows=4, saved_bytes=0)
-PARTLY_KEPT = LossOptions(columns=5, rows=4, saved_bytes=600)
+# the column plan at its edges (the chunks of a CPU's default plan for every block that is
+# not a whole mean loss), and the rows plan in tiles of 4 rows (a CPU's default for them)
+CHUNKED = LossOptions(plan="eager", columns=5, rows=4, saved_bytes=0)
+PARTLY_KEPT = LossOptions(plan="eager", columns=5, rows=4, saved_bytes=600)
+ROW_TILES = LossOptions(plan="rows", rows=4)
 
 
 def chunked(make: Callable[[], Head], options: LossOptions = CHUNKED) -> Callable[[], Head]:
@@ -181,7 +184,7 @@ def check_bf16_autocast(make: Callable[[], Head]) -> None:
 def check_loss_matches_reference(
     make: Callable[[], Head],
     reference: Callable[[Head, torch.Tensor], torch.Tensor] | None = None,
-    options: tuple[LossOptions, ...] = (CHUNKED, PARTLY_KEPT, LossOptions()),
+    options: tuple[LossOptions, ...] = (CHUNKED, PARTLY_KEPT, ROW_TILES, LossOptions()),
     inference: bool = True,
 ) -> None:
     """The training loss against a plain reference in float64, at the fused loss's edges:

@@ -139,8 +139,9 @@ def test_ratio_must_be_in_unit_interval(ratio):
 # the loss over several blocks of each kind: frequent blocks of 2 columns, rare chunks of 5,
 # recomputed in the backward; and the same with the first blocks kept
 SMALL_BLOCKS = {
-    "recomputed": LossOptions(columns=2, rows=3, saved_bytes=0),
-    "partly_kept": LossOptions(columns=2, rows=3, saved_bytes=900),
+    "recomputed": LossOptions(plan="eager", columns=2, rows=3, saved_bytes=0),
+    "partly_kept": LossOptions(plan="eager", columns=2, rows=3, saved_bytes=900),
+    "row_tiles": LossOptions(plan="rows", rows=3),  # the rare block by the rows plan
 }
 
 

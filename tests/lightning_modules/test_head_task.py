@@ -110,6 +110,22 @@ def test_a_missing_or_misplaced_loss_backend_is_named_when_the_model_is_built():
         task.place_loss_backend(torch.device("cpu"))
 
 
+def test_auto_on_cuda_takes_the_measured_backend_or_plan(monkeypatch):
+    """The measured table may name a plan of the torch backend (rows) as well as a backend;
+    the task sets it once the device is known (checked with a table stated here)."""
+    import heads.fused_cross_entropy as fce
+
+    monkeypatch.setattr(fce, "MEASURED_FASTEST", {"SoftmaxHead": [(50, "rows")]})
+    task = LanguageModel(LSTMBackbone(30, 8, 8), SoftmaxHead(8, 30), loss_backend="auto")
+    task.place_loss_backend(torch.device("cuda"))  # a property of the device: no CUDA needed
+    assert (task.head.loss_options.backend, task.head.loss_options.plan) == ("torch", "rows")
+    task = LanguageModel(LSTMBackbone(30, 8, 8), SoftmaxHead(8, 90), loss_backend="auto")
+    task.place_loss_backend(torch.device("cuda"))  # V = 90: beyond the measured sizes
+    assert (task.head.loss_options.backend, task.head.loss_options.plan) == ("torch", "auto")
+    task.place_loss_backend(torch.device("cpu"))  # a CPU: always ours, its own auto plan
+    assert (task.head.loss_options.backend, task.head.loss_options.plan) == ("torch", "auto")
+
+
 def test_compile_option_takes_true_false_or_compile_arguments():
     from lightning_modules.errors import ModelConfigError
 

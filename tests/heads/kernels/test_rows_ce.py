@@ -14,6 +14,7 @@ from heads.fused_cross_entropy import (
     LossOptions,
     mean_cross_entropy,
     mean_loss_plan,
+    mean_weights,
     row_tile,
 )
 from tests.heads.kernels.cases import float64_case
@@ -132,6 +133,28 @@ def test_compiled_tile_body_equals_the_plain_maths_in_float64(use, tile, eps):
         torch.testing.assert_close(g, w)
 
 
+@pytest.mark.usefixtures("compiled_tiles")
+def test_compiled_tile_bodies_do_not_recompile_per_shape():
+    """Tiles of any row count, vocabularies of any size: the graphs compiled for the first
+    calls serve the next ones (a recompilation per shape runs into Dynamo's limit on a GPU
+    and falls back to eager)."""
+    from torch._dynamo.utils import counters
+
+    def step(rows, classes, tile):
+        hidden, weight, b, target = float64_case(rows=rows, classes=classes, seed=rows)
+        out = mean_cross_entropy(hidden, weight, b, target,
+                                 options=LossOptions(plan="rows", rows=tile))  # fmt: skip
+        torch.autograd.grad(out.loss, (hidden, weight, b))
+
+    counters.clear()
+    step(12, 100, 5)  # tiles of 5, 5 and 2 rows
+    step(9, 60, 4)  # (a second call generalises the sizes the first one specialised)
+    graphs = counters["stats"]["unique_graphs"]
+    for rows, classes, tile in ((30, 60, None), (17, 333, 7), (40, 1000, 16)):
+        step(rows, classes, tile)
+    assert counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
+
+
 def test_compiled_tile_body_under_inductor(monkeypatch):
     """The real compiler (C++ on a CPU, Triton on a GPU) in float64, bias and smoothing."""
     monkeypatch.setattr(rows_ce, "COMPILED_DEVICES", ("cuda", "cpu"))
@@ -151,14 +174,18 @@ def test_bf16_autocast_is_close_to_float64():
         torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2 * float(w.detach().abs().max()))
 
 
-def test_auto_runs_rows_on_a_cpu_and_columns_under_compile_and_on_cuda():
-    cpu = torch.zeros(1)
-    assert mean_loss_plan(LossOptions(), cpu) == "rows"
-    assert mean_loss_plan(LossOptions(plan="eager"), cpu) == "eager"
-    meta_cuda = torch.empty(1, device="meta")  # not cuda: the CPU rule
-    assert mean_loss_plan(LossOptions(), meta_cuda) == "rows"
+def test_auto_runs_rows_on_a_cpu_where_the_column_plan_would_recompute():
+    """Rows where the column plan cannot keep its chunks (``saved_bytes``), the column plan
+    where it keeps them all, under torch.compile and on CUDA (until measured there)."""
+    cpu = torch.zeros(700, 1)
+    budget = LossOptions(saved_bytes=4 * 700 * 10_000)
+    assert mean_loss_plan(budget, cpu, 10_000) == "eager"  # all kept: three products already
+    assert mean_loss_plan(budget, cpu, 10_001) == "rows"
+    assert mean_loss_plan(LossOptions(saved_bytes=0), cpu, 10) == "rows"
+    assert mean_loss_plan(LossOptions(plan="eager", saved_bytes=0), cpu, 10) == "eager"
+    assert mean_loss_plan(LossOptions(plan="rows"), cpu, 10) == "rows"
     seen = []
-    torch.compile(lambda x: seen.append(mean_loss_plan(LossOptions(), x)) or x,
+    torch.compile(lambda x: seen.append(mean_loss_plan(LossOptions(saved_bytes=0), x, 10)) or x,
                   backend="eager")(cpu)  # fmt: skip
     assert seen == ["eager"]
     torch._dynamo.reset()
@@ -274,3 +301,59 @@ def test_mixture_runs_three_products_and_refuses_nothing_it_cannot_do():
     assert smoothed is None
     with pytest.raises(ValueError, match=r"\[N K, d\]"):
         mean_cross_entropy(contexts[:-1], weight, b, target, log_prior=log_prior, options=options)
+
+
+# -- one block of a larger softmax (Mixtape's rare tokens) -----------------------------------
+def _block_results(use, split, options, hidden, weight, b, target):
+    """The rows plan over the columns ``[split, V)``, the rest's log-sum-exp and target logit
+    taken in from the plain maths (differentiably), against ``F.cross_entropy`` over all."""
+    scale = torch.linspace(0.5, 1.5, hidden.size(0), dtype=torch.float64)
+    inputs = (hidden, weight, b)
+    rest = F.linear(hidden, weight[:split], b[:split])
+    in_rest = (target >= 0) & (target < split)
+    rest_logit = torch.where(in_rest, rest.gather(1, target.clamp(0, split - 1)[:, None])[:, 0], 0)
+    block_target = torch.where(target >= split, target - split, -1)
+    out = mean_cross_entropy(hidden, weight[split:], b[split:], block_target,
+                             outside=(torch.logsumexp(rest, 1), rest_logit),
+                             weights=mean_weights(target != IGNORE_INDEX, hidden),
+                             options=options)  # fmt: skip
+    got = [out.loss, out.nll, *torch.autograd.grad(use(out.loss, out.nll, scale), inputs)]
+    return got, _plain(use, hidden, weight, b, target, 0.0)
+
+
+@pytest.mark.parametrize("use", USES.values(), ids=USES.keys())
+@pytest.mark.parametrize("tile", [None, 4], ids=["one_tile", "tiles_of_4"])
+def test_a_block_of_a_larger_softmax_equals_the_plain_maths_in_float64(use, tile):
+    """Targets in either block and ignored rows; the loss over the whole vocabulary."""
+    got, want = _block_results(use, 9, LossOptions(plan="rows", rows=tile), *float64_case())
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.usefixtures("compiled_tiles")
+@pytest.mark.parametrize("use", USES.values(), ids=USES.keys())
+def test_a_block_through_the_compiled_tile_bodies_equals_the_plain_maths(use):
+    got, want = _block_results(use, 9, LossOptions(plan="rows", rows=4), *float64_case(seed=2))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_each_form_traces_into_one_graph():
+    """Under ``torch.compile`` (an explicit ``rows`` plan): no graph break in a softmax, a
+    mixture or a block."""
+    hidden, weight, b, target = float64_case()
+    options = LossOptions(plan="rows", rows=4)
+    prior = torch.randn(11, 1, dtype=torch.float64).log_softmax(-1)
+    forms = {
+        "softmax": lambda h: mean_cross_entropy(h, weight, b, target, options=options),
+        "mixture": lambda h: mean_cross_entropy(
+            h, weight, b, target, log_prior=prior, options=options
+        ),  # fmt: skip
+        "block": lambda h: mean_cross_entropy(
+            h, weight, b, target, options=options, outside=(h.sum(1), h[:, 0])
+        ),  # fmt: skip
+    }
+    for name, form in forms.items():
+        explained = torch._dynamo.explain(lambda h, form=form: form(h).loss)(hidden)
+        torch._dynamo.reset()
+        assert explained.graph_count == 1 and explained.graph_break_count == 0, name
