@@ -178,21 +178,33 @@ def compiled_recompute_tile(h, weight, bias, target, lse, scale, onehot):
 
 class _Gradients:
     """``(dh, dW, db)`` filled tile by tile in the accumulation dtype: each tile writes its
-    rows of ``dh``; the first tile writes ``dW`` and ``db``, later ones add to them."""
+    rows of ``dh``; the first tile writes ``dW`` and ``db``, later ones add to them.
 
-    def __init__(self, hidden, weight, bias, acc, need) -> None:
+    ``fold_bias`` (the GPU tiles): ``db`` comes out of the ``dW`` product, ``dz^T [h | 1 | 0]``
+    into ``[dW | db | 0]`` (padded to 8 columns), instead of a pass of its own over ``dz``."""
+
+    def __init__(self, hidden, weight, bias, acc, need, fold_bias: bool = False) -> None:
         n, (v, d) = hidden.size(0), weight.shape
         self.any = any(need)
         new = weight.new_empty if n else weight.new_zeros  # no rows, no tile: zeros
         self.h = hidden.new_empty(n, d, dtype=acc) if need[0] else None
         self.w = new(v, d, dtype=acc) if need[1] else None
         self.b = new(v, dtype=acc) if bias is not None and need[2] else None
+        self.joint = None
+        if fold_bias and self.w is not None and self.b is not None:
+            self.joint = new(v, (d + 8) // 8 * 8, dtype=acc)
+            self.w, self.b = self.joint[:, :d], self.joint[:, d]
 
     def add_tile(self, r0: int, r1: int, h_r, w_c, dz, dtype) -> None:
         """``dh[r0:r1] = dz W``, ``dW (+)= dz^T h``, ``db (+)= sum_rows dz``."""
         dz_c = as_dtype(dz, dtype)
         if self.h is not None:
             accumulate_mm(self.h[r0:r1], dz_c, w_c, False)
+        if self.joint is not None:
+            rows, pad = h_r.size(0), self.joint.size(1) - h_r.size(1) - 1
+            ones = torch.cat((h_r.new_ones(rows, 1), h_r.new_zeros(rows, pad)), 1)
+            accumulate_mm(self.joint, dz_c.t(), torch.cat((h_r, ones), 1), r0 > 0)
+            return
         if self.w is not None:
             accumulate_mm(self.w, dz_c.t(), h_r, r0 > 0)
         if self.b is not None:
@@ -299,7 +311,7 @@ class RowsCrossEntropy(torch.autograd.Function):
         walk = _Walk(hidden, weight, bias, target, dtype, tile, mixing.k)
         # `grad`: the caller's grad mode (needs_input_grad ignores no_grad)
         need = ctx.needs_input_grad[:3] if grad else (False,) * 3
-        grads = _Gradients(hidden, weight, bias, walk.acc, need)
+        grads = _Gradients(hidden, weight, bias, walk.acc, need, fold_bias=walk.compiled)
         row_weight = row_weight.to(walk.acc)
         with torch.autocast(hidden.device.type, enabled=False):
             lse, picked, nll, row_loss, mixing_grads = walk.forward(mixing, row_weight, eps, grads)
@@ -324,9 +336,10 @@ class RowsCrossEntropy(torch.autograd.Function):
         if grad_nll is not None:  # the NLL output is differentiated too: g r (p - onehot)
             g = torch.where(row_weight > 0, as_dtype(grad_nll, lse.dtype), 0.0)
             scale, onehot, mixing_extra = nll_terms(lse, picked, mixing, g)
-            extra = _Gradients(hidden, weight, bias, lse.dtype, ctx.needs_input_grad[:3])
+            walk = _Walk(hidden, weight, bias, target, dtype, tile, mixing.k)
+            extra = _Gradients(hidden, weight, bias, lse.dtype, ctx.needs_input_grad[:3],
+                               fold_bias=walk.compiled)  # fmt: skip
             with torch.autocast(hidden.device.type, enabled=False):
-                walk = _Walk(hidden, weight, bias, target, dtype, tile, mixing.k)
                 walk.recompute(lse, scale, onehot, extra)
             added = (extra.h, extra.w, extra.b, *mixing_extra)
             scaled = [

@@ -357,3 +357,21 @@ def test_each_form_traces_into_one_graph():
         explained = torch._dynamo.explain(lambda h, form=form: form(h).loss)(hidden)
         torch._dynamo.reset()
         assert explained.graph_count == 1 and explained.graph_break_count == 0, name
+
+
+def test_the_bias_gradient_folded_into_the_weight_product_equals_its_sum():
+    """The GPU tiles' ``dz^T [h | 1 | 0]`` gives ``[dW | db]``: the same as ``dz^T h`` and
+    the column sums, over two tiles (the second adds)."""
+    gen = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(9, 6, generator=gen), torch.randn(23, 6, generator=gen)
+    bias, dz = torch.randn(23, generator=gen), torch.randn(9, 23, generator=gen)
+    grads = [rows_ce._Gradients(hidden, weight, bias, torch.float32, (True,) * 3, fold)
+             for fold in (True, False)]  # fmt: skip
+    assert grads[0].joint is not None and grads[0].joint.size(1) == 8
+    for g in grads:
+        for r0, r1 in ((0, 4), (4, 9)):
+            g.add_tile(r0, r1, hidden[r0:r1], weight, dz[r0:r1], torch.float32)
+    for folded, summed in zip((grads[0].h, grads[0].w, grads[0].b),
+                              (grads[1].h, grads[1].w, grads[1].b), strict=True):  # fmt: skip
+        torch.testing.assert_close(folded, summed)
+    torch.testing.assert_close(grads[1].b, dz.sum(0))
