@@ -1,0 +1,37 @@
+"""auto's table on CUDA from benchmark reports (app/bench/fastest.py)."""
+
+from app.bench.fastest import choices, main, table
+
+
+def _row(head: str, vocab: int, times: list[float]) -> dict:
+    return {"head": head, "vocab_size": vocab, "hidden_size": 512, "tokens": 16384,
+            "time_per_token_us": sorted(times)[len(times) // 2] / 16.384,
+            "times_ms": times}  # fmt: skip
+
+
+def test_an_alternative_replaces_the_default_only_beyond_the_noise():
+    steady = [10.0, 10.2, 9.9, 10.1, 10.0, 9.8, 10.3]
+    report = {"results": [
+        _row("softmax", 10_000, steady),
+        _row("softmax@rows", 10_000, [t / 2 for t in steady]),  # twice as fast, every round
+        _row("softmax@liger", 10_000, [t * 3 for t in steady]),
+        _row("mos", 10_000, steady),
+        _row("mos@liger", 10_000, [9.0, 11.5, 9.5, 10.8, 9.6, 10.4, 9.7]),  # noise
+        _row("softmax", 100_000, steady),
+        _row("softmax@rows", 100_000, [t * 1.1 for t in steady]),
+    ]}  # fmt: skip
+    found = {(head, vocab): choice for head, vocab, choice, _ in choices(report)}
+    assert found == {("SoftmaxHead", 10_000): "rows", ("MoSHead", 10_000): "torch",
+                     ("SoftmaxHead", 100_000): "torch"}  # fmt: skip
+    # the default beyond the last other choice is left out; before one it is kept
+    assert table(choices(report)) == {"SoftmaxHead": [(10_000, "rows")]}
+    entries = [("SoftmaxHead", 10_000, "torch", ""), ("SoftmaxHead", 33_000, "rows", "")]
+    assert table(entries) == {"SoftmaxHead": [(10_000, "torch"), (33_000, "rows")]}
+
+
+def test_the_recorded_gpu_run_gives_the_table_in_the_code(capsys):
+    """The H100 run behind ``MEASURED_FASTEST``: MoS-15 at V = 10k by Liger."""
+    from heads.fused_cross_entropy import MEASURED_FASTEST
+
+    assert main(["docs/results/bench_gpu_heads_10k.json"]) == MEASURED_FASTEST
+    assert "MoSHead V=10000: liger" in capsys.readouterr().out
