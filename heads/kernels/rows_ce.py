@@ -313,25 +313,32 @@ class RowsCrossEntropy(torch.autograd.Function):
         need = ctx.needs_input_grad[:3] if grad else (False,) * 3
         grads = _Gradients(hidden, weight, bias, walk.acc, need, fold_bias=walk.compiled)
         row_weight = row_weight.to(walk.acc)
+        # The gradients are formed per unit of the largest weight (1 / count: every kept
+        # token's, for a mean loss) and scaled in the backward: w p in float16 products would
+        # underflow where the backward's loss-scaled g p does not
+        unit = row_weight.amax() if row_weight.numel() else row_weight.new_ones(())
+        unit = torch.where(unit > 0, unit, 1.0)
         with torch.autocast(hidden.device.type, enabled=False):
-            lse, picked, nll, row_loss, mixing_grads = walk.forward(mixing, row_weight, eps, grads)
+            lse, picked, nll, row_loss, mixing_grads = walk.forward(
+                mixing, row_weight / unit, eps, grads
+            )
         keep = row_weight > 0
         nll = torch.where(keep, nll, 0.0)
         loss = (row_weight * torch.where(keep, row_loss, 0.0)).sum()
-        ctx.save_for_backward(hidden, weight, bias, target, row_weight, lse, picked, *mixing,
-                              grads.h, grads.w, grads.b, *mixing_grads)  # fmt: skip
+        ctx.save_for_backward(hidden, weight, bias, target, row_weight, unit, lse, picked,
+                              *mixing, grads.h, grads.w, grads.b, *mixing_grads)  # fmt: skip
         ctx.layout = dtype, tile
         return loss, nll
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, grad_nll):
-        hidden, weight, bias, target, row_weight, lse, picked, *rest = ctx.saved_tensors
+        hidden, weight, bias, target, row_weight, unit, lse, picked, *rest = ctx.saved_tensors
         mixing, stored = Mixing(*rest[:3]), rest[3:]
         dtype, tile = ctx.layout
         need = (*ctx.needs_input_grad[:3], *ctx.needs_input_grad[4:7])
-        scaled = [None if g is None or grad_loss is None or not wanted
-                  else g * as_dtype(grad_loss, g.dtype)
+        factor = None if grad_loss is None else as_dtype(grad_loss, unit.dtype) * unit
+        scaled = [None if g is None or factor is None or not wanted else g * factor
                   for g, wanted in zip(stored, need, strict=True)]  # fmt: skip
         if grad_nll is not None:  # the NLL output is differentiated too: g r (p - onehot)
             g = torch.where(row_weight > 0, as_dtype(grad_nll, lse.dtype), 0.0)

@@ -375,3 +375,22 @@ def test_the_bias_gradient_folded_into_the_weight_product_equals_its_sum():
                               (grads[1].h, grads[1].w, grads[1].b), strict=True):  # fmt: skip
         torch.testing.assert_close(folded, summed)
     torch.testing.assert_close(grads[1].b, dz.sum(0))
+
+
+def test_float16_products_keep_the_small_gradients():
+    """Under float16 autocast the tiles' ``dz`` is formed per unit of 1 / count and scaled
+    in the backward: ``p / count`` in float16 would fall into subnormals at 100k tokens
+    (measured: 8e-3 relative error of dL/dh that way, 5e-4 this way)."""
+    gen = torch.Generator().manual_seed(0)
+    rows, classes, dim = 100_000, 50, 8
+    hidden = torch.randn(rows, dim, generator=gen, requires_grad=True)
+    weight = torch.randn(classes, dim, generator=gen, requires_grad=True)
+    target = torch.randint(0, classes, (rows,), generator=gen)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = mean_cross_entropy(hidden, weight, None, target, options=LossOptions(plan="rows"))
+    got = torch.autograd.grad(1024 * out.loss, (hidden, weight))  # a loss scale, as AMP's
+    doubles = [t.detach().double().requires_grad_() for t in (hidden, weight)]
+    plain = F.cross_entropy(F.linear(*doubles), target)
+    want = torch.autograd.grad(1024 * plain, doubles)
+    for g, w in zip(got, want, strict=True):
+        assert ((g.double() - w).norm() / w.norm()).item() < 2e-3
