@@ -1,5 +1,6 @@
 """The rows plan of the fused cross-entropy: the mean loss and its gradient in one forward, by
-row tiles over the whole vocabulary, for one softmax or a mixture of ``K`` softmaxes (MoS).
+row tiles over the whole vocabulary, for one softmax, a mixture of ``K`` softmaxes (MoS), or one
+block of a larger softmax whose other block's log-sum-exp is given (Mixtape's rare tokens).
 
 The gradient of the mean loss with respect to each row's logits is known once the row's
 log-sum-exp is: for one softmax ``dL/dz_n = w_n (p_n - q_n)``, with ``w_n = 1 / count`` on kept
@@ -8,12 +9,14 @@ rows (0 on ignored ones), ``p_n = softmax(z_n)`` and ``q_n = (1 - eps) onehot(t_
 (mos-hybrid-lightrnn-bpe.txt Eq. 1), ``dL/dz_{n,k} = w_n r_{n,k} (p_{n,k} - onehot(t_n))`` and
 ``dL/d log pi_{n,k} = -w_n r_{n,k}``, with the responsibilities
 ``r_{n,k} = pi_k p_{n,k,t} / P(t)``: a tile that holds all ``K`` component rows of its tokens
-has everything it needs. So each tile forms its logits once, takes their log-sum-exp, turns
-them into ``dz`` in place and runs both gradient products at once:
+has everything it needs; for a block, ``dL/dz_n = w_n (e^(lse_n - lse_all) p_n - onehot)``.
+So each tile forms its logits once, takes their log-sum-exp, turns them into ``dz`` in place
+and runs both gradient products at once:
 
 - three products in all, as an unfused loss runs (the column plans run four: their backward
   recomputes the logits), in the memory of one tile of logits (an unfused loss holds all);
-- the backward only scales the stored gradients by the loss's incoming gradient.
+- the backward only scales the stored gradients by the loss's incoming gradient (they are
+  formed per unit of ``max w``, so that float16 products keep the small entries).
 
 The per-token NLL is returned too (for the metrics). When something downstream differentiates it
 as well, the backward adds its part, ``g_n r_{n,k} (p_{n,k} - onehot)``, with one more pass
