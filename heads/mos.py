@@ -5,8 +5,9 @@
 ``log P = logsumexp_k(log pi_k + log_softmax_k)``.
 
 Training never builds the ``[N, K, V]`` component logits. By the ``rows`` plan (a CPU's
-default) the mixture's mean loss and its gradient come in one forward, by tiles of tokens with
-all their ``K`` component rows (``heads/kernels/rows_ce.py``); by the column plans each of the
+where the column plan would recompute, as at most MoS sizes) the mixture's mean loss and its
+gradient come in one forward, by tiles of tokens with all their ``K`` component rows
+(``heads/kernels/rows_ce.py``); by the column plans each of the
 ``K N`` component rows ``h_{c,k}`` goes through the fused linear + log-sum-exp primitive,
 giving its cross-entropy ``CE_k = lse_k - z_{k,t}``, and ``nll = -logsumexp_k(log pi_k -
 CE_k)``: memory ``O(K N)`` beyond one vocabulary chunk. Label smoothing (column plans only)
