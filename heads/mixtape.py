@@ -43,6 +43,7 @@ from heads.fused_cross_entropy import (
     combine_lse,
     linear_lse,
     mean_cross_entropy,
+    mean_loss_plan,
     mean_weights,
     plan_tiles,
     resolve_backend,
@@ -240,12 +241,12 @@ class MixtapeHead(SingleSoftmaxHead):
             rare_target = torch.where(ids >= s, ids - s, -1)
             # the rows plan: the rare block's loss and gradient in one forward, the frequent
             # block's log-sum-exp and target logit taken in as the rest of the softmax
-            mean = mean_cross_entropy(
-                mixed, w_rare, b_rare, rare_target, outside=(parts[0].lse, parts[0].target_logit),
-                weights=mean_weights(ids >= 0, mixed), label_smoothing=label_smoothing,
-                options=self.loss_options,
-            )  # fmt: skip
-            if mean is not None:
+            if not smoothing and mean_loss_plan(self.loss_options, mixed, v - s) == "rows":
+                mean = mean_cross_entropy(
+                    mixed, w_rare, b_rare, rare_target, options=self.loss_options,
+                    outside=(parts[0].lse, parts[0].target_logit),
+                    weights=mean_weights(ids >= 0, mixed),
+                )  # fmt: skip
                 return HeadOutput(mean.loss, mean.nll, mean.loss.new_zeros(()))
             parts.append(linear_lse(mixed, w_rare, b_rare, rare_target, logit_sum=smoothing,
                                     options=self.loss_options))  # fmt: skip
