@@ -34,7 +34,12 @@ from heads.base import (
     upcast,
 )
 from heads.errors import CheckpointMismatchError, HeadConfigError
-from heads.fused_cross_entropy import linear_lse, mean_cross_entropy, mean_weights
+from heads.fused_cross_entropy import (
+    linear_lse,
+    mean_cross_entropy,
+    mean_loss_plan,
+    mean_weights,
+)
 
 log = logging.getLogger(__name__)
 _REBUILD_SEED_OFFSET = 0xADA  # a stream apart from the backbone's first draws
@@ -270,9 +275,13 @@ class AdaptiveSoftmaxHead(Head):
             cluster == 0, target, self.shortlist_size + cluster - 1
         ).masked_fill(~keep, -100)
         compiling = torch.compiler.is_compiling()
-        # Eagerly and without smoothing, each classifier gives its part of the mean loss
-        # (token weights 1 / count over the whole batch), by the rows plan where that pays
-        weights = None if label_smoothing or compiling else mean_weights(keep, hidden)
+        # Where the rows plan may pay for some classifier (eagerly, without smoothing), each
+        # classifier gives its part of the mean loss (token weights 1 / count over the whole
+        # batch); otherwise the NLL is reduced once at the end, as before
+        largest = max(self.head.weight.size(0), *(t[1].weight.size(0) for t in self.tail))
+        by_rows = not (label_smoothing or compiling)
+        by_rows = by_rows and mean_loss_plan(self.loss_options, hidden, largest) == "rows"
+        weights = mean_weights(keep, hidden) if by_rows else None
         # product and loss fused per classifier (heads/fused_cross_entropy.py): no [N, C]
         loss, nll, head_lse = self._classify(
             hidden, self.head.weight, self.head.bias, head_target, weights
