@@ -8,9 +8,12 @@ for a GPU's costs instead of a CPU cache's:
   and the chunk bodies compile to one graph each, with no recompilation per chunk;
 - a chunk's forward is one product and one fused reduction (bias, row maximum, ``sum exp``,
   the target's logit and the online combination with the previous chunks); its backward is
-  the recomputed product, one fused pass that forms ``dL/dz = g p + g_t onehot`` and the bias
-  gradient, and the two gradient products. Products run in the compute dtype (bf16 under
-  autocast) with float32 accumulation, and no float32 copy of the logits is written;
+  the recomputed product, one fused pass that forms ``dL/dz = g p + g_t onehot``, and the two
+  gradient products. The bias gradient is folded into the weight's, ``dz^T [h | 1 | 0]`` into
+  ``[dW | db | 0]`` (``h`` widened once per call, to a multiple of 8 columns for the tensor
+  cores): one pass over the chunk fewer, for ~1.6% more ``dW`` product at d = 512. Products
+  run in the compute dtype (bf16 under autocast) with float32 accumulation, and no float32
+  copy of the logits is written;
 - the logit sum (label smoothing) is ``h . sum_x W_x + sum_x b_x``, an ``[N, d]`` product
   outside the chunks, left to autograd.
 
@@ -39,7 +42,12 @@ def _logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor, acc: torch.dtype)
 def forward_chunk(h, w, b, local, top, total, picked):
     """One chunk into the running ``(max, sum exp, target logit)`` of every row; ``local``
     is the target's column in this chunk (outside ``[0, C)``: not here)."""
-    z = _logits(h, w, b, top.dtype)
+    return fold_chunk(_logits(h, w, b, top.dtype), local, top, total, picked)
+
+
+def fold_chunk(z, local, top, total, picked):
+    """A chunk's logits ``z`` into the rows' running ``(max, sum exp, target logit)`` (the
+    online log-sum-exp; shared with Mixtape's blocks, ``compiled_mixtape.py``)."""
     columns = z.size(1)
     inside = (local >= 0) & (local < columns)
     picked = torch.where(inside, z.gather(1, local.clamp(0, columns - 1)[:, None])[:, 0], picked)
@@ -49,15 +57,31 @@ def forward_chunk(h, w, b, local, top, total, picked):
     return new_top, total, picked
 
 
-def backward_chunk(h, w, b, local, lse, g, g_t, grad_h):
-    """``dL/dz = g p + g_t onehot`` for one chunk, straight into the products: returns
-    ``(grad_h + dz W_c, dz^T h, sum_rows dz)``."""
-    z = _logits(h, w, b, lse.dtype)
+def _chunk_dz(h, w, b, local, lse, g, g_t):
+    """One chunk's ``dL/dz = g p + g_t onehot``, in ``h``'s dtype for the products."""
+    return chunk_gradient(_logits(h, w, b, lse.dtype), local, lse, g, g_t).to(h.dtype)
+
+
+def chunk_gradient(z, local, lse, g, g_t):
+    """``dL/dz = g p + g_t onehot`` of a chunk's logits ``z`` (``p = exp(z - lse)``), in the
+    accumulation dtype (shared with Mixtape's blocks)."""
     columns = torch.arange(z.size(1), device=z.device)
     dz = g[:, None] * torch.exp(z - lse[:, None])
-    dz = dz + torch.where(columns[None, :] == local[:, None], g_t[:, None], 0.0)
-    dz_c = dz.to(h.dtype)
-    return grad_h + torch.mm(dz_c, w).to(grad_h.dtype), torch.mm(dz_c.t(), h), dz.sum(0)
+    return dz + torch.where(columns[None, :] == local[:, None], g_t[:, None], 0.0)
+
+
+def backward_chunk(h, w, b, local, lse, g, g_t, grad_h):
+    """``dL/dz`` for one chunk straight into the products (no bias gradient): returns
+    ``(grad_h + dz W_c, dz^T h)``."""
+    dz_c = _chunk_dz(h, w, b, local, lse, g, g_t)
+    return grad_h + torch.mm(dz_c, w).to(grad_h.dtype), torch.mm(dz_c.t(), h)
+
+
+def backward_bias_chunk(h_ext, w, b, local, lse, g, g_t, grad_h):
+    """The same with the bias gradient: ``h_ext = [h | 1 | 0]`` (:func:`with_ones`), so
+    ``dz^T h_ext = [dW_c | db_c | 0]``; returns ``(grad_h + dz W_c, dz^T h_ext)``."""
+    dz_c = _chunk_dz(h_ext[:, : w.size(1)], w, b, local, lse, g, g_t)
+    return grad_h + torch.mm(dz_c, w).to(grad_h.dtype), torch.mm(dz_c.t(), h_ext)
 
 
 def mixture_forward_chunk(flat, w, b, shift, total):
@@ -83,6 +107,7 @@ def mixture_backward_chunk(flat, w, b, shift, g, grad_flat, grad_shift):
 BODIES = {
     "forward": forward_chunk,
     "backward": backward_chunk,
+    "backward_bias": backward_bias_chunk,
     "mixture_forward": mixture_forward_chunk,
     "mixture_backward": mixture_backward_chunk,
 }
@@ -122,6 +147,16 @@ def padded_output(weight, bias, width: int, dtype: torch.dtype, acc: torch.dtype
     else:
         b[:v] = bias
     return w, b
+
+
+def with_ones(hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[h | 1 | 0]`` in ``dtype``, ``(d + 8) // 8 * 8`` columns: one cast-and-copy of ``h``
+    per call (in place of the plain cast) for the bias gradient's fold."""
+    n, d = hidden.shape
+    h_ext = hidden.new_zeros(n, (d + 8) // 8 * 8, dtype=dtype)
+    h_ext[:, :d] = hidden
+    h_ext[:, d] = 1.0
+    return h_ext
 
 
 def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -184,36 +219,36 @@ class CompiledLinearLSE(torch.autograd.Function):
         hidden, weight, bias, target, lse = ctx.saved_tensors
         dtype, tile, width = ctx.layout
         acc = lse.dtype
-        n, v = hidden.size(0), weight.size(0)
-        h = hidden.detach().to(dtype)
+        (n, d), v = hidden.shape, weight.size(0)
+        # db folded into dW's product; no bias (or a frozen one): no db at all
+        fold = bias is not None and ctx.needs_input_grad[2]
+        h = with_ones(hidden.detach(), dtype) if fold else hidden.detach().to(dtype)
         w, b = padded_output(weight.detach(), _detached(bias), width, dtype, acc)
-        body = chunk_body("backward")
+        body = chunk_body("backward_bias" if fold else "backward")
         g = grad_lse.to(acc) if grad_lse is not None else lse.new_zeros(n)
         g_t = grad_target.to(acc) if grad_target is not None else lse.new_zeros(n)
-        grad_h = hidden.new_zeros(n, hidden.size(1), dtype=acc)
-        # the first row tile writes dW and db, later ones add (no rows: zeros)
+        grad_h = hidden.new_zeros(n, d, dtype=acc)
+        # [dW | db | 0] (or dW): the first row tile writes it, later ones add (no rows: zeros)
         tiles = row_spans(n, tile)
         new = weight.new_empty if tiles else weight.new_zeros
-        grad_w, grad_b = new(w.shape, dtype=acc), new(w.size(0), dtype=acc)
+        grad_wb = new(w.size(0), h.size(1), dtype=acc)
         for r0, r1 in tiles:
             rows_grad = grad_h[r0:r1].clone()
             h_r, lse_r, g_r, g_t_r = (own(t, r0, r1) for t in (h, lse, g, g_t))
             for c0 in range(0, w.size(0), width):
-                rows_grad, dw, db = body(
+                rows_grad, dwb = body(
                     h_r, own(w, c0, c0 + width), own(b, c0, c0 + width), target[r0:r1] - c0,
                     lse_r, g_r, g_t_r, rows_grad,
                 )  # fmt: skip
                 if r0 == 0:
-                    grad_w[c0 : c0 + width] = dw
-                    grad_b[c0 : c0 + width] = db
+                    grad_wb[c0 : c0 + width] = dwb
                 else:
-                    grad_w[c0 : c0 + width] += dw
-                    grad_b[c0 : c0 + width] += db
+                    grad_wb[c0 : c0 + width] += dwb
             grad_h[r0:r1] = rows_grad
         return (
             grad_h.to(hidden.dtype),
-            grad_w[:v].to(weight.dtype),
-            None if bias is None else grad_b[:v].to(bias.dtype),
+            grad_wb[:v, :d].to(weight.dtype),
+            grad_wb[:v, d].to(bias.dtype) if fold else None,
             *([None] * 5),
         )
 

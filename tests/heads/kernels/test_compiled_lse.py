@@ -2,9 +2,12 @@
 eager plan at chunk, padding and tile edges; the chunk plan planned for a stated device
 memory; and on CUDA, bf16 against float64 and the field's kernels against our plan."""
 
+from collections import Counter
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import heads.kernels.compiled_lse as compiled_lse
 from heads.fused_cross_entropy import (
@@ -82,9 +85,11 @@ def test_minus_inf_chunks_are_finite():
         torch.testing.assert_close(g, w)
 
 
-def test_inductor_chunk_bodies_equal_the_eager_plan():
-    """The real compiler (Inductor's C++ code on a CPU, Triton on a GPU) in float64."""
-    case = float64_case(rows=9, seed=4)
+@pytest.mark.parametrize("bias", [True, False])
+def test_inductor_chunk_bodies_equal_the_eager_plan(bias):
+    """The real compiler (Inductor's C++ code on a CPU, Triton on a GPU) in float64, both
+    backward bodies (the bias gradient folded into dW's product, and none)."""
+    case = float64_case(rows=9, seed=4, bias=bias)
     got = _loss_and_grads(LossOptions(plan="compiled", columns=8), *case)
     want = _loss_and_grads(LossOptions(plan="eager"), *case)
     for g, w in zip(got, want, strict=True):
@@ -93,8 +98,8 @@ def test_inductor_chunk_bodies_equal_the_eager_plan():
 
 
 def test_one_compiled_body_serves_every_chunk(quick_compile):
-    """Equal padded chunks: one graph for the forward body and one for the backward, however
-    many chunks; no recompilation per chunk."""
+    """Equal padded chunks: one graph for the forward body and one for each backward body
+    (with a bias gradient and without), however many chunks; no recompilation per chunk."""
     from torch._dynamo.utils import counters
 
     counters.clear()
@@ -107,10 +112,62 @@ def test_one_compiled_body_serves_every_chunk(quick_compile):
     # Dynamo's recompile limit on a GPU and fell back to eager)
     hidden, weight, b, target = float64_case(rows=9, classes=60, seed=7)
     _loss_and_grads(LossOptions(plan="compiled", columns=24), hidden, weight, b, target)
+    # no bias gradient: the backward body without the fold, once for every shape
     frozen = weight.detach()
     out = linear_lse(hidden, frozen, None, target, options=LossOptions(plan="compiled"))
     torch.autograd.grad(out.lse.sum(), hidden)
-    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
+    hidden, weight, _, target = float64_case(rows=12, classes=100, seed=6)
+    _loss_and_grads(LossOptions(plan="compiled", columns=16), hidden, weight, None, target)
+    assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
+
+
+class _Ops(TorchDispatchMode):
+    """The ATen calls under it, and each product's output shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.products = Counter(), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.calls[func.overloadpacket] += 1
+        if func.overloadpacket is torch.ops.aten.mm:
+            self.products.append(tuple(out.shape))
+        return out
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_bias_gradient_comes_out_of_the_weight_gradient_product(monkeypatch, bias):
+    """A backward chunk is three products (the recomputed logits, ``dz W``, ``dz^T h``) and no
+    column sum over ``dz``: with a bias, ``dz^T [h | 1 | 0]`` (8 columns for d = 6) gives
+    ``[dW | db | 0]``; with none, nothing forms ``db``. The bodies run as plain functions
+    under an op counter; the gradients are still the eager plan's."""
+    backward = []
+
+    def counted(name):
+        def body(*args):
+            with _Ops() as ops:
+                out = compiled_lse.BODIES[name](*args)
+            if name.startswith("backward"):
+                backward.append(ops)
+            return out
+
+        return body
+
+    monkeypatch.setattr(compiled_lse, "chunk_body", counted)
+    hidden, weight, b, target = float64_case(rows=11, bias=bias)
+    inputs = [t for t in (hidden, weight, b) if t is not None]
+    results = []
+    for options in (LossOptions(plan="compiled", **LAYOUTS["padded_tiles"]), LossOptions()):
+        out = linear_lse(hidden, weight, b, target, options=options)
+        results.append(torch.autograd.grad(out.lse.sum() - out.target_logit.sum(), inputs))
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want)
+    assert len(backward) == 3 * 5  # row tiles of 4, 4 and 3; 5 chunks of 5 columns
+    for ops in backward:
+        assert ops.calls[torch.ops.aten.mm] == 3 and torch.ops.aten.sum not in ops.calls
+        assert ops.products[-1] == (5, 8 if bias else 6), ops.products
 
 
 # -- the CUDA chunk plan, checked on a CPU by stating the device's memory ----------------------
