@@ -47,8 +47,10 @@ from heads.fused_cross_entropy import (
     mean_weights,
     plan_tiles,
     resolve_backend,
+    resolve_plan,
 )
 from heads.kernels.chunks import compute_dtype
+from heads.kernels.compiled_mixtape import CompiledMixtapeFrequentLSE
 from heads.kernels.mixtape_frequent import FrequentThenRareLogits, MixtapeFrequentLSE
 from heads.kernels.sigmoid_tree import SigmoidTreeMix, sigmoid_tree_priors
 
@@ -299,14 +301,22 @@ def mixtape_frequent_lse(
 ):
     """``(lse, target logit, logit sum or None)`` per row over the S frequent tokens' gated
     logits (Eq. 2-4), block by block over the S columns with nothing ``[N, K, S]`` kept
-    beyond ``options.saved_bytes``. ``target`` outside ``[0, S)``: no target logit."""
+    beyond ``options.saved_bytes``. ``target`` outside ``[0, S)``: no target logit. The
+    compiled plan (CUDA's) runs each block as one compiled body forward and backward
+    (``heads/kernels/compiled_mixtape.py``), the others the hand-written CPU plan."""
     n, k, _ = contexts.shape
     resolve_backend(options.backend, contexts)  # cce/liger: CUDA only; the torch path runs
     # a block holds [N, K-1, w] gates, [N, K, w] values and [N, w] logits: 2K floats a column
     _, width = plan_tiles(n, weight.size(0), contexts.device, options, entries_per_column=2 * k)
-    saved = options.saved_bytes
+    dtype = compute_dtype(contexts, weight)
+    if resolve_plan(options.plan, contexts) == "compiled":
+        lse, target_logit, total = CompiledMixtapeFrequentLSE.apply(
+            gate_inputs, gate_weights, contexts, weight, bias, target, logit_sum, dtype, width,
+            float(gate_noise),
+        )  # fmt: skip
+        return LinearLSE(lse, target_logit, total if logit_sum else None)
     lse, target_logit, total = MixtapeFrequentLSE.apply(
-        gate_inputs, gate_weights, contexts, weight, bias, target, logit_sum,
-        compute_dtype(contexts, weight), width, saved, float(gate_noise),
+        gate_inputs, gate_weights, contexts, weight, bias, target, logit_sum, dtype, width,
+        options.saved_bytes, float(gate_noise),
     )  # fmt: skip
     return LinearLSE(lse, target_logit, total if logit_sum else None)

@@ -5,7 +5,7 @@ training loss by vocabulary blocks, and the evaluation logits written into one `
 frequent tokens' gated logits (Eq. 2-4) without a ``[N, K, S]`` tensor beyond a byte budget:
 each block of columns is Eq. 4's product, the sigmoids, ``h_{c,k} . w_x`` and the sigmoid tree
 in place (``frequent_block``), joined by an online log-sum-exp; the backward recomputes the
-blocks not kept (replaying their gate noise, ``_ReplayNoise``) and is written by hand.
+blocks not kept (replaying their gate noise, ``ReplayNoise``) and is written by hand.
 """
 
 from __future__ import annotations
@@ -82,10 +82,10 @@ def _into(out: torch.Tensor, op, a: torch.Tensor, b: torch.Tensor) -> torch.Tens
     return op(a, b, out=out)
 
 
-def _block_noise(shape, keep: bool, noise_state, noise_kept: list, device, acc):
+def block_noise(shape, keep: bool, noise_state, noise_kept: list, device, acc):
     """A block's gate noise and the replay state: for a block not kept, the generator state
     before the first such block (eager) or the noise itself (under ``torch.compile``) is
-    recorded for the backward (``_ReplayNoise``)."""
+    recorded for the backward (``ReplayNoise``)."""
     compiling = torch.compiler.is_compiling()
     if not keep and noise_state is None and not compiling:
         noise_state = _rng_state(device)
@@ -101,7 +101,7 @@ def _rng_state(device: torch.device) -> torch.Tensor:
     return torch.get_rng_state()
 
 
-class _ReplayNoise:
+class ReplayNoise:
     """The gate noise of the blocks not kept, drawn again in the backward exactly as in the
     forward: the generator is set back to its state before the first such block (and restored
     after), and the blocks are drawn in the same order and shapes. Under ``torch.compile``
@@ -111,7 +111,7 @@ class _ReplayNoise:
         self.state, self.kept, self.device = state, kept, device
         self.fork = None
 
-    def __enter__(self) -> _ReplayNoise:
+    def __enter__(self) -> ReplayNoise:
         if self.state is not None:
             devices = [self.device] if self.device.type == "cuda" else []
             self.fork = torch.random.fork_rng(devices=devices)
@@ -179,7 +179,7 @@ class MixtapeFrequentLSE(torch.autograd.Function):
                 keep = budget >= 0
             noise = None
             if noise_std > 0:
-                noise, noise_state = _block_noise((n, k - 1, b - a), keep, noise_state,
+                noise, noise_state = block_noise((n, k - 1, b - a), keep, noise_state,
                                                   noise_kept, contexts.device, acc)  # fmt: skip
             if not keep and buffer is None:
                 buffer = chunk_buffer(contexts, n * 2 * k, width, acc)
@@ -231,7 +231,7 @@ class MixtapeFrequentLSE(torch.autograd.Function):
             if num_kept == len(spans(s, width))
             else chunk_buffer(contexts, n * 2 * k, width, acc)
         )
-        with _ReplayNoise(noise_state, list(noise_kept), contexts.device) as noise_source:
+        with ReplayNoise(noise_state, list(noise_kept), contexts.device) as noise_source:
             for index, (a, b) in enumerate(spans(s, width)):
                 if index < num_kept:
                     gammas, values, probs = kept[3 * index : 3 * index + 3]

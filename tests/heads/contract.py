@@ -272,14 +272,16 @@ def check_training_keeps_no_vocabulary_rows(make_wide: Callable[[], Head], rows:
     assert largest < rows * vocab / 4, (largest, rows * vocab)
 
 
-def check_compiles_without_graph_breaks(make: Callable[[], Head]) -> None:
-    """The training loss (train mode, label smoothing, several chunks) traces into one graph
-    under torch.compile: no graph break, no host sync in the hot path (Dynamo's explain:
-    tracing only, no code generation)."""
+def check_compiles_without_graph_breaks(
+    make: Callable[[], Head], options: LossOptions = PARTLY_KEPT
+) -> None:
+    """The training loss (train mode, label smoothing, several chunks of ``options``' plan)
+    traces into one graph under torch.compile: no graph break, no host sync in the hot path
+    (Dynamo's explain: tracing only, no code generation)."""
     import torch._dynamo
 
     torch.manual_seed(0)
-    head = chunked(make, PARTLY_KEPT)().train()
+    head = chunked(make, options)().train()
     hidden, target = _inputs(dtype=torch.float32)
     target[2] = IGNORE_INDEX
 
