@@ -33,12 +33,15 @@ from heads.base import (
     sort_into_groups,
     upcast,
 )
+from heads.cross_entropy import IGNORE_INDEX
 from heads.errors import CheckpointMismatchError, HeadConfigError
 from heads.fused_cross_entropy import (
     linear_lse,
     mean_cross_entropy,
     mean_loss_plan,
     mean_weights,
+    plain_loss_fits,
+    plain_nll,
 )
 
 log = logging.getLogger(__name__)
@@ -113,9 +116,16 @@ class AdaptiveSoftmaxHead(Head):
         self.shortlist_size = cutoffs[0]
         self.num_clusters = len(cutoffs) - 1
         factory = {} if like is None else {"device": like.device, "dtype": like.dtype}
-        # cluster starts, to find each target's cluster in forward (moves with the module)
-        starts = torch.tensor(cutoffs[:-1], device=factory.get("device"))
-        self.register_buffer("cluster_starts", starts, persistent=False)
+        # Each target's group in forward (buffers: they move with the module): 0 ignored
+        # (negative), 1 the short-list, i + 1 tail cluster i, by a comparison per group start
+        # (far cheaper than bucketize for a handful); and each group's head target (the word
+        # itself in the short-list, at index 1: unused)
+        device = factory.get("device")
+        starts = torch.tensor([0, *cutoffs[:-1]], device=device)
+        self.register_buffer("group_starts", starts, persistent=False)
+        entries = range(self.shortlist_size, self.shortlist_size + self.num_clusters)
+        head_target = torch.tensor([IGNORE_INDEX, 0, *entries], device=device)
+        self.register_buffer("group_head_target", head_target, persistent=False)
         # how often each head row counts in sum_x log P(x) (``_smoothing``): once per
         # short-list word, |C_i| times for cluster i's entry; integers, which no dtype cast of
         # the module rounds
@@ -265,15 +275,17 @@ class AdaptiveSoftmaxHead(Head):
     ) -> HeadOutput:
         self.check_inputs(hidden, target)
         check_label_smoothing(label_smoothing)
-        keep = target >= 0
-        # 0 for the short-list, i for tail cluster i, -1 where ignored
-        # (a comparison per cluster start: far cheaper than bucketize for a handful of clusters)
-        in_cluster = (target.unsqueeze(-1) >= self.cluster_starts).sum(-1)
-        cluster = torch.where(keep, in_cluster, -1)
-        # Head: the word itself if in the short-list, else its cluster's entry.
-        head_target = torch.where(
-            cluster == 0, target, self.shortlist_size + cluster - 1
-        ).masked_fill(~keep, -100)
+        group = (target.unsqueeze(-1) >= self.group_starts).sum(-1)  # 0 ignored, 1 short-list
+        # One sort groups the rows by cluster (ignored and short-list rows first), so each
+        # tail cluster is a contiguous slice of one gather: one index_select (and one
+        # scatter in its backward) for all tail clusters instead of one per cluster. The
+        # group sizes are the step's one read-back (``sort_into_groups``), taken before any
+        # product is queued: the host waits for the backbone and this sort only, and the head
+        # classifier's product then keeps the GPU busy while the tail clusters are launched
+        # (taken after it, the GPU would idle from the read-back to the first tail kernel).
+        order, sizes = sort_into_groups(group, self.num_clusters + 2)  # ignored first
+        # Head: the word itself if in the short-list, else its cluster's entry (or ignored).
+        head_target = torch.where(group == 1, target, self.group_head_target[group])
         compiling = torch.compiler.is_compiling()
         # Where the rows plan may pay for some classifier (eagerly, without smoothing), each
         # classifier gives its part of the mean loss (token weights 1 / count over the whole
@@ -281,19 +293,15 @@ class AdaptiveSoftmaxHead(Head):
         largest = max(self.head.weight.size(0), *(t[1].weight.size(0) for t in self.tail))
         by_rows = not (label_smoothing or compiling)
         by_rows = by_rows and mean_loss_plan(self.loss_options, hidden, largest) == "rows"
-        weights = mean_weights(keep, hidden) if by_rows else None
-        # product and loss fused per classifier (heads/fused_cross_entropy.py): no [N, C]
+        weights = mean_weights(group > 0, hidden) if by_rows else None
+        # per classifier: fused product and loss (no [N, C]), or plain where small on CUDA
         loss, nll, head_lse = self._classify(
-            hidden, self.head.weight, self.head.bias, head_target, weights
-        )
+            hidden, self.head.weight, self.head.bias, head_target, weights,
+            want_lse=bool(label_smoothing),
+        )  # fmt: skip
         smoothing = None
         if label_smoothing:
             smoothing = self._smoothing(hidden, head_lse)
-        # One sort groups the rows by cluster (ignored and short-list rows first), so each
-        # tail cluster is a contiguous slice of one gather: one index_select (and one
-        # scatter in its backward) for all tail clusters instead of one per cluster. The
-        # group sizes are the step's one read-back (``sort_into_groups``).
-        order, sizes = sort_into_groups(cluster + 1, self.num_clusters + 2)  # ignored first
         tail_rows = order[sizes[0] + sizes[1] :]
         tail_hidden = hidden.index_select(0, tail_rows)
         tail_target = target.index_select(0, tail_rows)
@@ -320,11 +328,17 @@ class AdaptiveSoftmaxHead(Head):
             return HeadOutput(loss, nll, loss.new_zeros(()))
         return self.output(nll, target, smoothing=smoothing, label_smoothing=label_smoothing)
 
-    def _classify(self, hidden, weight, bias, target, weights, row_bound=None):
+    def _classify(self, hidden, weight, bias, target, weights, row_bound=None, want_lse=False):
         """One classifier's ``(part of the mean loss, NLL, log-sum-exp)``: the part (``sum_n
-        w_n nll_n``) only with ``weights``, by the rows plan where :func:`mean_loss_plan`
-        picks it (then no log-sum-exp), else by a column plan; NLL 0 where ``target`` is
-        ignored (negative)."""
+        w_n nll_n``) only with ``weights``; NLL 0 where ``target`` is ignored (``IGNORE_INDEX``).
+        Plainly where the classifier's logits fit the saved budget (:func:`plain_loss_fits`;
+        most of an adaptive softmax's classifiers: no log-sum-exp unless ``want_lse``), else
+        by the rows plan where :func:`mean_loss_plan` picks it (no log-sum-exp either), else
+        by a column plan."""
+        rows = hidden.size(0) if row_bound is None else row_bound  # eager: the cluster's own
+        if not want_lse and plain_loss_fits(self.loss_options, hidden.device, rows, weight.size(0)):
+            nll = plain_nll(hidden, weight, bias, target)
+            return None if weights is None else (weights * nll).sum(), nll, None
         if weights is not None:
             mean = mean_cross_entropy(hidden, weight, bias, target, weights=weights,
                                       options=self.loss_options)  # fmt: skip

@@ -49,7 +49,7 @@ from heads.kernels.eager_lse import EagerLinearLSE
 from heads.kernels.rows_ce import RowsCrossEntropy
 
 BACKENDS = ("auto", "torch", "cce", "liger")
-PLANS = ("auto", "eager", "compiled", "checkpoint", "rows")
+PLANS = ("auto", "eager", "compiled", "checkpoint", "rows", "plain")
 
 # Working set of one chunk's logits (float32 entries): small enough on a CPU for the chunk's
 # passes to run from cache and for glibc to reuse the freed memory; on a GPU large enough for
@@ -90,9 +90,12 @@ class LossOptions:
         the hand-written plans are measured against), ``rows`` (a whole mean loss, of a
         softmax, a mixture or Mixtape's rare block, with its gradient computed in the
         forward by row tiles over the whole vocabulary: three products instead of four,
-        ``heads/kernels/rows_ce.py``; the heads' other blocks run as under ``auto``), or
-        ``auto``: compiled on CUDA, eager elsewhere (rows for a whole mean loss on a CPU:
-        :func:`mean_loss_plan`).
+        ``heads/kernels/rows_ce.py``; the heads' other blocks run as under ``auto``),
+        ``plain`` (an adaptive softmax's classifiers as one product and PyTorch's fused
+        log-softmax and NLL: :func:`plain_nll`; the rest as under ``auto``), or ``auto``:
+        compiled on CUDA, eager elsewhere (rows for a whole mean loss on a CPU:
+        :func:`mean_loss_plan`; plain on CUDA for a classifier whose logits fit
+        ``saved_bytes``: :func:`plain_loss_fits`).
     device_memory: bytes of device memory the CUDA chunks are planned for; None: the
         device's own (tests state one to check a plan on a CPU).
     """
@@ -229,7 +232,7 @@ def resolve_plan(plan: str, hidden: torch.Tensor) -> str:
     """The column plan that runs: ``auto`` (and ``rows``, which only a single softmax's mean
     loss runs by rows: :func:`mean_cross_entropy`) is the compiled chunk plan on CUDA, the
     eager one (CPU-tuned) elsewhere."""
-    if plan in ("auto", "rows"):
+    if plan in ("auto", "rows", "plain"):
         return "compiled" if hidden.device.type == "cuda" else "eager"
     return plan
 
@@ -328,7 +331,7 @@ def mean_loss_plan(options: LossOptions, hidden: torch.Tensor, columns: int) -> 
     rows plan there: ``MEASURED_FASTEST``)."""
     if resolve_backend(options.backend, hidden) != "torch":
         return options.backend
-    if options.plan == "auto":
+    if options.plan in ("auto", "plain"):
         # traced by torch.compile, the rows plan's backward always gets a tangent for its NLL
         # output (zeros) and runs its extra pass: the column plan runs fewer products there
         eager_cpu = hidden.device.type != "cuda" and not torch.compiler.is_compiling()
@@ -387,6 +390,39 @@ def mean_cross_entropy(
         torch.is_grad_enabled(),
     )  # fmt: skip
     return MeanCrossEntropy(loss, nll)
+
+
+def plain_loss_fits(options: LossOptions, device: torch.device, rows: int, columns: int) -> bool:
+    """Whether a classifier's loss over ``rows x columns`` logits runs as plain maths
+    (:func:`plain_nll`): with ``plan="plain"``, and under ``auto`` on CUDA where the float32
+    logits fit ``options.saved_bytes`` (the budget the column plans may keep anyway). There
+    the chunk machinery saves no memory and costs launches and host time, what a GPU step of
+    small classifiers is made of: an adaptive softmax's step at V = 1,000, d = 32, 32 tokens
+    (one CPU thread: the launch-bound proxy) dispatched 257 operators in 0.81 ms of host time
+    by the eager plan, 98 in 0.35 ms plainly, PyTorch's own layer 108 in 0.31 ms (docs/results/
+    profile_cpu_launch_bound_1k.json); on an H100 ours measured 0.45x as fast as PyTorch's
+    at V = 10k. Not ``auto`` on a CPU, where the hand-written plan is faster once the products
+    count: V = 33k, d = 512, 4,096 tokens, 141 ms against 190 plainly and PyTorch's 179
+    (docs/results/bench_cpu_adaptive_plain_d512.json)."""
+    if options.backend not in ("auto", "torch"):
+        return False
+    if options.plan == "plain":
+        return True
+    fits = 4 * rows * columns <= options.saved_bytes
+    return options.plan == "auto" and device.type == "cuda" and fits
+
+
+def plain_nll(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor
+) -> torch.Tensor:
+    """``-log softmax(hidden W^T + b)[target]`` per row, 0 where ``target`` is
+    ``IGNORE_INDEX``: one product, then PyTorch's fused log-softmax and NLL kernels in the
+    accumulation dtype (float32 under autocast), differentiated by autograd."""
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    with torch.autocast(hidden.device.type, enabled=False):
+        logits = logits.to(accumulation_dtype(hidden, weight))
+        return torch.nn.functional.cross_entropy(logits, target, reduction="none",
+                                                 ignore_index=IGNORE_INDEX)  # fmt: skip
 
 
 def combine_lse(*parts: torch.Tensor) -> torch.Tensor:

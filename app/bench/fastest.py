@@ -1,7 +1,8 @@
 """``auto``'s table on CUDA from GPU benchmark reports: ``python -m app.bench.fastest FILE...``.
 
 For every head and vocabulary size the reports time, the loss that ran fastest among the head's
-default (the compiled column plan: ``torch``), its ``@rows`` plan and the field's ``@cce`` and
+default (``torch``: the compiled column plan, or plain maths for an adaptive softmax's small
+classifiers), its ``@rows``, ``@compiled`` and ``@plain`` plans and the field's ``@cce`` and
 ``@liger`` kernels: an alternative replaces the default only where its paired ratio's 95%
 interval lies wholly below 1 (a faster median inside the noise changes nothing). Prints the
 ``MEASURED_FASTEST`` literal for ``heads/fused_cross_entropy.py``, each choice with its ratio
@@ -19,7 +20,9 @@ from app.bench.report import paired_row_ratio
 # the benchmark's subject names -> the head classes the table is keyed by
 HEAD_CLASSES = {"softmax": "SoftmaxHead", "mos": "MoSHead", "mixtape": "MixtapeHead",
                 "adaptive": "AdaptiveSoftmaxHead"}  # fmt: skip
-ALTERNATIVES = ("rows", "cce", "liger")  # what auto may run instead of the default
+# what auto may run instead of the default (compiled: the column plan where the default is
+# another, e.g. an adaptive softmax's plain classifiers)
+ALTERNATIVES = ("rows", "compiled", "plain", "cce", "liger")
 
 
 def choices(report: dict) -> list[tuple[str, int, str, str]]:

@@ -35,7 +35,9 @@ PEERS = ("torch_adaptive", "matmul", "cce", "liger")
 # @eager: the torch backend's CPU-tuned chunk loop wherever it runs (on CUDA the default is
 # the compiled chunk plan): the two plans side by side on a GPU.
 # @rows: a single softmax's mean loss with its gradient in the forward, by row tiles.
-PLAN_SUBJECTS = ("eager", "checkpoint", "rows")
+# @compiled: the GPU plan (compiled chunk and block bodies) wherever it runs (a CPU: Inductor's
+# C++ code). @plain: an adaptive softmax's classifiers as plain maths (CUDA's auto where small).
+PLAN_SUBJECTS = ("eager", "checkpoint", "rows", "compiled", "plain")
 DEFAULT_SUBJECTS = ("softmax", "mixtape", "mos", "adaptive", "torch_adaptive", "matmul")
 
 

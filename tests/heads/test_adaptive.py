@@ -5,8 +5,12 @@ import torch
 from heads import HeadConfigError, HeadSetup, adaptive
 from heads.adaptive import AdaptiveSoftmaxHead
 from heads.errors import CheckpointMismatchError
+from heads.fused_cross_entropy import LossOptions
 from tests.heads.contract import (
+    CHUNKED,
     HIDDEN,
+    PARTLY_KEPT,
+    ROW_TILES,
     VOCAB,
     check_compiles_without_graph_breaks,
     check_loss_matches_reference,
@@ -33,11 +37,14 @@ def copy_into_torch(ours: AdaptiveSoftmaxHead, div: float) -> torch.nn.AdaptiveL
     return ref
 
 
+@pytest.mark.parametrize("plan", ["auto", "plain"])
 @pytest.mark.parametrize("head_bias", [False, True])
-def test_equals_torch_adaptive_log_softmax(head_bias):
+def test_equals_torch_adaptive_log_softmax(head_bias, plan):
+    """Plain maths (CUDA's ``auto`` for small classifiers) and a CPU's ``auto``."""
     torch.manual_seed(0)
     ours = AdaptiveSoftmaxHead(32, 300, cutoffs=[20, 90, 200], div_value=2.0,
                                head_bias=head_bias).double()  # fmt: skip
+    ours.loss_options = LossOptions(plan=plan)
     ref = copy_into_torch(ours, 2.0)
     hidden = torch.randn(64, 32, dtype=torch.float64, requires_grad=True)
     target = torch.randint(0, 300, (64,))
@@ -73,6 +80,7 @@ def test_loss_edges_log_prob_and_topk_equal_torch_adaptive(head_bias):
             HIDDEN, VOCAB, cutoffs=[4, 11], div_value=2.0, head_bias=head_bias
         ),  # fmt: skip
         torch_log_prob,
+        options=(CHUNKED, PARTLY_KEPT, ROW_TILES, LossOptions(), LossOptions(plan="plain")),
     )
 
 
@@ -96,13 +104,15 @@ def test_tail_projection_sizes_follow_div_value():
     assert head.head.out_features == 102
 
 
+@pytest.mark.parametrize("plan", ["auto", "plain"])
 @pytest.mark.parametrize("high", [10, 50], ids=["short_list_only", "first_cluster_only"])
-def test_a_cluster_the_batch_misses_gets_a_zero_gradient(high):
+def test_a_cluster_the_batch_misses_gets_a_zero_gradient(high, plan):
     """Under DDP without find_unused_parameters every parameter needs a gradient on every
     rank: a cluster without a target in the batch runs on zero rows, which gives its
     parameters a zero gradient and the loss of the clusters it has."""
     torch.manual_seed(0)
     head = AdaptiveSoftmaxHead(16, 100, cutoffs=[10, 50], div_value=2.0).double()
+    head.loss_options = LossOptions(plan=plan)
     hidden = torch.randn(8, 16, dtype=torch.float64, requires_grad=True)
     target = torch.randint(0, high, (8,))
     head(hidden, target).loss.backward()
@@ -113,6 +123,40 @@ def test_a_cluster_the_batch_misses_gets_a_zero_gradient(high):
         assert all(p.grad is not None and not p.grad.any() for p in module.parameters())
     if high == 50:
         assert all(p.grad.any() for p in head.tail[0].parameters())
+
+
+def test_the_steps_one_read_back_comes_before_any_product():
+    """The group sizes are read back before the first product is queued: on a GPU the host
+    then waits for the backbone and the sort only, not for the head classifier, and the GPU
+    is not left idle from the read-back to the first tail kernel."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Order(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    head = AdaptiveSoftmaxHead(16, 100, cutoffs=[10, 50], div_value=2.0)
+    hidden = torch.randn(12, 16, requires_grad=True)
+    target = torch.randint(0, 100, (12,))
+    tolist = torch.Tensor.tolist
+
+    def recorded_tolist(tensor):
+        order.calls.append("tolist")  # a read-back that bypasses the dispatcher
+        return tolist(tensor)
+
+    with Order() as order, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "tolist", recorded_tolist)
+        head(hidden, target).loss.backward()
+    products = [i for i, name in enumerate(order.calls) if name in ("mm", "addmm", "linear")]
+    read_backs = [i for i, name in enumerate(order.calls)
+                  if name in ("tolist", "_local_scalar_dense", "item")]  # fmt: skip
+    assert products and read_backs, order.calls
+    assert max(read_backs) < min(products), order.calls
 
 
 def test_auto_cutoffs_from_the_cost_model():

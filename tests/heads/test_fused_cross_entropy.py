@@ -14,6 +14,8 @@ from heads.fused_cross_entropy import (
     combine_lse,
     linear_cross_entropy,
     linear_lse,
+    plain_loss_fits,
+    plain_nll,
     plan_tiles,
     spans,
 )
@@ -337,3 +339,41 @@ def test_cuda_external_backends_match_the_portable_path(backend):
     for a, c in zip(*results, strict=True):  # bf16 error relative to each tensor's scale
         scale = float(a.detach().abs().max())
         torch.testing.assert_close(c.float(), a.float(), rtol=3e-2, atol=2e-2 * scale)
+
+
+def test_plain_nll_equals_the_formula_in_float64_and_keeps_float32_under_bf16():
+    """One product and PyTorch's fused kernels: the NLL and every gradient of the formula,
+    0 on ignored rows; under bf16 autocast the NLL comes out in float32."""
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(7, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(11, generator=gen, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 11, (7,), generator=gen)
+    target[[1, 5]] = IGNORE_INDEX
+    scale = torch.linspace(0.5, 1.5, 7, dtype=torch.float64)
+    got = plain_nll(hidden, weight, bias, target)
+    log_probs = torch.log_softmax(hidden @ weight.T + bias, -1)
+    want = torch.where(target >= 0, -log_probs.gather(1, target.clamp_min(0)[:, None])[:, 0], 0.0)
+    torch.testing.assert_close(got, want)
+    inputs = (hidden, weight, bias)
+    for g, w in zip(torch.autograd.grad((got * scale).sum(), inputs),
+                    torch.autograd.grad((want * scale).sum(), inputs), strict=True):  # fmt: skip
+        torch.testing.assert_close(g, w)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = plain_nll(hidden.float(), weight.float(), bias.float(), target)
+    assert low.dtype == torch.float32
+    torch.testing.assert_close(low.double(), want, rtol=0.05, atol=0.05)
+
+
+def test_plain_runs_on_cuda_where_the_logits_fit_the_saved_budget():
+    """``auto``: plain on CUDA up to ``saved_bytes`` of float32 logits, never on a CPU (the
+    hand-written plan is faster there); ``plain`` forces it; other plans and backends never."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    budget = LossOptions(saved_bytes=4 * 100 * 50)
+    assert plain_loss_fits(budget, cuda, 100, 50)
+    assert not plain_loss_fits(budget, cuda, 101, 50)
+    assert not plain_loss_fits(budget, cpu, 100, 50)
+    assert plain_loss_fits(LossOptions(plan="plain"), cpu, 10**6, 10**6)
+    for options in (LossOptions(plan="compiled"), LossOptions(plan="eager"),
+                    LossOptions(backend="liger")):  # fmt: skip
+        assert not plain_loss_fits(options, cuda, 1, 1)

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader
 from datamodules import TranslationDataModule
 from datamodules.bptt import BPTTBatches
 from heads import AdaptiveSoftmaxHead, DSSoftmaxHead, MixtapeHead, MoSHead, SoftmaxHead
+from heads.fused_cross_entropy import LossOptions
 from lightning_modules import LanguageModel, Translation
 from lightning_modules.backbones import LSTMBackbone, Seq2SeqTransformer
 from lightning_modules.decoding import DecodeConfig
@@ -195,11 +196,18 @@ def ds_head(hidden_size: int, vocab_size: int) -> DSSoftmaxHead:
     return head
 
 
+def plain(head):
+    """``head`` with its classifiers as plain maths (CUDA's ``auto`` for small ones)."""
+    head.loss_options = LossOptions(plan="plain")
+    return head
+
+
 HEADS = {
     "softmax": (SoftmaxHead, 0),
     "mos": (functools.partial(MoSHead, num_components=3), 0),
     "mixtape": (functools.partial(MixtapeHead, num_components=4, frequent_ratio=0.5), 0),
     "adaptive": (lambda d, v: AdaptiveSoftmaxHead(d, v, cutoffs=[v // 4, v // 2]), 1),
+    "adaptive_plain": (lambda d, v: plain(AdaptiveSoftmaxHead(d, v, cutoffs=[v // 4, v // 2])), 1),
     "ds": (ds_head, 1),
 }
 
