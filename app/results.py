@@ -325,6 +325,40 @@ def render_recorded(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
+# -- the per-step profile (python -m app.bench.profile) ------------------------------------------
+def _is_profile(report: dict[str, Any]) -> bool:
+    return str(report.get("schema", "")).startswith("profile/")
+
+
+def _profile_command(report: dict[str, Any]) -> str:
+    return command_of("app.bench.profile", report["args"], skip=("out", "name", "note"))
+
+
+def render_profile(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
+    from app.bench.profile import short_name, table_rows
+
+    args, header, rows = report["args"], *table_rows(report)
+    device = report["results"][0]["top_of"] == "device" if report["results"] else False
+    body = [[*row, ", ".join(f"`{short_name(t['name'], 40)}` {100 * t['share']:.0f}%"
+                             for t in result["top"][:3])]
+            for row, result in zip(rows, report["results"], strict=True)]  # fmt: skip
+    return "\n\n".join([
+        f"Per training step (forward + backward) at V = {args['vocab']}, d = {args['hidden']}, "
+        f"{args['tokens']} tokens, `{args['precision']}`; {_machine(report)}. `host ms`: until "
+        "the step returns (median of the steps timed without the profiler)"
+        + (", `wall ms`: until the device is done; `kernel ms`, `kernels`, `syncs`: the "
+           "device's kernel time and kernel count, and the host-device syncs, per profiled "
+           "step" if device else "")
+        + "; `aten ops`: every `aten::*` event, `top-level ops`: those under no other; "
+        "`% outside ops`: the share of the profiled host time in no profiled event (Python, "
+        "autograd's glue); the last column: the first 3 "
+        + ("kernels by device time" if device else "host events by self time")
+        + " with their share.",
+        f"```bash\n{_profile_command(report)}\n```",
+        table([*header, "top (share)"], body),
+    ])  # fmt: skip
+
+
 RENDERERS: list[tuple[Callable[[dict[str, Any]], bool], Renderer]] = [
     (_is_training_bench, render_training_bench),
     (_is_inference_bench, render_inference_bench),
@@ -333,6 +367,7 @@ RENDERERS: list[tuple[Callable[[dict[str, Any]], bool], Renderer]] = [
     (_is_study, render_study),
     (_is_rank, render_rank),
     (_is_recorded, render_recorded),
+    (_is_profile, render_profile),
 ]
 
 
@@ -415,6 +450,17 @@ def headline_recorded(report: dict[str, Any], path: Path) -> tuple[str, str] | N
     return report["headline"], commands[0]
 
 
+def headline_profile(report: dict[str, Any], path: Path) -> tuple[str, str]:
+    rows = report["results"]
+    if rows and rows[0]["top_of"] == "device":
+        figures = [f"{r['head']} {_format(r['kernels'])} ({_format(r['kernel_ms'])})" for r in rows]
+        text = "kernels per step (kernel ms): "
+    else:
+        figures = [f"{r['head']} {_format(r['host_ms'])} ({_format(r['aten_ops'])})" for r in rows]
+        text = "host ms per step (aten ops): "
+    return text + ", ".join(figures), _profile_command(report)
+
+
 HEADLINES: dict[Renderer, Headline] = {
     render_training_bench: headline_training_bench,
     render_inference_bench: headline_inference_bench,
@@ -423,6 +469,7 @@ HEADLINES: dict[Renderer, Headline] = {
     render_optimum_study: headline_optimum_study,
     render_rank: headline_rank,
     render_recorded: headline_recorded,
+    render_profile: headline_profile,
 }
 
 
