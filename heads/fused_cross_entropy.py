@@ -128,6 +128,20 @@ def check_backend(name: str) -> None:
         )
 
 
+# A task's ``loss_backend``: a backend, or a plan of the torch backend (LossOptions.plan)
+LOSS_CHOICES = BACKENDS + tuple(plan for plan in PLANS if plan != "auto")
+
+
+def check_loss_choice(name: str) -> None:
+    """A task's ``loss_backend``: one of :data:`LOSS_CHOICES`, else one line naming them."""
+    if name not in LOSS_CHOICES:
+        raise HeadConfigError(
+            f"loss_backend {name!r} is not one of {', '.join(BACKENDS)} (backends) or "
+            f"{', '.join(LOSS_CHOICES[len(BACKENDS) :])} (plans of the torch backend): set "
+            f"model.loss_backend to one"
+        )
+
+
 class MissingBackendError(UserError, ImportError):
     """An optional loss backend was asked for but its package (or device) is not there."""
 

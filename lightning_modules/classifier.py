@@ -31,8 +31,8 @@ class Classifier(HeadTask):
         top_k: accuracies to report.
         compile: ``torch.compile`` the backbone and the head (true, or torch.compile's keyword
             arguments); see ``HeadTask``.
-        loss_backend: the head's fused-loss backend (auto, torch, cce, liger); see
-            ``HeadTask``.
+        loss_backend: the head's fused-loss backend (auto, torch, cce, liger) or a plan of
+            the torch backend (eager, compiled, rows, plain, checkpoint); see ``HeadTask``.
     """
 
     def __init__(

@@ -16,8 +16,8 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from heads import Head, HeadSetup
 from heads.fused_cross_entropy import (
-    check_backend,
     check_backend_device,
+    check_loss_choice,
     external_loss_function,
     fastest_backend,
     measured_options,
@@ -62,8 +62,9 @@ class HeadTask(L.LightningModule):
       checkpoints stay as they are). The head's training loss traces into one graph (its
       fused loss loops over shapes only; adaptive and DS group sizes are the only
       data-dependent values, captured as such). ``log_prob`` / ``topk`` stay eager.
-    - ``loss_backend`` (every task's option): the head's fused-loss backend
-      (``heads/fused_cross_entropy.py``).
+    - ``loss_backend`` (every task's option): the head's fused-loss backend, or a plan of
+      the torch backend (``LossOptions.plan``: ``eager``, ``compiled``, ``rows``, ``plain``,
+      ``checkpoint``), ``heads/fused_cross_entropy.py``; ``auto``: measured per device.
     - :meth:`check_finite_loss` in a step stops the run on a NaN or infinite loss without a
       host sync per step: the loss is checked on the device and read back at the logging
       interval, at the end of a training epoch and of each validation and test
@@ -103,7 +104,7 @@ class HeadTask(L.LightningModule):
 
     def configure_training(self, compile: CompileOption, loss_backend: str) -> None:
         """Record the ``compile`` and ``loss_backend`` options (once ``self.head`` is set)."""
-        check_backend(loss_backend)
+        check_loss_choice(loss_backend)
         if isinstance(compile, dict):
             self.compile_options = dict(compile)
         elif compile is True:
@@ -118,7 +119,11 @@ class HeadTask(L.LightningModule):
         if loss_backend in ("cce", "liger"):  # a missing package: now, not at the first step
             external_loss_function(loss_backend)
         self.loss_backend = loss_backend
-        self.head.loss_options = replace(self.head.loss_options, backend=loss_backend)
+        options = self.head.loss_options
+        if loss_backend == "auto":
+            self.head.loss_options = replace(options, backend="auto")
+        else:  # a backend, or a plan of the torch one
+            self.head.loss_options = measured_options(options, loss_backend)
         self._compiled = False
 
     def place_loss_backend(self, device: torch.device) -> None:

@@ -72,7 +72,8 @@ class LanguageModel(HeadTask):
         compile: ``torch.compile`` the backbone and the head (true, or torch.compile's keyword
             arguments such as ``{mode: max-autotune}``); see ``HeadTask``.
         loss_backend: the head's fused-loss backend: auto, torch, cce or liger (CUDA,
-            optional packages); see ``HeadTask``.
+            optional packages), or a plan of the torch backend (eager, compiled, rows,
+            plain, checkpoint); see ``HeadTask``.
     """
 
     # the run's quality in TensorBoard's HPARAMS tab (hp_metric): its best validation perplexity

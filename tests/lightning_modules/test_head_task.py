@@ -86,8 +86,19 @@ def test_loss_backend_reaches_the_head_and_is_checked():
     task = LanguageModel(LSTMBackbone(30, 8, 8), SoftmaxHead(8, 30), loss_backend="torch")
     assert task.head.loss_options.backend == "torch"
     assert model().head.loss_options.backend == "auto"
-    with pytest.raises(HeadConfigError, match="loss backend 'fastest' is not one of"):
+    with pytest.raises(HeadConfigError, match="loss_backend 'fastest' is not one of") as raised:
         LanguageModel(LSTMBackbone(30, 8, 8), SoftmaxHead(8, 30), loss_backend="fastest")
+    assert "liger" in str(raised.value) and "rows" in str(raised.value)
+
+
+@pytest.mark.parametrize("plan", ["eager", "compiled", "rows", "plain", "checkpoint"])
+def test_a_plan_named_as_loss_backend_runs_on_the_torch_backend(plan):
+    """One config line picks how the loss runs (``model.loss_backend: rows``), on any
+    device: the measured table (``auto``) is not consulted."""
+    task = LanguageModel(LSTMBackbone(30, 8, 8), SoftmaxHead(8, 30), loss_backend=plan)
+    for device in ("cuda", "cpu"):  # a property of the device: no CUDA needed
+        task.place_loss_backend(torch.device(device))
+        assert (task.head.loss_options.backend, task.head.loss_options.plan) == ("torch", plan)
 
 
 def test_a_missing_or_misplaced_loss_backend_is_named_when_the_model_is_built():
