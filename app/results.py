@@ -137,6 +137,9 @@ def render_training_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> 
         table(header, body),
         *(["\n".join(f"- {line}" for line in speedups)] if (speedups := peer_speedups(rows))
           else []),
+        *(["Failed in this run, left out: " + "; ".join(
+            f"`{subject}`: {message}" for subject, message in failed.items())]
+          if (failed := report.get("failed")) else []),
         f"![{path.stem}]({link(plot, doc_dir)})",
     ])  # fmt: skip
 

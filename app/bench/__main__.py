@@ -1,6 +1,6 @@
 import sys
 
-from app.bench.run import main
+from app.bench.run import exit_code, main
 from app.cli.console import exit_status
 
-sys.exit(exit_status(main))
+sys.exit(exit_status(lambda: exit_code(main())))

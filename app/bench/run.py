@@ -52,6 +52,7 @@ from app.bench.subjects import (
 from app.bench.timing import CLOCKS, check_clock, check_device, time_once
 from app.machine import load_average
 from heads.adaptive_cutoffs import zipf_probabilities
+from heads.errors import UserError
 from heads.fused_cross_entropy import BACKENDS
 
 TRAINING_MODES = ("same-batch", "same-memory")
@@ -187,13 +188,35 @@ def _cases(args, options, vocab: int, hidden: int, batch: int, device) -> dict[s
     return {name: case for name, case in cases.items() if case.tokens > 0}
 
 
-def _memory_rows(args, cases: dict[str, Case]) -> list[dict]:
+def _first_step(case: Case, failed: dict[str, str]):
+    """``build_case(case)`` and its first step (lazy initialisation, compilation), or None
+    where the subject fails here: the failure is printed and recorded in ``failed`` and the
+    other subjects are still measured (one GPU session measures everything it can). Errors in
+    the command itself (``UserError``: a backend this machine lacks...) still stop the run."""
+    torch.manual_seed(0)
+    try:
+        built = build_case(case)
+        built[1]()
+        return built
+    except UserError:
+        raise
+    except Exception as error:  # noqa: BLE001 - any failure of one subject: reported below
+        message = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+        failed[f"{case.name} V={case.vocab} d={case.hidden} tokens={case.tokens}"] = message
+        print(f"  {case.name}: FAILED, left out ({message})", flush=True)
+        if case.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return None
+
+
+def _memory_rows(args, cases: dict[str, Case], failed: dict[str, str]) -> list[dict]:
     """``--time skip``: one case at a time (only one head's memory is held)."""
     rows = []
     for name, case in cases.items():
-        torch.manual_seed(0)
-        module, step = build_case(case)
-        step()  # warm: lazy initialisation and compilation are not the step's memory
+        built = _first_step(case, failed)  # warm: initialisation is not the step's memory
+        if built is None:
+            continue
+        module, step = built
         rows.append(_row(module, step, None, args, case))
         memory = rows[-1]["extra_peak_mb"]
         print(f"  {name}: {case.tokens} tokens, extra peak "
@@ -202,12 +225,14 @@ def _memory_rows(args, cases: dict[str, Case]) -> list[dict]:
     return rows
 
 
-def _timed_rows(args, cases: dict[str, Case]) -> list[dict]:
-    """Every case timed, interleaved: each repeat steps every subject once."""
+def _timed_rows(args, cases: dict[str, Case], failed: dict[str, str]) -> list[dict]:
+    """Every case timed, interleaved: each repeat steps every subject once (after its first
+    step, and ``--warmup`` more of every subject)."""
     built = {}
     for name, case in cases.items():
-        torch.manual_seed(0)
-        built[name] = build_case(case)
+        subject = _first_step(case, failed)
+        if subject is not None:
+            built[name] = subject
     for _ in range(args.warmup):
         for _, step in built.values():
             step()
@@ -226,13 +251,13 @@ def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     torch.manual_seed(0)
     options = bench_options(args)
-    results = []
+    results, failed = [], {}
     sizes = [(v, d, b) for v in args.vocab_sizes for d in args.hidden_sizes
              for b in args.batch_sizes]  # fmt: skip
     for index, (vocab, hidden, batch) in enumerate(sizes, start=1):
         print(f"[{index}/{len(sizes)}] V={vocab} d={hidden} batch={batch}", flush=True)
         cases = _cases(args, options, vocab, hidden, batch, device)
-        results += (_memory_rows if args.time == "skip" else _timed_rows)(args, cases)
+        results += (_memory_rows if args.time == "skip" else _timed_rows)(args, cases, failed)
     memory_method = (
         "cuda_allocator"
         if device.type == "cuda"
@@ -242,6 +267,7 @@ def run(args: argparse.Namespace) -> dict:
                if any(parse_subject(s).head == name for s in args.heads)}  # fmt: skip
     return {
         "args": vars(args), "options": {**asdict(options), "heads": configs}, "results": results,
+        "failed": failed,
         "machine": {"platform": platform.platform(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "device": str(device),
                     "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
@@ -450,7 +476,14 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(report)
     save_plot(report, out / f"{stem}.png")
     print(f"wrote {out / (stem + '.json')} and {out / (stem + '.png')}")
+    for subject, message in report["failed"].items():
+        print(f"FAILED {subject}: {message}", file=sys.stderr)
     return report
+
+
+def exit_code(report: dict) -> int:
+    """1 where a subject failed (its JSON still written with the others), else 0."""
+    return 1 if report.get("failed") else 0
 
 
 def ratio(report: dict, numerator: str, denominator: str, vocab: int, key="time_ms") -> float:

@@ -115,3 +115,14 @@ def test_every_committed_results_file_renders(tmp_path):
     assert "no renderer knows" not in text
     for path in committed.glob("*.json"):
         assert f"## {path.stem}\n" in text
+
+
+def test_a_benchmarks_failed_subjects_are_named(results, tmp_path):
+    """A subject left out of a run (``failed`` in its JSON) is named under its table."""
+    folder = tmp_path / "results"
+    folder.mkdir()
+    report = json.loads((results / "bench_cpu.json").read_text())
+    report["failed"] = {"mixtape V=300 d=16 tokens=32": "RuntimeError: no kernel"}
+    (folder / "bench_cpu.json").write_text(json.dumps(report))
+    text = render(folder, tmp_path)
+    assert "Failed in this run, left out: `mixtape V=300 d=16 tokens=32`: RuntimeError: no" in text

@@ -208,3 +208,35 @@ def test_a_device_or_backend_this_machine_lacks_is_one_line(capsys, tmp_path):
             "8", "--batch-sizes", "8", "--out", str(tmp_path)]  # fmt: skip
     assert exit_status(lambda: main(argv)) == 2
     assert "error: loss backend 'cce' runs on CUDA only" in capsys.readouterr().err
+
+
+def test_a_subject_that_fails_is_left_out_and_the_others_measured(tmp_path, monkeypatch, capsys):
+    """One GPU session measures everything it can: a subject whose first step raises (a
+    compiler or device failure) is reported in one line and in the JSON's ``failed``, the
+    others are timed, and the command exits 1."""
+    import app.bench.run as bench_run
+
+    build = bench_run.build_case
+
+    def failing_mixtape(case):
+        module, step = build(case)
+        if case.name != "mixtape":
+            return module, step
+
+        def broken():
+            raise RuntimeError("Triton compilation failed\nsecond line")
+
+        return module, broken
+
+    monkeypatch.setattr(bench_run, "build_case", failing_mixtape)
+    argv = ["--heads", "softmax", "mixtape", "--vocab-sizes", "300", "--hidden-sizes", "16",
+            "--batch-sizes", "32", "--repeats", "1", "--warmup", "1", "--memory", "skip",
+            "--out", str(tmp_path), "--name", "partial"]  # fmt: skip
+    report = main(argv)
+    assert [r["head"] for r in report["results"]] == ["softmax"]
+    saved = json.loads((tmp_path / "partial.json").read_text())
+    assert saved["failed"] == {
+        "mixtape V=300 d=16 tokens=32": "RuntimeError: Triton compilation failed second line"
+    }
+    assert "FAILED mixtape" in capsys.readouterr().err
+    assert bench_run.exit_code(report) == 1 and bench_run.exit_code({"failed": {}}) == 0
