@@ -56,7 +56,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from app.bench.run import Case, _add_subject_args, bench_options, build_case, make_targets
+from app.bench.run import Case, _add_subject_args, bench_options, first_step, make_targets
 from app.bench.subjects import FRAGMENTS, PRECISIONS, head_config, parse_head, parse_subject
 from app.bench.timing import check_device, sync
 from app.machine import load_average
@@ -210,10 +210,13 @@ def profiled_steps(step: Callable[[], None], device: torch.device, count: int, t
     return summarize(reduce_events(prof.events()), cuda, top)
 
 
-def profile_case(case: Case, args: argparse.Namespace) -> dict:
-    """One subject's row: its timed and profiled steps."""
-    torch.manual_seed(0)
-    module, step = build_case(case)
+def profile_case(case: Case, args: argparse.Namespace, failed: dict[str, str]) -> dict | None:
+    """One subject's row: its timed and profiled steps (None where its first step fails:
+    recorded in ``failed``, as the benchmark does)."""
+    built = first_step(case, failed)
+    if built is None:
+        return None
+    module, step = built
     for _ in range(args.warmup):
         step()
     host, wall = timed_steps(step, case.device, args.steps)
@@ -252,19 +255,21 @@ def _run(args: argparse.Namespace) -> dict:
     options = bench_options(args)
     # the benchmark's targets, drawn as it draws them (app/bench/run.py's _cases)
     targets = make_targets("zipf", args.vocab, args.tokens, torch.Generator().manual_seed(1))
-    results = []
+    results, failed = [], {}
     for index, name in enumerate(args.heads, start=1):
         case = Case(name, "head", args.vocab, args.hidden, args.tokens, targets, options, device,
                     bptt=35, precision=args.precision)  # fmt: skip
         start = time.perf_counter()
-        results.append(profile_case(case, args))
+        row = profile_case(case, args, failed)
+        if row is not None:
+            results.append(row)
         print(f"[{index}/{len(args.heads)}] {name} ({time.perf_counter() - start:.1f} s)",
               flush=True)  # fmt: skip
     configs = {name: head_config(name, options) for name in FRAGMENTS
                if any(parse_subject(s).head == name for s in args.heads)}  # fmt: skip
     report = {
         "schema": SCHEMA, "args": vars(args), "options": {**asdict(options), "heads": configs},
-        "results": results,
+        "results": results, "failed": failed,
         "machine": {"platform": platform.platform(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "device": str(device),
                     "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
@@ -383,10 +388,13 @@ def main(argv: list[str] | None = None) -> dict:
     path.write_text(json.dumps(report, indent=1))
     print_table(report)
     print(f"wrote {path}")
+    for subject, message in report["failed"].items():
+        print(f"FAILED {subject}: {message}", file=sys.stderr)
     return report
 
 
 if __name__ == "__main__":
+    from app.bench.run import exit_code
     from app.cli.console import exit_status
 
-    sys.exit(exit_status(main))
+    sys.exit(exit_status(lambda: exit_code(main())))

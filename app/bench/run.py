@@ -188,7 +188,7 @@ def _cases(args, options, vocab: int, hidden: int, batch: int, device) -> dict[s
     return {name: case for name, case in cases.items() if case.tokens > 0}
 
 
-def _first_step(case: Case, failed: dict[str, str]):
+def first_step(case: Case, failed: dict[str, str]):
     """``build_case(case)`` and its first step (lazy initialisation, compilation), or None
     where the subject fails here: the failure is printed and recorded in ``failed`` and the
     other subjects are still measured (one GPU session measures everything it can). Errors in
@@ -213,7 +213,7 @@ def _memory_rows(args, cases: dict[str, Case], failed: dict[str, str]) -> list[d
     """``--time skip``: one case at a time (only one head's memory is held)."""
     rows = []
     for name, case in cases.items():
-        built = _first_step(case, failed)  # warm: initialisation is not the step's memory
+        built = first_step(case, failed)  # warm: initialisation is not the step's memory
         if built is None:
             continue
         module, step = built
@@ -230,7 +230,7 @@ def _timed_rows(args, cases: dict[str, Case], failed: dict[str, str]) -> list[di
     step, and ``--warmup`` more of every subject)."""
     built = {}
     for name, case in cases.items():
-        subject = _first_step(case, failed)
+        subject = first_step(case, failed)
         if subject is not None:
             built[name] = subject
     for _ in range(args.warmup):
