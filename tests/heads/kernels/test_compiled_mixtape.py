@@ -152,3 +152,42 @@ def test_cuda_bf16_blocks_against_float64_without_a_sync():
     for g, w in zip(got, want, strict=True):
         scale = w.abs().max().clamp_min(1.0)
         torch.testing.assert_close(g.double() / scale, w / scale, rtol=0, atol=3e-2)
+
+
+def test_inductor_fuses_each_body_into_two_kernels_besides_its_products():
+    """What the plan is for: the sigmoids, the tree (both ways), the bias, the exponentials
+    and the reductions of a block become 2 generated kernels per body around its products
+    (2 forward: the gates and the leaves; 6 backward: those recomputed, then the 4 gradient
+    products), where the hand-written CPU plan runs ~20 passes over ``[N, K, w]``."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from heads.kernels.compiled_mixtape import frequent_backward_block, frequent_forward_block
+
+    n, k, s, d, e = 64, 4, 48, 16, 8
+    inputs, contexts = torch.randn(n, k - 1, e), torch.randn(n, k, d)
+    gate_w, w, b = torch.randn(s, e), torch.randn(s, d), torch.randn(s)
+    local, rows = torch.randint(-1, s, (n,)), torch.randn(n)
+    bodies = {
+        frequent_forward_block: (rows - 1e9, rows.abs(), rows, None),
+        frequent_backward_block: (
+            rows + 5,
+            rows,
+            rows,
+            None,
+            torch.zeros(n * (k - 1), e),
+            torch.zeros(n * k, d),
+        ),  # fmt: skip
+    }
+    products = {}
+    for body, tail in bodies.items():
+        compiled = torch.compile(body, dynamic=True)
+        _, code = run_and_get_code(compiled, inputs, contexts, gate_w, w, b, None, 0.0, local,
+                                   *tail)  # fmt: skip
+        source = "\n".join(code)
+        kernels = set(re.findall(r"\b(cpp_fused_\w+?_\d+)\b", source))
+        assert len(kernels) <= 2, sorted(kernels)
+        products[body.__name__] = len(re.findall(r"extern_kernels\.(?:mm|addmm)\(", source))
+    torch._dynamo.reset()
+    assert products == {"frequent_forward_block": 2, "frequent_backward_block": 6}
