@@ -56,7 +56,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from app.bench.run import Case, _add_subject_args, bench_options, first_step, make_targets
+from app.bench.run import Case, add_subject_args, bench_options, first_step, make_targets
 from app.bench.subjects import FRAGMENTS, PRECISIONS, head_config, parse_head, parse_subject
 from app.bench.timing import check_device, sync
 from app.machine import load_average
@@ -349,7 +349,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m app.bench.profile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)  # fmt: skip
-    _add_subject_args(parser)  # --heads and how the heads are built, as the benchmark's
+    add_subject_args(parser)  # --heads and how the heads are built, as the benchmark's
     parser.add_argument("--vocab", type=_positive, default=10_000)
     parser.add_argument("--hidden", type=_positive, default=512)
     parser.add_argument("--tokens", type=_positive, default=2048, help="tokens per step")

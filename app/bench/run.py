@@ -322,7 +322,7 @@ def _subject(text: str) -> str:
     return text
 
 
-def _add_subject_args(parser: argparse.ArgumentParser) -> None:
+def add_subject_args(parser: argparse.ArgumentParser) -> None:
     """What is benchmarked: the subjects and how their heads are built."""
     group = parser.add_argument_group("subjects (app/bench/subjects.py)")
     group.add_argument("--heads", nargs="+", type=_subject, default=list(DEFAULT_SUBJECTS),
@@ -401,7 +401,7 @@ def _mode_parser(add_help: bool) -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The options of the training modes (same-batch, same-memory), checked together."""
     parser = _mode_parser(add_help=True)
-    _add_subject_args(parser)
+    add_subject_args(parser)
     _add_case_args(parser)
     _add_measure_args(parser)
     args = parser.parse_args(argv)

@@ -90,10 +90,17 @@ def frequent_backward_block(inputs, contexts, gate_w, w, b, noise, noise_std: fl
 
 
 def _detached_inputs(gate_inputs, gate_weights, contexts, weight, bias, dtype, acc):
-    """The products' inputs detached in the compute dtype (whole tensors, no views: no
-    storage offset for the bodies to guard on), the bias in the accumulation dtype."""
+    """The products' inputs detached in the compute dtype, the bias in the accumulation
+    dtype."""
     products = (gate_inputs, gate_weights, contexts, weight)
-    return *(own(t.detach().to(dtype), 0, t.size(0)) for t in products), bias.detach().to(acc)
+    return *(t.detach().to(dtype) for t in products), bias.detach().to(acc)
+
+
+def _blocks(gate_w, w, b, width: int):
+    """Each block's ``(start, stop, gate weights, W, b)``, the slices as tensors of their own
+    (no storage offset for the bodies to guard on: no recompilation per block)."""
+    for a, z in spans(w.size(0), width):
+        yield a, z, own(gate_w, a, z), own(w, a, z), own(b, a, z)
 
 
 class CompiledMixtapeFrequentLSE(torch.autograd.Function):
@@ -113,14 +120,14 @@ class CompiledMixtapeFrequentLSE(torch.autograd.Function):
         logit_sum = contexts.new_zeros(n, dtype=acc) if want_sum else None
         body = compiled_body(frequent_forward_block)
         noise_state, noise_kept = None, []
-        for a, z in spans(weight.size(0), width):
+        for a, z, gate_block, w_block, b_block in _blocks(gate_w, w, b, width):
             noise = None
             if noise_std > 0:
                 noise, noise_state = block_noise((n, k - 1, z - a), False, noise_state,
                                                  noise_kept, contexts.device, acc)  # fmt: skip
             top, total, picked, logit_sum = body(
-                inputs, flat, own(gate_w, a, z), own(w, a, z), own(b, a, z), noise, noise_std,
-                target - a, top, total, picked, logit_sum,
+                inputs, flat, gate_block, w_block, b_block, noise, noise_std, target - a, top,
+                total, picked, logit_sum,
             )  # fmt: skip
         lse = top + total.log()
         ctx.save_for_backward(gate_inputs, gate_weights, contexts, weight, bias, target, lse,
@@ -143,16 +150,16 @@ class CompiledMixtapeFrequentLSE(torch.autograd.Function):
         g_s = grad_sum.to(acc) if want_sum and grad_sum is not None else None
         grad_inputs = lse.new_zeros(n * (k - 1), gate_inputs.size(-1))
         grad_contexts = lse.new_zeros(n * k, d)
-        s = weight.size(0)
         grad_gate_w = gate_weights.new_empty(gate_weights.shape, dtype=acc)
-        grad_w, grad_b = weight.new_empty(weight.shape, dtype=acc), bias.new_empty(s, dtype=acc)
+        grad_w = weight.new_empty(weight.shape, dtype=acc)
+        grad_b = bias.new_empty(bias.shape, dtype=acc)
         body = compiled_body(frequent_backward_block)
         with ReplayNoise(noise_state, list(kept), contexts.device) as noise_source:
-            for a, z in spans(s, width):
+            for a, z, gate_block, w_block, b_block in _blocks(gate_w, w, b, width):
                 noise = noise_source.next((n, k - 1, z - a), acc) if noise_std > 0 else None
                 grad_inputs, grad_contexts, dgw, dw, db = body(
-                    inputs, flat, own(gate_w, a, z), own(w, a, z), own(b, a, z), noise,
-                    noise_std, target - a, lse, g, g_t, g_s, grad_inputs, grad_contexts,
+                    inputs, flat, gate_block, w_block, b_block, noise, noise_std, target - a,
+                    lse, g, g_t, g_s, grad_inputs, grad_contexts,
                 )  # fmt: skip
                 grad_gate_w[a:z], grad_w[a:z], grad_b[a:z] = dgw, dw, db
         return (
