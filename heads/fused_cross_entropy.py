@@ -341,8 +341,8 @@ def mean_loss_plan(options: LossOptions, hidden: torch.Tensor, columns: int) -> 
     V = 10k, d = 200, with less memory) and the column plan where it keeps them all (there 2-4%
     faster: V = 10k, d = 200, 700 tokens, softmax and Mixtape); docs/results/
     bench_cpu_rows_heads_*.json and bench_cpu_mos_rows_10k_d200.json. Under ``torch.compile``
-    and on CUDA: the column plan of :func:`resolve_plan` (on CUDA until a GPU run measures the
-    rows plan there: ``MEASURED_FASTEST``)."""
+    and on CUDA: the column plan of :func:`resolve_plan`, unless ``MEASURED_FASTEST`` names
+    the rows plan for the head and size (measured faster on an H100 up to V = 100k)."""
     if resolve_backend(options.backend, hidden) != "torch":
         return options.backend
     if options.plan in ("auto", "plain"):
@@ -462,12 +462,21 @@ def _check_shapes(hidden, weight, bias, target) -> None:
 # through its version's own arguments; another version is refused with the pin to install.
 EXTERNAL_PACKAGES = {"cce": "cut-cross-entropy==25.1.1", "liger": "liger-kernel==0.8.5"}
 
-# auto on CUDA: the backend (cce, liger) or torch plan (rows) the GPU benchmark measured
+# auto on CUDA: the backend (cce, liger) or torch plan (rows, plain) the GPU benchmark measured
 # fastest, per head class, at vocabulary sizes up to the first number (bf16, d = 512, 16,384
-# tokens; `bash .ci/gpu bench`, whose subjects softmax@rows and mos@rows are the rows plan).
-# Heads or sizes not listed, or a backend not installed: the compiled column plan.
-# docs/results/bench_gpu_heads_10k.json (H100): MoS-15 117.5 ms with torch, 52.5 with Liger.
-MEASURED_FASTEST: dict[str, list[tuple[int, str]]] = {"MoSHead": [(10_000, "liger")]}
+# tokens; `bash .ci/gpu bench` prints this line: `python -m app.bench.fastest`). Heads or sizes
+# not listed (beyond 100k: unmeasured), or a backend not installed: the compiled column plan.
+# docs/results/bench_gpu_heads_{10k,100k}.json (H100, torch 2.11, 2026-11-26), ms per step:
+#   softmax  10k 4.66 -> rows 2.31;  100k 25.69 -> rows 16.99 (CCE 66.3, Liger 72.8)
+#   MoS-15   10k 110.0 -> rows 24.5 (Liger 52.3);  100k 361.6 -> rows 259.0 (Liger 456.9)
+#   Mixtape  10k 12.10 -> rows 10.16;  100k 63.46 -> rows 56.79
+#   adaptive 10k 3.57 (plain 3.45, within the noise);  100k 11.87 -> plain 7.94 (PyTorch's 8.46)
+MEASURED_FASTEST: dict[str, list[tuple[int, str]]] = {
+    "AdaptiveSoftmaxHead": [(10_000, "torch"), (100_000, "plain")],
+    "MixtapeHead": [(10_000, "rows"), (100_000, "rows")],
+    "MoSHead": [(10_000, "rows"), (100_000, "rows")],
+    "SoftmaxHead": [(10_000, "rows"), (100_000, "rows")],
+}
 
 
 def fastest_backend(head: str, vocab_size: int, device: torch.device) -> str:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import statistics
 import sys
 import time
@@ -72,6 +73,9 @@ SYNC_CALLS = frozenset({
     "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
     "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize", "cuMemcpyDtoH_v2",
 })  # fmt: skip
+# CUDA runtime and driver API calls (cudaLaunchKernel, cuMemcpyDtoH_v2...), by name where the
+# profiler names no activity type (torch before 2.12: FunctionEvent has no activity_type)
+RUNTIME_CALL = re.compile(r"cu(da)?[A-Z]")
 LAUNCH_CALLS = ("cudaLaunch", "cuLaunch")  # name prefixes of the kernel-launch API calls
 CUDA_FIELDS = ("kernels", "launch_calls", "kernel_ms", "copies", "device_ms", "syncs",
                "dtoh_copies")  # fmt: skip
@@ -98,9 +102,7 @@ def reduce_events(function_events: Iterable) -> list[Event]:
     the device-side copies of the markers)."""
     events = []
     for event in function_events:
-        kind = KINDS.get(event.activity_type) if event.activity_type else None
-        if kind is None and event.activity_type is None:  # a profiler that names no activity
-            kind = "cpu" if event.device_type == DeviceType.CPU else "kernel"
+        kind = event_kind(event)
         if kind is None:
             continue
         if kind == "cpu" and event.name in (STEP, HOST):
@@ -115,6 +117,17 @@ def reduce_events(function_events: Iterable) -> list[Event]:
         events.append(Event(event.name, kind, event.time_range.start, event.time_range.end,
                             event.self_cpu_time_total if host else 0.0, top))  # fmt: skip
     return events
+
+
+def event_kind(event) -> str | None:
+    """What a ``FunctionEvent`` counts as (:data:`KINDS`), from its activity type where the
+    profiler gives one, else from its device and name; None: not counted."""
+    activity = getattr(event, "activity_type", None)
+    if activity:
+        return KINDS.get(activity)
+    if event.device_type == DeviceType.CPU:
+        return "runtime" if RUNTIME_CALL.match(event.name) else "cpu"
+    return "copy" if event.name.startswith(("Memcpy", "Memset")) else "kernel"
 
 
 def _windows(events: list[Event], name: str) -> list[tuple[float, float]]:
@@ -241,16 +254,18 @@ def profile_case(case: Case, args: argparse.Namespace, failed: dict[str, str]) -
     return row
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, save: Callable[[dict], None] | None = None) -> dict:
+    """Every subject profiled in turn; ``save(report)``, where given, gets the report so far
+    after each subject (a run cut short by a time limit keeps the subjects it finished)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads or threads)
     try:
-        return _run(args)
+        return _run(args, save)
     finally:
         torch.set_num_threads(threads)  # as it was: main() may run inside a longer process
 
 
-def _run(args: argparse.Namespace) -> dict:
+def _run(args: argparse.Namespace, save: Callable[[dict], None] | None) -> dict:
     device = torch.device(args.device)
     options = bench_options(args)
     # the benchmark's targets, drawn as it draws them (app/bench/run.py's _cases)
@@ -265,11 +280,18 @@ def _run(args: argparse.Namespace) -> dict:
             results.append(row)
         print(f"[{index}/{len(args.heads)}] {name} ({time.perf_counter() - start:.1f} s)",
               flush=True)  # fmt: skip
+        if save is not None and index < len(args.heads):
+            save({**_report(args, options, device, results, failed),
+                  "partial": f"{index} of {len(args.heads)} subjects"})  # fmt: skip
+    return _report(args, options, device, results, failed)
+
+
+def _report(args, options, device: torch.device, results: list[dict], failed: dict) -> dict:
     configs = {name: head_config(name, options) for name in FRAGMENTS
                if any(parse_subject(s).head == name for s in args.heads)}  # fmt: skip
     report = {
         "schema": SCHEMA, "args": vars(args), "options": {**asdict(options), "heads": configs},
-        "results": results, "failed": failed,
+        "results": list(results), "failed": dict(failed),
         "machine": {"platform": platform.platform(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "device": str(device),
                     "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
@@ -381,11 +403,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    report = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{args.name}.json"
-    path.write_text(json.dumps(report, indent=1))
+
+    def save(report: dict) -> None:  # the partial reports too, each over the last
+        path.write_text(json.dumps(report, indent=1))
+
+    report = run(args, save)
+    save(report)
     print_table(report)
     print(f"wrote {path}")
     for subject, message in report["failed"].items():

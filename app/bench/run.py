@@ -225,9 +225,10 @@ def _memory_rows(args, cases: dict[str, Case], failed: dict[str, str]) -> list[d
     return rows
 
 
-def _timed_rows(args, cases: dict[str, Case], failed: dict[str, str]) -> list[dict]:
+def _timed_rows(args, cases: dict[str, Case], failed: dict[str, str], save=None) -> list[dict]:
     """Every case timed, interleaved: each repeat steps every subject once (after its first
-    step, and ``--warmup`` more of every subject)."""
+    step, and ``--warmup`` more of every subject). ``save(rows, note)``, where given, gets the
+    times so far after every round (a run cut short by a time limit keeps what it measured)."""
     built = {}
     for name, case in cases.items():
         subject = first_step(case, failed)
@@ -237,27 +238,49 @@ def _timed_rows(args, cases: dict[str, Case], failed: dict[str, str]) -> list[di
         for _, step in built.values():
             step()
     times: dict[str, list[float]] = {name: [] for name in built}
-    for _ in range(args.repeats):  # interleaved: every head sees the same machine state
+    quick = argparse.Namespace(**{**vars(args), "flops": "skip", "memory": "skip"})
+    for round_ in range(1, args.repeats + 1):  # interleaved: every head sees the same state
         for name, (_, step) in built.items():
             # an untimed step first: the previous head's allocations (MoS frees GBs) leave
             # the allocator and caches cold for whichever head comes next
             step()
             times[name].append(time_once(step, cases[name].device, CLOCKS[args.clock]))
+        if save is not None and round_ < args.repeats:
+            save([_row(module, step, times[name], quick, cases[name])
+                  for name, (module, step) in built.items()],
+                 f"partial: {round_} of {args.repeats} repeats, no FLOPs or memory")  # fmt: skip
     return [_row(module, step, times[name], args, cases[name])
             for name, (module, step) in built.items()]  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, save=None) -> dict:
+    """Every subject at every size; ``save(report)``, where given, gets the report so far
+    after every timed round (the JSON of a run cut short keeps what it measured)."""
     device = torch.device(args.device)
     torch.manual_seed(0)
     options = bench_options(args)
     results, failed = [], {}
     sizes = [(v, d, b) for v in args.vocab_sizes for d in args.hidden_sizes
              for b in args.batch_sizes]  # fmt: skip
+
+    def save_partial(rows: list[dict], note: str) -> None:
+        save({**_report(args, options, device, results + rows, failed), "partial": note})
+
     for index, (vocab, hidden, batch) in enumerate(sizes, start=1):
         print(f"[{index}/{len(sizes)}] V={vocab} d={hidden} batch={batch}", flush=True)
         cases = _cases(args, options, vocab, hidden, batch, device)
-        results += (_memory_rows if args.time == "skip" else _timed_rows)(args, cases, failed)
+        if args.time == "skip":
+            results += _memory_rows(args, cases, failed)
+        else:
+            results += _timed_rows(args, cases, failed, save_partial if save else None)
+        if save is not None and index < len(sizes):
+            save({**_report(args, options, device, results, failed),
+                  "partial": f"{index} of {len(sizes)} sizes"})  # fmt: skip
+    return _report(args, options, device, results, failed)
+
+
+def _report(args, options: BenchOptions, device: torch.device, results: list[dict],
+            failed: dict[str, str]) -> dict:  # fmt: skip
     memory_method = (
         "cuda_allocator"
         if device.type == "cuda"
@@ -267,7 +290,7 @@ def run(args: argparse.Namespace) -> dict:
                if any(parse_subject(s).head == name for s in args.heads)}  # fmt: skip
     return {
         "args": vars(args), "options": {**asdict(options), "heads": configs}, "results": results,
-        "failed": failed,
+        "failed": dict(failed),
         "machine": {"platform": platform.platform(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "device": str(device),
                     "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
@@ -468,11 +491,15 @@ def main(argv: list[str] | None = None) -> dict:
     from app.bench.report import print_table, save_plot
 
     args = parse_args(argv)
-    report = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = args.name or f"{args.mode}-{args.scope}"
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
+
+    def save(report: dict) -> None:  # also the partial reports, each over the last
+        (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
+
+    report = run(args, save)
+    save(report)
     print_table(report)
     save_plot(report, out / f"{stem}.png")
     print(f"wrote {out / (stem + '.json')} and {out / (stem + '.png')}")

@@ -240,3 +240,24 @@ def test_a_subject_that_fails_is_left_out_and_the_others_measured(tmp_path, monk
     }
     assert "FAILED mixtape" in capsys.readouterr().err
     assert bench_run.exit_code(report) == 1 and bench_run.exit_code({"failed": {}}) == 0
+
+
+def test_a_run_cut_short_keeps_the_rounds_it_timed(tmp_path):
+    """A GPU session's time limit can kill the benchmark mid-run: the JSON is rewritten after
+    every timed round and every size, marked ``partial`` until the run completes."""
+    from app.bench.run import parse_args, run
+
+    args = parse_args(["--heads", "softmax", "matmul", "--vocab-sizes", "300", "600",
+                       "--hidden-sizes", "16", "--batch-sizes", "32", "--repeats", "3",
+                       "--warmup", "0", "--memory", "skip", "--flops", "skip"])  # fmt: skip
+    saved = []
+    final = run(args, saved.append)
+    notes = [report["partial"] for report in saved]
+    assert notes == ["partial: 1 of 3 repeats, no FLOPs or memory",
+                     "partial: 2 of 3 repeats, no FLOPs or memory", "1 of 2 sizes",
+                     "partial: 1 of 3 repeats, no FLOPs or memory",
+                     "partial: 2 of 3 repeats, no FLOPs or memory"]  # fmt: skip
+    assert [len(r["times_ms"]) for r in saved[1]["results"]] == [2, 2]
+    assert [r["vocab_size"] for r in saved[3]["results"]] == [300, 300, 600, 600]
+    assert "partial" not in final and len(final["results"]) == 4
+    assert [len(r["times_ms"]) for r in final["results"]] == [3, 3, 3, 3]

@@ -37,6 +37,22 @@ def test_profile_runs_on_cpu_and_writes_json(tmp_path, capsys):
     assert "aten ops" in printed and "top host events by self time" in printed
 
 
+def test_a_profile_cut_short_keeps_the_subjects_it_finished():
+    """The report so far is handed to ``save`` after each subject but the last, marked
+    ``partial``; the returned report is whole."""
+    from app.bench.profile import parse_args, run
+
+    args = parse_args(["--device", "cpu", "--heads", "softmax", "matmul", "--vocab", "300",
+                       "--hidden", "16", "--tokens", "32", "--warmup", "0",
+                       "--steps", "1"])  # fmt: skip
+    saved = []
+    final = run(args, saved.append)
+    assert [(r["partial"], [row["head"] for row in r["results"]]) for r in saved] == [
+        ("1 of 2 subjects", ["softmax"])
+    ]
+    assert "partial" not in final and [r["head"] for r in final["results"]] == ["softmax", "matmul"]
+
+
 def test_the_profile_renders_in_the_results_document(tmp_path):
     from app.results import render
 
@@ -123,3 +139,27 @@ def test_kernel_names_are_shortened_for_tables():
     assert short_name(name, 20) == "cunn_SoftMaxForwa..."
     assert short_name("triton_red_fused__log_softmax_0") == "triton_red_fused__log_softmax_0"
     assert short_name("aten::mm") == "aten::mm"
+
+
+def test_events_without_an_activity_type_are_told_apart_by_device_and_name():
+    """torch before 2.12 (the GPU machines' 2.11) gives ``FunctionEvent`` no activity type:
+    runtime calls, operators, kernels and copies are then told apart by device and name."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from app.bench.profile import event_kind
+
+    def event(name, device=DeviceType.CPU, **extra):
+        return SimpleNamespace(name=name, device_type=device, **extra)
+
+    names = ("cudaLaunchKernel", "cuMemcpyDtoH_v2", "cudaStreamSynchronize", "aten::mm",
+             "CompiledLinearLSE", "profile.step", "cutlass_op")  # fmt: skip
+    kinds = ["runtime", "runtime", "runtime", "cpu", "cpu", "cpu", "cpu"]
+    assert [event_kind(event(name)) for name in names] == kinds
+    assert event_kind(event("void gemm<128>()", DeviceType.CUDA)) == "kernel"
+    assert event_kind(event("Memcpy DtoH (Device -> Pageable)", DeviceType.CUDA)) == "copy"
+    assert event_kind(event("Memset (Device)", DeviceType.CUDA)) == "copy"
+    # where the profiler names the activity, that decides
+    assert event_kind(event("x", activity_type="kernel")) == "kernel"
+    assert event_kind(event("x", activity_type="gpu_user_annotation")) is None
