@@ -164,6 +164,29 @@ def test_compiled_tile_body_under_inductor(monkeypatch):
     torch._dynamo.reset()
 
 
+def test_a_compiled_tile_holds_its_logits_and_dz_in_the_products_dtype_only():
+    """A GPU tile's memory: the product's ``[rows, V]`` logits and ``dz``, both in the
+    products' dtype; the log-sum-exp's exponentials stay inside its reduction (no float32
+    ``[rows, V]`` buffer: half the tile's memory, a third of its traffic). Read off Inductor's
+    generated code (C++ here: the buffers it allocates are planned before the backend's
+    kernels)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    rows, v, d = 64, 1000, 32
+    h, w = torch.randn(rows, d).bfloat16(), torch.randn(v, d).bfloat16()
+    target, row_weight = torch.randint(0, v, (rows,)), torch.full((rows,), 1 / rows)
+    compiled = torch.compile(rows_ce.compiled_forward_tile, dynamic=True)
+    _, code = run_and_get_code(compiled, h, w, torch.zeros(v), target, rows_ce.Mixing(),
+                               row_weight, 0.0, True)  # fmt: skip
+    torch._dynamo.reset()
+    buffers = re.findall(r"empty_strided_\w+\(\(([^)]*)\), \([^)]*\), torch\.(\w+)\)",
+                         "\n".join(code))  # fmt: skip
+    matrices = [dtype for shape, dtype in buffers if len(shape.strip(", ").split(",")) == 2]
+    assert matrices == ["bfloat16", "bfloat16"], buffers
+
+
 def test_bf16_autocast_is_close_to_float64():
     hidden, weight, b, target = float64_case(rows=64, classes=300, dim=32, seed=5)
     with torch.autocast("cpu", dtype=torch.bfloat16):
