@@ -127,6 +127,18 @@ def test_same_memory_search_stops_at_the_limit_when_everything_fits(monkeypatch)
     assert largest_batch(case, budget=2**40, limit=6) == 0
     assert largest_batch(case, budget=0, limit=100) == 0
     assert largest_batch(case, budget=50_000, limit=100) == 49  # 7 sequences
+    # a large search stops within 1/64 of the largest fit, in fewer probes than an exact one
+    probes = []
+
+    def memory(step, case):
+        probes.append(case.tokens)
+        return case.tokens * 1000
+
+    monkeypatch.setattr(bench_run, "step_memory", memory)
+    monkeypatch.setattr(bench_run, "build_case", lambda case: (None, lambda: None))
+    found = largest_batch(case, budget=70_000_000, limit=2**40)  # 10,000 sequences fit
+    assert 70_000 * (1 - 1 / 64) <= found <= 70_000 and found % 7 == 0
+    assert len(probes) <= 21  # exact: 15 doublings and 13 halvings
 
 
 def test_heads_are_built_from_the_cli_fragments_with_overrides(capsys):
