@@ -50,6 +50,7 @@ from heads.fused_cross_entropy import (
     resolve_plan,
 )
 from heads.kernels.chunks import compute_dtype
+from heads.kernels.compiled_lse import compiled_body
 from heads.kernels.compiled_mixtape import CompiledMixtapeFrequentLSE
 from heads.kernels.mixtape_frequent import FrequentThenRareLogits, MixtapeFrequentLSE
 from heads.kernels.sigmoid_tree import SigmoidTreeMix, sigmoid_tree_priors
@@ -131,53 +132,37 @@ class MixtapeHead(SingleSoftmaxHead):
         self.zipf_bias_init = zipf_bias_init
 
     def _gate_projection_weight(self) -> torch.Tensor:
-        weight = self.gate_projection.weight
-        if self.weight_norm_scale is None:
-            return weight
-        # weight normalisation with a constant (not learnt) scale, per output row
-        return self.weight_norm_scale * weight / weight.norm(dim=1, keepdim=True).clamp_min(1e-12)
+        return _normalised(self.gate_projection.weight, self.weight_norm_scale)
 
     def _noisy(self, gate_logits: torch.Tensor) -> torch.Tensor:
         if self.training and self.gate_noise > 0:
             return gate_logits + torch.randn_like(gate_logits) * self.gate_noise
         return gate_logits
 
-    def _pieces(
-        self, hidden: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What both paths share: contexts ``[N, K, d]`` (Eq. 5), the two factors of the
-        frequent tokens' gate pre-activations and the shared pre-activations ``[N, K-1]``.
-
-        Eq. 4, ``v_x . tanh(U_k g) + u_k . g + b_{x,k}``, is one product ``A B^T`` with
-        ``A = [tanh(U_k g) | u_k . g | e_k]`` ``[N, K-1, d2 + K]`` and
-        ``B = [v_x | 1 | b_x]`` ``[S, d2 + K]``: the two broadcast adds over ``[N, K-1, S]``
-        happen inside the product's inner dimension (K more multiply-adds per entry).
-        """
-        n, kg = hidden.size(0), self.num_gates
-        contexts = self.context_dropout(torch.tanh(self.context(hidden)).view(n, kg + 1, -1))
-        # Gate pre-activations shared by every token: u_k . g_c  (Eq. 6)
-        shared = self.gate_context(hidden)  # [N, K-1]
-        gate_hidden = torch.tanh(
-            F.linear(hidden, self._gate_projection_weight(), self.gate_projection.bias)
-        )
-        gate_hidden = self.gate_dropout(gate_hidden).view(n, kg, self.gate_embedding_size)
-        dtype = gate_hidden.dtype
-        eye = torch.eye(kg, dtype=dtype, device=hidden.device).expand(n, kg, kg)
-        gate_inputs = torch.cat((gate_hidden, shared.unsqueeze(-1).to(dtype), eye), dim=-1)
-        embedding = self.gate_embedding
-        ones = embedding.new_ones(embedding.size(0), 1)
-        gate_weights = torch.cat((embedding, ones, self.gate_bias.to(embedding.dtype)), dim=-1)
-        return contexts, gate_inputs, gate_weights, shared
+    def _pieces(self, hidden: torch.Tensor, target: torch.Tensor | None = None) -> tuple:
+        """:func:`mixtape_pieces` of this head's parameters: ``(contexts, gate inputs, gate
+        weights, shared pre-activations, mixed context or None, target ids, rare targets)``.
+        On CUDA (the compiled plan) one compiled function: forward and backward each a few
+        fused kernels where the ~40 small operations it is made of are as many launches."""
+        pieces = mixtape_pieces
+        if target is not None and resolve_plan(self.loss_options.plan, hidden) == "compiled":
+            pieces = compiled_body(mixtape_pieces)
+        return pieces(
+            hidden, target, self.context.weight, self.context.bias, self.gate_context.weight,
+            self.gate_projection.weight, self.gate_projection.bias, self.gate_embedding,
+            self.gate_bias, self.num_frequent, self.vocab_size, self.weight_norm_scale,
+            self.gate_dropout.p, self.context_dropout.p,
+            self.gate_noise if self.training else 0.0, self.training,
+        )  # fmt: skip
 
     def _mixed_context(self, contexts: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         """Infrequent tokens: one shared prior, so the contexts are mixed first ``[N, d]``."""
-        shared_priors = sigmoid_tree_priors(self._noisy(shared))  # [N, K]
-        return torch.bmm(shared_priors.unsqueeze(1).to(contexts.dtype), contexts).squeeze(1)
+        return _mixed(contexts, shared, self.gate_noise if self.training else 0.0)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vector-gated logits ``[N, V]`` (Eq. 2 before the softmax)."""
         s = self.num_frequent
-        contexts, gate_inputs, gate_weights, shared = self._pieces(hidden)
+        contexts, gate_inputs, gate_weights, shared, *_ = self._pieces(hidden)
         if s < self.vocab_size:
             w_freq, w_rare = self.weight.split([s, self.vocab_size - s])
             b_freq, b_rare = self.bias.split([s, self.vocab_size - s])
@@ -217,8 +202,9 @@ class MixtapeHead(SingleSoftmaxHead):
         self.check_inputs(hidden, target)
         check_label_smoothing(label_smoothing)
         s, v = self.num_frequent, self.vocab_size
-        contexts, gate_inputs, gate_weights, shared = self._pieces(hidden)
-        ids = torch.where(target != IGNORE_INDEX, target, -1)  # -1: no target logit
+        contexts, gate_inputs, gate_weights, _, mixed, ids, rare_target = self._pieces(
+            hidden, target
+        )
         smoothing = bool(label_smoothing)
         # one split of each parameter: its backward writes one [V, d] gradient, where two
         # slices would each write a zero-filled one
@@ -239,8 +225,6 @@ class MixtapeHead(SingleSoftmaxHead):
             )  # fmt: skip
         ]
         if s < v:  # Eq. 6: one prior for every rare token, so the contexts are mixed first
-            mixed = self._mixed_context(contexts, shared)
-            rare_target = torch.where(ids >= s, ids - s, -1)
             # the rows plan: the rare block's loss and gradient in one forward, the frequent
             # block's log-sum-exp and target logit taken in as the rest of the softmax
             if not smoothing and mean_loss_plan(self.loss_options, mixed, v - s) == "rows":
@@ -259,6 +243,60 @@ class MixtapeHead(SingleSoftmaxHead):
             nll, target, smoothing=None if mean_logit is None else lse - mean_logit,
             label_smoothing=label_smoothing,
         )  # fmt: skip
+
+
+def _normalised(weight: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """``U_k`` weight-normalised per output row with a constant (not learnt) scale."""
+    if scale is None:
+        return weight
+    return scale * weight / weight.norm(dim=1, keepdim=True).clamp_min(1e-12)
+
+
+def _mixed(contexts: torch.Tensor, shared: torch.Tensor, noise: float) -> torch.Tensor:
+    """The contexts mixed by the shared priors (Eq. 6, the infrequent tokens) ``[N, d]``."""
+    if noise > 0:
+        shared = shared + torch.randn_like(shared) * noise
+    priors = sigmoid_tree_priors(shared)  # [N, K]
+    return torch.bmm(priors.unsqueeze(1).to(contexts.dtype), contexts).squeeze(1)
+
+
+def mixtape_pieces(
+    hidden, target, context_weight, context_bias, gate_context_weight, projection_weight,
+    projection_bias, gate_embedding, gate_bias, num_frequent: int, vocab_size: int,
+    weight_norm_scale: float | None, gate_dropout: float, context_dropout: float, noise: float,
+    training: bool,
+) -> tuple:  # fmt: skip
+    """What the loss and the logits share, as one function of the head's parameters (so that
+    CUDA runs it compiled): contexts ``[N, K, d]`` (Eq. 5), the two factors of the frequent
+    tokens' gate pre-activations and the shared pre-activations ``[N, K-1]``; with a
+    ``target``, also the rare tokens' mixed context ``[N, d]`` (None when every token is
+    frequent), the target ids (-1 where ignored) and the rare block's targets (-1 outside).
+
+    Eq. 4, ``v_x . tanh(U_k g) + u_k . g + b_{x,k}``, is one product ``A B^T`` with
+    ``A = [tanh(U_k g) | u_k . g | e_k]`` ``[N, K-1, d2 + K]`` and
+    ``B = [v_x | 1 | b_x]`` ``[S, d2 + K]``: the two broadcast adds over ``[N, K-1, S]``
+    happen inside the product's inner dimension (K more multiply-adds per entry).
+    """
+    n, kg = hidden.size(0), gate_bias.size(1)
+    contexts = torch.tanh(F.linear(hidden, context_weight, context_bias)).view(n, kg + 1, -1)
+    contexts = F.dropout(contexts, context_dropout, training)
+    shared = F.linear(hidden, gate_context_weight)  # [N, K-1]: u_k . g_c (Eq. 6)
+    projection = _normalised(projection_weight, weight_norm_scale)
+    gate_hidden = torch.tanh(F.linear(hidden, projection, projection_bias))
+    gate_hidden = F.dropout(gate_hidden, gate_dropout, training).view(n, kg, -1)
+    dtype = gate_hidden.dtype
+    eye = torch.eye(kg, dtype=dtype, device=hidden.device).expand(n, kg, kg)
+    gate_inputs = torch.cat((gate_hidden, shared.unsqueeze(-1).to(dtype), eye), dim=-1)
+    ones = gate_embedding.new_ones(gate_embedding.size(0), 1)
+    gate_weights = torch.cat((gate_embedding, ones, gate_bias.to(gate_embedding.dtype)), dim=-1)
+    if target is None:
+        return contexts, gate_inputs, gate_weights, shared, None, None, None
+    ids = torch.where(target != IGNORE_INDEX, target, -1)  # -1: no target logit
+    mixed = rare_target = None
+    if num_frequent < vocab_size:
+        mixed = _mixed(contexts, shared, noise)
+        rare_target = torch.where(ids >= num_frequent, ids - num_frequent, -1)
+    return contexts, gate_inputs, gate_weights, shared, mixed, ids, rare_target
 
 
 def _check_options(

@@ -353,3 +353,59 @@ def test_zipf_bias_keeps_the_contexts_out_of_saturation(ptb_data, one_thread):
     assert g_abs < 0.3 and saturated < 0.05
     g_abs_zero, saturated_zero = _ptb_saturation(ptb_data, zipf_bias_init=False)
     assert g_abs_zero > 0.6 and saturated_zero > 0.3  # the failure this test guards against
+
+
+def test_the_compiled_plan_runs_the_shared_pieces_as_one_compiled_graph():
+    """CUDA's plan runs ``mixtape_pieces`` (contexts, gates, the rare tokens' mixed context:
+    ~40 small operations, as many launches) as one compiled function: with Inductor, the loss
+    and every gradient equal the eager pieces' in float64 (weight norm, shared gates, ignored
+    targets); one graph, reused at another row count, and no graph break."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    head = make_head(weight_norm_scale=1.5, frequent_ratio=0.4).double().train()
+    results = {}
+    for plan in ("compiled", "eager"):
+        # blocks of 10 columns (the frequent 10) and 11 + 2 (the rare 13): no block width that
+        # Dynamo would take for another dimension of the same size (and recompile for)
+        head.loss_options = LossOptions(plan=plan, columns=11)
+        results[plan] = []
+        for n in (9, 13):
+            torch.manual_seed(n)
+            hidden = torch.randn(n, HIDDEN, dtype=torch.float64, requires_grad=True)
+            target = torch.randint(0, VOCAB, (n,))
+            target[2] = IGNORE_INDEX
+            out = head(hidden, target)
+            loss = out.loss + 0.3 * (out.nll * torch.arange(n, dtype=torch.float64)).sum()
+            results[plan] += [loss, *torch.autograd.grad(loss, [hidden, *head.parameters()])]
+    for got, want in zip(results["compiled"], results["eager"], strict=True):
+        torch.testing.assert_close(got, want)
+    # the pieces, the frequent block's 2 bodies and the rare block's 2 chunk bodies
+    assert counters["stats"]["unique_graphs"] == 5, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()
+
+
+def test_the_pieces_are_compiled_only_where_the_plan_is():
+    """The CPU's eager plan and the evaluation path (``logits``) call the pieces as they are."""
+    calls = []
+    head = make_head()
+
+    def spy(function):
+        calls.append(function.__name__)
+        return function
+
+    original = mixtape.compiled_body
+    mixtape.compiled_body = spy
+    try:
+        target = torch.randint(0, VOCAB, (4,))
+        head(torch.randn(4, HIDDEN), target)  # CPU, auto: eager
+        head.logits(torch.randn(4, HIDDEN))
+        assert calls == []
+        head.loss_options = LossOptions(plan="compiled", columns=4)
+        head(torch.randn(4, HIDDEN), target)
+        assert calls == ["mixtape_pieces"]
+    finally:
+        mixtape.compiled_body = original
+    torch._dynamo.reset()
