@@ -28,24 +28,34 @@ import math
 import torch
 
 from heads.kernels.chunks import accumulation_dtype, spans
-from heads.kernels.compiled_lse import chunk_gradient, compiled_body, fold_chunk, own
+from heads.kernels.compiled_lse import (
+    chunk_gradient,
+    compiled_body,
+    fold_chunk,
+    own,
+    with_ones,
+)
 from heads.kernels.mixtape_frequent import ReplayNoise, block_noise
-from heads.kernels.sigmoid_tree import heap_level, level_widths
 
 
 def _tree(inputs, contexts, gate_w, w, b, noise, noise_std: float, acc):
-    """One block: ``(gammas [N, K-1, w], the tree's levels leaves first, logits [N, w])``."""
-    n, k, _ = contexts.shape
+    """One block, node by node: ``(gammas, nodes, logits [N, w])``, the gates ``[N, w]``
+    each in heap order (node j's children are 2j+1 and 2j+2), the nodes likewise with the K
+    leaves after the K-1 internal ones. Kept as separate ``[N, w]`` expressions (no stacked
+    levels): Inductor then computes the tree inside the kernels that read it, and stores none
+    of it in float32."""
+    n, k = inputs.size(0), inputs.size(1) + 1  # contexts: [N K, d]
     width = w.size(0)
-    pre = torch.mm(inputs.reshape(n * (k - 1), -1), gate_w.t()).to(acc)  # Eq. 4
+    pre = torch.mm(inputs.reshape(n * (k - 1), -1), gate_w.t()).view(n, k - 1, width)  # Eq. 4
     if noise is not None:
-        pre = pre + noise_std * noise.reshape(n * (k - 1), width)
-    gammas = torch.sigmoid(pre).view(n, k - 1, width)
-    levels = [torch.mm(contexts.reshape(n * k, -1), w.t()).to(acc).view(n, k, width)]
-    for nodes in reversed(level_widths(k)):  # bottom up, Eq. 3
-        left, right = levels[-1].view(n, nodes, 2, width).unbind(2)
-        levels.append(right + gammas[:, heap_level(nodes)] * (left - right))
-    return gammas, levels, levels[-1].view(n, width) + b  # the bias after the tree
+        pre = pre.to(acc) + noise_std * noise
+    gammas = [torch.sigmoid(pre[:, j].to(acc)) for j in range(k - 1)]
+    leaves = torch.mm(contexts, w.t()).view(n, k, width)
+    nodes = [None] * (k - 1) + [leaves[:, j].to(acc) for j in range(k)]
+    for j in reversed(range(k - 1)):  # bottom up, Eq. 3
+        left, right = nodes[2 * j + 1], nodes[2 * j + 2]
+        nodes[j] = right + gammas[j] * (left - right)
+    return gammas, nodes, nodes[0] + b  # the bias after the tree
 
 
 def frequent_forward_block(inputs, contexts, gate_w, w, b, noise, noise_std: float, local,
@@ -59,33 +69,37 @@ def frequent_forward_block(inputs, contexts, gate_w, w, b, noise, noise_std: flo
     return top, total, picked, logit_sum
 
 
-def frequent_backward_block(inputs, contexts, gate_w, w, b, noise, noise_std: float, local,
-                            lse, g, g_t, g_s, grad_inputs, grad_contexts):  # fmt: skip
-    """The block's gradient, straight into the products: returns ``(grad_inputs + dpre Gw,
-    grad_contexts + dleaves W, dpre^T inputs, dleaves^T contexts, sum_rows dz)``."""
-    n, k, _ = contexts.shape
-    gammas, levels, z = _tree(inputs, contexts, gate_w, w, b, noise, noise_std, lse.dtype)
-    width = z.size(1)
+def frequent_backward_block(inputs, contexts_ext, gate_w, w, b, noise, noise_std: float,
+                            local, lse, g, g_t, g_s, grad_inputs, grad_contexts):  # fmt: skip
+    """The block's gradient, straight into the products: ``contexts_ext = [h | 1 | 0]``
+    ``[N K, *]`` (:func:`with_ones`); returns ``(grad_inputs + dpre Gw, grad_contexts +
+    dleaves W, dpre^T inputs, dleaves^T contexts_ext = [dW | db | 0])``. The tree top down,
+    node by node: ``dL/dleft = gamma dL/dnode``, ``dL/dright = (1 - gamma) dL/dnode``,
+    ``dL/dpre = dL/dnode (left - right) gamma (1 - gamma)``. The leaves' gradients sum to the
+    root's (each node passes ``gamma`` and ``1 - gamma`` of its own down), so the bias
+    gradient ``sum_rows dz`` is the ones column's share of the ``dW`` product: only the two
+    products' inputs are stored, in their dtype."""
+    n, k = inputs.size(0), inputs.size(1) + 1
+    contexts = contexts_ext[:, : w.size(1)]
+    gammas, nodes, z = _tree(inputs, contexts, gate_w, w, b, noise, noise_std, lse.dtype)
     dz = chunk_gradient(z, local, lse, g, g_t)
     if g_s is not None:
         dz = dz + g_s[:, None]
-    grad, gate_grads = dz.view(n, 1, width), []
-    for nodes, children in zip(level_widths(k), reversed(levels[:-1]), strict=True):  # top down
-        gamma = gammas[:, heap_level(nodes)]
-        left, right = children.view(n, nodes, 2, width).unbind(2)
-        gate_grads.append(grad * (left - right) * gamma * (1 - gamma))
-        grad_left = grad * gamma
-        grad = torch.stack((grad_left, grad - grad_left), 2).view(n, 2 * nodes, width)
-    dtype = contexts.dtype
-    d_leaves = grad.reshape(n * k, width).to(dtype)
-    d_pre = torch.cat(gate_grads, 1).reshape(n * (k - 1), width).to(dtype)  # heap order
-    flat_contexts, flat_inputs = contexts.reshape(n * k, -1), inputs.reshape(n * (k - 1), -1)
+    grads, gate_grads = [dz] + [None] * (2 * k - 2), []
+    for j in range(k - 1):  # top down, heap order
+        gamma, left, right = gammas[j], nodes[2 * j + 1], nodes[2 * j + 2]
+        gate_grads.append(grads[j] * (left - right) * gamma * (1 - gamma))
+        grads[2 * j + 1] = grads[j] * gamma
+        grads[2 * j + 2] = grads[j] - grads[2 * j + 1]
+    dtype, width = contexts.dtype, z.size(1)
+    d_leaves = torch.stack([x.to(dtype) for x in grads[k - 1 :]], 1).view(n * k, width)
+    d_pre = torch.stack([x.to(dtype) for x in gate_grads], 1).view(n * (k - 1), width)
+    flat_inputs = inputs.reshape(n * (k - 1), -1)
     return (
         grad_inputs + torch.mm(d_pre, gate_w).to(grad_inputs.dtype),
         grad_contexts + torch.mm(d_leaves, w).to(grad_contexts.dtype),
         torch.mm(d_pre.t(), flat_inputs),
-        torch.mm(d_leaves.t(), flat_contexts),
-        dz.sum(0),
+        torch.mm(d_leaves.t(), contexts_ext),
     )
 
 
@@ -115,6 +129,7 @@ class CompiledMixtapeFrequentLSE(torch.autograd.Function):
         n, k, _ = contexts.shape
         inputs, gate_w, flat, w, b = _detached_inputs(gate_inputs, gate_weights, contexts,
                                                       weight, bias, dtype, acc)  # fmt: skip
+        flat = flat.reshape(n * k, -1)
         top = contexts.new_full((n,), -math.inf, dtype=acc)
         total, picked = contexts.new_zeros(n, dtype=acc), contexts.new_zeros(n, dtype=acc)
         logit_sum = contexts.new_zeros(n, dtype=acc) if want_sum else None
@@ -143,8 +158,9 @@ class CompiledMixtapeFrequentLSE(torch.autograd.Function):
         dtype, width, noise_std, want_sum = ctx.layout
         acc = lse.dtype
         n, k, d = contexts.shape
-        inputs, gate_w, flat, w, b = _detached_inputs(gate_inputs, gate_weights, contexts,
-                                                      weight, bias, dtype, acc)  # fmt: skip
+        inputs, gate_w, _, w, b = _detached_inputs(gate_inputs, gate_weights, contexts,
+                                                   weight, bias, dtype, acc)  # fmt: skip
+        contexts_ext = with_ones(contexts.detach().reshape(n * k, d), dtype)
         g = lse.new_zeros(n) if grad_lse is None else grad_lse.to(acc)
         g_t = lse.new_zeros(n) if grad_target is None else grad_target.to(acc)
         g_s = grad_sum.to(acc) if want_sum and grad_sum is not None else None
@@ -157,11 +173,11 @@ class CompiledMixtapeFrequentLSE(torch.autograd.Function):
         with ReplayNoise(noise_state, list(kept), contexts.device) as noise_source:
             for a, z, gate_block, w_block, b_block in _blocks(gate_w, w, b, width):
                 noise = noise_source.next((n, k - 1, z - a), acc) if noise_std > 0 else None
-                grad_inputs, grad_contexts, dgw, dw, db = body(
-                    inputs, flat, gate_block, w_block, b_block, noise, noise_std, target - a,
-                    lse, g, g_t, g_s, grad_inputs, grad_contexts,
+                grad_inputs, grad_contexts, dgw, dwb = body(
+                    inputs, contexts_ext, gate_block, w_block, b_block, noise, noise_std,
+                    target - a, lse, g, g_t, g_s, grad_inputs, grad_contexts,
                 )  # fmt: skip
-                grad_gate_w[a:z], grad_w[a:z], grad_b[a:z] = dgw, dw, db
+                grad_gate_w[a:z], grad_w[a:z], grad_b[a:z] = dgw, dwb[:, :d], dwb[:, d]
         return (
             grad_inputs.view(gate_inputs.shape).to(gate_inputs.dtype),
             grad_gate_w.to(gate_weights.dtype),

@@ -154,40 +154,53 @@ def test_cuda_bf16_blocks_against_float64_without_a_sync():
         torch.testing.assert_close(g.double() / scale, w / scale, rtol=0, atol=3e-2)
 
 
-def test_inductor_fuses_each_body_into_two_kernels_besides_its_products():
+def test_inductor_fuses_each_body_into_one_kernel_besides_its_products():
     """What the plan is for: the sigmoids, the tree (both ways), the bias, the exponentials
-    and the reductions of a block become 2 generated kernels per body around its products
+    and the reductions of a block become 1 generated kernel per body around its products
     (2 forward: the gates and the leaves; 6 backward: those recomputed, then the 4 gradient
-    products), where the hand-written CPU plan runs ~20 passes over ``[N, K, w]``."""
+    products, the bias gradient folded into the ``dW`` one), where the hand-written CPU plan
+    runs ~20 passes over ``[N, K, w]``. And what it stores of the block's size: forward the
+    products' outputs and the logits ``[N, w]``; backward the products' outputs and their
+    inputs ``dL/dpre``, ``dL/dleaves`` (no float32 tree levels, no ``dz`` for a bias sum)."""
     import re
 
     from torch._inductor.utils import run_and_get_code
 
+    from heads.kernels.compiled_lse import with_ones
     from heads.kernels.compiled_mixtape import frequent_backward_block, frequent_forward_block
 
     n, k, s, d, e = 64, 4, 48, 16, 8
-    inputs, contexts = torch.randn(n, k - 1, e), torch.randn(n, k, d)
+    inputs, contexts = torch.randn(n, k - 1, e), torch.randn(n * k, d)
     gate_w, w, b = torch.randn(s, e), torch.randn(s, d), torch.randn(s)
     local, rows = torch.randint(-1, s, (n,)), torch.randn(n)
     bodies = {
-        frequent_forward_block: (rows - 1e9, rows.abs(), rows, None),
-        frequent_backward_block: (
-            rows + 5,
-            rows,
-            rows,
-            None,
-            torch.zeros(n * (k - 1), e),
-            torch.zeros(n * k, d),
-        ),  # fmt: skip
-    }
-    products = {}
-    for body, tail in bodies.items():
-        compiled = torch.compile(body, dynamic=True)
-        _, code = run_and_get_code(compiled, inputs, contexts, gate_w, w, b, None, 0.0, local,
-                                   *tail)  # fmt: skip
-        source = "\n".join(code)
-        kernels = set(re.findall(r"\b(cpp_fused_\w+?_\d+)\b", source))
-        assert len(kernels) <= 2, sorted(kernels)
-        products[body.__name__] = len(re.findall(r"extern_kernels\.(?:mm|addmm)\(", source))
-    torch._dynamo.reset()
+        frequent_forward_block: (contexts, gate_w, w, b, None, 0.0, local, rows - 1e9,
+                                 rows.abs(), rows, None),
+        frequent_backward_block: (with_ones(contexts, torch.float32), gate_w, w, b, None, 0.0,
+                                  local, rows + 5, rows, rows, None,
+                                  torch.zeros(n * (k - 1), e), torch.zeros(n * k, d)),
+    }  # fmt: skip
+    products, block_sized = {}, {}
+    for dynamic in (True, False):  # as the plan compiles them; then sizes to read
+        for body, tail in bodies.items():
+            compiled = torch.compile(body, dynamic=dynamic)
+            _, code = run_and_get_code(compiled, inputs, *tail)
+            source = "\n".join(code)
+            torch._dynamo.reset()
+            if dynamic:
+                kernels = set(re.findall(r"\b(cpp_fused_\w+?_\d+)\b", source))
+                assert len(kernels) == 1, sorted(kernels)
+                products[body.__name__] = len(re.findall(r"extern_kernels\.(?:mm|addmm)\(",
+                                                         source))  # fmt: skip
+                continue
+            shapes = [[int(x) for x in shape.split(", ")] for shape in
+                      re.findall(r"empty_strided_cpu\(\((\d+, \d+)\)", source)]  # fmt: skip
+            block_sized[body.__name__] = sorted((a, c) for a, c in shapes
+                                                if a % n == 0 and c % s == 0)  # fmt: skip
     assert products == {"frequent_forward_block": 2, "frequent_backward_block": 6}
+    # [rows, columns] of the block: products' outputs [(K-1) N, w], [K N, w]; then the
+    # forward's logits [N, w], the backward's dL/dpre [N, (K-1) w] and dL/dleaves [N, K w]
+    assert block_sized == {
+        "frequent_forward_block": [(64, 48), (192, 48), (256, 48)],
+        "frequent_backward_block": [(64, 144), (64, 192), (192, 48), (256, 48)],
+    }
