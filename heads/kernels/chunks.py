@@ -7,6 +7,7 @@ float64 kept). Shapes only, never values: the loops trace under ``torch.compile`
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -119,14 +120,44 @@ def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, weight.dtype)
 
 
+# CUDA takes half-precision operands into a float32 product (torch.mm's out_dtype: cuBLAS
+# accumulates in float32 and writes float32); False once it has refused (then the product is
+# rounded to the operands' dtype first, as on other devices)
+_FLOAT32_PRODUCTS = {"cuda": True}
+
+
 def accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: bool) -> None:
-    """``out (+)= a b`` without a temporary where the dtypes allow."""
+    """``out (+)= a b`` without a temporary where the dtypes allow. Half-precision operands
+    into a float32 ``out`` on CUDA: the product itself in float32 (no rounding of a tile's
+    partial sums to bf16 before they are added up), straight into ``out`` when not adding."""
     if out.dtype == a.dtype:
         if add:
             out.addmm_(a, b)
         else:
             torch.mm(a, b, out=out)
-    elif add:
+        return
+    if _float32_products(out, a):
+        try:
+            if add:
+                out += torch.mm(a, b, out_dtype=out.dtype)
+            else:
+                torch.mm(a, b, out_dtype=out.dtype, out=out)
+            return
+        except (RuntimeError, NotImplementedError) as error:  # refused before any work ran
+            _FLOAT32_PRODUCTS[out.device.type] = False
+            warnings.warn(f"float32 products of {a.dtype} operands refused ({error}): "
+                          "rounding each product to the operands' dtype", stacklevel=2)  # fmt: skip
+    if add:
         out += torch.mm(a, b).to(out.dtype)
     else:
         out.copy_(torch.mm(a, b))
+
+
+def _float32_products(out: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether ``a b`` into ``out`` runs as one half-precision product written in float32."""
+    return (
+        out.dtype == torch.float32
+        and a.dtype in (torch.float16, torch.bfloat16)
+        and _FLOAT32_PRODUCTS.get(out.device.type, False)
+        and not torch.compiler.is_compiling()  # traced: the plain form (any backend has it)
+    )

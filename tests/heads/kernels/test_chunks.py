@@ -1,0 +1,48 @@
+"""``heads/kernels/chunks.py``'s products into a float32 accumulator."""
+
+import pytest
+import torch
+
+from heads.kernels import chunks
+
+
+@pytest.mark.parametrize("add", [False, True])
+def test_half_precision_operands_into_float32(add, monkeypatch):
+    """``out (+)= a b`` with bf16 operands and a float32 ``out``: equal to the product of the
+    operands' values. Where the device refuses float32 products (this CPU, when told to try
+    them), the product is rounded to bf16 first, once with a warning, and never tried again."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 300, generator=gen).bfloat16()
+    b = torch.randn(300, 8, generator=gen).bfloat16()
+    start = torch.randn(64, 8, generator=gen)
+    exact = (a.double() @ b.double()) + (start.double() if add else 0)
+    monkeypatch.setitem(chunks._FLOAT32_PRODUCTS, "cpu", True)
+    out = start.clone()
+    with pytest.warns(UserWarning, match="float32 products of torch.bfloat16 operands refused"):
+        chunks.accumulate_mm(out, a, b, add)
+    assert chunks._FLOAT32_PRODUCTS["cpu"] is False
+    rounded = (a.double() @ b.double()).bfloat16().double() + (start.double() if add else 0)
+    torch.testing.assert_close(out.double(), rounded, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.double(), exact, rtol=1e-2, atol=1e-1)
+    out = start.clone()
+    chunks.accumulate_mm(out, a, b, add)  # no second try, no warning
+    torch.testing.assert_close(out.double(), rounded, rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("add", [False, True])
+def test_cuda_products_of_bf16_operands_are_float32(add):
+    """On CUDA the product is written in float32 (cuBLAS's float32 accumulation kept): closer
+    to the exact product than its rounding to bf16 can be."""
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(256, 4096, generator=gen).bfloat16().cuda()
+    b = torch.randn(4096, 64, generator=gen).bfloat16().cuda()
+    start = torch.randn(256, 64, generator=gen).cuda()
+    exact = (a.double() @ b.double()) + (start.double() if add else 0)
+    out = start.clone()
+    chunks.accumulate_mm(out, a, b, add)
+    assert chunks._FLOAT32_PRODUCTS["cuda"] is True
+    error = (out.double() - exact).abs().max()
+    rounding = ((a.double() @ b.double()).bfloat16().double() - (a.double() @ b.double())).abs()
+    assert error < rounding.max() / 4, (error, rounding.max())
