@@ -54,6 +54,7 @@ from app.machine import load_average
 from heads.adaptive_cutoffs import zipf_probabilities
 from heads.errors import UserError
 from heads.fused_cross_entropy import BACKENDS
+from heads.kernels.chunks import FLOAT32_PRODUCTS
 
 TRAINING_MODES = ("same-batch", "same-memory")
 MODES = (*TRAINING_MODES, "inference", "data")  # the last two with options of their own
@@ -301,7 +302,9 @@ def _report(args, options: BenchOptions, device: torch.device, results: list[dic
         "machine": {"platform": platform.platform(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "device": str(device),
                     "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                    "load_average": load_average(), "memory_method": memory_method},
+                    "load_average": load_average(), "memory_method": memory_method,
+                    # which form of half-precision products into float32 gradients ran
+                    "float32_products": dict(FLOAT32_PRODUCTS)},
     }  # fmt: skip
 
 

@@ -16,11 +16,13 @@ def test_half_precision_operands_into_float32(add, monkeypatch):
     b = torch.randn(300, 8, generator=gen).bfloat16()
     start = torch.randn(64, 8, generator=gen)
     exact = (a.double() @ b.double()) + (start.double() if add else 0)
-    monkeypatch.setitem(chunks._FLOAT32_PRODUCTS, "cpu", True)
+    monkeypatch.setitem(chunks.FLOAT32_PRODUCTS, "cpu", True)
+    monkeypatch.setitem(chunks.FLOAT32_PRODUCTS, "addmm", True)
     out = start.clone()
     with pytest.warns(UserWarning, match="float32 products of torch.bfloat16 operands refused"):
         chunks.accumulate_mm(out, a, b, add)
-    assert chunks._FLOAT32_PRODUCTS["cpu"] is False
+    assert chunks.FLOAT32_PRODUCTS["cpu"] is False
+    assert chunks.FLOAT32_PRODUCTS["addmm"] is not add  # the in-place form tried first
     rounded = (a.double() @ b.double()).bfloat16().double() + (start.double() if add else 0)
     torch.testing.assert_close(out.double(), rounded, rtol=0, atol=1e-5)
     torch.testing.assert_close(out.double(), exact, rtol=1e-2, atol=1e-1)
@@ -34,7 +36,8 @@ def test_half_precision_operands_into_float32(add, monkeypatch):
 @pytest.mark.parametrize("add", [False, True])
 def test_cuda_products_of_bf16_operands_are_float32(add):
     """On CUDA the product is written in float32 (cuBLAS's float32 accumulation kept): closer
-    to the exact product than its rounding to bf16 can be."""
+    to the exact product than its rounding to bf16 can be; added in place where this torch
+    takes a float32 accumulator (``FLOAT32_PRODUCTS["addmm"]`` says which form ran)."""
     gen = torch.Generator().manual_seed(1)
     a = torch.randn(256, 4096, generator=gen).bfloat16().cuda()
     b = torch.randn(4096, 64, generator=gen).bfloat16().cuda()
@@ -42,7 +45,7 @@ def test_cuda_products_of_bf16_operands_are_float32(add):
     exact = (a.double() @ b.double()) + (start.double() if add else 0)
     out = start.clone()
     chunks.accumulate_mm(out, a, b, add)
-    assert chunks._FLOAT32_PRODUCTS["cuda"] is True
+    assert chunks.FLOAT32_PRODUCTS["cuda"] is True
     error = (out.double() - exact).abs().max()
     rounding = ((a.double() @ b.double()).bfloat16().double() - (a.double() @ b.double())).abs()
     assert error < rounding.max() / 4, (error, rounding.max())

@@ -1,0 +1,74 @@
+"""``.ci/gpu``: the command a GPU session runs first. Its parts are run here with ``python``
+replaced by a recorder, and every command line it would run is parsed by the tool it names
+(with ``--device cpu``): a typo there would otherwise cost a scarce GPU session."""
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.bench.profile import parse_args as profile_args
+from app.bench.run import parse_args as bench_args
+
+ROOT = Path(__file__).resolve().parent.parent
+RECORDER = """#!/usr/bin/env bash
+printf '%q ' "$@" >> "$RECORD"
+echo >> "$RECORD"
+"""
+
+
+def _recorded(tmp_path, *parts: str) -> list[list[str]]:
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "python").write_text(RECORDER)
+    (shim / "python").chmod(0o755)
+    record = tmp_path / "record.txt"
+    env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}", "RECORD": str(record),
+           "GPU_RESULTS": str(tmp_path / "out")}  # fmt: skip
+    done = subprocess.run(["bash", str(ROOT / ".ci/gpu"), *parts], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return [shlex.split(line) for line in record.read_text().splitlines()]
+
+
+def _on_cpu(argv: list[str]) -> list[str]:
+    """The command line with ``--device cpu`` and without the CUDA-only peers."""
+    argv = ["cpu" if a == "cuda" else a for a in argv]
+    return [a for a in argv if not a.endswith(("@cce", "@liger"))]
+
+
+def test_every_part_runs_commands_its_tools_accept(tmp_path):
+    commands = _recorded(tmp_path, "bench", "lmstep", "memory", "profile", "tests")
+    modules = [c[1] for c in commands if c[:1] == ["-m"]]
+    assert modules.count("app.bench") == 5  # 3 sizes, the whole-LM step, memory
+    assert modules.count("app.bench.profile") == 2 and "app.bench.fastest" in modules
+    assert ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"] in commands
+    assert ["-c", "import cut_cross_entropy"] in commands  # the peers only where installed
+    for command in commands:
+        if command[:2] == ["-m", "app.bench"]:
+            args = bench_args(_on_cpu(command[2:]))
+            assert args.device == "cpu" and args.out == str(tmp_path / "out")
+        elif command[:2] == ["-m", "app.bench.profile"]:
+            assert profile_args(_on_cpu(command[2:])).hidden == 512
+    bench = [c for c in commands if c[:2] == ["-m", "app.bench"] and "--mode" not in c]
+    heads = bench[0][bench[0].index("--heads") + 1 :]
+    assert {"softmax@cce", "softmax@liger", "mos@liger", "matmul", "torch_adaptive"} <= set(heads)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash")
+def test_an_unknown_part_is_one_error_line(tmp_path):
+    done = subprocess.run(["bash", str(ROOT / ".ci/gpu"), "benchh"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2 and "unknown part 'benchh'" in done.stderr
+
+
+def test_tests_and_memory_run_side_by_side(tmp_path):
+    """The default run's ``tests+memory``: both parts, the memory search untouched by the
+    tests' process (the allocator's own figures)."""
+    commands = _recorded(tmp_path, "tests+memory")
+    assert ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"] in commands
+    memory = [c for c in commands if "same-memory" in c]
+    assert len(memory) == 1 and "--time" in memory[0]
