@@ -159,6 +159,23 @@ class MixtapeHead(SingleSoftmaxHead):
         """Infrequent tokens: one shared prior, so the contexts are mixed first ``[N, d]``."""
         return _mixed(contexts, shared, self.gate_noise if self.training else 0.0)
 
+    def _plain(self, hidden: torch.Tensor) -> bool:
+        return plain_step_fits(self.loss_options, hidden.device, hidden.size(0),
+                               self.vocab_size, self.num_components, self.num_frequent)  # fmt: skip
+
+    def _plain_loss(self, hidden, target, label_smoothing: float) -> HeadOutput:
+        plain = mixtape_plain_nll
+        if resolve_plan("auto", hidden) == "compiled":  # CUDA: one compiled function
+            plain = compiled_body(mixtape_plain_nll)
+        nll, smoothing = plain(
+            hidden, target, self.context.weight, self.context.bias, self.gate_context.weight,
+            self.gate_projection.weight, self.gate_projection.bias, self.gate_embedding,
+            self.gate_bias, self.weight, self.bias, self.num_frequent, self.weight_norm_scale,
+            self.gate_dropout.p, self.context_dropout.p,
+            self.gate_noise if self.training else 0.0, self.training, label_smoothing > 0,
+        )  # fmt: skip
+        return self.output(nll, target, smoothing=smoothing, label_smoothing=label_smoothing)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vector-gated logits ``[N, V]`` (Eq. 2 before the softmax)."""
         s = self.num_frequent
@@ -201,6 +218,8 @@ class MixtapeHead(SingleSoftmaxHead):
         ``logsumexp``."""
         self.check_inputs(hidden, target)
         check_label_smoothing(label_smoothing)
+        if self._plain(hidden):
+            return self._plain_loss(hidden, target, label_smoothing)
         s, v = self.num_frequent, self.vocab_size
         contexts, gate_inputs, gate_weights, _, mixed, ids, rare_target = self._pieces(
             hidden, target
@@ -297,6 +316,57 @@ def mixtape_pieces(
         mixed = _mixed(contexts, shared, noise)
         rare_target = torch.where(ids >= num_frequent, ids - num_frequent, -1)
     return contexts, gate_inputs, gate_weights, shared, mixed, ids, rare_target
+
+
+def plain_step_fits(options, device: torch.device, rows: int, vocab_size: int, k: int,
+                    frequent: int) -> bool:  # fmt: skip
+    """Whether a step runs as plain maths (:func:`mixtape_plain_nll`): with ``plan="plain"``,
+    and on CUDA under ``auto`` or ``rows`` where its float32 ``[N, V]`` logits and
+    ``[N, K, S]`` gates, priors and values fit ``saved_bytes``. There a step is launch-bound:
+    the plans' ~150 operators (blocks, tiles and their glue) against one compiled function,
+    a few fused kernels each way (a whole PTB LM step with Mixtape measured 1.61x softmax's
+    on an H100, 700 tokens: docs/results/bench_gpu_lm_ptb_step.json)."""
+    if options.backend not in ("auto", "torch"):
+        return False
+    if options.plan == "plain":
+        return True
+    fits = 4 * rows * (vocab_size + 3 * k * frequent) <= options.saved_bytes
+    return options.plan in ("auto", "rows") and device.type == "cuda" and fits
+
+
+def mixtape_plain_nll(
+    hidden, target, context_weight, context_bias, gate_context_weight, projection_weight,
+    projection_bias, gate_embedding, gate_bias, weight, bias, num_frequent: int,
+    weight_norm_scale: float | None, gate_dropout: float, context_dropout: float, noise: float,
+    training: bool, smoothing: bool,
+) -> tuple:  # fmt: skip
+    """Eq. 2-6 as plain maths, for steps small enough to hold their ``[N, V]`` logits:
+    ``(-log P(target), mean_x(-log p_x) or None)`` per row in float32 (float64 inputs:
+    float64), 0 at ignored rows. The frequent tokens' priors from the sigmoid tree over their
+    gate pre-activations (Eq. 3-4), mixed with the K component logits (Eq. 2); the others'
+    logits from the mixed context (Eq. 6); PyTorch's log-softmax over all of them."""
+    vocab_size = weight.size(0)
+    contexts, gate_inputs, gate_weights, _, mixed, ids, _ = mixtape_pieces(
+        hidden, target, context_weight, context_bias, gate_context_weight, projection_weight,
+        projection_bias, gate_embedding, gate_bias, num_frequent, vocab_size,
+        weight_norm_scale, gate_dropout, context_dropout, noise, training,
+    )  # fmt: skip
+    s = num_frequent
+    gate_logits = torch.matmul(gate_inputs, gate_weights.t())  # [N, K-1, S], Eq. 4
+    if noise > 0:
+        gate_logits = gate_logits + torch.randn_like(gate_logits) * noise
+    acc = upcast(hidden).dtype
+    priors = sigmoid_tree_priors(gate_logits.to(acc).transpose(1, 2))  # [N, S, K], Eq. 3
+    values = F.linear(contexts, weight[:s]).to(acc)  # [N, K, S]: h_{c,k} . w_x
+    logits = (priors.transpose(1, 2) * values).sum(1) + bias[:s].to(acc)  # Eq. 2
+    if s < vocab_size:
+        rare = F.linear(mixed, weight[s:], bias[s:]).to(acc)
+        logits = torch.cat((logits, rare), 1)
+    with torch.autocast(hidden.device.type, enabled=False):
+        log_probs = logits.log_softmax(1)
+    picked = log_probs.gather(1, ids.clamp_min(0)[:, None])[:, 0]
+    nll = torch.where(ids >= 0, -picked, 0.0)
+    return nll, -log_probs.mean(1) if smoothing else None
 
 
 def _check_options(

@@ -7,6 +7,7 @@ from heads.fused_cross_entropy import LossOptions
 from heads.mixtape import sigmoid_tree_priors
 from tests.heads.contract import (
     HIDDEN,
+    PARTLY_KEPT,
     VOCAB,
     check_compiles_without_graph_breaks,
     check_loss_matches_reference,
@@ -296,11 +297,13 @@ def test_training_keeps_no_vocabulary_rows():
     )
 
 
-def test_compiles_without_graph_breaks():
+@pytest.mark.parametrize("plan", ["partly_kept", "plain"])
+def test_compiles_without_graph_breaks(plan):
     check_compiles_without_graph_breaks(
         lambda: make_head(
             gate_noise=0.1, gate_dropout=0.1, context_dropout=0.1, weight_norm_scale=1.0
-        )  # fmt: skip
+        ),  # fmt: skip
+        PARTLY_KEPT if plan == "partly_kept" else LossOptions(plan=plan),
     )
 
 
@@ -409,3 +412,44 @@ def test_the_pieces_are_compiled_only_where_the_plan_is():
     finally:
         mixtape.compiled_body = original
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_plain_step_equals_the_plans_in_float64(smoothing, compiled, monkeypatch):
+    """A launch-bound step as plain maths (Eq. 2-6 over the exact logits, one compiled
+    function on CUDA; here Inductor on the CPU where asked): loss, per-token NLL and every
+    gradient equal the block plan's (weight norm, shared gates, an ignored target)."""
+    head = make_head(weight_norm_scale=1.5, frequent_ratio=0.4).double().train()
+    if compiled:
+        monkeypatch.setattr(mixtape, "resolve_plan", lambda plan, hidden: "compiled")
+    results = []
+    for plan in ("plain", "eager"):
+        head.loss_options = LossOptions(plan=plan, columns=4)
+        torch.manual_seed(3)
+        hidden = torch.randn(11, HIDDEN, dtype=torch.float64, requires_grad=True)
+        target = torch.randint(0, VOCAB, (11,))
+        target[5] = IGNORE_INDEX
+        out = head(hidden, target, label_smoothing=smoothing)
+        loss = out.loss + 0.3 * (out.nll * torch.arange(11, dtype=torch.float64)).sum()
+        results.append([loss, out.nll, *torch.autograd.grad(loss, [hidden, *head.parameters()])])
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want)
+    torch._dynamo.reset()
+
+
+def test_a_step_runs_plainly_where_cuda_would_be_launch_bound():
+    """On CUDA under auto (or the measured rows plan) a step whose logits and gates fit
+    saved_bytes runs plainly; a large one, another backend, or a CPU run the plans."""
+    from heads.mixtape import plain_step_fits
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    auto, rows = LossOptions(), LossOptions(plan="rows")
+    # the PTB LM step: 700 tokens, V = 10k, K = 4, S = 1,000 -> 62 MB of float32
+    assert plain_step_fits(auto, cuda, 700, 10_000, 4, 1_000)
+    assert plain_step_fits(rows, cuda, 700, 10_000, 4, 1_000)
+    assert not plain_step_fits(auto, cuda, 16_384, 10_000, 4, 1_000)  # 1.2 GB
+    assert not plain_step_fits(auto, cpu, 700, 10_000, 4, 1_000)
+    assert not plain_step_fits(LossOptions(plan="compiled"), cuda, 700, 10_000, 4, 1_000)
+    assert not plain_step_fits(LossOptions(backend="liger"), cuda, 700, 10_000, 4, 1_000)
+    assert plain_step_fits(LossOptions(plan="plain"), cpu, 16_384, 10_000, 4, 1_000)
