@@ -423,7 +423,8 @@ def plain_loss_fits(options: LossOptions, device: torch.device, rows: int, colum
     if options.plan == "plain":
         return True
     fits = 4 * rows * columns <= options.saved_bytes
-    return options.plan == "auto" and device.type == "cuda" and fits
+    # rows: the measured choice for large steps (MEASURED_FASTEST); a small one is plainer
+    return options.plan in ("auto", "rows") and device.type == "cuda" and fits
 
 
 def plain_nll(
@@ -437,6 +438,22 @@ def plain_nll(
         logits = logits.to(accumulation_dtype(hidden, weight))
         return torch.nn.functional.cross_entropy(logits, target, reduction="none",
                                                  ignore_index=IGNORE_INDEX)  # fmt: skip
+
+
+def plain_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+    smoothing: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """``(nll, mean_x(-log p_x) or None)`` per row (:func:`plain_nll`'s, 0 where ignored,
+    with the smoothing term where asked for): one
+    product, one log-softmax in the accumulation dtype, differentiated by autograd."""
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    with torch.autocast(hidden.device.type, enabled=False):
+        log_probs = logits.to(accumulation_dtype(hidden, weight)).log_softmax(1)
+    keep = target != IGNORE_INDEX
+    picked = log_probs.gather(1, torch.where(keep, target, 0)[:, None])[:, 0]
+    nll = torch.where(keep, -picked, 0.0)
+    return nll, -log_probs.mean(1) if smoothing else None
 
 
 def combine_lse(*parts: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,12 @@ from heads.base import (
     check_positive_int,
     output_bias,
 )
-from heads.fused_cross_entropy import linear_cross_entropy, mean_cross_entropy
+from heads.fused_cross_entropy import (
+    linear_cross_entropy,
+    mean_cross_entropy,
+    plain_cross_entropy,
+    plain_loss_fits,
+)
 
 
 class SoftmaxHead(SingleSoftmaxHead):
@@ -64,6 +69,11 @@ class SoftmaxHead(SingleSoftmaxHead):
         check_label_smoothing(label_smoothing)
         if self.projection is not None:
             hidden = self.projection(hidden)
+        if plain_loss_fits(self.loss_options, hidden.device, hidden.size(0), self.vocab_size):
+            # a launch-bound step on CUDA: one product and PyTorch's log-softmax
+            nll, smoothing = plain_cross_entropy(hidden, self.weight, self.bias, target,
+                                                 label_smoothing > 0)  # fmt: skip
+            return self.output(nll, target, smoothing=smoothing, label_smoothing=label_smoothing)
         mean = mean_cross_entropy(
             hidden, self.weight, self.bias, target, label_smoothing=label_smoothing,
             options=self.loss_options,

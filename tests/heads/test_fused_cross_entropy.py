@@ -374,6 +374,9 @@ def test_plain_runs_on_cuda_where_the_logits_fit_the_saved_budget():
     assert not plain_loss_fits(budget, cuda, 101, 50)
     assert not plain_loss_fits(budget, cpu, 100, 50)
     assert plain_loss_fits(LossOptions(plan="plain"), cpu, 10**6, 10**6)
+    # the measured rows plan (MEASURED_FASTEST, for large steps) leaves a small step plain
+    rows = LossOptions(plan="rows", saved_bytes=4 * 100 * 50)
+    assert plain_loss_fits(rows, cuda, 100, 50) and not plain_loss_fits(rows, cuda, 101, 50)
     for options in (LossOptions(plan="compiled"), LossOptions(plan="eager"),
                     LossOptions(backend="liger")):  # fmt: skip
         assert not plain_loss_fits(options, cuda, 1, 1)

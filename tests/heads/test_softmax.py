@@ -77,3 +77,27 @@ def test_bad_sizes_are_reported():
         SoftmaxHead(HIDDEN, 0)
     with pytest.raises(ValueError, match=r"hidden of shape \[N, 6\]"):
         SoftmaxHead(HIDDEN, VOCAB).log_prob(torch.randn(3, 5))
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+def test_the_plain_step_equals_the_fused_plans_in_float64(smoothing):
+    """A launch-bound CUDA step (``plain``: one product and PyTorch's log-softmax, as auto
+    runs where the logits fit ``saved_bytes``) gives the fused plans' loss, per-token NLL and
+    gradients, with a projection, label smoothing and an ignored target."""
+    from heads import IGNORE_INDEX
+    from heads.fused_cross_entropy import LossOptions
+
+    torch.manual_seed(2)
+    head = SoftmaxHead(HIDDEN, VOCAB, embedding_size=4).double()
+    hidden = torch.randn(10, HIDDEN, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, VOCAB, (10,))
+    target[3] = IGNORE_INDEX
+    results = []
+    for plan in ("plain", "eager", "rows"):
+        head.loss_options = LossOptions(plan=plan, columns=5)
+        out = head(hidden, target, label_smoothing=smoothing)
+        loss = out.loss + 0.3 * (out.nll * torch.arange(10, dtype=torch.float64)).sum()
+        results.append([loss, out.nll, *torch.autograd.grad(loss, [hidden, *head.parameters()])])
+    for other in results[1:]:
+        for got, want in zip(results[0], other, strict=True):
+            torch.testing.assert_close(got, want)
