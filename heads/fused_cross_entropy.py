@@ -444,12 +444,19 @@ def plain_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
     smoothing: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """``(nll, mean_x(-log p_x) or None)`` per row (:func:`plain_nll`'s, 0 where ignored,
-    with the smoothing term where asked for): one
-    product, one log-softmax in the accumulation dtype, differentiated by autograd."""
+    """:func:`log_softmax_rows` of ``hidden W^T + b``: one product, one log-softmax in the
+    accumulation dtype, differentiated by autograd."""
     logits = torch.nn.functional.linear(hidden, weight, bias)
-    with torch.autocast(hidden.device.type, enabled=False):
-        log_probs = logits.to(accumulation_dtype(hidden, weight)).log_softmax(1)
+    return log_softmax_rows(logits.to(accumulation_dtype(hidden, weight)), target, smoothing)
+
+
+def log_softmax_rows(
+    logits: torch.Tensor, target: torch.Tensor, smoothing: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(-log p_target, mean_x(-log p_x) or None)`` per row of ``[N, V]`` logits (taken in
+    their dtype, autocast off), the NLL 0 where ``target`` is ``IGNORE_INDEX``."""
+    with torch.autocast(logits.device.type, enabled=False):
+        log_probs = logits.log_softmax(1)
     keep = target != IGNORE_INDEX
     picked = log_probs.gather(1, torch.where(keep, target, 0)[:, None])[:, 0]
     nll = torch.where(keep, -picked, 0.0)

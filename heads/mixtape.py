@@ -42,9 +42,11 @@ from heads.fused_cross_entropy import (
     LinearLSE,
     combine_lse,
     linear_lse,
+    log_softmax_rows,
     mean_cross_entropy,
     mean_loss_plan,
     mean_weights,
+    plain_loss_fits,
     plan_tiles,
     resolve_backend,
     resolve_plan,
@@ -320,18 +322,13 @@ def mixtape_pieces(
 
 def plain_step_fits(options, device: torch.device, rows: int, vocab_size: int, k: int,
                     frequent: int) -> bool:  # fmt: skip
-    """Whether a step runs as plain maths (:func:`mixtape_plain_nll`): with ``plan="plain"``,
-    and on CUDA under ``auto`` or ``rows`` where its float32 ``[N, V]`` logits and
-    ``[N, K, S]`` gates, priors and values fit ``saved_bytes``. There a step is launch-bound:
-    the plans' ~150 operators (blocks, tiles and their glue) against one compiled function,
-    a few fused kernels each way (a whole PTB LM step with Mixtape measured 1.61x softmax's
-    on an H100, 700 tokens: docs/results/bench_gpu_lm_ptb_step.json)."""
-    if options.backend not in ("auto", "torch"):
-        return False
-    if options.plan == "plain":
-        return True
-    fits = 4 * rows * (vocab_size + 3 * k * frequent) <= options.saved_bytes
-    return options.plan in ("auto", "rows") and device.type == "cuda" and fits
+    """Whether a step runs as plain maths (:func:`mixtape_plain_nll`): the rule of
+    :func:`plain_loss_fits` for its float32 ``[N, V]`` logits and ``[N, K, S]`` gates, priors
+    and values. There a CUDA step is launch-bound: the plans' ~150 operators (blocks, tiles
+    and their glue) against one compiled function, a few fused kernels each way (a whole
+    PTB LM step with Mixtape measured 1.61x softmax's on an H100, 700 tokens:
+    docs/results/bench_gpu_lm_ptb_step.json)."""
+    return plain_loss_fits(options, device, rows, vocab_size + 3 * k * frequent)
 
 
 def mixtape_plain_nll(
@@ -346,7 +343,7 @@ def mixtape_plain_nll(
     gate pre-activations (Eq. 3-4), mixed with the K component logits (Eq. 2); the others'
     logits from the mixed context (Eq. 6); PyTorch's log-softmax over all of them."""
     vocab_size = weight.size(0)
-    contexts, gate_inputs, gate_weights, _, mixed, ids, _ = mixtape_pieces(
+    contexts, gate_inputs, gate_weights, _, mixed, _, _ = mixtape_pieces(
         hidden, target, context_weight, context_bias, gate_context_weight, projection_weight,
         projection_bias, gate_embedding, gate_bias, num_frequent, vocab_size,
         weight_norm_scale, gate_dropout, context_dropout, noise, training,
@@ -362,11 +359,7 @@ def mixtape_plain_nll(
     if s < vocab_size:
         rare = F.linear(mixed, weight[s:], bias[s:]).to(acc)
         logits = torch.cat((logits, rare), 1)
-    with torch.autocast(hidden.device.type, enabled=False):
-        log_probs = logits.log_softmax(1)
-    picked = log_probs.gather(1, ids.clamp_min(0)[:, None])[:, 0]
-    nll = torch.where(ids >= 0, -picked, 0.0)
-    return nll, -log_probs.mean(1) if smoothing else None
+    return log_softmax_rows(logits, target, smoothing)
 
 
 def _check_options(
