@@ -7,7 +7,8 @@ cannot drift apart: rerun the command, copy its JSON into ``docs/results/``, reg
 Each JSON file is rendered by the first renderer that recognises it (``RENDERERS``); a file
 no renderer knows is listed as such, never silently dropped. Sections follow ``TOPICS`` (by file
 name within a topic); the document opens with a summary table, one row per file whose kind has
-a headline (``HEADLINES``). A JSON file may carry a ``note``, printed under its section's title.
+a headline (``HEADLINES``). A JSON file may carry a ``note``, printed under its section's title,
+and a ``partial`` mark (the benchmark's and profiler's JSON of a run cut short), said there too.
 """
 
 from __future__ import annotations
@@ -501,6 +502,8 @@ def render(results: Path = RESULTS, doc_dir: Path = OUT.parent) -> str:
             sections.append(f"### {path.stem}\n\n`{path.name}`: no renderer knows this file.")
             continue
         note = [report["note"]] if report.get("note") else []
+        if report.get("partial"):  # a run cut short (a GPU lease's limit): what it measured
+            note.append(f"**Partial run** ({report['partial']}): the command stopped early.")
         body = "\n\n".join([*note, renderer(report, path, doc_dir)])
         sections.append(f"### {path.stem}\n\n{body}")
         headline = HEADLINES.get(renderer, lambda *_: None)(report, path)

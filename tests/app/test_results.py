@@ -84,6 +84,10 @@ def test_recorded_measurements_and_notes(tmp_path):
         "### recorded\n\nA note.\n\nSetting.\n\n```bash\npython cli.py fit\n```\n\n| a |"
     )
     assert "| Other measurements | [recorded](#recorded) | x 1.5 | `python cli.py fit` |" in text
+    report = json.loads((tmp_path / "recorded.json").read_text())
+    (tmp_path / "recorded.json").write_text(json.dumps({**report, "partial": "2 of 7 repeats"}))
+    text = render(tmp_path, tmp_path)
+    assert "A note.\n\n**Partial run** (2 of 7 repeats): the command stopped early." in text
 
 
 def test_table_and_command_formatting():
