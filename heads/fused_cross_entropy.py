@@ -42,7 +42,7 @@ import torch
 from heads.cross_entropy import IGNORE_INDEX
 from heads.errors import HeadConfigError, UserError
 from heads.kernels.checkpointed_lse import checkpointed_lse
-from heads.kernels.chunks import accumulation_dtype, compute_dtype
+from heads.kernels.chunks import accumulation_dtype, compute_dtype, gpu_plans
 from heads.kernels.chunks import spans as spans  # re-exported: callers plan chunks with it
 from heads.kernels.compiled_lse import CompiledLinearLSE, own_targets
 from heads.kernels.eager_lse import EagerLinearLSE
@@ -154,7 +154,7 @@ def plan_tiles(
     float32 values held per entry (Mixtape's blocks hold ``2K``): the chunk's working set
     stays near ``options.chunk_bytes``. Both only depend on the shapes."""
     budget = options.chunk_bytes or _CHUNK_BYTES.get(device.type, _ACCELERATOR_CHUNK_BYTES)
-    if device.type == "cuda" and options.chunk_bytes is None:
+    if gpu_plans(device) and options.chunk_bytes is None:
         budget = cuda_chunk_bytes(rows, columns, entries_per_column, device, options)
     entries = max(1, budget // (4 * entries_per_column))
     width = options.columns
@@ -182,8 +182,14 @@ def cuda_chunk_bytes(
     return max(_CUDA_MIN_BYTES, min(wanted, memory // _CUDA_MEMORY_SHARE))
 
 
+# what the GPU plans assume of a device that is no GPU (GPU_PLAN_DEVICES): an H100's memory
+_PLANNED_GPU_MEMORY = 80 << 30
+
+
 def _device_memory(device: torch.device) -> int:
     """The CUDA device's memory in bytes (a property query: no sync)."""
+    if device.type != "cuda":
+        return _PLANNED_GPU_MEMORY
     return torch.cuda.get_device_properties(device).total_memory
 
 
@@ -247,7 +253,7 @@ def resolve_plan(plan: str, hidden: torch.Tensor) -> str:
     loss runs by rows: :func:`mean_cross_entropy`) is the compiled chunk plan on CUDA, the
     eager one (CPU-tuned) elsewhere."""
     if plan in ("auto", "rows", "plain"):
-        return "compiled" if hidden.device.type == "cuda" else "eager"
+        return "compiled" if gpu_plans(hidden.device) else "eager"
     return plan
 
 
@@ -261,7 +267,7 @@ def row_tile(rows: int, columns: int, device: torch.device, options: LossOptions
         return max(1, min(options.rows, rows))
     if options.chunk_bytes is not None:
         tile = options.chunk_bytes // (4 * columns)
-    elif device.type == "cuda":
+    elif gpu_plans(device):
         memory = options.device_memory or _device_memory(device)
         tile = min(_ROWS_CUDA_BYTES, memory // _CUDA_MEMORY_SHARE) // (4 * columns)
     else:
@@ -348,7 +354,7 @@ def mean_loss_plan(options: LossOptions, hidden: torch.Tensor, columns: int) -> 
     if options.plan in ("auto", "plain"):
         # traced by torch.compile, the rows plan's backward always gets a tangent for its NLL
         # output (zeros) and runs its extra pass: the column plan runs fewer products there
-        eager_cpu = hidden.device.type != "cuda" and not torch.compiler.is_compiling()
+        eager_cpu = not gpu_plans(hidden.device) and not torch.compiler.is_compiling()
         recomputes = 4 * hidden.size(0) * columns > options.saved_bytes
         return "rows" if eager_cpu and recomputes else resolve_plan("auto", hidden)
     return options.plan
@@ -424,7 +430,7 @@ def plain_loss_fits(options: LossOptions, device: torch.device, rows: int, colum
         return True
     fits = 4 * rows * columns <= options.saved_bytes
     # rows: the measured choice for large steps (MEASURED_FASTEST); a small one is plainer
-    return options.plan in ("auto", "rows") and device.type == "cuda" and fits
+    return options.plan in ("auto", "rows") and gpu_plans(device) and fits
 
 
 def plain_nll(

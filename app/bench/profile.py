@@ -32,7 +32,9 @@ training step), one subject at a time. After ``--warmup`` steps:
 
 At negligible sizes on a CPU (``--vocab 1000 --hidden 32 --tokens 32 --threads 1``) ``host_ms``
 and the op counts are a proxy for the launch-bound regime: what each head costs a GPU whose
-kernels take no time.
+kernels take no time. ``--plans cuda`` runs CUDA's execution plans there (compiled bodies,
+GPU-sized tiles, launch-bound steps plainly: ``heads.kernels.chunks.GPU_PLAN_DEVICES``), so the
+counts are those of the plans a GPU runs; a compiled body counts as its call, not its kernels.
 
 JSON (``--out``/``--name``.json): ``schema`` (``profile/1``), ``args``, ``options``,
 ``machine`` and ``results`` (one row per subject) as the benchmark writes them; a ``--note``
@@ -61,6 +63,7 @@ from app.bench.run import Case, add_subject_args, bench_options, first_step, mak
 from app.bench.subjects import FRAGMENTS, PRECISIONS, head_config, parse_head, parse_subject
 from app.bench.timing import check_device, sync
 from app.machine import load_average
+from heads.kernels.chunks import GPU_PLAN_DEVICES
 
 SCHEMA = "profile/1"
 STEP, HOST = "profile.step", "profile.host"  # the markers: a step with its sync, its host part
@@ -259,10 +262,15 @@ def run(args: argparse.Namespace, save: Callable[[dict], None] | None = None) ->
     after each subject (a run cut short by a time limit keeps the subjects it finished)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads or threads)
+    emulated = args.plans == "cuda" and args.device == "cpu"
+    if emulated:  # the GPU's plans on this CPU: what a launch-bound GPU step dispatches
+        GPU_PLAN_DEVICES.add("cpu")
     try:
         return _run(args, save)
     finally:
         torch.set_num_threads(threads)  # as it was: main() may run inside a longer process
+        if emulated:
+            GPU_PLAN_DEVICES.discard("cpu")
 
 
 def _run(args: argparse.Namespace, save: Callable[[dict], None] | None) -> dict:
@@ -381,6 +389,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=_positive, default=None,
                         help="torch's intra-op threads (default: its own); 1 for the CPU "
                         "launch-bound proxy, steadier on a shared machine")  # fmt: skip
+    parser.add_argument("--plans", choices=["device", "cuda"], default="device",
+                        help="cuda (with --device cpu): run CUDA's execution plans on the CPU "
+                        "(compiled bodies, GPU-sized tiles, launch-bound steps plainly): at "
+                        "negligible sizes, the operators a GPU step dispatches")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--steps", type=_positive, default=3,
                         help="steps timed, then as many profiled")  # fmt: skip

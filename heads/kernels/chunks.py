@@ -120,6 +120,18 @@ def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, weight.dtype)
 
 
+# The device types that run the GPU's execution plans (compiled bodies, tiles sized for the
+# device's memory, launch-bound steps plainly): CUDA. A CPU added here runs them too, as an
+# H100 would plan them: `python -m app.bench.profile --plans cuda` counts there what a GPU step
+# dispatches (the launch-bound proxy); everything else keeps its CPU-tuned plans.
+GPU_PLAN_DEVICES = {"cuda"}
+
+
+def gpu_plans(device: torch.device) -> bool:
+    """Whether ``device`` runs the GPU's execution plans (:data:`GPU_PLAN_DEVICES`)."""
+    return device.type in GPU_PLAN_DEVICES
+
+
 # CUDA takes half-precision operands into a float32 product (torch.mm's out_dtype: cuBLAS
 # accumulates in float32 and writes float32); False once it has refused (then the product is
 # rounded to the operands' dtype first, as on other devices). "addmm": whether the in-place

@@ -44,13 +44,15 @@ from heads.kernels.chunks import (
     exp_shifted_,
     exp_sum_,
     finite_shift,
+    gpu_plans,
     spans,
     target_columns,
 )
 from heads.kernels.compiled_lse import compiled_body
 
-# devices whose tiles run as compiled bodies (tests add "cpu" to check them in float64)
-COMPILED_DEVICES = ("cuda",)
+# tiles run as compiled bodies on the devices that run the GPU plans (chunks.gpu_plans) and on
+# these (tests add "cpu" to check the bodies alone, the rest of the CPU's plan kept)
+COMPILED_DEVICES: tuple[str, ...] = ()
 
 
 class Mixing(NamedTuple):
@@ -228,7 +230,7 @@ class _Walk:
         self.rows_target = target.repeat_interleave(k) if k > 1 else target
         tokens = hidden.size(0) // k
         self.tiles = spans(tokens, None if tile is None else max(1, tile // k))
-        self.compiled = hidden.device.type in COMPILED_DEVICES
+        self.compiled = hidden.device.type in COMPILED_DEVICES or gpu_plans(hidden.device)
         self.buffer = None
         if self.compiled:
             b = bias if bias is not None else weight.new_zeros(weight.size(0))

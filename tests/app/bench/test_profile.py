@@ -4,6 +4,7 @@ trace of the shape the profiler records on a GPU (this machine may have none).""
 import json
 
 import pytest
+import torch
 
 from app.bench.profile import HOST, STEP, Event, main, short_name, summarize
 
@@ -163,3 +164,23 @@ def test_events_without_an_activity_type_are_told_apart_by_device_and_name():
     # where the profiler names the activity, that decides
     assert event_kind(event("x", activity_type="kernel")) == "kernel"
     assert event_kind(event("x", activity_type="gpu_user_annotation")) is None
+
+
+def test_cuda_plans_on_a_cpu_count_what_a_launch_bound_gpu_step_dispatches():
+    """``--plans cuda``: the GPU's plans on this CPU (a small Mixtape or softmax step plainly,
+    one compiled function or one product and a log-softmax), counted against the CPU's own
+    plans; the switch is off again afterwards."""
+    from app.bench.profile import parse_args, run
+    from heads.kernels.chunks import GPU_PLAN_DEVICES
+
+    argv = ["--device", "cpu", "--heads", "softmax", "mixtape", "--vocab", "1000", "--hidden",
+            "16", "--tokens", "32", "--warmup", "2", "--steps", "1", "--threads", "1"]  # fmt: skip
+    counts = {}
+    for plans in ("device", "cuda"):
+        report = run(parse_args([*argv, "--plans", plans]))
+        counts[plans] = {r["head"]: r["aten_ops_top"] for r in report["results"]}
+        assert report["args"]["plans"] == plans
+    torch._dynamo.reset()
+    assert GPU_PLAN_DEVICES == {"cuda"}
+    for head in ("softmax", "mixtape"):
+        assert counts["cuda"][head] < counts["device"][head] / 2, counts
