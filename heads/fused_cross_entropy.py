@@ -437,21 +437,17 @@ def plain_nll(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor
 ) -> torch.Tensor:
     """``-log softmax(hidden W^T + b)[target]`` per row, 0 where ``target`` is
-    ``IGNORE_INDEX``: one product, then PyTorch's fused log-softmax and NLL kernels in the
-    accumulation dtype (float32 under autocast), differentiated by autograd."""
-    logits = torch.nn.functional.linear(hidden, weight, bias)
-    with torch.autocast(hidden.device.type, enabled=False):
-        logits = logits.to(accumulation_dtype(hidden, weight))
-        return torch.nn.functional.cross_entropy(logits, target, reduction="none",
-                                                 ignore_index=IGNORE_INDEX)  # fmt: skip
+    ``IGNORE_INDEX``: :func:`plain_cross_entropy` without label smoothing."""
+    return plain_cross_entropy(hidden, weight, bias, target, smoothing=False)[0]
 
 
 def plain_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
     smoothing: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """:func:`log_softmax_rows` of ``hidden W^T + b``: one product, one log-softmax in the
-    accumulation dtype, differentiated by autograd."""
+    """:func:`log_softmax_rows` of ``hidden W^T + b``: one product, then PyTorch's fused
+    log-softmax and NLL kernels in the accumulation dtype (float32 under autocast),
+    differentiated by autograd."""
     logits = torch.nn.functional.linear(hidden, weight, bias)
     return log_softmax_rows(logits.to(accumulation_dtype(hidden, weight)), target, smoothing)
 
@@ -463,9 +459,8 @@ def log_softmax_rows(
     their dtype, autocast off), the NLL 0 where ``target`` is ``IGNORE_INDEX``."""
     with torch.autocast(logits.device.type, enabled=False):
         log_probs = logits.log_softmax(1)
-    keep = target != IGNORE_INDEX
-    picked = log_probs.gather(1, torch.where(keep, target, 0)[:, None])[:, 0]
-    nll = torch.where(keep, -picked, 0.0)
+        nll = torch.nn.functional.nll_loss(log_probs, target, reduction="none",
+                                           ignore_index=IGNORE_INDEX)  # fmt: skip
     return nll, -log_probs.mean(1) if smoothing else None
 
 

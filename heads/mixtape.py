@@ -149,17 +149,24 @@ class MixtapeHead(SingleSoftmaxHead):
         pieces = mixtape_pieces
         if target is not None and resolve_plan(self.loss_options.plan, hidden) == "compiled":
             pieces = compiled_body(mixtape_pieces)
-        return pieces(
-            hidden, target, self.context.weight, self.context.bias, self.gate_context.weight,
+        return pieces(hidden, target, *self._piece_args())
+
+    def _piece_args(self) -> tuple:
+        """:func:`mixtape_pieces`' arguments after ``hidden`` and ``target``."""
+        return (
+            self.context.weight, self.context.bias, self.gate_context.weight,
             self.gate_projection.weight, self.gate_projection.bias, self.gate_embedding,
             self.gate_bias, self.num_frequent, self.vocab_size, self.weight_norm_scale,
-            self.gate_dropout.p, self.context_dropout.p,
-            self.gate_noise if self.training else 0.0, self.training,
+            self.gate_dropout.p, self.context_dropout.p, self._noise(), self.training,
         )  # fmt: skip
+
+    def _noise(self) -> float:
+        """The gate noise's std in this mode (none in evaluation)."""
+        return self.gate_noise if self.training else 0.0
 
     def _mixed_context(self, contexts: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         """Infrequent tokens: one shared prior, so the contexts are mixed first ``[N, d]``."""
-        return _mixed(contexts, shared, self.gate_noise if self.training else 0.0)
+        return _mixed(contexts, shared, self._noise())
 
     def _plain(self, hidden: torch.Tensor) -> bool:
         return plain_step_fits(self.loss_options, hidden.device, hidden.size(0),
@@ -169,13 +176,8 @@ class MixtapeHead(SingleSoftmaxHead):
         plain = mixtape_plain_nll
         if resolve_plan("auto", hidden) == "compiled":  # CUDA: one compiled function
             plain = compiled_body(mixtape_plain_nll)
-        nll, smoothing = plain(
-            hidden, target, self.context.weight, self.context.bias, self.gate_context.weight,
-            self.gate_projection.weight, self.gate_projection.bias, self.gate_embedding,
-            self.gate_bias, self.weight, self.bias, self.num_frequent, self.weight_norm_scale,
-            self.gate_dropout.p, self.context_dropout.p,
-            self.gate_noise if self.training else 0.0, self.training, label_smoothing > 0,
-        )  # fmt: skip
+        nll, smoothing = plain(hidden, target, self.weight, self.bias, label_smoothing > 0,
+                               *self._piece_args())  # fmt: skip
         return self.output(nll, target, smoothing=smoothing, label_smoothing=label_smoothing)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -231,7 +233,7 @@ class MixtapeHead(SingleSoftmaxHead):
         # slices would each write a zero-filled one
         w_freq, w_rare = self.weight.split([s, v - s])
         b_freq, b_rare = self.bias.split([s, v - s])
-        noise = self.gate_noise if self.training else 0.0
+        noise = self._noise()
         parts = [
             mixtape_frequent_lse(
                 gate_inputs,
@@ -331,24 +333,17 @@ def plain_step_fits(options, device: torch.device, rows: int, vocab_size: int, k
     return plain_loss_fits(options, device, rows, vocab_size + 3 * k * frequent)
 
 
-def mixtape_plain_nll(
-    hidden, target, context_weight, context_bias, gate_context_weight, projection_weight,
-    projection_bias, gate_embedding, gate_bias, weight, bias, num_frequent: int,
-    weight_norm_scale: float | None, gate_dropout: float, context_dropout: float, noise: float,
-    training: bool, smoothing: bool,
-) -> tuple:  # fmt: skip
+def mixtape_plain_nll(hidden, target, weight, bias, smoothing: bool, *piece_args) -> tuple:
     """Eq. 2-6 as plain maths, for steps small enough to hold their ``[N, V]`` logits:
     ``(-log P(target), mean_x(-log p_x) or None)`` per row in float32 (float64 inputs:
-    float64), 0 at ignored rows. The frequent tokens' priors from the sigmoid tree over their
-    gate pre-activations (Eq. 3-4), mixed with the K component logits (Eq. 2); the others'
-    logits from the mixed context (Eq. 6); PyTorch's log-softmax over all of them."""
-    vocab_size = weight.size(0)
-    contexts, gate_inputs, gate_weights, _, mixed, _, _ = mixtape_pieces(
-        hidden, target, context_weight, context_bias, gate_context_weight, projection_weight,
-        projection_bias, gate_embedding, gate_bias, num_frequent, vocab_size,
-        weight_norm_scale, gate_dropout, context_dropout, noise, training,
-    )  # fmt: skip
-    s = num_frequent
+    float64), 0 at ignored rows. ``piece_args``: :func:`mixtape_pieces`' after ``hidden`` and
+    ``target``. The frequent tokens' priors from the sigmoid tree over their gate
+    pre-activations (Eq. 3-4), mixed with the K component logits (Eq. 2); the others' logits
+    from the mixed context (Eq. 6); PyTorch's log-softmax over all of them."""
+    contexts, gate_inputs, gate_weights, _, mixed, _, _ = mixtape_pieces(hidden, target,
+                                                                          *piece_args)  # fmt: skip
+    *_, noise, _ = piece_args  # (..., noise, training)
+    s, vocab_size = gate_weights.size(0), weight.size(0)  # S frequent tokens have gates
     gate_logits = torch.matmul(gate_inputs, gate_weights.t())  # [N, K-1, S], Eq. 4
     if noise > 0:
         gate_logits = gate_logits + torch.randn_like(gate_logits) * noise

@@ -103,10 +103,10 @@ def frequent_backward_block(inputs, contexts_ext, gate_w, w, b, noise, noise_std
     )
 
 
-def _detached_inputs(gate_inputs, gate_weights, contexts, weight, bias, dtype, acc):
-    """The products' inputs detached in the compute dtype, the bias in the accumulation
-    dtype."""
-    products = (gate_inputs, gate_weights, contexts, weight)
+def _detached_inputs(gate_inputs, gate_weights, weight, bias, dtype, acc):
+    """The products' inputs detached in the compute dtype (the contexts apart: the forward
+    casts them, the backward extends them with ones), the bias in the accumulation dtype."""
+    products = (gate_inputs, gate_weights, weight)
     return *(t.detach().to(dtype) for t in products), bias.detach().to(acc)
 
 
@@ -127,9 +127,9 @@ class CompiledMixtapeFrequentLSE(torch.autograd.Function):
                 want_sum: bool, dtype: torch.dtype, width: int, noise_std: float):  # fmt: skip
         acc = accumulation_dtype(contexts, weight)
         n, k, _ = contexts.shape
-        inputs, gate_w, flat, w, b = _detached_inputs(gate_inputs, gate_weights, contexts,
-                                                      weight, bias, dtype, acc)  # fmt: skip
-        flat = flat.reshape(n * k, -1)
+        inputs, gate_w, w, b = _detached_inputs(gate_inputs, gate_weights, weight, bias, dtype,
+                                                acc)  # fmt: skip
+        flat = contexts.detach().to(dtype).reshape(n * k, -1)
         top = contexts.new_full((n,), -math.inf, dtype=acc)
         total, picked = contexts.new_zeros(n, dtype=acc), contexts.new_zeros(n, dtype=acc)
         logit_sum = contexts.new_zeros(n, dtype=acc) if want_sum else None
@@ -158,8 +158,8 @@ class CompiledMixtapeFrequentLSE(torch.autograd.Function):
         dtype, width, noise_std, want_sum = ctx.layout
         acc = lse.dtype
         n, k, d = contexts.shape
-        inputs, gate_w, _, w, b = _detached_inputs(gate_inputs, gate_weights, contexts,
-                                                   weight, bias, dtype, acc)  # fmt: skip
+        inputs, gate_w, w, b = _detached_inputs(gate_inputs, gate_weights, weight, bias, dtype,
+                                                acc)  # fmt: skip
         contexts_ext = with_ones(contexts.detach().reshape(n * k, d), dtype)
         g = lse.new_zeros(n) if grad_lse is None else grad_lse.to(acc)
         g_t = lse.new_zeros(n) if grad_target is None else grad_target.to(acc)
