@@ -46,7 +46,7 @@ from heads.kernels.chunks import accumulation_dtype, compute_dtype, gpu_plans
 from heads.kernels.chunks import spans as spans  # re-exported: callers plan chunks with it
 from heads.kernels.compiled_lse import CompiledLinearLSE, own_targets
 from heads.kernels.eager_lse import EagerLinearLSE
-from heads.kernels.rows_ce import RowsCrossEntropy
+from heads.kernels.rows_ce import RowsCrossEntropy, tile_bytes_per_logit
 
 BACKENDS = ("auto", "torch", "cce", "liger")
 PLANS = ("auto", "eager", "compiled", "checkpoint", "rows", "plain")
@@ -67,7 +67,10 @@ DEFAULT_SAVED_BYTES = 128 << 20
 # the rows plan's tiles (row_tile)
 _ROWS_MIN_CPU = 512
 _ROWS_MAX_CPU_BYTES = 256 << 20
-_ROWS_CUDA_BYTES = 1 << 30
+# a CUDA tile's memory (row_tile): with Triton's tiles (bf16 logits, dz over them) at V = 100k,
+# d = 512, 16,384 tokens, 4,026 rows; on an H200, tiles of 2,684 / 4,096 / 16,384 rows took
+# 12.9 / 12.1 / 11.8 ms a step for 631 / 902 / 3,259 MiB more than the inputs (2026-11-26)
+_ROWS_CUDA_BYTES = 768 << 20
 _MIN_COLUMNS = 128  # narrower chunks make the products inefficient: tile the rows instead
 _ALIGN = 16  # chunk widths are multiples of 16 columns (MKL and tensor cores prefer them)
 
@@ -257,19 +260,24 @@ def resolve_plan(plan: str, hidden: torch.Tensor) -> str:
     return plan
 
 
-def row_tile(rows: int, columns: int, device: torch.device, options: LossOptions) -> int:
+def row_tile(
+    rows: int, columns: int, device: torch.device, options: LossOptions, bytes_per_logit: int = 4
+) -> int:
     """Rows per tile of the ``rows`` plan (``options.rows``, or from ``options.chunk_bytes``
     of float32 logits over all ``columns``). A CPU tile has at least ``_ROWS_MIN_CPU`` rows
     (the ``dW`` product's inner size: measured 15% faster at V = 33k, d = 512 than the chunk
-    budget's 127), within ``_ROWS_MAX_CPU_BYTES``; a CUDA tile's logits take at most
-    ``_ROWS_CUDA_BYTES`` and a ``1/_CUDA_MEMORY_SHARE`` of the device memory."""
+    budget's 127), within ``_ROWS_MAX_CPU_BYTES``; a CUDA tile takes at most
+    ``_ROWS_CUDA_BYTES`` and a ``1/_CUDA_MEMORY_SHARE`` of the device memory, at
+    ``bytes_per_logit`` (what the tile body holds per logit: ``rows_ce.tile_bytes_per_logit``).
+    """
     if options.rows is not None:
         return max(1, min(options.rows, rows))
     if options.chunk_bytes is not None:
         tile = options.chunk_bytes // (4 * columns)
     elif gpu_plans(device):
         memory = options.device_memory or _device_memory(device)
-        tile = min(_ROWS_CUDA_BYTES, memory // _CUDA_MEMORY_SHARE) // (4 * columns)
+        budget = min(_ROWS_CUDA_BYTES, memory // _CUDA_MEMORY_SHARE)
+        tile = budget // (bytes_per_logit * columns)
     else:
         wide = max(_CHUNK_BYTES["cpu"] // (4 * columns), _ROWS_MIN_CPU)
         tile = min(wide, _ROWS_MAX_CPU_BYTES // (4 * columns))
@@ -403,10 +411,12 @@ def mean_cross_entropy(
     if weights is None:
         weights = inside.to(accumulation_dtype(hidden, weight)) / inside.sum().clamp_min(1)
     outside_lse, outside_logit = (None, None) if outside is None else outside
-    tile = row_tile(hidden.size(0), v, hidden.device, options)
+    dtype = compute_dtype(hidden, weight)
+    held = tile_bytes_per_logit(hidden.device, dtype)
+    tile = row_tile(hidden.size(0), v, hidden.device, options, held)
     loss, nll = RowsCrossEntropy.apply(
         hidden, weight, bias, torch.where(inside, target, -1), log_prior, outside_lse,
-        outside_logit, weights, float(label_smoothing), compute_dtype(hidden, weight), tile,
+        outside_logit, weights, float(label_smoothing), dtype, tile,
         torch.is_grad_enabled(),
     )  # fmt: skip
     return MeanCrossEntropy(loss, nll)

@@ -6,6 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without CUDA, Triton kernels (an optional extra) run under Triton's interpreter: chosen before
+# Triton is first imported (Lightning imports it), whose library functions are decorated then
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from datamodules.text_source import CORPORA
 from heads.user_cache import CACHE_ENV
 

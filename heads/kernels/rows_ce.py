@@ -23,9 +23,11 @@ as well, the backward adds its part, ``g_n r_{n,k} (p_{n,k} - onehot)``, with on
 over the tiles (the logits recomputed from the saved log-sum-exp): right in every use, fast in
 the common one, where only the loss is differentiated.
 
-Two tile bodies: in place on a flat buffer reused from tile to tile (CPUs, where the tile runs
-from cache), and compiled functions (GPUs: one kernel for the log-sum-exp, one for ``dz`` in the
-products' dtype). Nothing branches on values: no host sync.
+Three tile bodies: in place on a flat buffer reused from tile to tile (CPUs, where the tile
+runs from cache); on GPUs two Triton kernels over the tile's logits in the products' dtype, the
+log-sum-exp's then ``dz``'s written over them (``heads/kernels/triton_rows.py``: the tile holds
+its logits alone), or, where Triton is missing, compiled functions (one kernel for the
+log-sum-exp, one for ``dz`` beside the logits). Nothing branches on values: no host sync.
 """
 
 from __future__ import annotations
@@ -49,10 +51,35 @@ from heads.kernels.chunks import (
     target_columns,
 )
 from heads.kernels.compiled_lse import compiled_body
+from heads.kernels.triton_rows import row_gradient_, row_statistics, triton_available
 
 # tiles run as compiled bodies on the devices that run the GPU plans (chunks.gpu_plans) and on
 # these (tests add "cpu" to check the bodies alone, the rest of the CPU's plan kept)
 COMPILED_DEVICES: tuple[str, ...] = ()
+# tiles' passes over their logits run as Triton kernels (heads/kernels/triton_rows.py) on
+# these devices where Triton is installed, for products in these dtypes (tests add "cpu",
+# under TRITON_INTERPRET=1); elsewhere the compiled or eager bodies
+TRITON_DEVICES: tuple[str, ...] = ("cuda",)
+TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# one softmax's tile: dz written by the statistics kernel itself, row by row
+FUSE_SOFTMAX = True
+
+
+def triton_tiles(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the tiles on ``device`` with products in ``dtype`` run the Triton kernels."""
+    return device.type in TRITON_DEVICES and dtype in TRITON_DTYPES and triton_available()
+
+
+def tile_bytes_per_logit(device: torch.device, dtype: torch.dtype) -> int:
+    """What a tile holds per logit, for its planning: the Triton tiles their logits alone in
+    the products' dtype (``dz`` written over them), the compiled ones the logits and ``dz``,
+    the eager ones (CPUs) a float32 buffer."""
+    size = dtype.itemsize
+    if triton_tiles(device, dtype):
+        return size
+    if device.type in COMPILED_DEVICES or gpu_plans(device):
+        return 2 * size
+    return 4
 
 
 class Mixing(NamedTuple):
@@ -97,12 +124,18 @@ class Terms:
             self.scale = weight * torch.exp(lse - total_lse)  # this block's share of Z
             self.onehot = weight
         else:
-            self.nll, self.scale, self.onehot = component_nll[:, 0], weight, (1 - eps) * weight
-            if eps:  # mean_x(-log p_x) = lse - mean_x z_x; its dL/dz is the uniform eps w / V
-                self.uniform = eps / v * weight
+            self.nll = component_nll[:, 0]
+            self.scale, self.onehot, self.uniform = self.softmax_coefficients(weight, eps, v)
         self.loss = self.nll
         if eps:
             self.loss = (1 - eps) * self.nll + eps * (lse - total_logit / v)
+
+    @staticmethod
+    def softmax_coefficients(weight, eps: float, v: int):
+        """One softmax's ``(a, b, c)`` of ``dz = a p - b onehot(t) - c``: known before its
+        log-sum-exp. With smoothing, ``mean_x(-log p_x) = lse - mean_x z_x``, whose ``dL/dz``
+        is the uniform ``eps w / V``."""
+        return weight, (1 - eps) * weight, eps / v * weight if eps else None
 
 
 def nll_terms(lse, picked, mixing: Mixing, g):
@@ -230,9 +263,15 @@ class _Walk:
         self.rows_target = target.repeat_interleave(k) if k > 1 else target
         tokens = hidden.size(0) // k
         self.tiles = spans(tokens, None if tile is None else max(1, tile // k))
-        self.compiled = hidden.device.type in COMPILED_DEVICES or gpu_plans(hidden.device)
+        self.triton = triton_tiles(hidden.device, dtype)
+        self.compiled = not self.triton and (
+            hidden.device.type in COMPILED_DEVICES or gpu_plans(hidden.device)
+        )
+        self.fold_bias = self.triton or self.compiled  # GPU tiles: db from the dW product
         self.buffer = None
-        if self.compiled:
+        if self.triton:
+            self.b = None if bias is None else as_dtype(bias, self.acc)
+        elif self.compiled:
             b = bias if bias is not None else weight.new_zeros(weight.size(0))
             self.b = as_dtype(b, self.acc)
         elif self.tiles:
@@ -248,7 +287,12 @@ class _Walk:
         for t0, t1 in self.tiles:
             r0, r1 = t0 * k, t1 * k
             rows_mixing = mixing.tokens(t0, t1)
-            if self.compiled:
+            if self.triton:
+                stats, dz = self._triton_tile(r0, r1, rows_mixing, row_weight[t0:t1], eps,
+                                              grads.any)  # fmt: skip
+                lse[r0:r1], picked[r0:r1] = stats[0], stats[1]
+                parts.append(stats[2:])
+            elif self.compiled:
                 body = compiled_body(compiled_forward_tile)
                 *stats, dz = body(self.h[r0:r1], self.w, self.b, self.rows_target[r0:r1],
                                   rows_mixing, row_weight[t0:t1], eps, grads.any)  # fmt: skip
@@ -277,12 +321,34 @@ class _Walk:
         joined = Mixing(*(_join(tiles) for tiles in zip(*mixing_grads, strict=True)))
         return lse, picked, _join(nll), _join(loss), joined
 
+    def _triton_tile(self, r0: int, r1: int, mixing: Mixing, row_weight, eps: float, want_dz):
+        """One tile by the Triton kernels: its logits in the products' dtype, then their
+        statistics and (``want_dz``) ``dz`` over them in place; one softmax's ``dz`` in the
+        statistics' own program (:data:`FUSE_SOFTMAX`)."""
+        target, v = self.rows_target[r0:r1], self.w.size(0)
+        z = torch.mm(self.h[r0:r1], self.w.t())
+        plain = mixing.log_prior is None and mixing.outside_lse is None
+        fuse = None
+        if want_dz and plain and FUSE_SOFTMAX:
+            fuse = Terms.softmax_coefficients(row_weight, eps, v)
+        lse, picked, total_logit = row_statistics(z, self.b, target, eps > 0, fuse, self.acc)
+        terms = Terms(lse, picked, total_logit, mixing, row_weight, eps, v)
+        stats = (lse, picked, terms.nll, terms.loss, terms.grads)
+        if not want_dz or fuse is not None:
+            return stats, z if fuse is not None else None
+        dz = row_gradient_(z, self.b, target, lse, terms.scale, terms.onehot, terms.uniform)
+        return stats, dz
+
     def recompute(self, lse, scale, onehot, grads: _Gradients) -> None:
         """The backward's extra pass: ``dz = scale p - onehot onehot(t)`` into ``grads``."""
         k = self.k
         for t0, t1 in self.tiles:
             r0, r1 = t0 * k, t1 * k
-            if self.compiled:
+            if self.triton:
+                z = torch.mm(self.h[r0:r1], self.w.t())
+                dz = row_gradient_(z, self.b, self.rows_target[r0:r1], lse[r0:r1],
+                                   scale[r0:r1], onehot[r0:r1])  # fmt: skip
+            elif self.compiled:
                 body = compiled_body(compiled_recompute_tile)
                 dz = body(self.h[r0:r1], self.w, self.b, self.rows_target[r0:r1], lse[r0:r1],
                           scale[r0:r1], onehot[r0:r1])  # fmt: skip
@@ -319,7 +385,7 @@ class RowsCrossEntropy(torch.autograd.Function):
         walk = _Walk(hidden, weight, bias, target, dtype, tile, mixing.k)
         # `grad`: the caller's grad mode (needs_input_grad ignores no_grad)
         need = ctx.needs_input_grad[:3] if grad else (False,) * 3
-        grads = _Gradients(hidden, weight, bias, walk.acc, need, fold_bias=walk.compiled)
+        grads = _Gradients(hidden, weight, bias, walk.acc, need, fold_bias=walk.fold_bias)
         row_weight = row_weight.to(walk.acc)
         # The gradients are formed per unit of the largest weight (1 / count: every kept
         # token's, for a mean loss) and scaled in the backward: w p in float16 products would
@@ -353,7 +419,7 @@ class RowsCrossEntropy(torch.autograd.Function):
             scale, onehot, mixing_extra = nll_terms(lse, picked, mixing, g)
             walk = _Walk(hidden, weight, bias, target, dtype, tile, mixing.k)
             extra = _Gradients(hidden, weight, bias, lse.dtype, ctx.needs_input_grad[:3],
-                               fold_bias=walk.compiled)  # fmt: skip
+                               fold_bias=walk.fold_bias)  # fmt: skip
             with torch.autocast(hidden.device.type, enabled=False):
                 walk.recompute(lse, scale, onehot, extra)
             added = (extra.h, extra.w, extra.b, *mixing_extra)

@@ -221,16 +221,35 @@ def test_row_tiles_are_planned_from_the_vocabulary():
     assert row_tile(4096, 262_144, cpu, LossOptions()) == 256  # 256 MiB of logits at most
     assert row_tile(4096, 1_000, cpu, LossOptions()) == 4096  # 16 MiB: every row
     h100 = LossOptions(device_memory=80 << 30)
-    assert row_tile(16_384, 10_000, cuda, h100) == 16_384  # one tile within 1 GiB
-    assert row_tile(16_384, 100_000, cuda, h100) == (1 << 30) // 400_000
-    assert row_tile(16_384, 100_000, cuda, LossOptions(device_memory=8 << 30)) == 1342
+    assert row_tile(16_384, 10_000, cuda, h100, 2) == 16_384  # one tile within 768 MiB
+    # what the tile holds per logit: bf16 logits alone (Triton), logits and dz (compiled)
+    assert row_tile(16_384, 100_000, cuda, h100, 2) == (768 << 20) // 200_000 == 4026
+    assert row_tile(16_384, 100_000, cuda, h100, 4) == 2013
+    assert row_tile(16_384, 100_000, cuda, LossOptions(device_memory=8 << 30), 2) == 2684
     assert row_tile(9, 10, cpu, LossOptions(rows=4)) == 4
 
 
+def test_a_tile_is_planned_for_what_its_body_holds(monkeypatch):
+    """Triton's tiles (where installed) hold their logits alone, the compiled ones logits and
+    dz, in the products' dtype; a CPU's eager tiles a float32 buffer."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(rows_ce, "triton_available", lambda: True)
+    assert rows_ce.tile_bytes_per_logit(cuda, torch.bfloat16) == 2
+    assert rows_ce.tile_bytes_per_logit(cuda, torch.float32) == 4
+    assert rows_ce.tile_bytes_per_logit(cuda, torch.float64) == 16  # compiled: no fp64 kernels
+    monkeypatch.setattr(rows_ce, "triton_available", lambda: False)
+    assert rows_ce.tile_bytes_per_logit(cuda, torch.bfloat16) == 4
+    assert rows_ce.tile_bytes_per_logit(cpu, torch.bfloat16) == 4
+
+
 @pytest.mark.gpu
-def test_cuda_rows_plan_is_sync_free_and_close_to_float64_under_bf16():
-    """The compiled tile body on the GPU: bf16 autocast within bf16's error of the float64
-    maths (loss, NLL, every gradient), and no host sync in the forward and backward."""
+@pytest.mark.parametrize("body", ["triton", "compiled"])
+def test_cuda_rows_plan_is_sync_free_and_close_to_float64_under_bf16(monkeypatch, body):
+    """Both GPU tile bodies (Triton's kernels; compiled functions where Triton is missing):
+    bf16 autocast within bf16's error of the float64 maths (loss, NLL, every gradient), and no
+    host sync in the forward and backward."""
+    if body == "compiled":
+        monkeypatch.setattr(rows_ce, "TRITON_DEVICES", ())
     gen = torch.Generator().manual_seed(9)
     rows, classes, dim = 512, 5000, 64
     hidden = torch.randn(rows, dim, generator=gen).cuda().requires_grad_()

@@ -1,0 +1,146 @@
+"""The rows plan's Triton kernels (heads/kernels/triton_rows.py): each kernel against the
+float64 maths written plainly here (rows of ``-inf``, ignored targets, bias or none, the fused
+and the two-kernel forms), and the rows plan through them (softmax, mixture, block: float64
+equality with the plain maths). On a CPU they run under Triton's interpreter where Triton is
+installed (an optional GPU extra); on CUDA in the ``gpu`` tests, in bf16."""
+
+import math
+import os
+
+import pytest
+import torch
+
+import heads.kernels.rows_ce as rows_ce
+from heads.fused_cross_entropy import LossOptions
+from heads.kernels.triton_rows import row_gradient_, row_statistics
+from tests.heads.kernels import test_rows_ce as rows_tests
+from tests.heads.kernels.cases import float64_case
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """The kernels on a CPU, through Triton's interpreter, and the rows plan's tiles by them
+    (float64 too: the kernels take the statistics' dtype from the logits')."""
+    pytest.importorskip("triton", reason="Triton is an optional GPU extra (requirements-gpu.txt)")
+    if os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it without CUDA
+        pytest.skip("with CUDA, the gpu tests run the kernels on the device")
+    monkeypatch.setattr(rows_ce, "TRITON_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(rows_ce, "TRITON_DTYPES", (*rows_ce.TRITON_DTYPES, torch.float64))
+
+
+def _logits_case(device="cpu", dtype=torch.float64, rows=6, columns=5000, seed=0):
+    """Logits with a row of ``-inf``, targets at both ends, one outside ``[0, V)``."""
+    gen = torch.Generator().manual_seed(seed)
+    z = 3 * torch.randn(rows, columns, generator=gen, dtype=torch.float64)
+    z[2] = -math.inf
+    bias = torch.randn(columns, generator=gen, dtype=torch.float64)
+    target = torch.randint(0, columns, (rows,), generator=gen)
+    target[:6] = torch.tensor([0, columns - 1, 3, -1, 77, 4096])
+    coefficients = [torch.rand(rows, generator=gen, dtype=torch.float64) for _ in range(3)]
+    return z.to(device, dtype), bias.to(device), target.to(device), coefficients
+
+
+def _reference(z, bias, target, scale, onehot, uniform):
+    """``(lse, z_target, sum z, dz)`` in float64, plainly."""
+    z = z.double() + (0 if bias is None else bias.double())
+    lse = torch.logsumexp(z, 1)
+    inside = (target >= 0) & (target < z.size(1))
+    picked = torch.where(inside, z.gather(1, target.clamp(0, z.size(1) - 1)[:, None])[:, 0], 0)
+    p = torch.where(lse[:, None] == -math.inf, 0.0, torch.exp(z - lse[:, None]))
+    hit = torch.arange(z.size(1), device=z.device)[None, :] == target[:, None]
+    dz = scale[:, None] * p - torch.where(hit, onehot[:, None], 0.0) - uniform[:, None]
+    return lse, picked, z.sum(1), dz
+
+
+def _check_kernels(z, bias, target, coefficients, rtol=None, atol=None):
+    scale, onehot, uniform = (c.to(z.device, torch.float32 if z.dtype != torch.float64 else
+                                   torch.float64) for c in coefficients)  # fmt: skip
+    acc = scale.dtype
+    lse, picked, total, dz = _reference(z, bias, target, scale, onehot, uniform)
+    finite = lse != -math.inf  # sum of a row of -inf: -inf either way
+    close = {"rtol": rtol, "atol": atol}
+    got = row_statistics(z.clone(), bias, target, True, acc=acc)
+    torch.testing.assert_close(got[0].double(), lse, **close)
+    torch.testing.assert_close(got[1].double(), picked, **close)
+    torch.testing.assert_close(got[2][finite].double(), total[finite], **close)
+    two = row_gradient_(z.clone(), bias, target, got[0], scale, onehot, uniform)
+    fused = z.clone()
+    row_statistics(fused, bias, target, False, fuse=(scale, onehot, uniform), acc=acc)
+    for form in (two, fused):
+        assert form.dtype == z.dtype
+        torch.testing.assert_close(form.double(), dz, **close)
+
+
+@pytest.mark.usefixtures("interpreted")
+@pytest.mark.parametrize("bias", [True, False])
+def test_kernels_equal_the_float64_maths(bias):
+    z, b, target, coefficients = _logits_case()
+    _check_kernels(z, b if bias else None, target, coefficients)
+
+
+@pytest.mark.usefixtures("interpreted")
+def test_kernels_read_bf16_logits_and_write_bf16_gradients():
+    z, b, target, coefficients = _logits_case(dtype=torch.bfloat16)
+    _check_kernels(z, b.float(), target, coefficients, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.usefixtures("interpreted")
+def test_masked_columns_then_very_negative_logits_give_no_nan():
+    """The online sum rescaled from an empty start (maximum ``-inf``) to a finite one far
+    below 0: ``0 * exp(-inf - (-1000))`` would be ``0 * inf``."""
+    z = torch.full((2, 5000), -math.inf, dtype=torch.float64)
+    z[0, 3000:], z[1, :] = -1000.0, -1000.0
+    z[1, 4000] = -990.0
+    lse, _, _ = row_statistics(z, None, torch.tensor([3500, 4000]), False, acc=torch.float64)
+    torch.testing.assert_close(lse, torch.logsumexp(z, 1))
+
+
+@pytest.mark.usefixtures("interpreted")
+def test_a_bad_layout_is_refused_in_one_line():
+    z, b, target, _ = _logits_case()
+    with pytest.raises(ValueError, match="unit column stride"):
+        row_statistics(z.t(), b, target, False)
+
+
+@pytest.mark.usefixtures("interpreted")
+@pytest.mark.parametrize("use", rows_tests.USES.values(), ids=rows_tests.USES.keys())
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "two_kernels"])
+def test_rows_plan_through_the_kernels_equals_the_plain_maths(monkeypatch, use, eps, fuse):
+    monkeypatch.setattr(rows_ce, "FUSE_SOFTMAX", fuse)
+    got, want = rows_tests._results(use, *float64_case(seed=6), eps,
+                                    LossOptions(plan="rows", rows=4))  # fmt: skip
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.usefixtures("interpreted")
+def test_mixture_and_block_through_the_kernels_equal_the_plain_maths():
+    contexts, weight, b, prior_logits, target = rows_tests._mixture_case(seed=13)
+    from heads.fused_cross_entropy import mean_cross_entropy
+
+    inputs = (contexts, weight, b, prior_logits)
+    out = mean_cross_entropy(contexts, weight, b, target, log_prior=prior_logits.log_softmax(-1),
+                             options=LossOptions(plan="rows", rows=6))  # fmt: skip
+    got = [out.loss, out.nll, *torch.autograd.grad(out.loss + out.nll.sum(), inputs)]
+    loss, nll = rows_tests._mixture_plain(contexts, weight, b, prior_logits.log_softmax(-1),
+                                          target)  # fmt: skip
+    want = [loss, nll, *torch.autograd.grad(loss + nll.sum(), inputs)]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+    use = rows_tests.USES["both"]
+    got, want = rows_tests._block_results(use, 9, LossOptions(plan="rows", rows=4),
+                                          *float64_case(seed=7))  # fmt: skip
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_kernels_equal_the_float64_maths(dtype):
+    z, b, target, coefficients = _logits_case("cuda", dtype, rows=64, columns=100_003)
+    # float32: sums of 100k terms in float32 (5e-6 relative measured on an H200)
+    tol = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 3e-5, "atol": 1e-3}
+    _check_kernels(z, b.float(), target, coefficients, **tol)
