@@ -506,6 +506,9 @@ EXTERNAL_PACKAGES = {"cce": "cut-cross-entropy==25.1.1", "liger": "liger-kernel=
 #   MoS-15   10k 110.0 -> rows 24.5 (Liger 52.3);  100k 361.6 -> rows 259.0 (Liger 456.9)
 #   Mixtape  10k 12.10 -> rows 10.16;  100k 63.46 -> rows 56.79
 #   adaptive 10k 3.57 (plain 3.45, within the noise);  100k 11.87 -> plain 7.94 (PyTorch's 8.46)
+# The H200 run with the rows plan's Triton tiles (bench_gpu_h200_heads_100k.json, times only)
+# gives the same choices at 100k: softmax 25.98 -> rows 13.04 (CCE 64.7, Liger 61.1), MoS-15
+# 353.7 -> rows 203.2, Mixtape 59.8 -> rows 47.5, adaptive 10.5 -> plain 7.08 (PyTorch's 7.78)
 MEASURED_FASTEST: dict[str, list[tuple[int, str]]] = {
     "AdaptiveSoftmaxHead": [(10_000, "torch"), (100_000, "plain")],
     "MixtapeHead": [(10_000, "rows"), (100_000, "rows")],
