@@ -338,6 +338,11 @@ def _profile_command(report: dict[str, Any]) -> str:
     return command_of("app.bench.profile", report["args"], skip=("out", "name", "note"))
 
 
+def _lm_scope(args: dict[str, Any]) -> str:
+    """How a profile's step is scoped, where it is not the head alone."""
+    return " of the whole LSTM language model" if args.get("scope") == "lm" else ""
+
+
 def render_profile(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
     from app.bench.profile import short_name, table_rows
 
@@ -347,7 +352,8 @@ def render_profile(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
                              for t in result["top"][:3])]
             for row, result in zip(rows, report["results"], strict=True)]  # fmt: skip
     return "\n\n".join([
-        f"Per training step (forward + backward) at V = {args['vocab']}, d = {args['hidden']}, "
+        f"Per training step (forward + backward{_lm_scope(args)}) at V = {args['vocab']}, "
+        f"d = {args['hidden']}, "
         f"{args['tokens']} tokens, `{args['precision']}`; {_machine(report)}. `host ms`: until "
         "the step returns (median of the steps timed without the profiler)"
         + (", `wall ms`: until the device is done; `kernel ms`, `kernels`, `syncs`: the "

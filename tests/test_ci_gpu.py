@@ -14,9 +14,10 @@ from app.bench.profile import parse_args as profile_args
 from app.bench.run import parse_args as bench_args
 
 ROOT = Path(__file__).resolve().parent.parent
+# one write per command line: parts run side by side (tests+memory) append to one record
 RECORDER = """#!/usr/bin/env bash
-printf '%q ' "$@" >> "$RECORD"
-echo >> "$RECORD"
+line=$(printf '%q ' "$@")
+printf '%s\\n' "$line" >> "$RECORD"
 """
 
 
@@ -44,7 +45,7 @@ def test_every_part_runs_commands_its_tools_accept(tmp_path):
     commands = _recorded(tmp_path, "bench", "lmstep", "memory", "profile", "tests")
     modules = [c[1] for c in commands if c[:1] == ["-m"]]
     assert modules.count("app.bench") == 5  # 3 sizes, the whole-LM step, memory
-    assert modules.count("app.bench.profile") == 2 and "app.bench.fastest" in modules
+    assert modules.count("app.bench.profile") == 3 and "app.bench.fastest" in modules
     assert ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"] in commands
     assert ["-c", "import cut_cross_entropy"] in commands  # the peers only where installed
     for command in commands:
@@ -52,7 +53,8 @@ def test_every_part_runs_commands_its_tools_accept(tmp_path):
             args = bench_args(_on_cpu(command[2:]))
             assert args.device == "cpu" and args.out == str(tmp_path / "out")
         elif command[:2] == ["-m", "app.bench.profile"]:
-            assert profile_args(_on_cpu(command[2:])).hidden == 512
+            profile = profile_args(_on_cpu(command[2:]))
+            assert (profile.scope, profile.hidden) in (("head", 512), ("lm", 650))
     bench = [c for c in commands if c[:2] == ["-m", "app.bench"] and "--mode" not in c]
     heads = bench[0][bench[0].index("--heads") + 1 :]
     assert {"softmax@cce", "softmax@liger", "mos@liger", "matmul", "torch_adaptive"} <= set(heads)

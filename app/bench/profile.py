@@ -280,8 +280,8 @@ def _run(args: argparse.Namespace, save: Callable[[dict], None] | None) -> dict:
     targets = make_targets("zipf", args.vocab, args.tokens, torch.Generator().manual_seed(1))
     results, failed = [], {}
     for index, name in enumerate(args.heads, start=1):
-        case = Case(name, "head", args.vocab, args.hidden, args.tokens, targets, options, device,
-                    bptt=35, precision=args.precision)  # fmt: skip
+        case = Case(name, args.scope, args.vocab, args.hidden, args.tokens, targets, options,
+                    device, bptt=35, precision=args.precision)  # fmt: skip
         start = time.perf_counter()
         row = profile_case(case, args, failed)
         if row is not None:
@@ -383,6 +383,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=_positive, default=10_000)
     parser.add_argument("--hidden", type=_positive, default=512)
     parser.add_argument("--tokens", type=_positive, default=2048, help="tokens per step")
+    parser.add_argument("--scope", choices=["head", "lm"], default="head",
+                        help="lm: a step of the whole LSTM language model around each head "
+                        "(the benchmark's --scope lm: streams of 35 tokens)")  # fmt: skip
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--precision", choices=list(PRECISIONS), default="32-true",
                         help="as Lightning's --trainer.precision")  # fmt: skip

@@ -38,6 +38,24 @@ def test_profile_runs_on_cpu_and_writes_json(tmp_path, capsys):
     assert "aten ops" in printed and "top host events by self time" in printed
 
 
+def test_the_whole_language_model_is_profiled_around_a_head(tmp_path):
+    """``--scope lm``: the LSTM's step around the head, more operators than the head alone,
+    and the scope in the rendered sentence."""
+    from app.results import render_profile
+
+    def profile(scope: str) -> dict:
+        argv = ["--device", "cpu", "--heads", "mixtape", "--vocab", "200", "--hidden", "16",
+                "--tokens", "70", "--warmup", "1", "--steps", "1", "--scope", scope,
+                "--out", str(tmp_path), "--name", f"profile_{scope}"]  # fmt: skip
+        return main(argv)
+
+    head, lm = profile("head"), profile("lm")
+    assert lm["args"]["scope"] == "lm"
+    assert lm["results"][0]["aten_ops"] > head["results"][0]["aten_ops"]
+    text = render_profile(lm, tmp_path / "profile_lm.json", tmp_path)
+    assert "whole LSTM language model" in text and "--scope lm" in text
+
+
 def test_a_profile_cut_short_keeps_the_subjects_it_finished():
     """The report so far is handed to ``save`` after each subject but the last, marked
     ``partial``; the returned report is whole."""
