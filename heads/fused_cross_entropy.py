@@ -71,6 +71,10 @@ _ROWS_MAX_CPU_BYTES = 256 << 20
 # d = 512, 16,384 tokens, 4,026 rows; on an H200, tiles of 2,684 / 4,096 / 16,384 rows took
 # 12.9 / 12.1 / 11.8 ms a step for 631 / 902 / 3,259 MiB more than the inputs (2026-11-26)
 _ROWS_CUDA_BYTES = 768 << 20
+# a mixture's (MoS: K N rows, K times the products): wider tiles, fewer passes of the float32
+# dW accumulator (208 MiB at V = 100k, read and written per tile); the H200's compiled tiles
+# of MoS-15 at V = 100k took 219 ms at 2,684 rows, 205 at 32,768 (2026-11-26)
+_ROWS_CUDA_MIXTURE_BYTES = 3 << 30
 _MIN_COLUMNS = 128  # narrower chunks make the products inefficient: tile the rows instead
 _ALIGN = 16  # chunk widths are multiples of 16 columns (MKL and tensor cores prefer them)
 
@@ -261,22 +265,28 @@ def resolve_plan(plan: str, hidden: torch.Tensor) -> str:
 
 
 def row_tile(
-    rows: int, columns: int, device: torch.device, options: LossOptions, bytes_per_logit: int = 4
+    rows: int,
+    columns: int,
+    device: torch.device,
+    options: LossOptions,
+    bytes_per_logit: int = 4,
+    mixture: bool = False,
 ) -> int:
     """Rows per tile of the ``rows`` plan (``options.rows``, or from ``options.chunk_bytes``
     of float32 logits over all ``columns``). A CPU tile has at least ``_ROWS_MIN_CPU`` rows
     (the ``dW`` product's inner size: measured 15% faster at V = 33k, d = 512 than the chunk
     budget's 127), within ``_ROWS_MAX_CPU_BYTES``; a CUDA tile takes at most
-    ``_ROWS_CUDA_BYTES`` and a ``1/_CUDA_MEMORY_SHARE`` of the device memory, at
-    ``bytes_per_logit`` (what the tile body holds per logit: ``rows_ce.tile_bytes_per_logit``).
-    """
+    ``_ROWS_CUDA_BYTES`` (a ``mixture``'s: ``_ROWS_CUDA_MIXTURE_BYTES``) and a
+    ``1/_CUDA_MEMORY_SHARE`` of the device memory, at ``bytes_per_logit`` (what the tile body
+    holds per logit: ``rows_ce.tile_bytes_per_logit``)."""
     if options.rows is not None:
         return max(1, min(options.rows, rows))
     if options.chunk_bytes is not None:
         tile = options.chunk_bytes // (4 * columns)
     elif gpu_plans(device):
         memory = options.device_memory or _device_memory(device)
-        budget = min(_ROWS_CUDA_BYTES, memory // _CUDA_MEMORY_SHARE)
+        wanted = _ROWS_CUDA_MIXTURE_BYTES if mixture else _ROWS_CUDA_BYTES
+        budget = min(wanted, memory // _CUDA_MEMORY_SHARE)
         tile = budget // (bytes_per_logit * columns)
     else:
         wide = max(_CHUNK_BYTES["cpu"] // (4 * columns), _ROWS_MIN_CPU)
@@ -413,7 +423,7 @@ def mean_cross_entropy(
     outside_lse, outside_logit = (None, None) if outside is None else outside
     dtype = compute_dtype(hidden, weight)
     held = tile_bytes_per_logit(hidden.device, dtype)
-    tile = row_tile(hidden.size(0), v, hidden.device, options, held)
+    tile = row_tile(hidden.size(0), v, hidden.device, options, held, mixture=k > 1)
     loss, nll = RowsCrossEntropy.apply(
         hidden, weight, bias, torch.where(inside, target, -1), log_prior, outside_lse,
         outside_logit, weights, float(label_smoothing), dtype, tile,

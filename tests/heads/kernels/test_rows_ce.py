@@ -226,6 +226,12 @@ def test_row_tiles_are_planned_from_the_vocabulary():
     assert row_tile(16_384, 100_000, cuda, h100, 2) == (768 << 20) // 200_000 == 4026
     assert row_tile(16_384, 100_000, cuda, h100, 4) == 2013
     assert row_tile(16_384, 100_000, cuda, LossOptions(device_memory=8 << 30), 2) == 2684
+    # a mixture's K N rows: 3 GiB tiles (fewer passes of the dW accumulator), within 1/16
+    mixture = {"mixture": True, "bytes_per_logit": 2}
+    assert row_tile(15 * 16_384, 100_000, cuda, h100, **mixture) == (3 << 30) // 200_000
+    assert row_tile(15 * 16_384, 100_000, cuda, LossOptions(device_memory=16 << 30), **mixture) == (
+        (1 << 30) // 200_000
+    )
     assert row_tile(9, 10, cpu, LossOptions(rows=4)) == 4
 
 
