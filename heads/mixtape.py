@@ -296,9 +296,12 @@ def mixtape_pieces(
     frequent), the target ids (-1 where ignored) and the rare block's targets (-1 outside).
 
     Eq. 4, ``v_x . tanh(U_k g) + u_k . g + b_{x,k}``, is one product ``A B^T`` with
-    ``A = [tanh(U_k g) | u_k . g | e_k]`` ``[N, K-1, d2 + K]`` and
-    ``B = [v_x | 1 | b_x]`` ``[S, d2 + K]``: the two broadcast adds over ``[N, K-1, S]``
-    happen inside the product's inner dimension (K more multiply-adds per entry).
+    ``A = [tanh(U_k g) | u_k . g | e_k | 0]`` ``[N, K-1, D]`` and
+    ``B = [v_x | 1 | b_x | 0]`` ``[S, D]``: the two broadcast adds over ``[N, K-1, S]``
+    happen inside the product's inner dimension (K more multiply-adds per entry). ``D`` is
+    ``d2 + K`` rounded up to 8 with zero columns: a half-precision operand's rows then start
+    on 16 bytes, which tensor-core GEMMs (cuBLAS on Hopper, its TMA loads) require; at
+    ``d2 = 64``, K = 4 the gate products would otherwise have 68-element rows.
     """
     n, kg = hidden.size(0), gate_bias.size(1)
     contexts = torch.tanh(F.linear(hidden, context_weight, context_bias)).view(n, kg + 1, -1)
@@ -309,9 +312,12 @@ def mixtape_pieces(
     gate_hidden = F.dropout(gate_hidden, gate_dropout, training).view(n, kg, -1)
     dtype = gate_hidden.dtype
     eye = torch.eye(kg, dtype=dtype, device=hidden.device).expand(n, kg, kg)
-    gate_inputs = torch.cat((gate_hidden, shared.unsqueeze(-1).to(dtype), eye), dim=-1)
+    pad = -(gate_embedding.size(1) + kg + 1) % 8  # zero columns: rows of a multiple of 8
+    gate_inputs = torch.cat((gate_hidden, shared.unsqueeze(-1).to(dtype), eye,
+                             eye.new_zeros(n, kg, pad)), dim=-1)  # fmt: skip
     ones = gate_embedding.new_ones(gate_embedding.size(0), 1)
-    gate_weights = torch.cat((gate_embedding, ones, gate_bias.to(gate_embedding.dtype)), dim=-1)
+    gate_weights = torch.cat((gate_embedding, ones, gate_bias.to(gate_embedding.dtype),
+                              ones.new_zeros(ones.size(0), pad)), dim=-1)  # fmt: skip
     if target is None:
         return contexts, gate_inputs, gate_weights, shared, None, None, None
     ids = torch.where(target != IGNORE_INDEX, target, -1)  # -1: no target logit

@@ -65,6 +65,18 @@ TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FUSE_SOFTMAX = True
 
 
+# the Triton tiles' logits have a multiple of this many columns (zero columns after the
+# vocabulary's): rows of 16-byte multiples, which Hopper's tensor-core GEMMs (cuBLAS's TMA
+# loads) need for the products that write and read them, as nanoGPT pads GPT-2's 50,257 to
+# 50,304; the vocabularies users bring (WikiText-103's 267,735) are no such multiple
+COLUMN_MULTIPLE = 64
+
+
+def padded_columns(v: int) -> int:
+    """``v`` rounded up to :data:`COLUMN_MULTIPLE`."""
+    return -(-v // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
+
+
 def triton_tiles(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the tiles on ``device`` with products in ``dtype`` run the Triton kernels."""
     return device.type in TRITON_DEVICES and dtype in TRITON_DTYPES and triton_available()
@@ -220,19 +232,25 @@ class _Gradients:
     rows of ``dh``; the first tile writes ``dW`` and ``db``, later ones add to them.
 
     ``fold_bias`` (the GPU tiles): ``db`` comes out of the ``dW`` product, ``dz^T [h | 1 | 0]``
-    into ``[dW | db | 0]`` (padded to 8 columns), instead of a pass of its own over ``dz``."""
+    into ``[dW | db | 0]`` (padded to 8 columns), instead of a pass of its own over ``dz``.
+    ``columns``: the tiles' logits' columns, the vocabulary's padded with zero columns (the
+    Triton tiles); ``dW`` and ``db`` are the first ``V`` rows of what they accumulate into."""
 
-    def __init__(self, hidden, weight, bias, acc, need, fold_bias: bool = False) -> None:
+    def __init__(self, hidden, weight, bias, acc, need, fold_bias: bool = False,
+                 columns: int | None = None) -> None:  # fmt: skip
         n, (v, d) = hidden.size(0), weight.shape
+        columns = columns or v
         self.any = any(need)
         new = weight.new_empty if n else weight.new_zeros  # no rows, no tile: zeros
         self.h = hidden.new_empty(n, d, dtype=acc) if need[0] else None
-        self.w = new(v, d, dtype=acc) if need[1] else None
-        self.b = new(v, dtype=acc) if bias is not None and need[2] else None
+        self.w_all = new(columns, d, dtype=acc) if need[1] else None
+        self.b_all = new(columns, dtype=acc) if bias is not None and need[2] else None
         self.joint = None
-        if fold_bias and self.w is not None and self.b is not None:
-            self.joint = new(v, (d + 8) // 8 * 8, dtype=acc)
-            self.w, self.b = self.joint[:, :d], self.joint[:, d]
+        if fold_bias and self.w_all is not None and self.b_all is not None:
+            self.joint = new(columns, (d + 8) // 8 * 8, dtype=acc)
+            self.w_all, self.b_all = self.joint[:, :d], self.joint[:, d]
+        self.w = None if self.w_all is None else self.w_all[:v]
+        self.b = None if self.b_all is None else self.b_all[:v]
 
     def add_tile(self, r0: int, r1: int, h_r, w_c, dz, dtype) -> None:
         """``dh[r0:r1] = dz W``, ``dW (+)= dz^T h``, ``db (+)= sum_rows dz``."""
@@ -244,13 +262,13 @@ class _Gradients:
             ones = torch.cat((h_r.new_ones(rows, 1), h_r.new_zeros(rows, pad)), 1)
             accumulate_mm(self.joint, dz_c.t(), torch.cat((h_r, ones), 1), r0 > 0)
             return
-        if self.w is not None:
-            accumulate_mm(self.w, dz_c.t(), h_r, r0 > 0)
-        if self.b is not None:
+        if self.w_all is not None:
+            accumulate_mm(self.w_all, dz_c.t(), h_r, r0 > 0)
+        if self.b_all is not None:
             if r0 > 0:
-                self.b += dz.sum(0, dtype=self.b.dtype)
+                self.b_all += dz.sum(0, dtype=self.b_all.dtype)
             else:
-                torch.sum(dz, 0, dtype=self.b.dtype, out=self.b)
+                torch.sum(dz, 0, dtype=self.b_all.dtype, out=self.b_all)
 
 
 class _Walk:
@@ -269,8 +287,14 @@ class _Walk:
         )
         self.fold_bias = self.triton or self.compiled  # GPU tiles: db from the dW product
         self.buffer = None
+        self.columns = weight.size(0)
         if self.triton:
             self.b = None if bias is None else as_dtype(bias, self.acc)
+            self.columns = padded_columns(weight.size(0))
+            if self.columns > weight.size(0):  # zero rows: their logits, and dz there, are 0
+                padded = self.w.new_zeros(self.columns, self.w.size(1))
+                padded[: weight.size(0)] = self.w
+                self.w = padded
         elif self.compiled:
             b = bias if bias is not None else weight.new_zeros(weight.size(0))
             self.b = as_dtype(b, self.acc)
@@ -325,19 +349,21 @@ class _Walk:
         """One tile by the Triton kernels: its logits in the products' dtype, then their
         statistics and (``want_dz``) ``dz`` over them in place; one softmax's ``dz`` in the
         statistics' own program (:data:`FUSE_SOFTMAX`)."""
-        target, v = self.rows_target[r0:r1], self.w.size(0)
-        z = torch.mm(self.h[r0:r1], self.w.t())
+        target, v = self.rows_target[r0:r1], self.weight.size(0)
+        z = torch.mm(self.h[r0:r1], self.w.t())  # [rows, columns]: V, then zero columns
         plain = mixing.log_prior is None and mixing.outside_lse is None
         fuse = None
         if want_dz and plain and FUSE_SOFTMAX:
             fuse = Terms.softmax_coefficients(row_weight, eps, v)
-        lse, picked, total_logit = row_statistics(z, self.b, target, eps > 0, fuse, self.acc)
+        vocabulary = z[:, :v]
+        lse, picked, total_logit = row_statistics(vocabulary, self.b, target, eps > 0, fuse,
+                                                  self.acc)  # fmt: skip
         terms = Terms(lse, picked, total_logit, mixing, row_weight, eps, v)
         stats = (lse, picked, terms.nll, terms.loss, terms.grads)
         if not want_dz or fuse is not None:
             return stats, z if fuse is not None else None
-        dz = row_gradient_(z, self.b, target, lse, terms.scale, terms.onehot, terms.uniform)
-        return stats, dz
+        row_gradient_(vocabulary, self.b, target, lse, terms.scale, terms.onehot, terms.uniform)
+        return stats, z
 
     def recompute(self, lse, scale, onehot, grads: _Gradients) -> None:
         """The backward's extra pass: ``dz = scale p - onehot onehot(t)`` into ``grads``."""
@@ -345,9 +371,9 @@ class _Walk:
         for t0, t1 in self.tiles:
             r0, r1 = t0 * k, t1 * k
             if self.triton:
-                z = torch.mm(self.h[r0:r1], self.w.t())
-                dz = row_gradient_(z, self.b, self.rows_target[r0:r1], lse[r0:r1],
-                                   scale[r0:r1], onehot[r0:r1])  # fmt: skip
+                dz = torch.mm(self.h[r0:r1], self.w.t())
+                row_gradient_(dz[:, : self.weight.size(0)], self.b, self.rows_target[r0:r1],
+                              lse[r0:r1], scale[r0:r1], onehot[r0:r1])  # fmt: skip
             elif self.compiled:
                 body = compiled_body(compiled_recompute_tile)
                 dz = body(self.h[r0:r1], self.w, self.b, self.rows_target[r0:r1], lse[r0:r1],
@@ -385,7 +411,8 @@ class RowsCrossEntropy(torch.autograd.Function):
         walk = _Walk(hidden, weight, bias, target, dtype, tile, mixing.k)
         # `grad`: the caller's grad mode (needs_input_grad ignores no_grad)
         need = ctx.needs_input_grad[:3] if grad else (False,) * 3
-        grads = _Gradients(hidden, weight, bias, walk.acc, need, fold_bias=walk.fold_bias)
+        grads = _Gradients(hidden, weight, bias, walk.acc, need, fold_bias=walk.fold_bias,
+                           columns=walk.columns)  # fmt: skip
         row_weight = row_weight.to(walk.acc)
         # The gradients are formed per unit of the largest weight (1 / count: every kept
         # token's, for a mean loss) and scaled in the backward: w p in float16 products would
@@ -419,7 +446,7 @@ class RowsCrossEntropy(torch.autograd.Function):
             scale, onehot, mixing_extra = nll_terms(lse, picked, mixing, g)
             walk = _Walk(hidden, weight, bias, target, dtype, tile, mixing.k)
             extra = _Gradients(hidden, weight, bias, lse.dtype, ctx.needs_input_grad[:3],
-                               fold_bias=walk.fold_bias)  # fmt: skip
+                               fold_bias=walk.fold_bias, columns=walk.columns)  # fmt: skip
             with torch.autocast(hidden.device.type, enabled=False):
                 walk.recompute(lse, scale, onehot, extra)
             added = (extra.h, extra.w, extra.b, *mixing_extra)

@@ -76,6 +76,19 @@ def test_equals_plain_reference(k, ratio):
     torch.testing.assert_close(head.log_prob(g), reference_log_prob(head, g))
 
 
+@pytest.mark.parametrize("k, d2", [(4, 64), (2, 5), (8, 1)])
+def test_the_gate_products_rows_are_a_multiple_of_8_elements(k, d2):
+    """Eq. 4's ``A B^T``: zero columns pad ``d2 + K`` to a multiple of 8 (16-byte rows in
+    half precision, which tensor-core GEMMs need), in both factors; the gate logits are those
+    of the unpadded factors."""
+    head = MixtapeHead(16, 40, num_components=k, gate_embedding_size=d2, frequent_ratio=0.5)
+    _, inputs, weights, *_ = head._pieces(torch.randn(5, 16), torch.randint(0, 40, (5,)))
+    width = d2 + k
+    assert inputs.size(-1) == weights.size(-1) == -(-width // 8) * 8
+    assert not inputs[..., width:].any() and not weights[..., width:].any()
+    torch.testing.assert_close(inputs @ weights.t(), inputs[..., :width] @ weights[:, :width].t())
+
+
 def test_gate_sharing_shares_exactly_the_infrequent_tokens():
     head = make_head(frequent_ratio=0.3)
     assert head.num_frequent == 7  # ceil(0.3 * 23)

@@ -117,6 +117,17 @@ def test_rows_plan_through_the_kernels_equals_the_plain_maths(monkeypatch, use, 
 
 
 @pytest.mark.usefixtures("interpreted")
+def test_the_tiles_logits_have_a_multiple_of_64_columns():
+    """V = 23 classes: the products' weight gets 41 zero rows (16-byte rows of logits for
+    Hopper's GEMMs), the kernels read the first 23 columns; the equality tests above run at
+    this V."""
+    hidden, weight, b, target = float64_case()
+    walk = rows_ce._Walk(hidden, weight, b, target, torch.float64, None, 1)
+    assert walk.triton and walk.columns == 64 and walk.w.shape == (64, weight.size(1))
+    assert torch.equal(walk.w[:23], weight) and not walk.w[23:].any()
+
+
+@pytest.mark.usefixtures("interpreted")
 def test_mixture_and_block_through_the_kernels_equal_the_plain_maths():
     contexts, weight, b, prior_logits, target = rows_tests._mixture_case(seed=13)
     from heads.fused_cross_entropy import mean_cross_entropy
