@@ -312,8 +312,9 @@ def _row(module, step, times: list[float] | None, args, case: Case) -> dict:
     """One result row: the median time (None with ``--time skip``), and the FLOPs and memory
     of one more step where asked for."""
     median = None if times is None else statistics.median(times)
-    flops = None if args.flops == "skip" else _flops(step, case)
+    # memory first, of the step as it was timed: the FLOP count runs it under a dispatch mode
     memory = None if args.memory == "skip" else step_memory(step, case) / 2**20
+    flops = None if args.flops == "skip" else _flops(step, case)
     row = {
         "head": case.name, "vocab_size": case.vocab, "hidden_size": case.hidden,
         "tokens": case.tokens, "scope": case.scope, "mode": args.mode,
