@@ -52,7 +52,8 @@ def test_mixtape_step_counts_every_product_of_its_hand_written_backward():
         n * d * k * d  # contexts, Eq. 5
         + n * d * (k - 1) * d2  # tanh(U_k g), Eq. 4
         + n * d * (k - 1)  # u_k . g, Eq. 4 and 6
-        + n * (k - 1) * (d2 + 1 + k - 1) * s  # [tanh(U g) | u.g | e_k] [v_x | 1 | b_x]^T
+        # [tanh(U g) | u.g | e_k | 0] [v_x | 1 | b_x | 0]^T, d2 + K padded to 72 columns
+        + n * (k - 1) * -(-(d2 + k) // 8) * 8 * s
         + n * k * d * s  # h_k . w_x, frequent tokens
         + n * k * d  # contexts mixed by the shared prior
         + n * d * (v - s)  # mixed . w_x, the rest
