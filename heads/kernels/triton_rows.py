@@ -4,15 +4,18 @@ Triton installed: it ships with PyTorch's CUDA wheels; never needed on a CPU).
 A tile's logits ``z = h W^T`` ``[R, V]`` come out of one product in the products' dtype (bf16
 under autocast); then
 
-- :func:`row_statistics` reads them once: per row the online log-sum-exp of ``z + b``
-  (running maximum and sum per lane, joined at the end), the target's logit and, with label
-  smoothing, the row's sum of logits;
+- :func:`row_statistics` reads them once: per row the online log-sum-exp of ``z + b`` by
+  blocks of columns (the block's maximum, then one ``exp`` per logit), the target's logit
+  and, with label smoothing, the row's sum of logits;
 - :func:`row_gradient_` reads them once more and writes ``dz = scale p - onehot [x = t] -
   uniform`` over them, in place, in their dtype (``p = exp(z + b - lse)``), for the two
   gradient products.
 
 Two bytes read, then two read and two written per logit: no float32 copy of the tile, and the
-tile's memory is its logits alone (the compiled body holds them and ``dz`` side by side).
+tile's memory is its logits alone (the compiled body holds them and ``dz`` side by side). On
+an H200 (V = 100k, d = 512, 16,384 tokens, 2,684-row tiles, the first form of the statistics
+kernel: per lane, two ``exp`` a logit) a softmax step took 12.9 ms against the compiled
+tiles' 14.0, with 631 MiB more than its inputs against 1,141 (2026-11-26).
 Where a softmax's per-row coefficients are known before its log-sum-exp (one softmax: ``w``
 and ``(1 - eps) w``), :func:`row_statistics` takes them and writes ``dz`` in the same program,
 row by row (``fuse``).
