@@ -277,24 +277,20 @@ class _Walk:
     def __init__(self, hidden, weight, bias, target, dtype, tile, k) -> None:
         self.acc = accumulation_dtype(hidden, weight)
         self.weight, self.bias, self.dtype, self.k = weight, bias, dtype, k
-        self.h, self.w = as_dtype(hidden, dtype), as_dtype(weight, dtype)
-        self.rows_target = target.repeat_interleave(k) if k > 1 else target
-        tokens = hidden.size(0) // k
-        self.tiles = spans(tokens, None if tile is None else max(1, tile // k))
         self.triton = triton_tiles(hidden.device, dtype)
         self.compiled = not self.triton and (
             hidden.device.type in COMPILED_DEVICES or gpu_plans(hidden.device)
         )
         self.fold_bias = self.triton or self.compiled  # GPU tiles: db from the dW product
+        # the Triton tiles' products: zero rows after W's, whose logits (and dz there) are 0
+        self.columns = padded_columns(weight.size(0)) if self.triton else weight.size(0)
+        self.h, self.w = as_dtype(hidden, dtype), _padded(weight, self.columns, dtype)
+        self.rows_target = target.repeat_interleave(k) if k > 1 else target
+        tokens = hidden.size(0) // k
+        self.tiles = spans(tokens, None if tile is None else max(1, tile // k))
         self.buffer = None
-        self.columns = weight.size(0)
         if self.triton:
             self.b = None if bias is None else as_dtype(bias, self.acc)
-            self.columns = padded_columns(weight.size(0))
-            if self.columns > weight.size(0):  # zero rows: their logits, and dz there, are 0
-                padded = self.w.new_zeros(self.columns, self.w.size(1))
-                padded[: weight.size(0)] = self.w
-                self.w = padded
         elif self.compiled:
             b = bias if bias is not None else weight.new_zeros(weight.size(0))
             self.b = as_dtype(b, self.acc)
@@ -385,6 +381,16 @@ class _Walk:
                                      onehot[r0:r1], None)  # fmt: skip
             grads.add_tile(r0, r1, self.h[r0:r1], self.w, dz, self.dtype)
             dz = None  # freed before the next tile's logits are allocated
+
+
+def _padded(weight: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """``weight`` in ``dtype`` with zero rows up to ``rows``: cast and padded in one copy
+    (none where it already is both)."""
+    if rows == weight.size(0):
+        return as_dtype(weight, dtype)
+    out = weight.new_zeros(rows, weight.size(1), dtype=dtype)
+    out[: weight.size(0)] = weight
+    return out
 
 
 def _join(parts):
