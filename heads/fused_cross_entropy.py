@@ -67,9 +67,9 @@ DEFAULT_SAVED_BYTES = 128 << 20
 # the rows plan's tiles (row_tile)
 _ROWS_MIN_CPU = 512
 _ROWS_MAX_CPU_BYTES = 256 << 20
-# a CUDA tile's memory (row_tile): with Triton's tiles (bf16 logits, dz over them) at V = 100k,
-# d = 512, 16,384 tokens, 4,026 rows; on an H200, tiles of 2,684 / 4,096 / 16,384 rows took
-# 12.9 / 12.1 / 11.8 ms a step for 631 / 902 / 3,259 MiB more than the inputs (2026-11-26)
+# a CUDA tile's memory (row_tile): 4,026 rows of Triton tiles (bf16 logits, dz written over
+# them) at V = 100k; on an H200 (d = 512, 16,384 tokens) tiles of 2,684 / 4,096 / 16,384 rows
+# took 12.9 / 12.1 / 11.8 ms a step for 631 / 902 / 3,259 MiB more than the inputs (2026-11-26)
 _ROWS_CUDA_BYTES = 768 << 20
 # a mixture's (MoS: K N rows, K times the products): wider tiles, fewer passes of the float32
 # dW accumulator (208 MiB at V = 100k, read and written per tile); the H200's compiled tiles
