@@ -77,21 +77,24 @@ def padded_columns(v: int) -> int:
     return -(-v // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
 
 
-def triton_tiles(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the tiles on ``device`` with products in ``dtype`` run the Triton kernels."""
-    return device.type in TRITON_DEVICES and dtype in TRITON_DTYPES and triton_available()
+def tile_body(device: torch.device, dtype: torch.dtype) -> str:
+    """Which body runs the tiles on ``device`` with products in ``dtype``: ``triton`` (where
+    Triton is installed), ``compiled`` (the GPU plans' devices otherwise), ``eager``."""
+    if device.type in TRITON_DEVICES and dtype in TRITON_DTYPES and triton_available():
+        return "triton"
+    if device.type in COMPILED_DEVICES or gpu_plans(device):
+        return "compiled"
+    return "eager"
 
 
 def tile_bytes_per_logit(device: torch.device, dtype: torch.dtype) -> int:
     """What a tile holds per logit, for its planning: the Triton tiles their logits alone in
     the products' dtype (``dz`` written over them), the compiled ones the logits and ``dz``,
     the eager ones (CPUs) a float32 buffer."""
-    size = dtype.itemsize
-    if triton_tiles(device, dtype):
-        return size
-    if device.type in COMPILED_DEVICES or gpu_plans(device):
-        return 2 * size
-    return 4
+    body = tile_body(device, dtype)
+    if body == "eager":
+        return 4
+    return dtype.itemsize * (1 if body == "triton" else 2)
 
 
 class Mixing(NamedTuple):
@@ -277,10 +280,8 @@ class _Walk:
     def __init__(self, hidden, weight, bias, target, dtype, tile, k) -> None:
         self.acc = accumulation_dtype(hidden, weight)
         self.weight, self.bias, self.dtype, self.k = weight, bias, dtype, k
-        self.triton = triton_tiles(hidden.device, dtype)
-        self.compiled = not self.triton and (
-            hidden.device.type in COMPILED_DEVICES or gpu_plans(hidden.device)
-        )
+        body = tile_body(hidden.device, dtype)
+        self.triton, self.compiled = body == "triton", body == "compiled"
         self.fold_bias = self.triton or self.compiled  # GPU tiles: db from the dW product
         # the Triton tiles' products: zero rows after W's, whose logits (and dz there) are 0
         self.columns = padded_columns(weight.size(0)) if self.triton else weight.size(0)

@@ -2,10 +2,12 @@
 use: importing this module imports Triton). ``ACC``: the statistics' dtype (float32; float64
 for float64 logits)."""
 
+import torch
 import triton
 import triton.language as tl
 
-DTYPES = {"float32": tl.float32, "float64": tl.float64}
+# the statistics' dtype for each accumulation dtype
+ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
 
 @triton.jit
