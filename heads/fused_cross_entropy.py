@@ -519,6 +519,9 @@ EXTERNAL_PACKAGES = {"cce": "cut-cross-entropy==25.1.1", "liger": "liger-kernel=
 # The H200 run with the rows plan's Triton tiles (bench_gpu_h200_heads_100k.json, times only)
 # gives the same choices at 100k: softmax 25.98 -> rows 13.04 (CCE 64.7, Liger 61.1), MoS-15
 # 353.7 -> rows 203.2, Mixtape 59.8 -> rows 47.5, adaptive 10.5 -> plain 7.08 (PyTorch's 7.78)
+# Mixtape's rows then ran its frequent block by compiled column blocks (recomputed in the
+# backward); since, its rows plan is the whole vocabulary by row tiles with Triton kernels for
+# the gated block (heads/kernels/mixtape_rows.py): the FLOP floor, not yet timed on a GPU.
 MEASURED_FASTEST: dict[str, list[tuple[int, str]]] = {
     "AdaptiveSoftmaxHead": [(10_000, "torch"), (100_000, "plain")],
     "MixtapeHead": [(10_000, "rows"), (100_000, "rows")],

@@ -88,14 +88,14 @@ def block_noise(shape, keep: bool, noise_state, noise_kept: list, device, acc):
     recorded for the backward (``ReplayNoise``)."""
     compiling = torch.compiler.is_compiling()
     if not keep and noise_state is None and not compiling:
-        noise_state = _rng_state(device)
+        noise_state = rng_state(device)
     noise = torch.randn(*shape, dtype=acc, device=device)
     if not keep and compiling:
         noise_kept.append(noise)
     return noise, noise_state
 
 
-def _rng_state(device: torch.device) -> torch.Tensor:
+def rng_state(device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return torch.cuda.get_rng_state(device)
     return torch.get_rng_state()

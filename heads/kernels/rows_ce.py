@@ -285,7 +285,7 @@ class _Walk:
         self.fold_bias = self.triton or self.compiled  # GPU tiles: db from the dW product
         # the Triton tiles' products: zero rows after W's, whose logits (and dz there) are 0
         self.columns = padded_columns(weight.size(0)) if self.triton else weight.size(0)
-        self.h, self.w = as_dtype(hidden, dtype), _padded(weight, self.columns, dtype)
+        self.h, self.w = as_dtype(hidden, dtype), padded_weight(weight, self.columns, dtype)
         self.rows_target = target.repeat_interleave(k) if k > 1 else target
         tokens = hidden.size(0) // k
         self.tiles = spans(tokens, None if tile is None else max(1, tile // k))
@@ -384,7 +384,7 @@ class _Walk:
             dz = None  # freed before the next tile's logits are allocated
 
 
-def _padded(weight: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+def padded_weight(weight: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
     """``weight`` in ``dtype`` with zero rows up to ``rows``: cast and padded in one copy
     (none where it already is both)."""
     if rows == weight.size(0):

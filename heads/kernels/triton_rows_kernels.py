@@ -28,6 +28,42 @@ def _write_gradient(z_row, bias_ptr, t, lse, scale, onehot, uniform, cols, mask,
 
 
 @triton.jit
+def fresh_statistics(ACC: tl.constexpr, BLOCK: tl.constexpr):
+    """A row's statistics before its first block: ``(top, total, picked, logit_sum)``."""
+    top = tl.full([], float("-inf"), ACC)
+    return top, tl.zeros([], ACC), tl.zeros([BLOCK], ACC), tl.zeros([BLOCK], ACC)
+
+
+@triton.jit
+def statistics_step(x, cols, mask, t, top, total, picked, logit_sum, HAS_SUM: tl.constexpr):
+    """One block of a row's logits ``x`` into its running statistics: the online log-sum-exp
+    by blocks (one exp per logit; per lane it would take two), ``top`` the maximum so far and
+    ``total`` the sum of ``exp(x - top)`` (shifted by 0 while ``top`` is -inf: ``-inf - -inf``
+    is NaN), the target's logit and the logits' sum (``mask``: the row's own columns)."""
+    new_top = tl.maximum(top, tl.max(x, 0))
+    shift = tl.where(new_top == float("-inf"), 0.0, new_top)
+    # nothing so far (top -inf): total is 0, rescaled by 0, not by exp(-inf - shift)
+    rescale = tl.where(top == float("-inf"), 0.0, tl.exp(top - shift))
+    total = total * rescale + tl.sum(tl.exp(x - shift), 0)
+    picked += tl.where((cols == t) & mask, x, 0.0)  # not a padded column
+    if HAS_SUM:
+        logit_sum += tl.where(mask, x, 0.0)
+    return new_top, total, picked, logit_sum
+
+
+@triton.jit
+def store_statistics(row, top, total, picked, logit_sum, lse_ptr, picked_ptr, sum_ptr,
+                     HAS_SUM: tl.constexpr):  # fmt: skip
+    """The row's ``lse`` (returned), target logit and logit sum, stored."""
+    lse = tl.where(top == float("-inf"), 0.0, top) + tl.log(total)
+    tl.store(lse_ptr + row, lse)
+    tl.store(picked_ptr + row, tl.sum(picked, 0))
+    if HAS_SUM:
+        tl.store(sum_ptr + row, tl.sum(logit_sum, 0))
+    return lse
+
+
+@triton.jit
 def statistics(z_ptr, bias_ptr, target_ptr, lse_ptr, picked_ptr, sum_ptr,
                scale_ptr, onehot_ptr, uniform_ptr, v, stride,
                HAS_BIAS: tl.constexpr, HAS_SUM: tl.constexpr, FUSE: tl.constexpr,
@@ -35,32 +71,15 @@ def statistics(z_ptr, bias_ptr, target_ptr, lse_ptr, picked_ptr, sum_ptr,
     row = tl.program_id(0)
     z_row = z_ptr + row.to(tl.int64) * stride
     t = tl.load(target_ptr + row)
-    # the online log-sum-exp by blocks (one exp per logit; per lane it would take two): top,
-    # the maximum so far, and total, the sum of exp(x - top) (x - 0 while top is -inf: NaN
-    # otherwise)
-    top = tl.full([], float("-inf"), ACC)
-    total = tl.zeros([], ACC)
-    picked = tl.zeros([BLOCK], ACC)
-    logit_sum = tl.zeros([BLOCK], ACC)
+    top, total, picked, logit_sum = fresh_statistics(ACC, BLOCK)
     for start in range(0, v, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < v
         x = _logits(z_row, bias_ptr, cols, mask, HAS_BIAS, ACC)
-        new_top = tl.maximum(top, tl.max(x, 0))
-        shift = tl.where(new_top == float("-inf"), 0.0, new_top)
-        # nothing so far (top -inf): total is 0, rescaled by 0, not by exp(-inf - shift)
-        rescale = tl.where(top == float("-inf"), 0.0, tl.exp(top - shift))
-        total = total * rescale + tl.sum(tl.exp(x - shift), 0)
-        top = new_top
-        picked += tl.where(cols == t, x, 0.0)
-        if HAS_SUM:
-            logit_sum += tl.where(mask, x, 0.0)
-    shift = tl.where(top == float("-inf"), 0.0, top)
-    lse = shift + tl.log(total)
-    tl.store(lse_ptr + row, lse)
-    tl.store(picked_ptr + row, tl.sum(picked, 0))
-    if HAS_SUM:
-        tl.store(sum_ptr + row, tl.sum(logit_sum, 0))
+        top, total, picked, logit_sum = statistics_step(x, cols, mask, t, top, total, picked,
+                                                        logit_sum, HAS_SUM)  # fmt: skip
+    lse = store_statistics(row, top, total, picked, logit_sum, lse_ptr, picked_ptr, sum_ptr,
+                           HAS_SUM)  # fmt: skip
     if FUSE:  # one softmax: dz in the same program, its coefficients given
         scale = tl.load(scale_ptr + row)
         onehot = tl.load(onehot_ptr + row)

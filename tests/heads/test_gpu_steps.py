@@ -10,10 +10,21 @@ import torch
 from heads import AdaptiveSoftmaxHead, DSSoftmaxHead, MixtapeHead, MoSHead, SoftmaxHead
 
 HIDDEN, VOCAB, TOKENS = 64, 3000, 512
+
+
+def _rows(head):
+    """``head`` by its rows plan (what ``auto`` runs on CUDA for large steps)."""
+    from heads.fused_cross_entropy import LossOptions
+
+    head.loss_options = LossOptions(plan="rows")
+    return head
+
+
 HEADS = {
     "softmax": (lambda: SoftmaxHead(HIDDEN, VOCAB), 0),
     "mos": (lambda: MoSHead(HIDDEN, VOCAB, num_components=5), 0),
     "mixtape": (lambda: MixtapeHead(HIDDEN, VOCAB, gate_noise=0.1, context_dropout=0.1), 0),
+    "mixtape_rows": (lambda: _rows(MixtapeHead(HIDDEN, VOCAB, gate_noise=0.1)), 0),
     "adaptive": (lambda: AdaptiveSoftmaxHead(HIDDEN, VOCAB, cutoffs=[300, 1000]), 1),
     "ds": (
         lambda: DSSoftmaxHead(

@@ -234,15 +234,16 @@ def test_fused_loss_equals_logits_path_with_noise_and_dropout(ratio):
 
 
 def test_gate_noise_is_replayed_in_the_backward():
-    """With gate noise, blocks recomputed in the backward draw the forward's noise again: the
-    gradients equal those of the same draws kept from the forward (same seed), and the
-    random stream after the step is the one without the replay (it is restored)."""
+    """With gate noise, the column plan's blocks recomputed in the backward draw the
+    forward's noise again: the gradients equal those of the same draws kept from the forward
+    (same seed), and the random stream after the step is the one without the replay (it is
+    restored)."""
     head = make_head(frequent_ratio=0.5, gate_noise=0.7).double().train()
     g = torch.randn(6, HIDDEN, dtype=torch.float64)
     target = torch.randint(0, VOCAB, (6,))
     results = []
     for saved in (1 << 30, 0, 1500):  # all kept, all recomputed, the first block kept
-        head.loss_options = LossOptions(columns=3, saved_bytes=saved)
+        head.loss_options = LossOptions(plan="eager", columns=3, saved_bytes=saved)
         torch.manual_seed(4)
         nll, grads = _nll_and_grads(lambda h: head(h, target).nll, head, g)
         results.append((nll, grads, torch.rand(3)))

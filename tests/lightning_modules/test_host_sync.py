@@ -196,9 +196,10 @@ def ds_head(hidden_size: int, vocab_size: int) -> DSSoftmaxHead:
     return head
 
 
-def plain(head):
-    """``head`` with its classifiers as plain maths (CUDA's ``auto`` for small ones)."""
-    head.loss_options = LossOptions(plan="plain")
+def plain(head, plan: str = "plain"):
+    """``head`` with its classifiers as plain maths (CUDA's ``auto`` for small ones), or
+    another ``plan``."""
+    head.loss_options = LossOptions(plan=plan)
     return head
 
 
@@ -206,6 +207,11 @@ HEADS = {
     "softmax": (SoftmaxHead, 0),
     "mos": (functools.partial(MoSHead, num_components=3), 0),
     "mixtape": (functools.partial(MixtapeHead, num_components=4, frequent_ratio=0.5), 0),
+    # CUDA's auto for large steps: the whole vocabulary by row tiles, gate noise drawn there
+    "mixtape_rows": (
+        lambda d, v: plain(MixtapeHead(d, v, frequent_ratio=0.5, gate_noise=0.1), "rows"),
+        0,
+    ),  # fmt: skip
     "adaptive": (lambda d, v: AdaptiveSoftmaxHead(d, v, cutoffs=[v // 4, v // 2]), 1),
     "adaptive_plain": (lambda d, v: plain(AdaptiveSoftmaxHead(d, v, cutoffs=[v // 4, v // 2])), 1),
     "ds": (ds_head, 1),

@@ -31,13 +31,14 @@ def interpreted(monkeypatch):
 
 
 def _logits_case(device="cpu", dtype=torch.float64, rows=6, columns=5000, seed=0):
-    """Logits with a row of ``-inf``, targets at both ends, one outside ``[0, V)``."""
+    """Logits with a row of ``-inf``, targets at both ends, two outside ``[0, V)`` (one in
+    the last block's padding)."""
     gen = torch.Generator().manual_seed(seed)
     z = 3 * torch.randn(rows, columns, generator=gen, dtype=torch.float64)
     z[2] = -math.inf
     bias = torch.randn(columns, generator=gen, dtype=torch.float64)
     target = torch.randint(0, columns, (rows,), generator=gen)
-    target[:6] = torch.tensor([0, columns - 1, 3, -1, 77, 4096])
+    target[:6] = torch.tensor([0, columns - 1, 3, -1, columns + 3, 4096])  # + 3: padding
     coefficients = [torch.rand(rows, generator=gen, dtype=torch.float64) for _ in range(3)]
     return z.to(device, dtype), bias.to(device), target.to(device), coefficients
 
