@@ -15,8 +15,10 @@ go through ``mixtape_frequent_lse`` (the same equations by vocabulary blocks, re
 hand-written backward: ``heads/kernels/mixtape_frequent.py``; the sigmoid tree is
 ``heads/kernels/sigmoid_tree.py``), the shared-gate tokens are one plain linear block on the
 mixed context (the fused primitive, ``heads/fused_cross_entropy.py``), and the two partial
-log-sum-exps combine into the one normaliser of Eq. 2. ``logits`` / ``log_prob`` build the
-exact ``[N, V]`` for evaluation, a block of rows at a time.
+log-sum-exps combine into the one normaliser of Eq. 2. The ``rows`` plan (CUDA's ``auto``
+for large steps) instead takes both blocks by row tiles, the gradient computed in the forward
+(``heads/kernels/mixtape_rows.py``: Triton kernels for the gated block on GPUs). ``logits`` /
+``log_prob`` build the exact ``[N, V]`` for evaluation, a block of rows at a time.
 """
 
 from __future__ import annotations
@@ -279,8 +281,8 @@ class MixtapeHead(SingleSoftmaxHead):
         if s < v:  # Eq. 6: one prior for every rare token, so the contexts are mixed first
             # a CPU's auto: the rare block's loss and gradient in one forward by the rows
             # plan, the frequent block's log-sum-exp and target logit taken in as the rest of
-            # the softmax (measured faster here than the whole rows plan's plain tiles: V =
-            # 33k, d = 512, 4,096 tokens, 4.1 s against 4.5)
+            # the softmax (the whole rows plan's plain tiles measured level with it, 3.93 s
+            # against 4.00 at V = 33k, d = 512, 4,096 tokens: bench_cpu_mixtape_rows_33k_d512)
             if not smoothing and mean_loss_plan(self.loss_options, mixed, v - s) == "rows":
                 mean = mean_cross_entropy(
                     mixed, w_rare, b_rare, rare_target, options=self.loss_options,

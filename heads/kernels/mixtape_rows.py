@@ -26,10 +26,19 @@ differentiated too, the tiles are walked again with its gradient as the rows' we
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.autograd.function import once_differentiable
 
-from heads.kernels.chunks import accumulation_dtype, as_dtype, spans, target_columns
+from heads.kernels.chunks import (
+    accumulation_dtype,
+    as_dtype,
+    exp_shifted_,
+    finite_shift,
+    spans,
+    target_columns,
+)
 from heads.kernels.mixtape_frequent import ReplayNoise, rng_state
 from heads.kernels.rows_ce import (
     Mixing,
@@ -192,9 +201,13 @@ class _Walk:
             targets.append(self.rare_target[t0:t1])
         picked = sum(_picked(z, t) for z, t in zip(logits, targets, strict=True))
         total = sum(z.sum(1) for z in logits) if eps > 0 else None
-        lse, terms = self._terms([torch.logsumexp(z, 1) for z in logits], picked, total,
-                                 row_weight, eps)  # fmt: skip
-        dz = [_gradient(z, t, lse, terms) for z, t in zip(logits, targets, strict=True)]
+        # each block's exps in place over its logits: one exp a logit
+        shifts = [finite_shift(z.amax(1)) for z in logits]
+        exps = [exp_shifted_(z, shift) for z, shift in zip(logits, shifts, strict=True)]
+        lse, terms = self._terms([m + e.sum(1).log() for m, e in zip(shifts, exps, strict=True)],
+                                 picked, total, row_weight, eps)  # fmt: skip
+        dz = [_gradient_(e, m, t, lse, terms) for e, m, t in zip(exps, shifts, targets,
+                                                                strict=True)]  # fmt: skip
         frequent = (dz[0][:, None] * priors).view(rows * k, s)
         gates = gate_gradients(dz[0], values, priors, gammas).view(rows * (k - 1), s)
         return terms, (frequent, gates, dz[1] if self.rare else None)
@@ -205,12 +218,14 @@ def _picked(z: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.where(inside, z.gather(1, column).squeeze(1), 0.0)
 
 
-def _gradient(z: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, terms: Terms):
-    """``dz = scale p - onehot [x = t] - uniform`` over one block's logits."""
-    dz = terms.scale[:, None] * torch.exp(z - lse[:, None])
-    inside, column = target_columns(target, 0, z.size(1))
-    dz = dz.scatter_add(1, column, torch.where(inside, -terms.onehot, 0.0)[:, None])
-    return dz if terms.uniform is None else dz - terms.uniform[:, None]
+def _gradient_(exps, shift, target, lse, terms: Terms) -> torch.Tensor:
+    """In place over one block's ``exps = exp(z - shift)``: ``dz = scale p - onehot [x = t] -
+    uniform``, with ``p = exps exp(shift - lse)`` (0 where the whole softmax is ``-inf``)."""
+    to_p = torch.where(lse == -math.inf, 0.0, torch.exp(shift - lse))
+    dz = exps.mul_((terms.scale * to_p)[:, None])
+    inside, column = target_columns(target, 0, dz.size(1))
+    dz.scatter_add_(1, column, torch.where(inside, -terms.onehot, 0.0)[:, None])
+    return dz if terms.uniform is None else dz.sub_(terms.uniform[:, None])
 
 
 def _gradients(walk: _Walk, inputs, need, acc) -> tuple:
