@@ -74,3 +74,15 @@ def test_tests_and_memory_run_side_by_side(tmp_path):
     assert ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"] in commands
     memory = [c for c in commands if "same-memory" in c]
     assert len(memory) == 1 and "--time" in memory[0]
+
+
+def test_targets_reads_the_runs_reports(tmp_path):
+    """The last default part: ``app.bench.targets`` over the reports the run wrote."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "bench_gpu_heads_100k.json").write_text("{}")
+    (out / "bench_gpu_lm_ptb_step.json").write_text("{}")
+    (commands,) = [c for c in _recorded(tmp_path, "targets") if c[:1] == ["-m"]]
+    assert commands[:2] == ["-m", "app.bench.targets"]
+    assert sorted(Path(f).name for f in commands[2:]) == ["bench_gpu_heads_100k.json",
+                                                          "bench_gpu_lm_ptb_step.json"]  # fmt: skip

@@ -1,0 +1,190 @@
+"""Issue 28's GPU targets, read off the GPU runs' JSON: ``python -m app.bench.targets FILE...``.
+
+``bash .ci/gpu`` ends with it, so whoever runs the GPU command sees at once which of the heads'
+claims the run supports. The targets (one GPU, bf16, d = 512, 16,384 tokens; stated for an
+H100, so another card's run is named as such):
+
+- softmax at V = 100k runs at >= 80% of the bare matmul's speed (its three products alone);
+- softmax is no slower than CCE and Liger in the same run, at every size timed;
+- softmax's extra peak memory at V = 100k is <= 1 GiB;
+- MoS-15 at V = 100k is within 1.3x of its FLOP floor (15 bare matmuls) and fits >= 16,384
+  tokens in 12 GiB (the memory part's same-memory search);
+- Mixtape / softmax <= 1.5 at V = 100k and <= 2.0 at V = 10k;
+- the adaptive softmax >= 1.5x as fast as PyTorch's ``AdaptiveLogSoftmaxWithLoss``;
+- a whole PTB LM step with Mixtape <= 1.15x one with softmax (the lmstep part).
+
+"Our" head at a size is its fastest plan in the run (the default, ``@rows``, ``@plain``,
+``@compiled``: what ``auto`` runs once ``app.bench.fastest``'s table is pasted), never the
+field's kernels. Ratios are paired repeat by repeat (``app.bench.report.paired_row_ratio``),
+with their 95% interval where the run has 7 repeats or more; a target is met on the median.
+A target whose subjects the files lack is ``unmeasured``. ``--json`` writes the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from app.bench.report import paired_row_ratio
+
+OUR_PLANS = ("", "@rows", "@plain", "@compiled")  # a head's subjects that run our own code
+MOS_COMPONENTS = 15
+
+
+@dataclass
+class Target:
+    """One target: what it asks, the run's figure (its 95% interval) and whether it holds."""
+
+    target: str
+    figure: float | None = None
+    low: float | None = None
+    high: float | None = None
+    met: bool | None = None  # None: unmeasured
+    source: str = ""
+
+    def row(self) -> str:
+        if self.met is None:
+            return f"{self.target:62} {'-':>8} {'':13} unmeasured"
+        interval = "" if _missing(self.low, self.high) else f"[{self.low:.2f}-{self.high:.2f}]"
+        verdict = "met" if self.met else "NOT met"
+        return f"{self.target:62} {self.figure:8.4g} {interval:13} {verdict} ({self.source})"
+
+
+def _missing(*values) -> bool:
+    return any(v is None or math.isnan(v) for v in values)
+
+
+class Runs:
+    """One report's benchmark rows, found by subject, vocabulary size, scope and mode (a
+    ratio's two rows always come from one run: one machine, one round of repeats)."""
+
+    def __init__(self, path: str, report: dict) -> None:
+        self.path, self.rows = path, report.get("results", [])
+        self.card = report.get("machine", {}).get("cuda") or "no GPU"
+
+    def find(self, head: str, vocab: int | None = None, scope: str = "head",
+             mode: str = "same-batch"):  # fmt: skip
+        """``(file, row)`` of ``head`` (its first match; timed, in same-batch mode), or None."""
+        for row in self.rows:
+            if row["head"] != head or row.get("scope", "head") != scope:
+                continue
+            if row.get("mode", "same-batch") != mode:
+                continue
+            if vocab is not None and row["vocab_size"] != vocab:
+                continue
+            if mode == "same-batch" and row.get("time_ms") is None:
+                continue
+            return self.path, row
+        return None
+
+    def ours(self, head: str, vocab: int):
+        """``(file, row)`` of the fastest of ``head``'s own plans at ``vocab``, or None."""
+        found = [x for plan in OUR_PLANS if (x := self.find(head + plan, vocab))]
+        return min(found, key=lambda x: x[1]["time_per_token_us"], default=None)
+
+    def vocabularies(self, head: str) -> list[int]:
+        return sorted({row["vocab_size"] for row in self.rows
+                       if row["head"] == head and row.get("scope", "head") == "head"})  # fmt: skip
+
+
+def _ratio(mine, reference, name: str, most: float | None = None, least: float | None = None,
+           scale: float = 1.0, invert: bool = False) -> Target:  # fmt: skip
+    """The paired time ratio ``mine / reference`` (times ``scale``; ``invert``: its inverse)
+    against a bound."""
+    if mine is None or reference is None:
+        return Target(name)
+    paired = paired_row_ratio(mine[1], reference[1])
+    if paired is None:  # no repeat-by-repeat times: the medians
+        paired = (mine[1]["time_per_token_us"] / reference[1]["time_per_token_us"], math.nan,
+                  math.nan)  # fmt: skip
+    median, low, high = (x * scale for x in paired)
+    if invert:
+        median, low, high = 1 / median, 1 / high, 1 / low
+    met = (most is None or median <= most) and (least is None or median >= least)
+    return Target(name, median, low, high, met, Path(mine[0]).name)
+
+
+def evaluate(runs: Runs) -> list[Target]:
+    """Every target from ``runs`` (module docstring)."""
+    big, small = 100_000, 10_000
+    targets = [
+        _ratio(runs.ours("softmax", big), runs.find("matmul", big),
+               "softmax speed / bare matmul's at 100k (>= 0.8)", least=0.8, invert=True),
+    ]  # fmt: skip
+    for vocab in runs.vocabularies("softmax"):
+        for peer in ("cce", "liger"):
+            found = runs.find(f"softmax@{peer}", vocab)
+            if found:
+                targets.append(_ratio(runs.ours("softmax", vocab), found,
+                                      f"softmax / {peer.upper()} at {vocab // 1000}k (<= 1)",
+                                      most=1.0))  # fmt: skip
+    softmax = runs.ours("softmax", big)
+    memory = None if softmax is None else softmax[1].get("extra_peak_mb")
+    targets.append(
+        Target("softmax extra peak MiB at 100k (<= 1024)", memory, met=memory <= 1024,
+               source=Path(softmax[0]).name)
+        if memory is not None else Target("softmax extra peak MiB at 100k (<= 1024)")
+    )  # fmt: skip
+    targets.append(_ratio(runs.ours("mos", big), runs.find("matmul", big),
+                          "MoS-15 time / its FLOP floor at 100k (<= 1.3)", most=1.3,
+                          scale=1 / MOS_COMPONENTS))  # fmt: skip
+    fit = runs.find("mos", big, mode="same-memory")
+    name = "MoS-15 tokens in 12 GiB at 100k (>= 16384)"
+    targets.append(
+        Target(name)
+        if fit is None
+        else Target(
+            name, fit[1]["tokens"], met=fit[1]["tokens"] >= 16_384, source=Path(fit[0]).name
+        )
+    )
+    for vocab, bound in ((big, 1.5), (small, 2.0)):
+        targets.append(_ratio(runs.ours("mixtape", vocab), runs.ours("softmax", vocab),
+                              f"Mixtape / softmax at {vocab // 1000}k (<= {bound})",
+                              most=bound))  # fmt: skip
+    for vocab in runs.vocabularies("torch_adaptive"):
+        targets.append(_ratio(runs.ours("adaptive", vocab), runs.find("torch_adaptive", vocab),
+                              f"adaptive speed / PyTorch's at {vocab // 1000}k (>= 1.5)",
+                              least=1.5, invert=True))  # fmt: skip
+    targets.append(_ratio(runs.find("mixtape", scope="lm"), runs.find("softmax", scope="lm"),
+                          "whole PTB LM step: Mixtape / softmax (<= 1.15)", most=1.15))  # fmt: skip
+    return targets
+
+
+def main(argv: list[str] | None = None) -> list[Target]:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("files", nargs="+", type=Path, help="GPU benchmark JSON files")
+    parser.add_argument("--json", type=Path, help="write the targets here as JSON")
+    args = parser.parse_args(argv)
+    targets = collect({str(path): json.loads(path.read_text()) for path in args.files})
+    for target in targets:
+        print(target.row())
+    if args.json:
+        args.json.write_text(json.dumps([asdict(t) for t in targets], indent=1) + "\n")
+    return targets
+
+
+def collect(reports: dict[str, dict]) -> list[Target]:
+    """Each report's measured targets (named with its GPU where that is no H100), then the
+    targets no report measured."""
+    measured, names = [], []
+    for path, report in reports.items():
+        runs = Runs(path, report)
+        for target in evaluate(runs):
+            names.append(target.target)
+            if target.met is not None:
+                if "H100" not in runs.card:
+                    target.target += f" [{runs.card}]"
+                measured.append(target)
+    seen = {t.target.split(" [")[0] for t in measured}
+    unmeasured = [Target(name) for name in dict.fromkeys(names) if name not in seen]
+    return measured + unmeasured
+
+
+if __name__ == "__main__":
+    main()

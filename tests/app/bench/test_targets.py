@@ -1,0 +1,80 @@
+"""``python -m app.bench.targets``: issue 28's targets from GPU benchmark reports, each ratio
+paired within one run, "our" head its fastest own plan (never the field's kernels), a target
+the files lack unmeasured, a card other than an H100 named."""
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from app.bench.targets import collect, main
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _row(head, ms, vocab=100_000, scope="head", tokens=16_384, mode="same-batch", **extra):
+    times = [ms * (1 + 0.01 * i) for i in range(7)]  # 7 repeats: a 95% interval
+    return {"head": head, "vocab_size": vocab, "scope": scope, "mode": mode, "tokens": tokens,
+            "time_ms": statistics.median(times), "times_ms": times,
+            "time_per_token_us": 1000 * statistics.median(times) / tokens, **extra}  # fmt: skip
+
+
+def _report(rows, card="NVIDIA H100 80GB HBM3"):
+    return {"results": rows, "machine": {"cuda": card}}
+
+
+def _by_name(targets):
+    return {t.target: t for t in targets}
+
+
+def test_ratios_bounds_and_our_fastest_plan():
+    rows = [
+        _row("softmax", 20.0, extra_peak_mb=3000.0), _row("softmax@rows", 9.0, extra_peak_mb=900.0),
+        _row("softmax@cce", 8.0), _row("matmul", 7.5), _row("mos", 150.0),
+        _row("mixtape@rows", 12.0), _row("mixtape", 40.0), _row("adaptive@plain", 5.0),
+        _row("torch_adaptive", 8.0),
+        _row("softmax", 2.0, vocab=10_000), _row("mixtape", 3.0, vocab=10_000),
+    ]  # fmt: skip
+    targets = _by_name(collect({"run.json": _report(rows)}))
+    share = targets["softmax speed / bare matmul's at 100k (>= 0.8)"]
+    assert share.figure == pytest.approx(7.5 / 9.0) and share.met  # @rows, not the default
+    assert share.low <= share.figure <= share.high and share.source == "run.json"
+    cce = targets["softmax / CCE at 100k (<= 1)"]
+    assert cce.figure == pytest.approx(9.0 / 8.0) and not cce.met  # ours is never CCE itself
+    memory = targets["softmax extra peak MiB at 100k (<= 1024)"]
+    assert memory.figure == 900.0 and memory.met
+    assert targets["MoS-15 time / its FLOP floor at 100k (<= 1.3)"].figure == pytest.approx(
+        150.0 / (15 * 7.5)
+    )
+    assert targets["Mixtape / softmax at 100k (<= 1.5)"].figure == pytest.approx(12.0 / 9.0)
+    assert targets["Mixtape / softmax at 10k (<= 2.0)"].met  # 1.5
+    adaptive = targets["adaptive speed / PyTorch's at 100k (>= 1.5)"]
+    assert adaptive.figure == pytest.approx(8.0 / 5.0) and adaptive.met
+    for name in ("MoS-15 tokens in 12 GiB at 100k (>= 16384)",
+                 "whole PTB LM step: Mixtape / softmax (<= 1.15)"):  # fmt: skip
+        assert targets[name].met is None  # the files lack them: unmeasured
+
+
+def test_memory_and_lm_parts_and_another_card():
+    memory = _report([_row("mos", 0.0, tokens=20_000, mode="same-memory")])
+    lm = _report([_row("softmax", 10.0, vocab=10_000, scope="lm"),
+                  _row("mixtape", 12.0, vocab=10_000, scope="lm")], card="NVIDIA H200")  # fmt: skip
+    targets = _by_name(collect({"memory.json": memory, "lm.json": lm}))
+    fit = targets["MoS-15 tokens in 12 GiB at 100k (>= 16384)"]
+    assert fit.figure == 20_000 and fit.met
+    step = targets["whole PTB LM step: Mixtape / softmax (<= 1.15) [NVIDIA H200]"]
+    assert step.figure == pytest.approx(1.2) and not step.met
+
+
+def test_the_shipped_h100_run(capsys):
+    """The H100 run of 2026-11-26: softmax's share of the matmul from its rows plan."""
+    path = REPO / "docs/results/bench_gpu_heads_100k.json"
+    rows = {row["head"]: row for row in json.loads(path.read_text())["results"]}
+    ratios = [m / s for m, s in zip(rows["matmul"]["times_ms"], rows["softmax@rows"]["times_ms"],
+                                    strict=True)]  # fmt: skip
+    targets = _by_name(main([str(path)]))
+    share = targets["softmax speed / bare matmul's at 100k (>= 0.8)"]
+    assert share.figure == pytest.approx(statistics.median(ratios), rel=1e-9)
+    assert not share.met
+    assert "NOT met" in capsys.readouterr().out
