@@ -43,7 +43,7 @@ from heads.kernels.mixtape_frequent import ReplayNoise, rng_state
 from heads.kernels.rows_ce import (
     Mixing,
     Terms,
-    _Gradients,
+    TileGradients,
     padded_columns,
     padded_weight,
     tile_body,
@@ -99,13 +99,8 @@ class _Walk:
     def __init__(self, contexts, gate_inputs, mixed, w_freq, b_freq, gate_weights, w_rare,
                  b_rare, target, dtype, tile, noise_std, seed) -> None:  # fmt: skip
         n, k, d = contexts.shape
-        self.k, self.s, self.dtype, self.noise_std, self.seed = (
-            k,
-            w_freq.size(0),
-            dtype,
-            noise_std,
-            seed,
-        )
+        self.k, self.s, self.dtype = k, w_freq.size(0), dtype
+        self.noise_std, self.seed = noise_std, seed
         self.rare = 0 if mixed is None else w_rare.size(0)
         self.v = self.s + self.rare
         self.acc = accumulation_dtype(contexts, w_freq)
@@ -127,9 +122,9 @@ class _Walk:
         self.rare_target = torch.where(target >= self.s, target - self.s, -1)
         self.tiles = spans(n, tile)
 
-    def run(self, row_weight, eps: float, grads: tuple[_Gradients, _Gradients, _Gradients | None]):
+    def run(self, row_weight, eps: float, grads: tuple[TileGradients, ...]):
         """Every tile: ``(nll, row loss)`` per token, the products' gradients (for
-        ``dL/dz = w (p - q)`` per row) added into ``grads`` (frequent, gates, rare)."""
+        ``dL/dz = w (p - q)`` per row) added into ``grads`` (frequent, gates, rare or None)."""
         parts = []
         for t0, t1 in self.tiles:
             body = self._triton_tile if self.triton else self._eager_tile
@@ -233,13 +228,13 @@ def _gradients(walk: _Walk, inputs, need, acc) -> tuple:
     ``b_freq``), gates (gate inputs, gate embeddings), rare (mixed, ``W_rare``, ``b_rare``)."""
     contexts, gate_inputs, mixed, w_freq, b_freq, gate_weights, w_rare, b_rare = inputs
     fold, columns = walk.triton, walk.columns
-    frequent = _Gradients(walk.contexts, w_freq, b_freq, acc, (need[0], need[3], need[4]),
+    frequent = TileGradients(walk.contexts, w_freq, b_freq, acc, (need[0], need[3], need[4]),
                           fold_bias=fold, columns=columns[0])  # fmt: skip
-    gates = _Gradients(walk.gate_inputs, gate_weights, None, acc, (need[1], need[5], False),
+    gates = TileGradients(walk.gate_inputs, gate_weights, None, acc, (need[1], need[5], False),
                        columns=columns[0])  # fmt: skip
     rare = None
     if walk.rare:
-        rare = _Gradients(mixed, w_rare, b_rare, acc, (need[2], need[6], need[7]),
+        rare = TileGradients(mixed, w_rare, b_rare, acc, (need[2], need[6], need[7]),
                           fold_bias=fold, columns=columns[1])  # fmt: skip
     return frequent, gates, rare
 

@@ -230,7 +230,7 @@ def compiled_recompute_tile(h, weight, bias, target, lse, scale, onehot):
     return _gradient(torch.exp(z - lse[:, None]), target, scale, onehot, None, h.dtype)
 
 
-class _Gradients:
+class TileGradients:
     """``(dh, dW, db)`` filled tile by tile in the accumulation dtype: each tile writes its
     rows of ``dh``; the first tile writes ``dW`` and ``db``, later ones add to them.
 
@@ -299,7 +299,7 @@ class _Walk:
             rows = (self.tiles[0][1] - self.tiles[0][0]) * k
             self.buffer = chunk_buffer(hidden, rows, weight.size(0), self.acc)
 
-    def forward(self, mixing: Mixing, row_weight, eps: float, grads: _Gradients):
+    def forward(self, mixing: Mixing, row_weight, eps: float, grads: TileGradients):
         """Every tile: ``(lse, z_target)`` per component row, ``(nll, row loss)`` per token
         and the mixing inputs' gradients; each tile's ``dz`` products added into ``grads``."""
         k, n = self.k, self.h.size(0)
@@ -362,7 +362,7 @@ class _Walk:
         row_gradient_(vocabulary, self.b, target, lse, terms.scale, terms.onehot, terms.uniform)
         return stats, z
 
-    def recompute(self, lse, scale, onehot, grads: _Gradients) -> None:
+    def recompute(self, lse, scale, onehot, grads: TileGradients) -> None:
         """The backward's extra pass: ``dz = scale p - onehot onehot(t)`` into ``grads``."""
         k = self.k
         for t0, t1 in self.tiles:
@@ -418,7 +418,7 @@ class RowsCrossEntropy(torch.autograd.Function):
         walk = _Walk(hidden, weight, bias, target, dtype, tile, mixing.k)
         # `grad`: the caller's grad mode (needs_input_grad ignores no_grad)
         need = ctx.needs_input_grad[:3] if grad else (False,) * 3
-        grads = _Gradients(hidden, weight, bias, walk.acc, need, fold_bias=walk.fold_bias,
+        grads = TileGradients(hidden, weight, bias, walk.acc, need, fold_bias=walk.fold_bias,
                            columns=walk.columns)  # fmt: skip
         row_weight = row_weight.to(walk.acc)
         # The gradients are formed per unit of the largest weight (1 / count: every kept
@@ -452,7 +452,7 @@ class RowsCrossEntropy(torch.autograd.Function):
             g = torch.where(row_weight > 0, as_dtype(grad_nll, lse.dtype), 0.0)
             scale, onehot, mixing_extra = nll_terms(lse, picked, mixing, g)
             walk = _Walk(hidden, weight, bias, target, dtype, tile, mixing.k)
-            extra = _Gradients(hidden, weight, bias, lse.dtype, ctx.needs_input_grad[:3],
+            extra = TileGradients(hidden, weight, bias, lse.dtype, ctx.needs_input_grad[:3],
                                fold_bias=walk.fold_bias, columns=walk.columns)  # fmt: skip
             with torch.autocast(hidden.device.type, enabled=False):
                 walk.recompute(lse, scale, onehot, extra)

@@ -413,7 +413,7 @@ def test_the_bias_gradient_folded_into_the_weight_product_equals_its_sum():
     gen = torch.Generator().manual_seed(3)
     hidden, weight = torch.randn(9, 6, generator=gen), torch.randn(23, 6, generator=gen)
     bias, dz = torch.randn(23, generator=gen), torch.randn(9, 23, generator=gen)
-    grads = [rows_ce._Gradients(hidden, weight, bias, torch.float32, (True,) * 3, fold)
+    grads = [rows_ce.TileGradients(hidden, weight, bias, torch.float32, (True,) * 3, fold)
              for fold in (True, False)]  # fmt: skip
     assert grads[0].joint is not None and grads[0].joint.size(1) == 8
     for g in grads:
