@@ -524,8 +524,36 @@ def render(results: Path = RESULTS, doc_dir: Path = OUT.parent) -> str:
         "confidence intervals of paired ratios unless marked ± (a standard deviation).",
         "## Summary",
         table(["topic", "file", "headline figures [95% CI]", "command"], summary),
+        *gpu_targets(results),
         *sections,
     ]) + "\n"  # fmt: skip
+
+
+def gpu_targets(results: Path) -> list[str]:
+    """The GPU targets section (``app.bench.targets``) over the GPU runs' reports, if any."""
+    from app.bench.targets import collect
+
+    paths = sorted(results.glob("bench_gpu_*.json"))
+    if not paths:
+        return []
+    rows = []
+    for t in collect({str(path): json.loads(path.read_text()) for path in paths}):
+        measured = t.met is not None
+        interval = "-" if not measured or t.low is None or math.isnan(t.low) else (
+            f"{t.low:.2f}-{t.high:.2f}")  # fmt: skip
+        verdict = "unmeasured" if not measured else "met" if t.met else "**not met**"
+        rows.append([t.target, f"{t.figure:.4g}" if measured else "-", interval, verdict,
+                     t.source or "-"])  # fmt: skip
+    command = "python -m app.bench.targets " + " ".join(f"docs/results/{p.name}" for p in paths)
+    return [
+        "## GPU targets",
+        "Issue 28's speed and memory targets (stated for one H100; another card is named), "
+        "read off the GPU runs' reports by `app.bench.targets`: each ratio paired within one "
+        "run, a head's figure its fastest own plan there (each run's date and code: its "
+        "section below).",
+        f"```bash\n{command}\n```",
+        table(["target", "figure", "95% CI", "met?", "file"], rows),
+    ]
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -130,3 +130,21 @@ def test_a_benchmarks_failed_subjects_are_named(results, tmp_path):
     (folder / "bench_cpu.json").write_text(json.dumps(report))
     text = render(folder, tmp_path)
     assert "Failed in this run, left out: `mixtape V=300 d=16 tokens=32`: RuntimeError: no" in text
+
+
+def test_gpu_targets_section_from_the_gpu_runs(results, tmp_path):
+    """A section of issue 28's targets where GPU reports exist (``app.bench.targets``); none
+    without them."""
+    import shutil
+    from pathlib import Path
+
+    assert "## GPU targets" not in render(results, tmp_path)
+    committed = Path(__file__).resolve().parents[2] / "docs" / "results"
+    folder = tmp_path / "results"
+    folder.mkdir()
+    shutil.copy(committed / "bench_gpu_heads_100k.json", folder)
+    text = render(folder, tmp_path)
+    section = text[text.index("## GPU targets") : text.index("## Other measurements")]
+    assert "python -m app.bench.targets docs/results/bench_gpu_heads_100k.json" in section
+    assert "| softmax / CCE at 100k (<= 1) | 0.2559 | 0.25-0.26 | met |" in section
+    assert "| MoS-15 tokens in 12 GiB at 100k (>= 16384) | - | - | unmeasured |" in section
