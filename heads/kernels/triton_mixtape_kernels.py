@@ -14,18 +14,18 @@ offset ``node S + column``: the gradient draws what the statistics drew, and no 
 is written or read.
 """
 
-import torch
 import triton
 import triton.language as tl
 
+from heads.kernels import triton_rows_kernels
 from heads.kernels.triton_rows_kernels import (
     fresh_statistics,
     statistics_step,
     store_statistics,
 )
 
-# the statistics' dtype for each accumulation dtype
-ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
+# the statistics' dtype for each accumulation dtype (the rows kernels' table)
+ACC = triton_rows_kernels.ACC
 
 
 @triton.jit
