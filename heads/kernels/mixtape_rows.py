@@ -229,13 +229,13 @@ def _gradients(walk: _Walk, inputs, need, acc) -> tuple:
     contexts, gate_inputs, mixed, w_freq, b_freq, gate_weights, w_rare, b_rare = inputs
     fold, columns = walk.triton, walk.columns
     frequent = TileGradients(walk.contexts, w_freq, b_freq, acc, (need[0], need[3], need[4]),
-                          fold_bias=fold, columns=columns[0])  # fmt: skip
+                             fold_bias=fold, columns=columns[0])  # fmt: skip
     gates = TileGradients(walk.gate_inputs, gate_weights, None, acc, (need[1], need[5], False),
-                       columns=columns[0])  # fmt: skip
+                          columns=columns[0])  # fmt: skip
     rare = None
     if walk.rare:
         rare = TileGradients(mixed, w_rare, b_rare, acc, (need[2], need[6], need[7]),
-                          fold_bias=fold, columns=columns[1])  # fmt: skip
+                             fold_bias=fold, columns=columns[1])  # fmt: skip
     return frequent, gates, rare
 
 
@@ -254,9 +254,9 @@ class MixtapeRowsCrossEntropy(torch.autograd.Function):
     ``w_freq`` ``[S, d]``, ``b_freq`` ``[S]``, ``w_rare`` ``[V-S, d]``, ``b_rare``
     ``[V-S]``, ``target`` ``[N]`` (ids in ``[0, V)``, -1: ignored), ``row_weight`` ``[N]``
     (``1 / count`` on kept tokens, 0 on ignored ones), label smoothing ``eps``, the gate
-    noise's std (0 outside training) and ``seed`` (``[1]`` int64: the Triton tiles' noise;
-    None: drawn from the device's generator),
-    the products' ``dtype``, the ``tile`` rows and the caller's grad mode."""
+    noise's std (0 outside training), ``seed`` (``[1]`` int64: the Triton tiles' noise; None:
+    drawn on the device), the products' ``dtype``, the ``tile`` rows and the caller's grad
+    mode."""
 
     @staticmethod
     def forward(ctx, contexts, gate_inputs, mixed, w_freq, b_freq, gate_weights, w_rare,

@@ -419,7 +419,7 @@ class RowsCrossEntropy(torch.autograd.Function):
         # `grad`: the caller's grad mode (needs_input_grad ignores no_grad)
         need = ctx.needs_input_grad[:3] if grad else (False,) * 3
         grads = TileGradients(hidden, weight, bias, walk.acc, need, fold_bias=walk.fold_bias,
-                           columns=walk.columns)  # fmt: skip
+                              columns=walk.columns)  # fmt: skip
         row_weight = row_weight.to(walk.acc)
         # The gradients are formed per unit of the largest weight (1 / count: every kept
         # token's, for a mean loss) and scaled in the backward: w p in float16 products would
@@ -453,7 +453,7 @@ class RowsCrossEntropy(torch.autograd.Function):
             scale, onehot, mixing_extra = nll_terms(lse, picked, mixing, g)
             walk = _Walk(hidden, weight, bias, target, dtype, tile, mixing.k)
             extra = TileGradients(hidden, weight, bias, lse.dtype, ctx.needs_input_grad[:3],
-                               fold_bias=walk.fold_bias, columns=walk.columns)  # fmt: skip
+                                  fold_bias=walk.fold_bias, columns=walk.columns)  # fmt: skip
             with torch.autocast(hidden.device.type, enabled=False):
                 walk.recompute(lse, scale, onehot, extra)
             added = (extra.h, extra.w, extra.b, *mixing_extra)

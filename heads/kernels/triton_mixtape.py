@@ -53,12 +53,12 @@ def _check(values: torch.Tensor, pre: torch.Tensor, target: torch.Tensor, s: int
     strides, K a power of two >= 2) against ``target [R]``."""
     rows = target.size(0)
     k = values.size(0) // max(rows, 1)
-    shapes_ok = (
-        values.dim() == pre.dim() == 2 and values.size(0) == rows * k and k >= 2
-        and not k & (k - 1) and pre.size(0) == rows * (k - 1) and min(values.size(1),
-        pre.size(1)) >= s and values.stride(1) == pre.stride(1) == 1
-    )  # fmt: skip
-    if rows and not shapes_ok:
+    planes = values.dim() == pre.dim() == 2 and (values.size(0), pre.size(0)) == (
+        rows * k, rows * (k - 1))  # fmt: skip
+    columns = planes and min(values.size(1), pre.size(1)) >= s
+    unit_stride = planes and values.stride(1) == pre.stride(1) == 1
+    power_of_two = k >= 2 and not k & (k - 1)
+    if rows and not (planes and columns and unit_stride and power_of_two):
         raise ValueError(
             f"expected values [R K, S] and gate pre-activations [R (K-1), S] with unit column "
             f"strides, K a power of two >= 2, for R = {rows} rows: got "
