@@ -108,7 +108,7 @@ def _is_training_bench(report: dict[str, Any]) -> bool:
 
 
 def _bench_command(report: dict[str, Any]) -> str:
-    return command_of("app.bench", report["args"], skip=("out", "name"))
+    return command_of("app.bench", report["args"], skip=("out", "name", "note"))
 
 
 def render_training_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> str:

@@ -296,7 +296,9 @@ def _report(args, options: BenchOptions, device: torch.device, results: list[dic
     )
     configs = {name: head_config(name, options) for name in FRAGMENTS
                if any(parse_subject(s).head == name for s in args.heads)}  # fmt: skip
+    note = {"note": args.note} if getattr(args, "note", None) else {}
     return {
+        **note,
         "args": vars(args), "options": {**asdict(options), "heads": configs}, "results": results,
         "failed": dict(failed),
         "machine": {"platform": platform.platform(), "torch": torch.__version__,
@@ -420,6 +422,8 @@ def _add_measure_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default="bench_results", help="folder for JSON and PNG")
     parser.add_argument("--name", default=None, help="file stem (default: mode-scope)")
+    parser.add_argument("--note", default=None, help="kept in the JSON as its note (what the "
+                        "run shows, why it was made; docs/results.md prints it)")  # fmt: skip
 
 
 def _mode_parser(add_help: bool) -> argparse.ArgumentParser:

@@ -273,3 +273,18 @@ def test_a_run_cut_short_keeps_the_rounds_it_timed(tmp_path):
     assert [r["vocab_size"] for r in saved[3]["results"]] == [300, 300, 600, 600]
     assert "partial" not in final and len(final["results"]) == 4
     assert [len(r["times_ms"]) for r in final["results"]] == [3, 3, 3, 3]
+
+
+def test_a_note_is_kept_and_left_out_of_the_command(tmp_path):
+    """``--note``: in the JSON as its note, which docs/results.md prints above the table; the
+    command that reproduces the run does not repeat it."""
+    from app.results import render
+
+    report = main(["--heads", "softmax", "--vocab-sizes", "50", "--hidden-sizes", "8",
+                   "--batch-sizes", "16", "--repeats", "1", "--warmup", "0", "--memory", "skip",
+                   "--flops", "skip", "--out", str(tmp_path), "--name", "bench_noted",
+                   "--note", "why this run was made"])  # fmt: skip
+    assert report["note"] == "why this run was made"
+    assert json.loads((tmp_path / "bench_noted.json").read_text())["note"] == report["note"]
+    text = render(tmp_path, tmp_path)
+    assert "why this run was made\n" in text and "--note" not in text
