@@ -44,9 +44,11 @@ from heads.kernels.rows_ce import (
     Mixing,
     Terms,
     TileGradients,
+    eager_gradient_,
     padded_columns,
     padded_weight,
     tile_body,
+    weight_unit,
 )
 from heads.kernels.sigmoid_tree import heap_level, level_widths
 from heads.kernels.triton_mixtape import frequent_gradient_, frequent_statistics
@@ -217,10 +219,7 @@ def _gradient_(exps, shift, target, lse, terms: Terms) -> torch.Tensor:
     """In place over one block's ``exps = exp(z - shift)``: ``dz = scale p - onehot [x = t] -
     uniform``, with ``p = exps exp(shift - lse)`` (0 where the whole softmax is ``-inf``)."""
     to_p = torch.where(lse == -math.inf, 0.0, torch.exp(shift - lse))
-    dz = exps.mul_((terms.scale * to_p)[:, None])
-    inside, column = target_columns(target, 0, dz.size(1))
-    dz.scatter_add_(1, column, torch.where(inside, -terms.onehot, 0.0)[:, None])
-    return dz if terms.uniform is None else dz.sub_(terms.uniform[:, None])
+    return eager_gradient_(exps, target, terms.scale * to_p, terms.onehot, terms.uniform)
 
 
 def _gradients(walk: _Walk, inputs, need, acc) -> tuple:
@@ -272,9 +271,7 @@ class MixtapeRowsCrossEntropy(torch.autograd.Function):
         need = ctx.needs_input_grad[:8] if grad else (False,) * 8
         grads = _gradients(walk, inputs, need, walk.acc)
         row_weight = row_weight.to(walk.acc)
-        # gradients per unit of the largest weight, scaled in the backward (rows_ce's reason)
-        unit = row_weight.amax() if row_weight.numel() else row_weight.new_ones(())
-        unit = torch.where(unit > 0, unit, 1.0)
+        unit = weight_unit(row_weight)  # gradients per unit, scaled in the backward
         with torch.autocast(contexts.device.type, enabled=False):
             nll, row_loss = walk.run(row_weight / unit, eps, grads)
         keep = row_weight > 0

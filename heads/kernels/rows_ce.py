@@ -394,6 +394,14 @@ def padded_weight(weight: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.
     return out
 
 
+def weight_unit(row_weight: torch.Tensor) -> torch.Tensor:
+    """The unit the rows plans form their gradients in: the largest weight (``1 / count``,
+    every kept token's, for a mean loss; 1 where there is none). The backward scales them by
+    it: ``w p`` in float16 products would underflow where the loss-scaled ``g p`` does not."""
+    unit = row_weight.amax() if row_weight.numel() else row_weight.new_ones(())
+    return torch.where(unit > 0, unit, 1.0)
+
+
 def _join(parts):
     """The tiles' per-token tensors as one (None where the tiles have none)."""
     if parts[0] is None:
@@ -421,11 +429,7 @@ class RowsCrossEntropy(torch.autograd.Function):
         grads = TileGradients(hidden, weight, bias, walk.acc, need, fold_bias=walk.fold_bias,
                               columns=walk.columns)  # fmt: skip
         row_weight = row_weight.to(walk.acc)
-        # The gradients are formed per unit of the largest weight (1 / count: every kept
-        # token's, for a mean loss) and scaled in the backward: w p in float16 products would
-        # underflow where the backward's loss-scaled g p does not
-        unit = row_weight.amax() if row_weight.numel() else row_weight.new_ones(())
-        unit = torch.where(unit > 0, unit, 1.0)
+        unit = weight_unit(row_weight)
         with torch.autocast(hidden.device.type, enabled=False):
             lse, picked, nll, row_loss, mixing_grads = walk.forward(
                 mixing, row_weight / unit, eps, grads
