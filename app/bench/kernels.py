@@ -3,12 +3,16 @@
 Each kernel of ``heads/kernels/triton_rows_kernels.py`` and
 ``heads/kernels/triton_mixtape_kernels.py`` is compiled, in the variants the heads launch (bf16
 products, float32 statistics; Mixtape's K = 2, 4, 8 with gate noise and label smoothing on),
-down to a cubin for ``--arch`` (default 90: Hopper, H100/H200) with Triton's own ``ptxas``, and
-the cubin's resource use is read with Triton's ``cuobjdump``: registers per thread, spilled
-bytes (local memory: a spill is a slow kernel) and shared memory. What this proves on a
-machine without a GPU: the kernels compile for the GPU (the interpreter the CPU tests use is
-more lenient: it takes a bf16 ``tl.sigmoid``, which ``ptxas`` refuses), and how many warps of
-them fit an SM. Their speed needs a GPU (``bash .ci/gpu``).
+down to a cubin for ``--arch`` (default 90: Hopper, H100/H200) with Triton's own ``ptxas``, as
+the heads launch them (:data:`ALIGNED`: what Triton specializes at such a launch), and the
+cubin is read with Triton's ``cuobjdump``: registers per thread, spilled bytes (local memory:
+a spill is a slow kernel), shared memory, and from the machine code its 16-byte global loads,
+its narrower multi-element ones and its barriers. What this proves on a machine without a
+GPU: the kernels compile for the GPU (the interpreter the CPU tests use is more lenient: it
+takes a bf16 ``tl.sigmoid``, which ``ptxas`` refuses), how many warps of them fit an SM, and
+whether their loads are the wide ones a bandwidth-bound kernel needs (a mask Triton cannot
+prove a multiple of 16 makes each bf16 load 2 bytes). Their speed needs a GPU
+(``bash .ci/gpu``).
 
 Needs Triton (``requirements-gpu.txt``) and ``TRITON_INTERPRET`` unset (the interpreter
 replaces the kernels with Python functions that cannot be compiled).
@@ -26,9 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # the heads' launch settings: the variants and warps the wrappers use
-ROWS_COMMON = {"v": "i32", "stride": "i32"}
-MIXTAPE_COMMON = {"s": "i32", "stride_v": "i32", "stride_p": "i32", "noise_std": "fp32",
-                  "row0": "i32"}  # fmt: skip
+ROWS_COMMON = {"rows": "i32", "v": "i32", "width": "i32", "stride": "i32"}
+MIXTAPE_COMMON = {"s": "i32", "width": "i32", "stride_v": "i32", "stride_p": "i32",
+                  "noise_std": "fp32", "row0": "i32"}  # fmt: skip
+# what Triton specializes at a launch by the heads, which pad their products' rows to 64
+# columns: pointers 16-byte aligned, these integers multiples of 16 (V itself: any)
+ALIGNED = ("width", "stride", "stride_v", "stride_p")
 
 
 @dataclass
@@ -41,6 +48,9 @@ class Usage:
     spilled_bytes: int
     shared_bytes: int
     warps: int
+    wide_loads: int  # 16-byte global loads in the code (LDG.E.128)
+    narrow_loads: int  # other global loads of more than one element (the rest: scalars)
+    barriers: int  # BAR.SYNC in the code: none in a row's loop
 
     @property
     def warps_per_sm(self) -> int:
@@ -59,8 +69,9 @@ def _specs():
     ptr = {name: "*fp32" for name in ("lse_ptr", "picked_ptr", "sum_ptr", "scale_ptr",
                                       "onehot_ptr", "uniform_ptr", "bias_ptr")}  # fmt: skip
     rows_args = {"z_ptr": "*bf16", "target_ptr": "*i64", **ptr}
-    rows_flags = {"HAS_BIAS": True, "HAS_UNIFORM": True, "ACC": tl.float32,
-                  "BLOCK": triton_rows._BLOCK}  # fmt: skip
+    # (the rows plan's products take the bias as a column: its kernels read none)
+    rows_flags = {"HAS_BIAS": False, "HAS_UNIFORM": True, "ACC": tl.float32,
+                  "REPS": triton_rows._REPS, "LANES": triton_rows._LANES}  # fmt: skip
     specs = []
     for fuse in (False, True):
         specs.append((
@@ -88,13 +99,17 @@ def _ordered(fn, types: dict[str, str]) -> dict[str, str]:
     return {name: types.get(name, "constexpr") for name in fn.arg_names}
 
 
-def _resources(cubin: bytes, cuobjdump: Path) -> tuple[int, int, int]:
-    """``(registers, spilled bytes, shared bytes)`` of the cubin's one function."""
+def _dump(cubin: bytes, cuobjdump: Path, flag: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name],
-                              capture_output=True, text=True, check=True).stdout  # fmt: skip
+        return subprocess.run([str(cuobjdump), flag, f.name], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+
+
+def _resources(cubin: bytes, cuobjdump: Path) -> tuple[int, int, int]:
+    """``(registers, spilled bytes, shared bytes)`` of the cubin's one function."""
+    text = _dump(cubin, cuobjdump, "--dump-resource-usage")
     found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", text)
     if found is None:
         raise RuntimeError(f"cuobjdump gave no resource usage:\n{text}")
@@ -102,8 +117,19 @@ def _resources(cubin: bytes, cuobjdump: Path) -> tuple[int, int, int]:
     return registers, stack + local, shared
 
 
+def instruction_counts(sass: str) -> tuple[int, int, int]:
+    """``(16-byte loads, other multi-element loads, barriers)`` among the SASS's global
+    loads and barriers (the scalar loads of a row's few per-row values are left out)."""
+    opcodes = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass)
+    wide = sum(op.startswith("LDG.E.128") for op in opcodes)
+    narrow = sum(op.startswith(("LDG.E.64", "LDG.E.U16", "LDG.E.16")) for op in opcodes)
+    barriers = sum(op.startswith("BAR.SYNC") for op in opcodes)
+    return wide, narrow, barriers
+
+
 def compile_all(arch: int = 90) -> list[Usage]:
-    """Every variant compiled for ``sm_<arch>``: its resource use."""
+    """Every variant compiled for ``sm_<arch>`` as the heads launch it (:data:`ALIGNED`):
+    its resource use and loads."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
     import triton
@@ -113,12 +139,18 @@ def compile_all(arch: int = 90) -> list[Usage]:
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     usages = []
     for name, fn, signature, constexprs, warps in _specs():
+        aligned = {(fn.arg_names.index(arg),): [["tt.divisibility", 16]]
+                   for arg, kind in signature.items()
+                   if kind.startswith("*") or arg in ALIGNED}  # fmt: skip
         signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
-        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
         compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
                                   options={"num_warps": warps})  # fmt: skip
-        variant = ", ".join(f"{k}={v}" for k, v in constexprs.items() if k in ("FUSE", "BLOCK"))
-        usages.append(Usage(name, variant, *_resources(compiled.asm["cubin"], cuobjdump), warps))
+        cubin = compiled.asm["cubin"]
+        variant = ", ".join(f"{k}={v}" for k, v in constexprs.items()
+                            if k in ("FUSE", "BLOCK", "REPS", "LANES"))  # fmt: skip
+        usages.append(Usage(name, variant, *_resources(cubin, cuobjdump), warps,
+                            *instruction_counts(_dump(cubin, cuobjdump, "-sass"))))  # fmt: skip
     return usages
 
 
@@ -130,11 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
     args = parser.parse_args(argv)
     usages = compile_all(args.arch)
-    print(f"{'kernel':24} {'variant':22} {'regs':>5} {'spilled B':>9} {'shared B':>8} "
-          f"{'warps':>5} {'warps/SM':>8}")  # fmt: skip
+    print(f"{'kernel':24} {'variant':28} {'regs':>5} {'spilled B':>9} {'shared B':>8} "
+          f"{'warps':>5} {'warps/SM':>8} {'16B loads':>9} {'narrow':>6} "
+          f"{'barriers':>8}")  # fmt: skip
     for u in usages:
-        print(f"{u.kernel:24} {u.variant:22} {u.registers:5d} {u.spilled_bytes:9d} "
-              f"{u.shared_bytes:8d} {u.warps:5d} {u.warps_per_sm:8d}")  # fmt: skip
+        print(f"{u.kernel:24} {u.variant:28} {u.registers:5d} {u.spilled_bytes:9d} "
+              f"{u.shared_bytes:8d} {u.warps:5d} {u.warps_per_sm:8d} {u.wide_loads:9d} "
+              f"{u.narrow_loads:6d} {u.barriers:8d}")  # fmt: skip
     spilled = [u.kernel for u in usages if u.spilled_bytes]
     if spilled:
         print(f"spills to local memory: {', '.join(spilled)}", file=sys.stderr)

@@ -49,10 +49,12 @@ from heads.kernels.rows_ce import (
     padded_weight,
     tile_body,
     weight_unit,
+    with_bias,
+    with_ones,
 )
 from heads.kernels.sigmoid_tree import heap_level, level_widths
 from heads.kernels.triton_mixtape import frequent_gradient_, frequent_statistics
-from heads.kernels.triton_rows import row_gradient_, row_statistics
+from heads.kernels.triton_rows import bias_to_width, row_gradient_, row_statistics
 
 
 def tile_logits_per_row(device: torch.device, dtype: torch.dtype, k: int, s: int, rare: int):
@@ -110,19 +112,30 @@ class _Walk:
         # the Triton tiles' products: zero rows after each weight's, whose outputs stay 0
         pad = padded_columns if self.triton else (lambda columns: columns)
         self.columns = pad(self.s), pad(self.rare)
-        self.contexts = as_dtype(contexts.reshape(n * k, d), dtype)
         self.gate_inputs = as_dtype(gate_inputs.reshape(n * (k - 1), gate_inputs.size(-1)), dtype)
-        self.w_freq = padded_weight(w_freq, self.columns[0], dtype)
         self.gate_weights = padded_weight(gate_weights, self.columns[0], dtype)
-        self.b_freq = as_dtype(b_freq, self.acc)
+        # the Triton tiles' rare product takes the bias as a column (rows_ce.with_bias); the
+        # frequent ones not: the gates' gradients take differences of component logits
+        # (Eq. 3), which a bias inside them would leave to bf16's rounding at |b|
+        self.contexts, self.w_freq, self.b_freq = self._product(
+            contexts.reshape(n * k, d), w_freq, b_freq, self.columns[0], fold=False
+        )
         self.mixed = self.w_rare = self.b_rare = None
         if self.rare:
-            self.mixed = as_dtype(mixed, dtype)
-            self.w_rare = padded_weight(w_rare, self.columns[1], dtype)
-            self.b_rare = as_dtype(b_rare, self.acc)
+            self.mixed, self.w_rare, self.b_rare = self._product(mixed, w_rare, b_rare,
+                                                                 self.columns[1])  # fmt: skip
         self.frequent_target = torch.where(target < self.s, target, -1)  # -1 stays -1
         self.rare_target = torch.where(target >= self.s, target - self.s, -1)
         self.tiles = spans(n, tile)
+
+    def _product(self, hidden, weight, bias, columns: int, fold: bool = True):
+        """A product's inputs ``(h, W, b)``: the Triton tiles' with the bias folded in (b
+        None), or padded to the products' columns as the kernels read it."""
+        if self.triton and fold and bias is not None:
+            return with_ones(hidden, self.dtype), with_bias(weight, bias, columns, self.dtype), None
+        if bias is not None:
+            bias = bias_to_width(as_dtype(bias, self.acc), columns)
+        return as_dtype(hidden, self.dtype), padded_weight(weight, columns, self.dtype), bias
 
     def run(self, row_weight, eps: float, grads: tuple[TileGradients, ...]):
         """Every tile: ``(nll, row loss)`` per token, the products' gradients (for
@@ -166,7 +179,7 @@ class _Walk:
         if self.rare:
             rare = torch.mm(self.mixed[t0:t1], self.w_rare.t())
             rare_lse, rare_picked, rare_total = row_statistics(
-                rare[:, : self.rare], self.b_rare, self.rare_target[t0:t1], smoothing, None, acc
+                rare, self.b_rare, self.rare_target[t0:t1], smoothing, None, acc, self.rare
             )
             lse_parts.append(rare_lse)
             picked = picked + rare_picked
@@ -175,8 +188,8 @@ class _Walk:
         frequent_gradient_(values, pre, self.b_freq, target, s, lse, terms.scale, terms.onehot,
                            terms.uniform, **noise)  # fmt: skip
         if self.rare:
-            row_gradient_(rare[:, : self.rare], self.b_rare, self.rare_target[t0:t1], lse,
-                          terms.scale, terms.onehot, terms.uniform)  # fmt: skip
+            row_gradient_(rare, self.b_rare, self.rare_target[t0:t1], lse, terms.scale,
+                          terms.onehot, terms.uniform, self.rare)  # fmt: skip
         return terms, (values, pre, rare)
 
     def _eager_tile(self, t0: int, t1: int, row_weight, eps: float):

@@ -235,7 +235,9 @@ class TileGradients:
     rows of ``dh``; the first tile writes ``dW`` and ``db``, later ones add to them.
 
     ``fold_bias`` (the GPU tiles): ``db`` comes out of the ``dW`` product, ``dz^T [h | 1 | 0]``
-    into ``[dW | db | 0]`` (padded to 8 columns), instead of a pass of its own over ``dz``.
+    into ``[dW | db | 0]`` (:func:`with_ones`), instead of a pass of its own over ``dz``. A
+    tile's ``h`` and ``W`` may come joint already (the Triton tiles' products take the bias
+    as a column: :func:`with_bias`); ``dh`` and ``dW`` use their first ``d`` columns.
     ``columns``: the tiles' logits' columns, the vocabulary's padded with zero columns (the
     Triton tiles); ``dW`` and ``db`` are the first ``V`` rows of what they accumulate into."""
 
@@ -250,23 +252,23 @@ class TileGradients:
         self.b_all = new(columns, dtype=acc) if bias is not None and need[2] else None
         self.joint = None
         if fold_bias and self.w_all is not None and self.b_all is not None:
-            self.joint = new(columns, (d + 8) // 8 * 8, dtype=acc)
+            self.joint = new(columns, joint_width(d), dtype=acc)
             self.w_all, self.b_all = self.joint[:, :d], self.joint[:, d]
         self.w = None if self.w_all is None else self.w_all[:v]
         self.b = None if self.b_all is None else self.b_all[:v]
+        self.d = d
 
     def add_tile(self, r0: int, r1: int, h_r, w_c, dz, dtype) -> None:
         """``dh[r0:r1] = dz W``, ``dW (+)= dz^T h``, ``db (+)= sum_rows dz``."""
-        dz_c = as_dtype(dz, dtype)
+        dz_c, d = as_dtype(dz, dtype), self.d
         if self.h is not None:
-            accumulate_mm(self.h[r0:r1], dz_c, w_c, False)
+            accumulate_mm(self.h[r0:r1], dz_c, w_c[:, :d], False)
         if self.joint is not None:
-            rows, pad = h_r.size(0), self.joint.size(1) - h_r.size(1) - 1
-            ones = torch.cat((h_r.new_ones(rows, 1), h_r.new_zeros(rows, pad)), 1)
-            accumulate_mm(self.joint, dz_c.t(), torch.cat((h_r, ones), 1), r0 > 0)
+            joint = h_r if h_r.size(1) == self.joint.size(1) else with_ones(h_r, h_r.dtype)
+            accumulate_mm(self.joint, dz_c.t(), joint, r0 > 0)
             return
         if self.w_all is not None:
-            accumulate_mm(self.w_all, dz_c.t(), h_r, r0 > 0)
+            accumulate_mm(self.w_all, dz_c.t(), h_r[:, :d], r0 > 0)
         if self.b_all is not None:
             if r0 > 0:
                 self.b_all += dz.sum(0, dtype=self.b_all.dtype)
@@ -283,15 +285,20 @@ class _Walk:
         body = tile_body(hidden.device, dtype)
         self.triton, self.compiled = body == "triton", body == "compiled"
         self.fold_bias = self.triton or self.compiled  # GPU tiles: db from the dW product
-        # the Triton tiles' products: zero rows after W's, whose logits (and dz there) are 0
+        # the Triton tiles' products: zero rows after W's, whose logits (and dz there) are 0,
+        # and the bias as a column of them (a bias read a logit would be twice the logits')
         self.columns = padded_columns(weight.size(0)) if self.triton else weight.size(0)
-        self.h, self.w = as_dtype(hidden, dtype), padded_weight(weight, self.columns, dtype)
+        if self.triton and bias is not None:
+            self.h = with_ones(hidden, dtype)
+            self.w = with_bias(weight, bias, self.columns, dtype)
+        else:
+            self.h, self.w = as_dtype(hidden, dtype), padded_weight(weight, self.columns, dtype)
         self.rows_target = target.repeat_interleave(k) if k > 1 else target
         tokens = hidden.size(0) // k
         self.tiles = spans(tokens, None if tile is None else max(1, tile // k))
         self.buffer = None
-        if self.triton:
-            self.b = None if bias is None else as_dtype(bias, self.acc)
+        if self.triton:  # the bias in the products
+            self.b = None
         elif self.compiled:
             b = bias if bias is not None else weight.new_zeros(weight.size(0))
             self.b = as_dtype(b, self.acc)
@@ -352,14 +359,12 @@ class _Walk:
         fuse = None
         if want_dz and plain and FUSE_SOFTMAX:
             fuse = Terms.softmax_coefficients(row_weight, eps, v)
-        vocabulary = z[:, :v]
-        lse, picked, total_logit = row_statistics(vocabulary, self.b, target, eps > 0, fuse,
-                                                  self.acc)  # fmt: skip
+        lse, picked, total_logit = row_statistics(z, self.b, target, eps > 0, fuse, self.acc, v)
         terms = Terms(lse, picked, total_logit, mixing, row_weight, eps, v)
         stats = (lse, picked, terms.nll, terms.loss, terms.grads)
         if not want_dz or fuse is not None:
             return stats, z if fuse is not None else None
-        row_gradient_(vocabulary, self.b, target, lse, terms.scale, terms.onehot, terms.uniform)
+        row_gradient_(z, self.b, target, lse, terms.scale, terms.onehot, terms.uniform, v)
         return stats, z
 
     def recompute(self, lse, scale, onehot, grads: TileGradients) -> None:
@@ -369,8 +374,8 @@ class _Walk:
             r0, r1 = t0 * k, t1 * k
             if self.triton:
                 dz = torch.mm(self.h[r0:r1], self.w.t())
-                row_gradient_(dz[:, : self.weight.size(0)], self.b, self.rows_target[r0:r1],
-                              lse[r0:r1], scale[r0:r1], onehot[r0:r1])  # fmt: skip
+                row_gradient_(dz, self.b, self.rows_target[r0:r1], lse[r0:r1], scale[r0:r1],
+                              onehot[r0:r1], v=self.weight.size(0))  # fmt: skip
             elif self.compiled:
                 body = compiled_body(compiled_recompute_tile)
                 dz = body(self.h[r0:r1], self.w, self.b, self.rows_target[r0:r1], lse[r0:r1],
@@ -391,6 +396,33 @@ def padded_weight(weight: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.
         return as_dtype(weight, dtype)
     out = weight.new_zeros(rows, weight.size(1), dtype=dtype)
     out[: weight.size(0)] = weight
+    return out
+
+
+def joint_width(d: int) -> int:
+    """The columns of ``[h | 1 | 0]``: ``d + 1`` padded to a multiple of 8 (16-byte rows in
+    half precision, as the tensor-core products need)."""
+    return (d + 8) // 8 * 8
+
+
+def with_ones(hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[h | 1 | 0]`` in ``dtype`` (:func:`joint_width` columns): times ``[W | b | 0]^T`` it
+    is ``h W^T + b`` in one product; ``dz^T`` times it is ``[dW | db | 0]``."""
+    n, d = hidden.shape
+    out = hidden.new_zeros(n, joint_width(d), dtype=dtype)
+    out[:, :d] = hidden
+    out[:, d] = 1
+    return out
+
+
+def with_bias(weight: torch.Tensor, bias: torch.Tensor, rows: int, dtype: torch.dtype):
+    """``[W | b | 0]`` in ``dtype``, with zero rows up to ``rows`` (:func:`padded_weight`):
+    the bias rounded to ``dtype`` as the products' inputs are (``F.linear`` under autocast
+    does the same)."""
+    v, d = weight.shape
+    out = weight.new_zeros(rows, joint_width(d), dtype=dtype)
+    out[:v, :d] = weight
+    out[:v, d] = bias
     return out
 
 

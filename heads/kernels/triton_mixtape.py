@@ -27,7 +27,7 @@ import functools
 import torch
 
 from heads.kernels.sigmoid_tree import level_widths
-from heads.kernels.triton_rows import triton_available
+from heads.kernels.triton_rows import bias_to_width, triton_available
 
 __all__ = ["frequent_gradient_", "frequent_statistics", "gate_noise", "triton_available"]
 
@@ -67,12 +67,18 @@ def _check(values: torch.Tensor, pre: torch.Tensor, target: torch.Tensor, s: int
     return k
 
 
+def _width(values: torch.Tensor, pre: torch.Tensor) -> int:
+    """The columns the kernels read (the products' padded width: 16-byte loads)."""
+    return min(values.size(1), pre.size(1))
+
+
 def _common(values, pre, s: int, k: int, seed, noise_std: float, row0: int, acc):
     """The arguments both kernels take after their own pointers."""
     return dict(
-        s=s, stride_v=values.stride(0), stride_p=pre.stride(0), noise_std=float(noise_std),
-        row0=row0, K=k, LEVELS=len(level_widths(k)), HAS_NOISE=seed is not None and noise_std > 0,
-        ACC=_kernels().ACC[acc], BLOCK=_block(k), num_warps=_WARPS,
+        s=s, width=_width(values, pre), stride_v=values.stride(0), stride_p=pre.stride(0),
+        noise_std=float(noise_std), row0=row0, K=k, LEVELS=len(level_widths(k)),
+        HAS_NOISE=seed is not None and noise_std > 0, ACC=_kernels().ACC[acc], BLOCK=_block(k),
+        num_warps=_WARPS,
     )  # fmt: skip
 
 
@@ -95,6 +101,7 @@ def frequent_statistics(
     (``[1]`` int64) for the tile's rows from ``row0`` on."""
     k = _check(values, pre, target, s)
     rows = target.size(0)
+    bias = bias_to_width(bias, _width(values, pre))
     lse, picked = values.new_empty(rows, dtype=acc), values.new_empty(rows, dtype=acc)
     total = values.new_empty(rows, dtype=acc) if want_sum else lse
     if rows:
@@ -122,13 +129,16 @@ def frequent_gradient_(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place over the first ``s`` columns, with ``dz = scale p - onehot [x = t] -
     uniform`` (``p = exp(z - lse)``, ``lse`` the row's over the whole softmax): ``values``
-    becomes ``dL/d(h_k . w_x) = dz pi_k`` and ``pre`` ``dL/d pre``; returns both. The noise
-    arguments as :func:`frequent_statistics` was given them."""
+    becomes ``dL/d(h_k . w_x) = dz pi_k`` and ``pre`` ``dL/d pre``, 0 over the columns from
+    ``s`` on both have (the products' padding: read and written with the rest, in 16-byte
+    accesses); returns both. The noise arguments as :func:`frequent_statistics` was given
+    them."""
     k = _check(values, pre, target, s)
     rows = target.size(0)
+    bias = bias_to_width(bias, _width(values, pre))
     if rows:
         kernels = _kernels()
-        kernels.gradient[(rows, kernels.cdiv(s, _block(k)))](
+        kernels.gradient[(rows, kernels.cdiv(_width(values, pre), _block(k)))](
             values, pre, lse if bias is None else bias, target, lse if seed is None else seed,
             lse, scale, onehot, lse if uniform is None else uniform, HAS_BIAS=bias is not None,
             HAS_UNIFORM=uniform is not None,

@@ -18,11 +18,7 @@ import triton
 import triton.language as tl
 
 from heads.kernels import triton_rows_kernels
-from heads.kernels.triton_rows_kernels import (
-    fresh_statistics,
-    statistics_step,
-    store_statistics,
-)
+from heads.kernels.triton_rows_kernels import merge_statistics, row_lse
 
 # the statistics' dtype for each accumulation dtype (the rows kernels' table)
 ACC = triton_rows_kernels.ACC
@@ -38,7 +34,8 @@ def _split(x, HALF: tl.constexpr, BLOCK: tl.constexpr):
 def _gates(pre_row, stride_p, seed, cols, mask, s, noise_std, FIRST: tl.constexpr,
            NODES: tl.constexpr, HAS_NOISE: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
     """The sigmoids ``[NODES, BLOCK]`` of nodes ``FIRST .. FIRST + NODES - 1`` (Eq. 3-4),
-    their pre-activations' noise drawn at offset ``node S + column``."""
+    their pre-activations' noise drawn at offset ``node S + column`` (``mask``: the loads',
+    the padded width's)."""
     nodes = FIRST + tl.arange(0, NODES)
     pre = tl.load(pre_row + nodes[:, None] * stride_p + cols[None, :], mask=mask[None, :],
                   other=0.0).to(ACC)  # fmt: skip
@@ -67,7 +64,8 @@ def _logits(values_row, pre_row, bias_ptr, seed, cols, mask, s, stride_v, stride
             noise_std, K: tl.constexpr, LEVELS: tl.constexpr, HAS_BIAS: tl.constexpr,
             HAS_NOISE: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """``(z [BLOCK], priors [K, BLOCK], values [K, BLOCK])``: Eq. 2's gated logits plus the
-    bias, ``-inf`` outside the block's ``s`` columns."""
+    bias, ``-inf`` outside the block's ``s`` columns (``mask``: the loads', ``cols <
+    width``; the bias padded to ``width``)."""
     priors = _priors(pre_row, stride_p, seed, cols, mask, s, noise_std, K, LEVELS, HAS_NOISE,
                      ACC, BLOCK)  # fmt: skip
     leaves = tl.arange(0, K)
@@ -76,46 +74,55 @@ def _logits(values_row, pre_row, bias_ptr, seed, cols, mask, s, stride_v, stride
     z = tl.sum(priors * values, 0)
     if HAS_BIAS:
         z += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(ACC)
-    return tl.where(mask, z, float("-inf")), priors, values
+    return tl.where(cols < s, z, float("-inf")), priors, values
 
 
 @triton.jit(do_not_specialize=["row0"])
 def statistics(values_ptr, pre_ptr, bias_ptr, target_ptr, seed_ptr, lse_ptr, picked_ptr,
-               sum_ptr, s, stride_v, stride_p, noise_std, row0, K: tl.constexpr,
+               sum_ptr, s, width, stride_v, stride_p, noise_std, row0, K: tl.constexpr,
                LEVELS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NOISE: tl.constexpr,
                HAS_SUM: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """Per row: the online log-sum-exp of the gated logits by blocks of columns (one ``exp``
-    a logit), the target's logit (0 outside ``[0, s)``) and, ``HAS_SUM``, their sum."""
+    """Per row: the online log-sum-exp of the gated logits, kept per lane (a column of the
+    block: one ``exp`` a logit, no barrier in the loop), the target's logit (0 outside
+    ``[0, s)``) and, ``HAS_SUM``, their sum."""
     row = tl.program_id(0)
     values_row = values_ptr + (row * K).to(tl.int64) * stride_v
     pre_row = pre_ptr + (row * (K - 1)).to(tl.int64) * stride_p
     seed = tl.load(seed_ptr) + row0 + row
     t = tl.load(target_ptr + row)
-    top, total, picked, logit_sum = fresh_statistics(ACC, BLOCK)
+    top = tl.full([BLOCK], float("-inf"), ACC)
+    total = tl.zeros([BLOCK], ACC)
+    picked = tl.zeros([BLOCK], ACC)
+    logit_sum = tl.zeros([BLOCK], ACC)
     for start in range(0, s, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = cols < s
-        z, _, _ = _logits(values_row, pre_row, bias_ptr, seed, cols, mask, s, stride_v,
+        z, _, _ = _logits(values_row, pre_row, bias_ptr, seed, cols, cols < width, s, stride_v,
                           stride_p, noise_std, K, LEVELS, HAS_BIAS, HAS_NOISE, ACC,
                           BLOCK)  # fmt: skip
-        top, total, picked, logit_sum = statistics_step(z, cols, mask, t, top, total, picked,
-                                                        logit_sum, HAS_SUM)  # fmt: skip
-    store_statistics(row, top, total, picked, logit_sum, lse_ptr, picked_ptr, sum_ptr, HAS_SUM)
+        top, total = merge_statistics(top, total, z, 1.0)  # a lane's one logit: sum exp(0)
+        picked += tl.where((cols == t) & (cols < s), z, 0.0)
+        if HAS_SUM:
+            logit_sum += tl.where(cols < s, z, 0.0)
+    tl.store(lse_ptr + row, row_lse(top, total))
+    tl.store(picked_ptr + row, tl.sum(picked, 0))
+    if HAS_SUM:
+        tl.store(sum_ptr + row, tl.sum(logit_sum, 0))
 
 
 @triton.jit(do_not_specialize=["row0"])
 def gradient(values_ptr, pre_ptr, bias_ptr, target_ptr, seed_ptr, lse_ptr, scale_ptr,
-             onehot_ptr, uniform_ptr, s, stride_v, stride_p, noise_std, row0,
+             onehot_ptr, uniform_ptr, s, width, stride_v, stride_p, noise_std, row0,
              K: tl.constexpr, LEVELS: tl.constexpr, HAS_BIAS: tl.constexpr,
              HAS_NOISE: tl.constexpr, HAS_UNIFORM: tl.constexpr, ACC: tl.constexpr,
              BLOCK: tl.constexpr):  # fmt: skip
     """In place, per row and block of columns: ``dz = scale p - onehot [x = t] - uniform``,
     then the component logits' gradients ``dz pi_k`` over the component logits and the
     pre-activations' ``dz pi_node (left - right) gamma (1 - gamma)`` over the
-    pre-activations (a node's ``left``/``right``: its children's values, Eq. 3)."""
+    pre-activations (a node's ``left``/``right``: its children's values, Eq. 3); 0 over
+    the padding, ``[s, width)``."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < s
+    mask = cols < width
     values_row = values_ptr + (row * K).to(tl.int64) * stride_v
     pre_row = pre_ptr + (row * (K - 1)).to(tl.int64) * stride_p
     seed = tl.load(seed_ptr) + row0 + row
@@ -128,7 +135,7 @@ def gradient(values_ptr, pre_ptr, bias_ptr, target_ptr, seed_ptr, lse_ptr, scale
                                                  tl.load(onehot_ptr + row), 0.0)  # fmt: skip
     if HAS_UNIFORM:
         dz -= tl.load(uniform_ptr + row)
-    dz = tl.where(mask, dz, 0.0)
+    dz = tl.where(cols < s, dz, 0.0)
     leaves = tl.arange(0, K)
     grad_values = (dz[None, :] * priors).to(values_ptr.dtype.element_ty)
     tl.store(values_row + leaves[:, None] * stride_v + cols[None, :], grad_values,

@@ -1,24 +1,35 @@
 """The rows plan's elementwise passes over a tile's logits as two Triton kernels (CUDA, with
 Triton installed: it ships with PyTorch's CUDA wheels; never needed on a CPU).
 
-A tile's logits ``z = h W^T`` ``[R, V]`` come out of one product in the products' dtype (bf16
-under autocast); then
+A tile's logits ``z = h W^T`` ``[R, C]`` come out of one product in the products' dtype (bf16
+under autocast), ``C`` the vocabulary ``V`` padded to a multiple of 64 with zero columns;
+then
 
-- :func:`row_statistics` reads them once: per row the online log-sum-exp of ``z + b`` by
-  blocks of columns (the block's maximum, then one ``exp`` per logit), the target's logit
-  and, with label smoothing, the row's sum of logits;
+- :func:`row_statistics` reads them once: per row the online log-sum-exp of ``z + b`` (kept
+  per lane, one ``exp`` a logit), the target's logit (one load) and, with label smoothing,
+  the row's sum of logits;
 - :func:`row_gradient_` reads them once more and writes ``dz = scale p - onehot [x = t] -
-  uniform`` over them, in place, in their dtype (``p = exp(z + b - lse)``), for the two
-  gradient products.
+  uniform`` over them, in place, in their dtype (``p = exp(z + b - lse)``; 0 in the padding),
+  for the two gradient products.
 
 Two bytes read, then two read and two written per logit: no float32 copy of the tile, and the
 tile's memory is its logits alone (the compiled body holds them and ``dz`` side by side).
 Where a softmax's per-row coefficients are known before its log-sum-exp (one softmax: ``w``
 and ``(1 - eps) w``), :func:`row_statistics` takes them and writes ``dz`` in the same program,
-row by row (``fuse``). On an H200 (V = 100k, d = 512, 16,384 tokens, 2,684-row tiles, the
-first form of the statistics kernel: per lane, two ``exp`` a logit) a softmax step took
-12.9 ms against the compiled tiles' 14.0, with 631 MiB more than its inputs against 1,141
-(2026-11-26).
+row by row (``fuse``); its programs are a fixed grid (:data:`PROGRAMS_PER_SM` a streaming
+multiprocessor), each taking every so many rows, so that the rows being read at once (and
+read again for ``dz``) stay few enough for the GPU's L2 cache.
+
+Why the kernels are shaped so (``python -m app.bench.kernels`` shows it in the compiled
+code): every load is 16 bytes (the loads are masked by the padded width ``C``, which Triton
+then proves a multiple of 16: masked by ``V`` they were one 2-byte load a logit wherever
+``V`` is no multiple of 16, e.g. WikiText's 33,278 and 267,735), a thread has ``_REPS`` of
+them in flight, and a row's loop has no barrier (a lane's ``_REPS`` logits are one thread's;
+the lanes meet once a row). On an H200 (V = 100k, d = 512, 16,384 tokens, 2,684-row tiles,
+the first form of the statistics kernel: per lane, two ``exp`` a logit, one load in flight a
+thread) a softmax step took 12.9 ms against the compiled tiles' 14.0, with 631 MiB more than
+its inputs against 1,141 (2026-11-26); its statistics kernel 3.7 ms of it, reading at about
+half the card's bandwidth.
 
 Rows of ``-inf`` (masked columns) give ``lse = -inf`` and ``dz = -onehot [x = t] - uniform``:
 the maximum they are shifted by is taken as 0 there (``-inf - -inf`` would be NaN).
@@ -32,9 +43,15 @@ import importlib.util
 
 import torch
 
-# columns a program reads per step (the load is this many elements of the row)
-_BLOCK = 2048
 _WARPS = 8
+# a block of a row: _REPS lane rows of _LANES columns (8 a thread: one 16-byte load of bf16)
+_LANES = 8 * 32 * _WARPS
+_REPS = 4
+# the fused statistics' grid: this many programs a streaming multiprocessor (on an H100, 264
+# rows of 100k bf16 logits read at once: ~53 MB, about its L2, which the dz pass reads again)
+PROGRAMS_PER_SM = 2
+# the grid under Triton's interpreter (a CPU): a few programs, so that each takes several rows
+_INTERPRETED_PROGRAMS = 3
 
 
 @functools.cache
@@ -58,6 +75,30 @@ def _check(z: torch.Tensor, target: torch.Tensor) -> None:
         raise ValueError(f"logits must be [R, V] with unit column stride, target [R]: {shapes}")
 
 
+def bias_to_width(bias: torch.Tensor | None, width: int) -> torch.Tensor | None:
+    """``bias`` with zeros up to ``width`` entries (the kernels read it as they read a row)."""
+    if bias is None or bias.numel() >= width:
+        return bias
+    return torch.nn.functional.pad(bias, (0, width - bias.numel()))
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _programs(z: torch.Tensor, rows: int) -> int:
+    """The fused statistics' grid: :data:`PROGRAMS_PER_SM` an SM (at most one a row)."""
+    if z.device.type != "cuda":
+        return min(rows, _INTERPRETED_PROGRAMS)
+    return min(rows, PROGRAMS_PER_SM * _multiprocessors(z.device.index or 0))
+
+
+def _geometry(z: torch.Tensor, v: int | None) -> dict:
+    return dict(v=z.size(1) if v is None else v, width=z.size(1), stride=z.stride(0),
+                REPS=_REPS, LANES=_LANES, num_warps=_WARPS)  # fmt: skip
+
+
 def row_statistics(
     z: torch.Tensor,
     bias: torch.Tensor | None,
@@ -65,21 +106,25 @@ def row_statistics(
     want_sum: bool,
     fuse: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
     acc: torch.dtype = torch.float32,
+    v: int | None = None,
 ):
-    """``(lse, z_target, sum_x z or None)`` per row of ``z + bias`` (``acc``; ``z_target``
-    0 where ``target`` is outside ``[0, V)``). ``fuse = (scale, onehot, uniform)`` per row:
-    ``z`` is overwritten by :func:`row_gradient_`'s ``dz`` in the same program."""
+    """``(lse, z_target, sum_x z or None)`` per row of ``z + bias`` over its first ``v``
+    columns (default all; the rest are padding: read with the row, for aligned loads)
+    (``acc``; ``z_target`` 0 where ``target`` is outside ``[0, v)``). ``fuse = (scale,
+    onehot, uniform)`` per row: ``z`` is overwritten by :func:`row_gradient_`'s ``dz`` in the
+    same program."""
     _check(z, target)
-    rows, v = z.shape
+    rows = z.size(0)
     lse, picked = z.new_empty(rows, dtype=acc), z.new_empty(rows, dtype=acc)
     total = z.new_empty(rows, dtype=acc) if want_sum else lse
     scale, onehot, uniform = fuse if fuse is not None else (lse, lse, None)
+    bias = bias_to_width(bias, z.size(1))
     if rows:
-        _kernels().statistics[(rows,)](
+        _kernels().statistics[(_programs(z, rows),)](
             z, lse if bias is None else bias, target, lse, picked, total, scale, onehot,
-            lse if uniform is None else uniform, v, z.stride(0), HAS_BIAS=bias is not None,
+            lse if uniform is None else uniform, rows, HAS_BIAS=bias is not None,
             HAS_SUM=want_sum, FUSE=fuse is not None, HAS_UNIFORM=uniform is not None,
-            ACC=_kernels().ACC[acc], BLOCK=_BLOCK, num_warps=_WARPS,
+            ACC=_kernels().ACC[acc], **_geometry(z, v),
         )  # fmt: skip
     return lse, picked, total if want_sum else None
 
@@ -92,17 +137,19 @@ def row_gradient_(
     scale: torch.Tensor,
     onehot: torch.Tensor,
     uniform: torch.Tensor | None = None,
+    v: int | None = None,
 ) -> torch.Tensor:
-    """In place: ``z <- scale exp(z + bias - lse) - onehot [x = target] - uniform`` per row,
-    in ``z``'s dtype; returns ``z``."""
+    """In place: ``z <- scale exp(z + bias - lse) - onehot [x = target] - uniform`` per row
+    over its first ``v`` columns (default all), 0 over the rest, in ``z``'s dtype; returns
+    ``z``."""
     _check(z, target)
-    rows, v = z.shape
+    rows = z.size(0)
+    bias = bias_to_width(bias, z.size(1))
     if rows:
         k = _kernels()
-        k.gradient[(rows, k.cdiv(v, _BLOCK))](
+        k.gradient[(rows, k.cdiv(z.size(1), _REPS * _LANES))](
             z, lse if bias is None else bias, target, lse, scale, onehot,
-            lse if uniform is None else uniform, v, z.stride(0), HAS_BIAS=bias is not None,
-            HAS_UNIFORM=uniform is not None, ACC=k.ACC[lse.dtype], BLOCK=_BLOCK,
-            num_warps=_WARPS,
+            lse if uniform is None else uniform, HAS_BIAS=bias is not None,
+            HAS_UNIFORM=uniform is not None, ACC=k.ACC[lse.dtype], **_geometry(z, v),
         )  # fmt: skip
     return z

@@ -1,6 +1,16 @@
 """The Triton kernels of :mod:`heads.kernels.triton_rows` (imported only from there, on first
 use: importing this module imports Triton). ``ACC``: the statistics' dtype (float32; float64
-for float64 logits)."""
+for float64 logits).
+
+A program reads a row ``[REPS, LANES]`` logits at a time: each thread holds 8 contiguous
+logits of a lane (one 16-byte load) in each of the ``REPS`` lane rows, so a block is ``REPS``
+loads in flight per thread and its maximum and sum over ``REPS`` stay in the thread. The
+online log-sum-exp is kept per lane (:func:`lanes_statistics`, :func:`merge_statistics`: one
+``exp`` a logit plus one a lane) and reduced across the program once per row
+(:func:`row_lse`): no barrier in the loop over a row. Loads are masked by the row's padded
+width (``width``, a multiple of 16 in the rows plan: Triton then proves the 16-byte loads
+aligned), logits past ``v`` are ``-inf`` by value.
+"""
 
 import torch
 import triton
@@ -11,99 +21,114 @@ ACC = {torch.float32: tl.float32, torch.float64: tl.float64}
 
 
 @triton.jit
-def _logits(z_row, bias_ptr, cols, mask, HAS_BIAS: tl.constexpr, ACC: tl.constexpr):
-    x = tl.load(z_row + cols, mask=mask, other=float("-inf")).to(ACC)
-    if HAS_BIAS:
-        x += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(ACC)
-    return x
+def merge_statistics(top, total, other_top, other_total):
+    """Two partial log-sum-exps, each a maximum and the sum of ``exp(x - maximum)``, as one
+    with one ``exp``: the larger maximum is kept and the other side's sum rescaled by
+    ``exp(low - high)`` (0 where both are ``-inf``: ``-inf - -inf`` is NaN)."""
+    high = tl.maximum(top, other_top)
+    rescale = tl.where(high == float("-inf"), 0.0, tl.exp(tl.minimum(top, other_top) - high))
+    total = tl.where(other_top > top, total * rescale + other_total, total + other_total * rescale)
+    return high, total
 
 
 @triton.jit
-def _write_gradient(z_row, bias_ptr, t, lse, scale, onehot, uniform, cols, mask,
+def lanes_statistics(x, top, total):
+    """A block of logits ``x [REPS, LANES]`` into the lanes' running ``(top, total)``: a lane's
+    ``REPS`` logits are one thread's, so their maximum and sum need no other thread."""
+    block_top = tl.max(x, 0)
+    shift = tl.where(block_top == float("-inf"), 0.0, block_top)  # a lane of -inf: sum 0
+    return merge_statistics(top, total, block_top, tl.sum(tl.exp(x - shift[None, :]), 0))
+
+
+@triton.jit
+def row_lse(top, total):
+    """The row's log-sum-exp from its lanes' statistics (``-inf`` for a row of ``-inf``)."""
+    high = tl.max(top, 0)
+    shift = tl.where(high == float("-inf"), 0.0, high)
+    return shift + tl.log(tl.sum(total * tl.exp(top - shift), 0))
+
+
+@triton.jit
+def _block(z_row, bias_ptr, offs, v, width, HAS_BIAS: tl.constexpr, ACC: tl.constexpr):
+    """The logits (plus bias) at ``offs``, ``-inf`` from column ``v`` on."""
+    inside = offs < width  # the loads' mask: 16-byte loads where width is a multiple of 16
+    x = tl.load(z_row + offs, mask=inside, other=float("-inf")).to(ACC)
+    if HAS_BIAS:  # the bias padded to width by the wrapper
+        x += tl.load(bias_ptr + offs, mask=inside, other=0.0).to(ACC)
+    return tl.where(offs < v, x, float("-inf"))
+
+
+@triton.jit
+def _write_gradient(z_row, bias_ptr, offs, t, lse, scale, onehot, uniform, v, width,
                     HAS_BIAS: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
-    x = _logits(z_row, bias_ptr, cols, mask, HAS_BIAS, ACC)
+    x = _block(z_row, bias_ptr, offs, v, width, HAS_BIAS, ACC)
     p = tl.where(lse == float("-inf"), 0.0, tl.exp(x - lse))  # a row of -inf: p = 0
-    dz = scale * p - tl.where(cols == t, onehot, 0.0) - uniform
-    tl.store(z_row + cols, dz.to(z_row.dtype.element_ty), mask=mask)
+    dz = scale * p - tl.where(offs == t, onehot, 0.0) - uniform
+    dz = tl.where(offs < v, dz, 0.0)  # the padding's gradient is 0
+    tl.store(z_row + offs, dz.to(z_row.dtype.element_ty), mask=offs < width)
 
 
 @triton.jit
-def fresh_statistics(ACC: tl.constexpr, BLOCK: tl.constexpr):
-    """A row's statistics before its first block: ``(top, total, picked, logit_sum)``."""
-    top = tl.full([], float("-inf"), ACC)
-    return top, tl.zeros([], ACC), tl.zeros([BLOCK], ACC), tl.zeros([BLOCK], ACC)
-
-
-@triton.jit
-def statistics_step(x, cols, mask, t, top, total, picked, logit_sum, HAS_SUM: tl.constexpr):
-    """One block of a row's logits ``x`` into its running statistics: the online log-sum-exp
-    by blocks (one exp per logit; per lane it would take two), ``top`` the maximum so far and
-    ``total`` the sum of ``exp(x - top)`` (shifted by 0 while ``top`` is -inf: ``-inf - -inf``
-    is NaN), the target's logit and the logits' sum (``mask``: the row's own columns)."""
-    new_top = tl.maximum(top, tl.max(x, 0))
-    shift = tl.where(new_top == float("-inf"), 0.0, new_top)
-    # nothing so far (top -inf): total is 0, rescaled by 0, not by exp(-inf - shift)
-    rescale = tl.where(top == float("-inf"), 0.0, tl.exp(top - shift))
-    total = total * rescale + tl.sum(tl.exp(x - shift), 0)
-    picked += tl.where((cols == t) & mask, x, 0.0)  # not a padded column
-    if HAS_SUM:
-        logit_sum += tl.where(mask, x, 0.0)
-    return new_top, total, picked, logit_sum
-
-
-@triton.jit
-def store_statistics(row, top, total, picked, logit_sum, lse_ptr, picked_ptr, sum_ptr,
-                     HAS_SUM: tl.constexpr):  # fmt: skip
-    """The row's ``lse`` (returned), target logit and logit sum, stored."""
-    lse = tl.where(top == float("-inf"), 0.0, top) + tl.log(total)
-    tl.store(lse_ptr + row, lse)
-    tl.store(picked_ptr + row, tl.sum(picked, 0))
-    if HAS_SUM:
-        tl.store(sum_ptr + row, tl.sum(logit_sum, 0))
-    return lse
+def _lanes(REPS: tl.constexpr, LANES: tl.constexpr):
+    """A block's column offsets ``[REPS, LANES]``: lane row r is columns ``r LANES ..``."""
+    return tl.arange(0, REPS)[:, None] * LANES + tl.arange(0, LANES)[None, :]
 
 
 @triton.jit
 def statistics(z_ptr, bias_ptr, target_ptr, lse_ptr, picked_ptr, sum_ptr,
-               scale_ptr, onehot_ptr, uniform_ptr, v, stride,
+               scale_ptr, onehot_ptr, uniform_ptr, rows, v, width, stride,
                HAS_BIAS: tl.constexpr, HAS_SUM: tl.constexpr, FUSE: tl.constexpr,
-               HAS_UNIFORM: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    row = tl.program_id(0)
-    z_row = z_ptr + row.to(tl.int64) * stride
-    t = tl.load(target_ptr + row)
-    top, total, picked, logit_sum = fresh_statistics(ACC, BLOCK)
-    for start in range(0, v, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < v
-        x = _logits(z_row, bias_ptr, cols, mask, HAS_BIAS, ACC)
-        top, total, picked, logit_sum = statistics_step(x, cols, mask, t, top, total, picked,
-                                                        logit_sum, HAS_SUM)  # fmt: skip
-    lse = store_statistics(row, top, total, picked, logit_sum, lse_ptr, picked_ptr, sum_ptr,
-                           HAS_SUM)  # fmt: skip
-    if FUSE:  # one softmax: dz in the same program, its coefficients given
-        scale = tl.load(scale_ptr + row)
-        onehot = tl.load(onehot_ptr + row)
-        uniform = 0.0
-        if HAS_UNIFORM:
-            uniform = tl.load(uniform_ptr + row)
-        for start in range(0, v, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            _write_gradient(z_row, bias_ptr, t, lse, scale, onehot, uniform, cols, cols < v,
-                            HAS_BIAS, ACC)  # fmt: skip
+               HAS_UNIFORM: tl.constexpr, ACC: tl.constexpr, REPS: tl.constexpr,
+               LANES: tl.constexpr):  # fmt: skip
+    """Per row (a fixed grid of programs, each taking every ``num_programs``-th row): the
+    log-sum-exp of ``z + b``, the target's logit (0 outside ``[0, v)``) and, ``HAS_SUM``, the
+    logits' sum; ``FUSE``: then ``dz`` over the row, its coefficients given."""
+    block = _lanes(REPS, LANES)
+    for row in range(tl.program_id(0), rows, tl.num_programs(0)):
+        z_row = z_ptr + tl.cast(row, tl.int64) * stride  # (an int in the interpreter)
+        t = tl.load(target_ptr + row)
+        inside = (t >= 0) & (t < v)  # the target's logit: one load, not a pass
+        picked = tl.load(z_row + t, mask=inside, other=0.0).to(ACC)
+        if HAS_BIAS:
+            picked += tl.load(bias_ptr + t, mask=inside, other=0.0).to(ACC)
+        top = tl.full([LANES], float("-inf"), ACC)
+        total = tl.zeros([LANES], ACC)
+        logit_sum = tl.zeros([LANES], ACC)
+        for start in range(0, v, REPS * LANES):
+            offs = start + block
+            x = _block(z_row, bias_ptr, offs, v, width, HAS_BIAS, ACC)
+            top, total = lanes_statistics(x, top, total)
+            if HAS_SUM:
+                logit_sum += tl.sum(tl.where(offs < v, x, 0.0), 0)
+        lse = row_lse(top, total)
+        tl.store(lse_ptr + row, lse)
+        tl.store(picked_ptr + row, picked)
+        if HAS_SUM:
+            tl.store(sum_ptr + row, tl.sum(logit_sum, 0))
+        if FUSE:  # one softmax: dz in the same program, its coefficients given
+            scale = tl.load(scale_ptr + row)
+            onehot = tl.load(onehot_ptr + row)
+            uniform = 0.0
+            if HAS_UNIFORM:
+                uniform = tl.load(uniform_ptr + row)
+            for start in range(0, width, REPS * LANES):
+                _write_gradient(z_row, bias_ptr, start + block, t, lse, scale, onehot, uniform,
+                                v, width, HAS_BIAS, ACC)  # fmt: skip
 
 
 @triton.jit
 def gradient(z_ptr, bias_ptr, target_ptr, lse_ptr, scale_ptr, onehot_ptr, uniform_ptr,
-             v, stride, HAS_BIAS: tl.constexpr, HAS_UNIFORM: tl.constexpr,
-             ACC: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+             v, width, stride, HAS_BIAS: tl.constexpr, HAS_UNIFORM: tl.constexpr,
+             ACC: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+    """``dz`` over one block of one row (grid: rows x blocks of the padded width)."""
     row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(1) * (REPS * LANES) + _lanes(REPS, LANES)
     uniform = 0.0
     if HAS_UNIFORM:
         uniform = tl.load(uniform_ptr + row)
-    _write_gradient(z_ptr + row.to(tl.int64) * stride, bias_ptr, tl.load(target_ptr + row),
+    _write_gradient(z_ptr + row.to(tl.int64) * stride, bias_ptr, offs, tl.load(target_ptr + row),
                     tl.load(lse_ptr + row), tl.load(scale_ptr + row), tl.load(onehot_ptr + row),
-                    uniform, cols, cols < v, HAS_BIAS, ACC)  # fmt: skip
+                    uniform, v, width, HAS_BIAS, ACC)  # fmt: skip
 
 
 cdiv = triton.cdiv

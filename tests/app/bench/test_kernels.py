@@ -1,6 +1,7 @@
 """``python -m app.bench.kernels``: every Triton kernel of the heads compiles for Hopper
-(sm_90) on this CPU, through Triton's own ptxas, with nothing spilled to local memory.
-Needs Triton (an optional GPU extra): skipped, with the reason, where it is not installed."""
+(sm_90) on this CPU, through Triton's own ptxas, with nothing spilled to local memory, and
+the rows kernels read their logits in 16-byte loads. Needs Triton (an optional GPU extra):
+skipped, with the reason, where it is not installed."""
 
 import os
 import subprocess
@@ -9,15 +10,28 @@ from pathlib import Path
 
 import pytest
 
-from app.bench.kernels import Usage
+from app.bench.kernels import Usage, instruction_counts
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 def test_warps_per_sm_follow_the_registers():
-    assert Usage("k", "", 64, 0, 0, 8).warps_per_sm == 32  # 4 blocks of 8 warps
-    assert Usage("k", "", 121, 0, 0, 8).warps_per_sm == 16
-    assert Usage("k", "", 255, 0, 0, 16).warps_per_sm == 0  # one block is over 64k registers
+    assert Usage("k", "", 64, 0, 0, 8, 0, 0, 0).warps_per_sm == 32  # 4 blocks of 8 warps
+    assert Usage("k", "", 121, 0, 0, 8, 0, 0, 0).warps_per_sm == 16
+    # one block is over 64k registers
+    assert Usage("k", "", 255, 0, 0, 16, 0, 0, 0).warps_per_sm == 0
+
+
+def test_instruction_counts_read_loads_and_barriers_off_the_sass():
+    sass = """
+        /*0090*/                   LDG.E.64 R2, desc[UR4][R2.64] ;
+        /*00a0*/              @!P0 LDG.E.128 R4, desc[UR4][R6.64] ;
+        /*00b0*/                   LDG.E.U16 R8, desc[UR4][R10.64] ;
+        /*00c0*/                   LDG.E R9, desc[UR4][R12.64] ;
+        /*00d0*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*00e0*/                   STG.E.128 desc[UR4][R6.64], R4 ;
+    """
+    assert instruction_counts(sass) == (1, 2, 1)
 
 
 @pytest.mark.slow
@@ -31,3 +45,7 @@ def test_every_kernel_compiles_for_hopper_without_spills():
     for kernel in ("rows.statistics", "rows.gradient", "mixtape.statistics K=4",
                    "mixtape.gradient K=8"):  # fmt: skip
         assert kernel in run.stdout
+    rows = [line.split() for line in run.stdout.splitlines() if line.startswith("rows.")]
+    assert len(rows) == 3
+    for *_, wide, _, _ in rows:  # REPS = 4 16-byte loads of logits a block at least
+        assert int(wide) >= 4, run.stdout

@@ -76,13 +76,12 @@ def test_statistics_and_gradient_equal_the_float64_maths(kernels, k, noise_std):
     want = _reference(values, pre, bias, target, s, k, noise, lse_all, scale, onehot, uniform)
     for got, expected in zip((lse, picked, total), want[:3], strict=True):
         torch.testing.assert_close(got, expected)
-    before = values.clone(), pre.clone()
     kernels.frequent_gradient_(values, pre, bias, target, s, lse_all, scale, onehot, uniform,
                                **args)  # fmt: skip
     torch.testing.assert_close(values[:, :s].view(rows, k, s), want[3])
     torch.testing.assert_close(pre[:, :s].view(rows, k - 1, s), want[4])
-    assert torch.equal(values[:, s:], before[0][:, s:])  # the padding untouched
-    assert torch.equal(pre[:, s:], before[1][:, s:])
+    # the padding (non-zero here, unlike a product's with zero weight rows) written 0
+    assert not values[:, s:].any() and not pre[:, s:].any()
 
 
 def test_a_row_of_minus_infinity_gives_no_nan(kernels):

@@ -118,14 +118,22 @@ def test_rows_plan_through_the_kernels_equals_the_plain_maths(monkeypatch, use, 
 
 
 @pytest.mark.usefixtures("interpreted")
-def test_the_tiles_logits_have_a_multiple_of_64_columns():
-    """V = 23 classes: the products' weight gets 41 zero rows (16-byte rows of logits for
-    Hopper's GEMMs), the kernels read the first 23 columns; the equality tests above run at
-    this V."""
+def test_the_tiles_products_are_padded_and_take_the_bias_as_a_column():
+    """V = 23 classes, d = 6: the products' weight gets 41 zero rows (16-byte rows of logits
+    for Hopper's GEMMs), the kernels read the first 23 columns (16-byte loads of all 64); the
+    bias is a column of the products, ``[h | 1 | 0] [W | b | 0]^T``, so that no pass reads it
+    (and none without a bias); the equality tests above run at this V."""
     hidden, weight, b, target = float64_case()
+    d = weight.size(1)
     walk = rows_ce._Walk(hidden, weight, b, target, torch.float64, None, 1)
-    assert walk.triton and walk.columns == 64 and walk.w.shape == (64, weight.size(1))
-    assert torch.equal(walk.w[:23], weight) and not walk.w[23:].any()
+    assert walk.triton and walk.columns == 64 and walk.b is None
+    assert walk.w.shape == (64, 8) and walk.h.shape == (hidden.size(0), 8)  # d + 1, to 8s
+    assert torch.equal(walk.w[:23, :d], weight) and torch.equal(walk.w[:23, d], b)
+    assert not walk.w[23:].any() and not walk.w[:, d + 1 :].any()
+    assert torch.equal(walk.h[:, :d], hidden) and (walk.h[:, d] == 1).all()
+    assert not walk.h[:, d + 1 :].any()
+    plain = rows_ce._Walk(hidden, weight, None, target, torch.float64, None, 1)
+    assert plain.w.shape == (64, d) and torch.equal(plain.h, hidden) and plain.b is None
 
 
 @pytest.mark.usefixtures("interpreted")
