@@ -149,11 +149,18 @@ def padded_output(weight, bias, width: int, dtype: torch.dtype, acc: torch.dtype
     return w, b
 
 
+def joint_width(d: int) -> int:
+    """The columns of ``[h | 1 | 0]``: ``d + 1`` padded to a multiple of 8 (16-byte rows in
+    half precision, as the tensor-core products need)."""
+    return (d + 8) // 8 * 8
+
+
 def with_ones(hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[h | 1 | 0]`` in ``dtype``, ``(d + 8) // 8 * 8`` columns: one cast-and-copy of ``h``
-    per call (in place of the plain cast) for the bias gradient's fold."""
+    """``[h | 1 | 0]`` in ``dtype`` (:func:`joint_width` columns): one cast-and-copy of ``h``
+    per call (in place of the plain cast) for the bias gradient's fold, ``dz^T [h | 1 | 0] =
+    [dW | db | 0]``; times ``[W | b | 0]^T`` it is ``h W^T + b`` in one product."""
     n, d = hidden.shape
-    h_ext = hidden.new_zeros(n, (d + 8) // 8 * 8, dtype=dtype)
+    h_ext = hidden.new_zeros(n, joint_width(d), dtype=dtype)
     h_ext[:, :d] = hidden
     h_ext[:, d] = 1.0
     return h_ext

@@ -39,6 +39,7 @@ from heads.kernels.chunks import (
     spans,
     target_columns,
 )
+from heads.kernels.compiled_lse import with_ones
 from heads.kernels.mixtape_frequent import ReplayNoise, rng_state
 from heads.kernels.rows_ce import (
     Mixing,
@@ -50,7 +51,6 @@ from heads.kernels.rows_ce import (
     tile_body,
     weight_unit,
     with_bias,
-    with_ones,
 )
 from heads.kernels.sigmoid_tree import heap_level, level_widths
 from heads.kernels.triton_mixtape import frequent_gradient_, frequent_statistics

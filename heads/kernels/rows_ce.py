@@ -50,7 +50,7 @@ from heads.kernels.chunks import (
     spans,
     target_columns,
 )
-from heads.kernels.compiled_lse import compiled_body
+from heads.kernels.compiled_lse import compiled_body, joint_width, with_ones
 from heads.kernels.triton_rows import row_gradient_, row_statistics, triton_available
 
 # tiles run as compiled bodies on the devices that run the GPU plans (chunks.gpu_plans) and on
@@ -396,22 +396,6 @@ def padded_weight(weight: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.
         return as_dtype(weight, dtype)
     out = weight.new_zeros(rows, weight.size(1), dtype=dtype)
     out[: weight.size(0)] = weight
-    return out
-
-
-def joint_width(d: int) -> int:
-    """The columns of ``[h | 1 | 0]``: ``d + 1`` padded to a multiple of 8 (16-byte rows in
-    half precision, as the tensor-core products need)."""
-    return (d + 8) // 8 * 8
-
-
-def with_ones(hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[h | 1 | 0]`` in ``dtype`` (:func:`joint_width` columns): times ``[W | b | 0]^T`` it
-    is ``h W^T + b`` in one product; ``dz^T`` times it is ``[dW | db | 0]``."""
-    n, d = hidden.shape
-    out = hidden.new_zeros(n, joint_width(d), dtype=dtype)
-    out[:, :d] = hidden
-    out[:, d] = 1
     return out
 
 

@@ -31,9 +31,11 @@ from heads.kernels.triton_rows import bias_to_width, triton_available
 
 __all__ = ["frequent_gradient_", "frequent_statistics", "gate_noise", "triton_available"]
 
-# elements of a program's [K, BLOCK] tiles of component logits (BLOCK = this / K columns)
-_ELEMENTS = 2048
 _WARPS = 8
+# columns a thread holds of each of a block's 2K - 1 rows (K = 2: one 16-byte load a row; more
+# would hold the thread's column trees in over 128 registers; K = 8 at 2 spills): 8 K = 2, 4
+# K = 4, 1 beyond
+_COLUMNS_PER_THREAD = {2: 8, 4: 4}
 
 
 @functools.cache
@@ -45,7 +47,8 @@ def _kernels():
 
 
 def _block(k: int) -> int:
-    return max(64, _ELEMENTS // k)
+    """A program's columns a step: every thread's columns of each row."""
+    return _COLUMNS_PER_THREAD.get(k, 1) * 32 * _WARPS
 
 
 def _check(values: torch.Tensor, pre: torch.Tensor, target: torch.Tensor, s: int) -> int:
