@@ -131,7 +131,9 @@ def render_training_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> 
         + ("not timed (`--time skip`: one warm-up step, then the memory); "
            if args.get("time") == "skip" else
            f"clock `{args.get('clock', 'wall')}`, median of {args['repeats']} repeats "
-           "(`x softmax`: the median of the repeats' paired ratios, each repeat timing every "
+           + (f"(each the mean of {steps} steps back to back) "
+              if (steps := args.get("steps_per_repeat", 1)) > 1 else "")
+           + "(`x softmax`: the median of the repeats' paired ratios, each repeat timing every "
            "subject in one round, with its distribution-free 95% CI); ")
         + f"{_machine(report)}.",
         f"```bash\n{_bench_command(report)}\n```",

@@ -252,7 +252,8 @@ def _timed_rows(args, cases: dict[str, Case], failed: dict[str, str], save=None)
             # an untimed step first: the previous head's allocations (MoS frees GBs) leave
             # the allocator and caches cold for whichever head comes next
             step()
-            times[name].append(time_once(step, cases[name].device, CLOCKS[args.clock]))
+            times[name].append(time_once(step, cases[name].device, CLOCKS[args.clock],
+                                         args.steps_per_repeat))  # fmt: skip
         if save is not None and round_ < args.repeats:
             save([_row(module, step, times[name], quick, cases[name])
                   for name, (module, step) in built.items()],
@@ -419,6 +420,10 @@ def _add_measure_args(parser: argparse.ArgumentParser) -> None:
                         help="wall: elapsed time; cpu: process CPU time, steadier on a shared "
                         "machine")  # fmt: skip
     parser.add_argument("--repeats", type=_positive, default=7)
+    parser.add_argument("--steps-per-repeat", type=_positive, default=1,
+                        help="steps a repeat times back to back, the device synced after the "
+                        "last only (a training loop's pace on a GPU: each step's host work "
+                        "overlaps the device's queue); the figure is their mean")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default="bench_results", help="folder for JSON and PNG")
     parser.add_argument("--name", default=None, help="file stem (default: mode-scope)")

@@ -148,3 +148,15 @@ def test_gpu_targets_section_from_the_gpu_runs(results, tmp_path):
     assert "python -m app.bench.targets docs/results/bench_gpu_heads_100k.json" in section
     assert "| softmax / CCE at 100k (<= 1) | 0.2559 | 0.25-0.26 | met |" in section
     assert "| MoS-15 tokens in 12 GiB at 100k (>= 16384) | - | - | unmeasured |" in section
+
+
+def test_steps_back_to_back_are_said_with_the_repeats(results, tmp_path):
+    folder = tmp_path / "results"
+    folder.mkdir()
+    report = json.loads((results / "bench_cpu.json").read_text())
+    assert "each the mean of" not in render(results, results.parent)  # one step a repeat
+    report["args"]["steps_per_repeat"] = 3
+    (folder / "bench_cpu.json").write_text(json.dumps(report))
+    text = render(folder, tmp_path)
+    assert "median of 1 repeats (each the mean of 3 steps back to back)" in text
+    assert " --steps-per-repeat 3 " in text
