@@ -130,6 +130,8 @@ def event_kind(event) -> str | None:
         return KINDS.get(activity)
     if event.device_type == DeviceType.CPU:
         return "runtime" if RUNTIME_CALL.match(event.name) else "cpu"
+    if event.name in (STEP, HOST):  # a marker's span on the device's timeline: no kernel
+        return None
     return "copy" if event.name.startswith(("Memcpy", "Memset")) else "kernel"
 
 
