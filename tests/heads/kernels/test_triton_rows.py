@@ -88,6 +88,33 @@ def test_kernels_read_bf16_logits_and_write_bf16_gradients():
 
 
 @pytest.mark.usefixtures("interpreted")
+@pytest.mark.parametrize("bias", [True, False])
+def test_padding_columns_are_read_but_not_counted_and_their_gradient_is_zero(bias):
+    """``v`` of the row's columns count; the rest (the products' padding, read for 16-byte
+    loads) hold large logits here, which would decide the log-sum-exp if counted; a target
+    there is outside ``[0, v)``. ``dz`` is 0 over them in both forms."""
+    z, b, target, coefficients = _logits_case(columns=4993)
+    v = z.size(1)
+    padded = torch.cat((z, torch.full((z.size(0), 63), 50.0, dtype=z.dtype)), 1)
+    target[4] = v + 10
+    b = b if bias else None
+    scale, onehot, uniform = coefficients
+    lse, picked, total, dz = _reference(z, b, target, scale, onehot, uniform)
+    got = row_statistics(padded.clone(), b, target, True, acc=torch.float64, v=v)
+    torch.testing.assert_close(got[0], lse)
+    torch.testing.assert_close(got[1], picked)
+    finite = lse != -math.inf
+    torch.testing.assert_close(got[2][finite], total[finite])
+    two = row_gradient_(padded.clone(), b, target, got[0], scale, onehot, uniform, v=v)
+    fused = padded.clone()
+    row_statistics(fused, b, target, False, fuse=(scale, onehot, uniform), acc=torch.float64,
+                   v=v)  # fmt: skip
+    for form in (two, fused):
+        torch.testing.assert_close(form[:, :v], dz)
+        assert not form[:, v:].any()
+
+
+@pytest.mark.usefixtures("interpreted")
 def test_masked_columns_then_very_negative_logits_give_no_nan():
     """The online sum rescaled from an empty start (maximum ``-inf``) to a finite one far
     below 0: ``0 * exp(-inf - (-1000))`` would be ``0 * inf``."""
