@@ -18,7 +18,10 @@ Where a softmax's per-row coefficients are known before its log-sum-exp (one sof
 and ``(1 - eps) w``), :func:`row_statistics` takes them and writes ``dz`` in the same program,
 row by row (``fuse``); its programs are a fixed grid (:data:`PROGRAMS_PER_SM` a streaming
 multiprocessor), each taking every so many rows, so that the rows being read at once (and
-read again for ``dz``) stay few enough for the GPU's L2 cache.
+read again for ``dz``) stay few, and each reads its row from the end for the statistics,
+then from the start for ``dz``: the columns read last are read again first, the likeliest
+still in the GPU's L2 cache (read again in the order first read, a row whose programs' rows
+together overflow the cache would find none of it there: it is evicted as it is reached).
 
 Why the kernels are shaped so (``python -m app.bench.kernels`` shows it in the compiled
 code): every load is 16 bytes (the loads are masked by the padded width ``C``, which Triton

@@ -94,8 +94,11 @@ def statistics(z_ptr, bias_ptr, target_ptr, lse_ptr, picked_ptr, sum_ptr,
         top = tl.full([LANES], float("-inf"), ACC)
         total = tl.zeros([LANES], ACC)
         logit_sum = tl.zeros([LANES], ACC)
+        # from the row's end: the dz pass then reads first what this pass read last, the
+        # likeliest still in L2
+        last = (tl.cdiv(v, REPS * LANES) - 1) * (REPS * LANES)
         for start in range(0, v, REPS * LANES):
-            offs = start + block
+            offs = (last - start) + block
             x = _block(z_row, bias_ptr, offs, v, width, HAS_BIAS, ACC)
             top, total = lanes_statistics(x, top, total)
             if HAS_SUM:
