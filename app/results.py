@@ -371,6 +371,33 @@ def render_profile(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
     ])  # fmt: skip
 
 
+# -- the Triton tiles' launch settings (python -m app.bench.sweep) -------------------------------
+def _is_sweep(report: dict[str, Any]) -> bool:
+    return str(report.get("schema", "")).startswith("sweep/")
+
+
+def render_sweep(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
+    args, rows = report["args"], report["results"]
+    defaults = {"softmax@rows": report["defaults"]["launch"], "mos@rows":
+                report["defaults"]["launch"], "mixtape@rows":
+                {"columns_per_thread": report["defaults"]["columns_per_thread"]}}  # fmt: skip
+    base = {r["subject"]: r["time_ms"] for r in rows
+            if r["setting"] == defaults.get(r["subject"], {})}  # fmt: skip
+    body = [[r["subject"], ", ".join(f"{k} {v}" for k, v in r["setting"].items()) or "-",
+             r["time_ms"], r["time_ms"] / base[r["subject"]] if r["subject"] in base else None]
+            for r in rows]  # fmt: skip
+    return "\n\n".join([
+        f"The Triton tiles' launch settings at V = {args['vocab']}, d = {args['hidden']}, "
+        f"{args['tokens']} tokens, `{args['precision']}`: median of {args['repeats']} repeats "
+        f"of {args['steps']} steps back to back; `x default`: against the subject under the "
+        "defaults of this run"
+        + ("" if report["triton"] else " (no Triton tiles ran: the settings changed nothing)")
+        + f"; {_machine(report)}.",
+        f"```bash\n{command_of('app.bench.sweep', args, skip=('out', 'name'))}\n```",
+        table(["subject", "setting", "ms / step", "x default"], body),
+    ])  # fmt: skip
+
+
 RENDERERS: list[tuple[Callable[[dict[str, Any]], bool], Renderer]] = [
     (_is_training_bench, render_training_bench),
     (_is_inference_bench, render_inference_bench),
@@ -380,6 +407,7 @@ RENDERERS: list[tuple[Callable[[dict[str, Any]], bool], Renderer]] = [
     (_is_rank, render_rank),
     (_is_recorded, render_recorded),
     (_is_profile, render_profile),
+    (_is_sweep, render_sweep),
 ]
 
 

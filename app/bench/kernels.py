@@ -71,17 +71,17 @@ def _specs():
     rows_args = {"z_ptr": "*bf16", "target_ptr": "*i64", **ptr}
     # (the rows plan's products take the bias as a column: its kernels read none)
     rows_flags = {"HAS_BIAS": False, "HAS_UNIFORM": True, "ACC": tl.float32,
-                  "REPS": triton_rows._REPS, "LANES": triton_rows._LANES}  # fmt: skip
+                  "REPS": triton_rows.LAUNCH.reps, "LANES": triton_rows.LAUNCH.lanes}  # fmt: skip
     specs = []
     for fuse in (False, True):
         specs.append((
             "rows.statistics", triton_rows_kernels.statistics,
             _ordered(triton_rows_kernels.statistics, {**rows_args, **ROWS_COMMON}),
-            {**rows_flags, "HAS_SUM": True, "FUSE": fuse}, triton_rows._WARPS,
+            {**rows_flags, "HAS_SUM": True, "FUSE": fuse}, triton_rows.LAUNCH.warps,
         ))  # fmt: skip
     specs.append(("rows.gradient", triton_rows_kernels.gradient,
                   _ordered(triton_rows_kernels.gradient, {**rows_args, **ROWS_COMMON}),
-                  rows_flags, triton_rows._WARPS))  # fmt: skip
+                  rows_flags, triton_rows.LAUNCH.warps))  # fmt: skip
     mixtape_args = {"values_ptr": "*bf16", "pre_ptr": "*bf16", "target_ptr": "*i64",
                     "seed_ptr": "*i64", **ptr, **MIXTAPE_COMMON}  # fmt: skip
     for k in (2, 4, 8):

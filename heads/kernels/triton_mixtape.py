@@ -35,7 +35,7 @@ _WARPS = 8
 # columns a thread holds of each of a block's 2K - 1 rows (K = 2: one 16-byte load a row; more
 # would hold the thread's column trees in over 128 registers; K = 8 at 2 spills): 8 K = 2, 4
 # K = 4, 1 beyond
-_COLUMNS_PER_THREAD = {2: 8, 4: 4}
+COLUMNS_PER_THREAD = {2: 8, 4: 4}
 
 
 @functools.cache
@@ -48,7 +48,7 @@ def _kernels():
 
 def _block(k: int) -> int:
     """A program's columns a step: every thread's columns of each row."""
-    return _COLUMNS_PER_THREAD.get(k, 1) * 32 * _WARPS
+    return COLUMNS_PER_THREAD.get(k, 1) * 32 * _WARPS
 
 
 def _check(values: torch.Tensor, pre: torch.Tensor, target: torch.Tensor, s: int) -> int:

@@ -16,8 +16,8 @@ Two bytes read, then two read and two written per logit: no float32 copy of the 
 tile's memory is its logits alone (the compiled body holds them and ``dz`` side by side).
 Where a softmax's per-row coefficients are known before its log-sum-exp (one softmax: ``w``
 and ``(1 - eps) w``), :func:`row_statistics` takes them and writes ``dz`` in the same program,
-row by row (``fuse``); its programs are a fixed grid (:data:`PROGRAMS_PER_SM` a streaming
-multiprocessor), each taking every so many rows, so that the rows being read at once (and
+row by row (``fuse``); its programs are a fixed grid (:class:`Launch`'s ``programs_per_sm`` a
+streaming multiprocessor), each taking every so many rows, so that the rows being read at once (and
 read again for ``dz``) stay few, and each reads its row from the end for the statistics,
 then from the start for ``dz``: the columns read last are read again first, the likeliest
 still in the GPU's L2 cache (read again in the order first read, a row whose programs' rows
@@ -26,8 +26,8 @@ together overflow the cache would find none of it there: it is evicted as it is 
 Why the kernels are shaped so (``python -m app.bench.kernels`` shows it in the compiled
 code): every load is 16 bytes (the loads are masked by the padded width ``C``, which Triton
 then proves a multiple of 16: masked by ``V`` they were one 2-byte load a logit wherever
-``V`` is no multiple of 16, e.g. WikiText's 33,278 and 267,735), a thread has ``_REPS`` of
-them in flight, and a row's loop has no barrier (a lane's ``_REPS`` logits are one thread's;
+``V`` is no multiple of 16, e.g. WikiText's 33,278 and 267,735), a thread has ``reps`` of
+them in flight, and a row's loop has no barrier (a lane's ``reps`` logits are one thread's;
 the lanes meet once a row). On an H200 (V = 100k, d = 512, 16,384 tokens, 2,684-row tiles,
 the first form of the statistics kernel: per lane, two ``exp`` a logit, one load in flight a
 thread) a softmax step took 12.9 ms against the compiled tiles' 14.0, with 631 MiB more than
@@ -43,16 +43,36 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from dataclasses import dataclass
 
 import torch
 
-_WARPS = 8
-# a block of a row: _REPS lane rows of _LANES columns (8 a thread: one 16-byte load of bf16)
-_LANES = 8 * 32 * _WARPS
-_REPS = 4
-# the fused statistics' grid: this many programs a streaming multiprocessor (on an H100, 264
-# rows of 100k bf16 logits read at once: ~53 MB, about its L2, which the dz pass reads again)
-PROGRAMS_PER_SM = 2
+
+@dataclass(frozen=True)
+class Launch:
+    """How the kernels are launched (set by reasoning and the compiled code, not yet by a GPU's
+    clock: ``python -m app.bench.sweep`` times others).
+
+    ``warps`` a program; a block of a row is ``reps`` lane rows of ``lanes`` columns, 8 a
+    thread (one 16-byte load of bf16): ``reps`` loads in flight a thread (4: 128 registers, two
+    8-warp programs an SM); ``programs_per_sm``: the statistics' fixed grid (on an H100, 264
+    rows of 100k bf16 logits read at once, ~53 MB, about its L2, which the dz pass reads
+    again)."""
+
+    programs_per_sm: int = 2
+    reps: int = 4
+    warps: int = 8
+
+    @property
+    def lanes(self) -> int:
+        return 8 * 32 * self.warps
+
+    @property
+    def block(self) -> int:
+        return self.reps * self.lanes
+
+
+LAUNCH = Launch()
 # the grid under Triton's interpreter (a CPU): a few programs, so that each takes several rows
 _INTERPRETED_PROGRAMS = 3
 
@@ -91,15 +111,15 @@ def _multiprocessors(index: int) -> int:
 
 
 def _programs(z: torch.Tensor, rows: int) -> int:
-    """The fused statistics' grid: :data:`PROGRAMS_PER_SM` an SM (at most one a row)."""
+    """The statistics' grid: ``LAUNCH.programs_per_sm`` an SM (at most one a row)."""
     if z.device.type != "cuda":
         return min(rows, _INTERPRETED_PROGRAMS)
-    return min(rows, PROGRAMS_PER_SM * _multiprocessors(z.device.index or 0))
+    return min(rows, LAUNCH.programs_per_sm * _multiprocessors(z.device.index or 0))
 
 
 def _geometry(z: torch.Tensor, v: int | None) -> dict:
     return dict(v=z.size(1) if v is None else v, width=z.size(1), stride=z.stride(0),
-                REPS=_REPS, LANES=_LANES, num_warps=_WARPS)  # fmt: skip
+                REPS=LAUNCH.reps, LANES=LAUNCH.lanes, num_warps=LAUNCH.warps)  # fmt: skip
 
 
 def row_statistics(
@@ -150,7 +170,7 @@ def row_gradient_(
     bias = bias_to_width(bias, z.size(1))
     if rows:
         k = _kernels()
-        k.gradient[(rows, k.cdiv(z.size(1), _REPS * _LANES))](
+        k.gradient[(rows, k.cdiv(z.size(1), LAUNCH.block))](
             z, lse if bias is None else bias, target, lse, scale, onehot,
             lse if uniform is None else uniform, HAS_BIAS=bias is not None,
             HAS_UNIFORM=uniform is not None, ACC=k.ACC[lse.dtype], **_geometry(z, v),

@@ -1,0 +1,131 @@
+"""The Triton tiles' launch settings timed on a GPU: ``python -m app.bench.sweep``.
+
+The rows plan's kernels (``heads.kernels.triton_rows.Launch``: programs an SM, loads in flight
+a thread, warps) and Mixtape's frequent-block kernels
+(``heads.kernels.triton_mixtape.COLUMNS_PER_THREAD``) are launched as the compiled code and
+the GPU's sizes suggest (``python -m app.bench.kernels``: registers, load widths, barriers),
+not yet as a GPU's clock says. This times the subjects that run them (``softmax@rows``,
+``mos@rows``, ``mixtape@rows``) under each setting, the bare matmul beside them, at one size:
+each figure the median of ``--repeats``, a repeat ``--steps`` steps back to back (as
+``app.bench --steps-per-repeat``). JSON into ``--out``; the fastest settings are the ones to
+make the defaults. Without Triton (a CPU) the settings change nothing, and the JSON says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from app.bench.run import Case, build_case, make_targets
+from app.bench.subjects import BenchOptions
+from app.bench.timing import check_device, time_once
+from app.machine import load_average
+from heads.kernels import triton_mixtape, triton_rows
+from heads.kernels.triton_rows import Launch, triton_available
+
+SCHEMA = "sweep/1"
+# the rows kernels' settings tried: the default, fewer or more rows at once (L2 reuse against
+# loads in flight), fewer loads in flight, one 16-warp program an SM (132 rows of 100k: 26 MB)
+ROWS_SETTINGS = (Launch(), Launch(1, 4, 8), Launch(3, 4, 8), Launch(4, 2, 8), Launch(2, 2, 8),
+                 Launch(1, 4, 16))  # fmt: skip
+# Mixtape's: the default, half the columns a thread (fewer registers), 16-byte loads at K = 4
+MIXTAPE_SETTINGS = ({2: 8, 4: 4}, {2: 4, 4: 2}, {2: 8, 4: 8})
+
+
+def _timed(name: str, args, targets: torch.Tensor) -> list[float]:
+    """Milliseconds a step of subject ``name``, one figure a repeat (after two warm-up steps)."""
+    device = torch.device(args.device)
+    case = Case(name, "head", args.vocab, args.hidden, args.tokens, targets, BenchOptions(),
+                device, 35, args.precision)  # fmt: skip
+    torch.manual_seed(0)
+    _, step = build_case(case)
+    step()
+    step()
+    times = [1e3 * time_once(step, device, steps=args.steps) for _ in range(args.repeats)]
+    del step
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return times
+
+
+def _row(subject: str, setting: dict, times: list[float]) -> dict:
+    print(f"  {subject:14} {json.dumps(setting):48} {statistics.median(times):9.3f} ms",
+          flush=True)  # fmt: skip
+    return {"subject": subject, "setting": setting, "time_ms": statistics.median(times),
+            "times_ms": times}  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Every setting of every subject timed; the report."""
+    targets = make_targets("zipf", args.vocab, args.tokens, torch.Generator().manual_seed(0))
+    rows = [_row("matmul", {}, _timed("matmul", args, targets))]
+    default_launch, default_columns = triton_rows.LAUNCH, triton_mixtape.COLUMNS_PER_THREAD
+    try:
+        for launch in ROWS_SETTINGS:
+            triton_rows.LAUNCH = launch
+            for subject in ("softmax@rows", "mos@rows"):
+                rows.append(_row(subject, asdict(launch), _timed(subject, args, targets)))
+        triton_rows.LAUNCH = default_launch
+        for columns in MIXTAPE_SETTINGS:
+            triton_mixtape.COLUMNS_PER_THREAD = columns
+            setting = {"columns_per_thread": {str(k): v for k, v in columns.items()}}
+            rows.append(_row("mixtape@rows", setting, _timed("mixtape@rows", args, targets)))
+    finally:
+        triton_rows.LAUNCH, triton_mixtape.COLUMNS_PER_THREAD = default_launch, default_columns
+    device = torch.device(args.device)
+    return {
+        "schema": SCHEMA, "args": vars(args), "results": rows,
+        "defaults": {"launch": asdict(default_launch),
+                     "columns_per_thread": {str(k): v for k, v in default_columns.items()}},
+        "triton": triton_available() and device.type == "cuda",
+        "machine": {"platform": platform.platform(), "torch": torch.__version__,
+                    "device": str(device), "load_average": load_average(),
+                    "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
+    }  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m app.bench.sweep",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--vocab", type=int, default=100_000)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--tokens", type=int, default=16_384)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3, help="steps a repeat, back to back")
+    parser.add_argument("--out", default="bench_results", help="folder for the JSON")
+    parser.add_argument("--name", default="sweep_tiles")
+    args = parser.parse_args(argv)
+    check_device(parser, args.device)
+    for name in ("vocab", "hidden", "tokens", "repeats", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    report = run(args)
+    out = Path(args.out) / f"{args.name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    if not report["triton"]:
+        print("no Triton tiles here (Triton on CUDA): the settings changed nothing",
+              file=sys.stderr)  # fmt: skip
+    print(f"wrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""``python -m app.bench.sweep``: every launch setting of the Triton tiles timed, the defaults
+put back after (a CPU runs the eager tiles: the plumbing, not the kernels, is tested here)."""
+
+import json
+
+import pytest
+
+import app.bench.sweep as sweep
+from heads.kernels import triton_mixtape, triton_rows
+
+SMALL = ["--device", "cpu", "--precision", "32-true", "--vocab", "300", "--hidden", "16",
+         "--tokens", "64", "--repeats", "2", "--steps", "2"]  # fmt: skip
+
+
+def test_every_setting_of_every_subject_is_timed_and_written(tmp_path, capsys):
+    report = sweep.main([*SMALL, "--out", str(tmp_path), "--name", "tiles"])
+    assert json.loads((tmp_path / "tiles.json").read_text()) == report
+    rows = report["results"]
+    per_setting = len(sweep.ROWS_SETTINGS)
+    assert [r["subject"] for r in rows].count("softmax@rows") == per_setting
+    assert [r["subject"] for r in rows].count("mos@rows") == per_setting
+    assert [r["subject"] for r in rows].count("mixtape@rows") == len(sweep.MIXTAPE_SETTINGS)
+    assert rows[0]["subject"] == "matmul"
+    assert all(len(r["times_ms"]) == 2 and r["time_ms"] > 0 for r in rows)
+    assert {r["setting"]["programs_per_sm"] for r in rows if r["subject"] == "mos@rows"} == {
+        launch.programs_per_sm for launch in sweep.ROWS_SETTINGS}  # fmt: skip
+    assert report["triton"] is False and "changed nothing" in capsys.readouterr().err
+    assert triton_rows.LAUNCH == triton_rows.Launch()
+
+
+def test_the_defaults_are_put_back_when_a_subject_fails(monkeypatch, tmp_path):
+    calls = []
+
+    def timed(name, args, targets):
+        calls.append((name, triton_rows.LAUNCH))
+        if len(calls) == 3:
+            raise RuntimeError("out of memory")
+        return [1.0]
+
+    monkeypatch.setattr(sweep, "_timed", timed)
+    launch, columns = triton_rows.LAUNCH, triton_mixtape.COLUMNS_PER_THREAD
+    with pytest.raises(RuntimeError, match="out of memory"):
+        sweep.main([*SMALL, "--out", str(tmp_path)])
+    assert calls[1][1] == sweep.ROWS_SETTINGS[0]  # set for the subject
+    assert triton_rows.LAUNCH is launch and triton_mixtape.COLUMNS_PER_THREAD is columns
+
+
+def test_a_bad_count_is_one_error_line(capsys):
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--device", "cpu", "--steps", "0"])
+    assert "--steps must be >= 1" in capsys.readouterr().err
+
+
+def test_the_sweep_renders_in_the_results_document(tmp_path):
+    from app.results import render
+
+    folder = tmp_path / "results"
+    sweep.main([*SMALL, "--out", str(folder), "--name", "sweep_tiles"])
+    text = render(folder, tmp_path)
+    assert "## sweep_tiles" in text or "### sweep_tiles" in text
+    assert "no renderer knows" not in text and "(no Triton tiles ran" in text
+    assert "python -m app.bench.sweep --device cpu --precision 32-true --vocab 300" in text
+    assert "| softmax@rows | programs_per_sm 2, reps 4, warps 8 |" in text
+    assert "| 1 |" in text  # the default against itself
