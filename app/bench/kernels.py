@@ -67,17 +67,20 @@ def _specs():
     from heads.kernels import triton_mixtape_kernels as mixtape
 
     ptr = {name: "*fp32" for name in ("lse_ptr", "picked_ptr", "sum_ptr", "scale_ptr",
-                                      "onehot_ptr", "uniform_ptr", "bias_ptr")}  # fmt: skip
+                                      "onehot_ptr", "uniform_ptr", "bias_ptr",
+                                      "outside_ptr")}  # fmt: skip
     rows_args = {"z_ptr": "*bf16", "target_ptr": "*i64", **ptr}
     # (the rows plan's products take the bias as a column: its kernels read none)
     rows_flags = {"HAS_BIAS": False, "HAS_UNIFORM": True, "ACC": tl.float32,
                   "REPS": triton_rows.LAUNCH.reps, "LANES": triton_rows.LAUNCH.lanes}  # fmt: skip
     specs = []
-    for fuse in (False, True):
+    # the two-pass form (MoS), the fused one (softmax), fused as a block (Mixtape's rare)
+    for fuse, outside in ((False, False), (True, False), (True, True)):
         specs.append((
             "rows.statistics", triton_rows_kernels.statistics,
             _ordered(triton_rows_kernels.statistics, {**rows_args, **ROWS_COMMON}),
-            {**rows_flags, "HAS_SUM": True, "FUSE": fuse}, triton_rows.LAUNCH.warps,
+            {**rows_flags, "HAS_SUM": True, "FUSE": fuse, "HAS_OUTSIDE": outside},
+            triton_rows.LAUNCH.warps,
         ))  # fmt: skip
     specs.append(("rows.gradient", triton_rows_kernels.gradient,
                   _ordered(triton_rows_kernels.gradient, {**rows_args, **ROWS_COMMON}),
@@ -148,7 +151,7 @@ def compile_all(arch: int = 90) -> list[Usage]:
                                   options={"num_warps": warps})  # fmt: skip
         cubin = compiled.asm["cubin"]
         variant = ", ".join(f"{k}={v}" for k, v in constexprs.items()
-                            if k in ("FUSE", "BLOCK", "REPS", "LANES"))  # fmt: skip
+                            if k in ("FUSE", "HAS_OUTSIDE", "BLOCK", "REPS", "LANES"))  # fmt: skip
         usages.append(Usage(name, variant, *_resources(cubin, cuobjdump), warps,
                             *instruction_counts(_dump(cubin, cuobjdump, "-sass"))))  # fmt: skip
     return usages
@@ -162,11 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
     args = parser.parse_args(argv)
     usages = compile_all(args.arch)
-    print(f"{'kernel':24} {'variant':28} {'regs':>5} {'spilled B':>9} {'shared B':>8} "
+    print(f"{'kernel':24} {'variant':46} {'regs':>5} {'spilled B':>9} {'shared B':>8} "
           f"{'warps':>5} {'warps/SM':>8} {'16B loads':>9} {'narrow':>6} "
           f"{'barriers':>8}")  # fmt: skip
     for u in usages:
-        print(f"{u.kernel:24} {u.variant:28} {u.registers:5d} {u.spilled_bytes:9d} "
+        print(f"{u.kernel:24} {u.variant:46} {u.registers:5d} {u.spilled_bytes:9d} "
               f"{u.shared_bytes:8d} {u.warps:5d} {u.warps_per_sm:8d} {u.wide_loads:9d} "
               f"{u.narrow_loads:6d} {u.barriers:8d}")  # fmt: skip
     spilled = [u.kernel for u in usages if u.spilled_bytes]

@@ -11,13 +11,15 @@ one-hot) goes down the sigmoid tree to the two frequent products' outputs,
 ``dL/d(h_k . w_x) = dz pi_k`` and ``dL/d pre_j = dz pi_j (left_j - right_j) gamma_j
 (1 - gamma_j)`` (a node's prior ``pi_j`` is the sum of its leaves'), and six products give the
 gradients of the contexts, ``W``, the gate inputs, the gate embeddings, the mixed context and
-``W_rare`` (the biases folded into the ``W`` products on GPUs). So each product runs once
+``W_rare`` (the biases folded into the ``W`` products on GPUs; the rare one into its logits'
+product too). So each product runs once
 forward and twice backward, the FLOP floor, with nothing recomputed and nothing ``[N, K, S]``
 held beyond a tile: the column plans recompute the frequent block in their backward.
 
 Two tile bodies: on GPUs with Triton the products' outputs in their dtype, with the frequent
 block's passes as two Triton kernels (``heads/kernels/triton_mixtape.py``) and the rare
-block's as the rows plan's (``heads/kernels/triton_rows.py``), all in place; elsewhere plain
+block's as the rows plan's fused one (``heads/kernels/triton_rows.py``: its ``dz`` in its
+statistics' pass, given the frequent block's log-sum-exp), all in place; elsewhere plain
 tensor operations in the accumulation dtype (CPUs, and the float64 reference's equal). Gate
 noise is drawn per tile: in the kernels from one seed drawn on the device, or from the
 device's generator, whose state is kept for the backward's extra pass (when the NLL output is
@@ -54,7 +56,7 @@ from heads.kernels.rows_ce import (
 )
 from heads.kernels.sigmoid_tree import heap_level, level_widths
 from heads.kernels.triton_mixtape import frequent_gradient_, frequent_statistics
-from heads.kernels.triton_rows import bias_to_width, row_gradient_, row_statistics
+from heads.kernels.triton_rows import bias_to_width, row_statistics
 
 
 def tile_logits_per_row(device: torch.device, dtype: torch.dtype, k: int, s: int, rare: int):
@@ -176,10 +178,20 @@ class _Walk:
         lse, picked, total = frequent_statistics(values, pre, self.b_freq, target, s, smoothing,
                                                  acc=acc, **noise)  # fmt: skip
         lse_parts, rare = [lse], None
-        if self.rare:
+        if self.rare:  # its dz in the same pass (the rows kernels' fused form, as a block of
+            # the one softmax: dz's coefficients are known before its log-sum-exp, and the
+            # frequent block's is given)
             rare = torch.mm(self.mixed[t0:t1], self.w_rare.t())
+            fuse = Terms.softmax_coefficients(row_weight, eps, self.v)
             rare_lse, rare_picked, rare_total = row_statistics(
-                rare, self.b_rare, self.rare_target[t0:t1], smoothing, None, acc, self.rare
+                rare,
+                self.b_rare,
+                self.rare_target[t0:t1],
+                smoothing,
+                fuse,
+                acc,
+                self.rare,
+                outside_lse=lse,
             )
             lse_parts.append(rare_lse)
             picked = picked + rare_picked
@@ -187,9 +199,6 @@ class _Walk:
         lse, terms = self._terms(lse_parts, picked, total, row_weight, eps)
         frequent_gradient_(values, pre, self.b_freq, target, s, lse, terms.scale, terms.onehot,
                            terms.uniform, **noise)  # fmt: skip
-        if self.rare:
-            row_gradient_(rare, self.b_rare, self.rare_target[t0:t1], lse, terms.scale,
-                          terms.onehot, terms.uniform, self.rare)  # fmt: skip
         return terms, (values, pre, rare)
 
     def _eager_tile(self, t0: int, t1: int, row_weight, eps: float):

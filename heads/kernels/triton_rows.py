@@ -130,12 +130,17 @@ def row_statistics(
     fuse: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
     acc: torch.dtype = torch.float32,
     v: int | None = None,
+    outside_lse: torch.Tensor | None = None,
 ):
     """``(lse, z_target, sum_x z or None)`` per row of ``z + bias`` over its first ``v``
     columns (default all; the rest are padding: read with the row, for aligned loads)
     (``acc``; ``z_target`` 0 where ``target`` is outside ``[0, v)``). ``fuse = (scale,
     onehot, uniform)`` per row: ``z`` is overwritten by :func:`row_gradient_`'s ``dz`` in the
-    same program."""
+    same program, with ``p`` over a softmax these columns are one block of where
+    ``outside_lse`` (per row, the rest's log-sum-exp) is given: ``p = exp(z + b - logaddexp(
+    lse, outside_lse))``."""
+    if outside_lse is not None and fuse is None:
+        raise ValueError("outside_lse is what the fused dz is taken over: pass fuse as well")
     _check(z, target)
     rows = z.size(0)
     lse, picked = z.new_empty(rows, dtype=acc), z.new_empty(rows, dtype=acc)
@@ -145,8 +150,9 @@ def row_statistics(
     if rows:
         _kernels().statistics[(_programs(z, rows),)](
             z, lse if bias is None else bias, target, lse, picked, total, scale, onehot,
-            lse if uniform is None else uniform, rows, HAS_BIAS=bias is not None,
-            HAS_SUM=want_sum, FUSE=fuse is not None, HAS_UNIFORM=uniform is not None,
+            lse if uniform is None else uniform, lse if outside_lse is None else outside_lse,
+            rows, HAS_BIAS=bias is not None, HAS_SUM=want_sum, FUSE=fuse is not None,
+            HAS_UNIFORM=uniform is not None, HAS_OUTSIDE=outside_lse is not None,
             ACC=_kernels().ACC[acc], **_geometry(z, v),
         )  # fmt: skip
     return lse, picked, total if want_sum else None

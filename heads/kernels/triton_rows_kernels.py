@@ -76,13 +76,15 @@ def _lanes(REPS: tl.constexpr, LANES: tl.constexpr):
 
 @triton.jit
 def statistics(z_ptr, bias_ptr, target_ptr, lse_ptr, picked_ptr, sum_ptr,
-               scale_ptr, onehot_ptr, uniform_ptr, rows, v, width, stride,
+               scale_ptr, onehot_ptr, uniform_ptr, outside_ptr, rows, v, width, stride,
                HAS_BIAS: tl.constexpr, HAS_SUM: tl.constexpr, FUSE: tl.constexpr,
-               HAS_UNIFORM: tl.constexpr, ACC: tl.constexpr, REPS: tl.constexpr,
-               LANES: tl.constexpr):  # fmt: skip
+               HAS_UNIFORM: tl.constexpr, HAS_OUTSIDE: tl.constexpr, ACC: tl.constexpr,
+               REPS: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
     """Per row (a fixed grid of programs, each taking every ``num_programs``-th row): the
     log-sum-exp of ``z + b``, the target's logit (0 outside ``[0, v)``) and, ``HAS_SUM``, the
-    logits' sum; ``FUSE``: then ``dz`` over the row, its coefficients given."""
+    logits' sum; ``FUSE``: then ``dz`` over the row, its coefficients given, ``p`` over the
+    whole softmax where these columns are one block of it (``HAS_OUTSIDE``: the rest's
+    log-sum-exp given)."""
     block = _lanes(REPS, LANES)
     for row in range(tl.program_id(0), rows, tl.num_programs(0)):
         z_row = z_ptr + tl.cast(row, tl.int64) * stride  # (an int in the interpreter)
@@ -109,6 +111,11 @@ def statistics(z_ptr, bias_ptr, target_ptr, lse_ptr, picked_ptr, sum_ptr,
         if HAS_SUM:
             tl.store(sum_ptr + row, tl.sum(logit_sum, 0))
         if FUSE:  # one softmax: dz in the same program, its coefficients given
+            if HAS_OUTSIDE:  # log Z = logaddexp(lse, the rest's)
+                other = tl.load(outside_ptr + row)
+                high = tl.maximum(lse, other)
+                shift = tl.where(high == float("-inf"), 0.0, high)
+                lse = shift + tl.log(tl.exp(lse - shift) + tl.exp(other - shift))
             scale = tl.load(scale_ptr + row)
             onehot = tl.load(onehot_ptr + row)
             uniform = 0.0

@@ -46,6 +46,6 @@ def test_every_kernel_compiles_for_hopper_without_spills():
                    "mixtape.gradient K=8"):  # fmt: skip
         assert kernel in run.stdout
     rows = [line.split() for line in run.stdout.splitlines() if line.startswith("rows.")]
-    assert len(rows) == 3
+    assert len(rows) == 4  # statistics: two-pass, fused, fused as a block; gradient
     for *_, wide, _, _ in rows:  # REPS = 4 16-byte loads of logits a block at least
         assert int(wide) >= 4, run.stdout

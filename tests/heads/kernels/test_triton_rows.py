@@ -115,6 +115,30 @@ def test_padding_columns_are_read_but_not_counted_and_their_gradient_is_zero(bia
 
 
 @pytest.mark.usefixtures("interpreted")
+def test_fused_gradient_of_a_block_takes_p_over_the_whole_softmax():
+    """``outside_lse``: the columns are one block of a softmax whose other blocks' log-sum-exp
+    is given (Mixtape's rare block, the frequent one outside): ``dz = a exp(z - logaddexp(lse,
+    outside)) - b [x = t] - c``; the returned statistics stay the block's own. A row of
+    ``-inf`` here and outside too gives ``p = 0``; an outside of ``-inf`` the block alone."""
+    z, b, target, (scale, onehot, uniform) = _logits_case()
+    outside = torch.tensor([1.0, 50.0, -math.inf, -math.inf, 3.0, -2.0], dtype=torch.float64)
+    lse, picked, _, _ = _reference(z, b, target, scale, onehot, uniform)
+    whole = torch.logaddexp(lse, outside)
+    p = torch.where(whole[:, None] == -math.inf, 0.0,
+                    torch.exp(z + b - whole[:, None]))  # fmt: skip
+    hit = torch.arange(z.size(1))[None, :] == target[:, None]
+    dz = scale[:, None] * p - torch.where(hit, onehot[:, None], 0.0) - uniform[:, None]
+    fused = z.clone()
+    got = row_statistics(fused, b, target, False, fuse=(scale, onehot, uniform),
+                         acc=torch.float64, outside_lse=outside)  # fmt: skip
+    torch.testing.assert_close(got[0], lse)
+    torch.testing.assert_close(got[1], picked)
+    torch.testing.assert_close(fused, dz)
+    with pytest.raises(ValueError, match="pass fuse as well"):
+        row_statistics(z.clone(), b, target, False, outside_lse=outside)
+
+
+@pytest.mark.usefixtures("interpreted")
 def test_masked_columns_then_very_negative_logits_give_no_nan():
     """The online sum rescaled from an empty start (maximum ``-inf``) to a finite one far
     below 0: ``0 * exp(-inf - (-1000))`` would be ``0 * inf``."""
