@@ -87,55 +87,70 @@ def test_kernels_read_bf16_logits_and_write_bf16_gradients():
     _check_kernels(z, b.float(), target, coefficients, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.usefixtures("interpreted")
-@pytest.mark.parametrize("bias", [True, False])
-def test_padding_columns_are_read_but_not_counted_and_their_gradient_is_zero(bias):
-    """``v`` of the row's columns count; the rest (the products' padding, read for 16-byte
-    loads) hold large logits here, which would decide the log-sum-exp if counted; a target
-    there is outside ``[0, v)``. ``dz`` is 0 over them in both forms."""
-    z, b, target, coefficients = _logits_case(columns=4993)
-    v = z.size(1)
-    padded = torch.cat((z, torch.full((z.size(0), 63), 50.0, dtype=z.dtype)), 1)
+def _check_padding(device, dtype, columns, bias, rows=6, **close):
+    """``v`` of the row's columns count; the rest (the products' padding to 64, read for
+    16-byte loads) hold large logits here, which would decide the log-sum-exp if counted; a
+    target there is outside ``[0, v)``. ``dz`` is 0 over them in both forms."""
+    z, b, target, coefficients = _logits_case(device, dtype, rows, columns)
+    v, width = z.size(1), -(-columns // 64) * 64
+    padded = torch.cat((z, torch.full((rows, width - v), 50.0, dtype=dtype, device=device)), 1)
     target[4] = v + 10
-    b = b if bias else None
-    scale, onehot, uniform = coefficients
+    b = b.to(_acc(dtype)) if bias else None
+    scale, onehot, uniform = (c.to(device, _acc(dtype)) for c in coefficients)
     lse, picked, total, dz = _reference(z, b, target, scale, onehot, uniform)
-    got = row_statistics(padded.clone(), b, target, True, acc=torch.float64, v=v)
-    torch.testing.assert_close(got[0], lse)
-    torch.testing.assert_close(got[1], picked)
+    got = row_statistics(padded.clone(), b, target, True, acc=_acc(dtype), v=v)
+    torch.testing.assert_close(got[0].double(), lse, **close)
+    torch.testing.assert_close(got[1].double(), picked, **close)
     finite = lse != -math.inf
-    torch.testing.assert_close(got[2][finite], total[finite])
+    torch.testing.assert_close(got[2][finite].double(), total[finite], **close)
     two = row_gradient_(padded.clone(), b, target, got[0], scale, onehot, uniform, v=v)
     fused = padded.clone()
-    row_statistics(fused, b, target, False, fuse=(scale, onehot, uniform), acc=torch.float64,
-                   v=v)  # fmt: skip
+    row_statistics(fused, b, target, False, fuse=(scale, onehot, uniform), acc=_acc(dtype), v=v)
     for form in (two, fused):
-        torch.testing.assert_close(form[:, :v], dz)
+        torch.testing.assert_close(form[:, :v].double(), dz, **close)
         assert not form[:, v:].any()
 
 
-@pytest.mark.usefixtures("interpreted")
-def test_fused_gradient_of_a_block_takes_p_over_the_whole_softmax():
+def _check_outside(device, dtype, columns, **close):
     """``outside_lse``: the columns are one block of a softmax whose other blocks' log-sum-exp
     is given (Mixtape's rare block, the frequent one outside): ``dz = a exp(z - logaddexp(lse,
     outside)) - b [x = t] - c``; the returned statistics stay the block's own. A row of
     ``-inf`` here and outside too gives ``p = 0``; an outside of ``-inf`` the block alone."""
-    z, b, target, (scale, onehot, uniform) = _logits_case()
-    outside = torch.tensor([1.0, 50.0, -math.inf, -math.inf, 3.0, -2.0], dtype=torch.float64)
+    z, b, target, coefficients = _logits_case(device, dtype, 6, columns)
+    b = b.to(_acc(dtype))
+    scale, onehot, uniform = (c.to(device, _acc(dtype)) for c in coefficients)
+    outside = torch.tensor([1.0, 50.0, -math.inf, -math.inf, 3.0, -2.0], device=device,
+                           dtype=_acc(dtype))  # fmt: skip
     lse, picked, _, _ = _reference(z, b, target, scale, onehot, uniform)
-    whole = torch.logaddexp(lse, outside)
+    whole = torch.logaddexp(lse, outside.double())
     p = torch.where(whole[:, None] == -math.inf, 0.0,
-                    torch.exp(z + b - whole[:, None]))  # fmt: skip
-    hit = torch.arange(z.size(1))[None, :] == target[:, None]
+                    torch.exp(z.double() + b.double() - whole[:, None]))  # fmt: skip
+    hit = torch.arange(z.size(1), device=device)[None, :] == target[:, None]
     dz = scale[:, None] * p - torch.where(hit, onehot[:, None], 0.0) - uniform[:, None]
     fused = z.clone()
     got = row_statistics(fused, b, target, False, fuse=(scale, onehot, uniform),
-                         acc=torch.float64, outside_lse=outside)  # fmt: skip
-    torch.testing.assert_close(got[0], lse)
-    torch.testing.assert_close(got[1], picked)
-    torch.testing.assert_close(fused, dz)
+                         acc=_acc(dtype), outside_lse=outside)  # fmt: skip
+    torch.testing.assert_close(got[0].double(), lse, **close)
+    torch.testing.assert_close(got[1].double(), picked, **close)
+    torch.testing.assert_close(fused.double(), dz.double(), **close)
+
+
+def _acc(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@pytest.mark.usefixtures("interpreted")
+@pytest.mark.parametrize("bias", [True, False])
+def test_padding_columns_are_read_but_not_counted_and_their_gradient_is_zero(bias):
+    _check_padding("cpu", torch.float64, 4993, bias)
+
+
+@pytest.mark.usefixtures("interpreted")
+def test_fused_gradient_of_a_block_takes_p_over_the_whole_softmax():
+    _check_outside("cpu", torch.float64, 5000)
+    z, b, target, _ = _logits_case()
     with pytest.raises(ValueError, match="pass fuse as well"):
-        row_statistics(z.clone(), b, target, False, outside_lse=outside)
+        row_statistics(z, b, target, False, outside_lse=torch.zeros(6, dtype=torch.float64))
 
 
 @pytest.mark.usefixtures("interpreted")
@@ -206,6 +221,15 @@ def test_mixture_and_block_through_the_kernels_equal_the_plain_maths():
                                           *float64_case(seed=7))  # fmt: skip
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
+
+
+@pytest.mark.gpu
+def test_cuda_kernels_as_the_heads_launch_them():
+    """bf16 logits padded to a multiple of 64 columns (V = 100,003: 16-byte loads, the rows
+    plan's launch), the padding not counted; the fused form as a block of a larger softmax."""
+    bf16 = {"rtol": 1e-2, "atol": 1e-2}
+    _check_padding("cuda", torch.bfloat16, 100_003, True, rows=64, **bf16)
+    _check_outside("cuda", torch.bfloat16, 100_003, **bf16)
 
 
 @pytest.mark.gpu
