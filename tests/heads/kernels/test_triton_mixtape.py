@@ -113,8 +113,9 @@ def test_bad_shapes_are_refused_in_one_line(kernels):
 
 
 @pytest.mark.gpu
-def test_cuda_kernels_in_bf16_equal_the_float64_maths(kernels):
-    k, s = 4, 10_007
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_cuda_kernels_in_bf16_equal_the_float64_maths(kernels, k):
+    s = 10_007
     values, pre, bias, target, (scale, onehot, uniform) = _case(
         "cuda", torch.bfloat16, rows=5, k=k, s=s, padded=10_048
     )
@@ -130,5 +131,6 @@ def test_cuda_kernels_in_bf16_equal_the_float64_maths(kernels):
     kernels.frequent_gradient_(values, pre, bias.float(), target, s, lse, scale.float(),
                                onehot.float(), uniform.float(), **args)  # fmt: skip
     for got, expected in ((values, want[3]), (pre, want[4])):
+        assert not got[:, s:].any()  # the padding to 64 columns: written 0
         got = got[:, :s].double().view(expected.shape)
         assert ((got - expected).norm() / expected.norm()) < 1e-2
