@@ -398,6 +398,29 @@ def render_sweep(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
     ])  # fmt: skip
 
 
+# -- the kernels' compiled code (python -m app.bench.kernels) -----------------------------------
+def _is_kernels(report: dict[str, Any]) -> bool:
+    return str(report.get("schema", "")).startswith("kernels/")
+
+
+def render_kernels(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
+    args = report["args"]
+    header = ["kernel", "variant", "registers", "spilled B", "warps / SM", "16-byte loads",
+              "narrower loads", "barriers", "barriers in a column loop"]  # fmt: skip
+    body = [[u["kernel"], u["variant"], u["registers"], u["spilled_bytes"], u["warps_per_sm"],
+             u["wide_loads"], u["narrow_loads"], u["barriers"], u["loop_barriers"]]
+            for u in report["results"]]  # fmt: skip
+    return "\n\n".join([
+        f"The heads' Triton kernels compiled for sm_{args['arch']} without a GPU (Triton "
+        f"{report['triton']}), as the heads launch them, and read off the machine code: the "
+        "loads a thread makes (16 bytes wide, or narrower multi-element ones) and the "
+        "barriers, in all and in the most barrier-laden loop over a row's columns (`-`: no "
+        "such loop). What it shows is how the kernels are built, not how fast they run.",
+        f"```bash\n{command_of('app.bench.kernels', args, skip=('out', 'name'))}\n```",
+        table(header, body),
+    ])  # fmt: skip
+
+
 RENDERERS: list[tuple[Callable[[dict[str, Any]], bool], Renderer]] = [
     (_is_training_bench, render_training_bench),
     (_is_inference_bench, render_inference_bench),
@@ -408,6 +431,7 @@ RENDERERS: list[tuple[Callable[[dict[str, Any]], bool], Renderer]] = [
     (_is_recorded, render_recorded),
     (_is_profile, render_profile),
     (_is_sweep, render_sweep),
+    (_is_kernels, render_kernels),
 ]
 
 

@@ -26,7 +26,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 # the heads' launch settings: the variants and warps the wrappers use
@@ -50,7 +50,8 @@ class Usage:
     warps: int
     wide_loads: int  # 16-byte global loads in the code (LDG.E.128)
     narrow_loads: int  # other global loads of more than one element (the rest: scalars)
-    barriers: int  # BAR.SYNC in the code: none in a row's loop
+    barriers: int  # BAR.SYNC in the code
+    loop_barriers: int | None  # the most in one loop over a row's columns (None: no loop)
 
     @property
     def warps_per_sm(self) -> int:
@@ -120,6 +121,31 @@ def _resources(cubin: bytes, cuobjdump: Path) -> tuple[int, int, int]:
     return registers, stack + local, shared
 
 
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+((?:@!?U?P\w+\s+)?[A-Z][A-Z0-9_.]*[^;]*);")
+
+
+def loop_barriers(sass: str) -> int | None:
+    """The most barriers in one loop over a row's columns: a loop (a branch back) with two or
+    more global loads holding no other such loop (a row's loop holds its column loops; a
+    loop of one load, such as a libdevice table walk, is no column loop); None: no loop."""
+    code = [(int(address, 16), text) for address, text in _INSTRUCTION.findall(sass)]
+    loops = []
+    for address, text in code:
+        back = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if back and int(back.group(1), 16) < address:
+            body = [t for a, t in code if int(back.group(1), 16) <= a <= address]
+            loads = sum(re.search(r"(^|\s)LDG", t) is not None for t in body)
+            loops.append((int(back.group(1), 16), address, loads,
+                          sum("BAR.SYNC" in t for t in body)))  # fmt: skip
+    columns = [(lo, hi, bars) for lo, hi, loads, bars in loops if loads >= 2]
+
+    def holds_another(lo: int, hi: int) -> bool:
+        return any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b, _ in columns)
+
+    inner = [bars for lo, hi, bars in columns if not holds_another(lo, hi)]
+    return max(inner) if inner else None
+
+
 def instruction_counts(sass: str) -> tuple[int, int, int]:
     """``(16-byte loads, other multi-element loads, barriers)`` among the SASS's global
     loads and barriers (the scalar loads of a row's few per-row values are left out)."""
@@ -152,8 +178,9 @@ def compile_all(arch: int = 90) -> list[Usage]:
         cubin = compiled.asm["cubin"]
         variant = ", ".join(f"{k}={v}" for k, v in constexprs.items()
                             if k in ("FUSE", "HAS_OUTSIDE", "BLOCK", "REPS", "LANES"))  # fmt: skip
+        sass = _dump(cubin, cuobjdump, "-sass")
         usages.append(Usage(name, variant, *_resources(cubin, cuobjdump), warps,
-                            *instruction_counts(_dump(cubin, cuobjdump, "-sass"))))  # fmt: skip
+                            *instruction_counts(sass), loop_barriers(sass)))  # fmt: skip
     return usages
 
 
@@ -163,15 +190,31 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
+    parser.add_argument("--out", default=None, help="folder for a JSON of the table (none: "
+                        "printed only; docs/results.md renders it)")  # fmt: skip
+    parser.add_argument("--name", default="kernels_sm90", help="the JSON's file stem")
     args = parser.parse_args(argv)
     usages = compile_all(args.arch)
     print(f"{'kernel':24} {'variant':46} {'regs':>5} {'spilled B':>9} {'shared B':>8} "
           f"{'warps':>5} {'warps/SM':>8} {'16B loads':>9} {'narrow':>6} "
-          f"{'barriers':>8}")  # fmt: skip
+          f"{'barriers':>8} {'in a loop':>9}")  # fmt: skip
     for u in usages:
+        in_loop = "-" if u.loop_barriers is None else str(u.loop_barriers)
         print(f"{u.kernel:24} {u.variant:46} {u.registers:5d} {u.spilled_bytes:9d} "
               f"{u.shared_bytes:8d} {u.warps:5d} {u.warps_per_sm:8d} {u.wide_loads:9d} "
-              f"{u.narrow_loads:6d} {u.barriers:8d}")  # fmt: skip
+              f"{u.narrow_loads:6d} {u.barriers:8d} {in_loop:>9}")  # fmt: skip
+    if args.out is not None:
+        import json
+
+        import triton
+
+        out = Path(args.out) / f"{args.name}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        results = [{**asdict(u), "warps_per_sm": u.warps_per_sm} for u in usages]
+        report = {"schema": "kernels/1", "args": vars(args), "triton": triton.__version__,
+                  "results": results}  # fmt: skip
+        out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {out}")
     spilled = [u.kernel for u in usages if u.spilled_bytes]
     if spilled:
         print(f"spills to local memory: {', '.join(spilled)}", file=sys.stderr)

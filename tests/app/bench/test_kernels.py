@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from app.bench.kernels import Usage, instruction_counts
+from app.bench.kernels import Usage, instruction_counts, loop_barriers
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 def test_warps_per_sm_follow_the_registers():
-    assert Usage("k", "", 64, 0, 0, 8, 0, 0, 0).warps_per_sm == 32  # 4 blocks of 8 warps
-    assert Usage("k", "", 121, 0, 0, 8, 0, 0, 0).warps_per_sm == 16
+    assert Usage("k", "", 64, 0, 0, 8, 0, 0, 0, None).warps_per_sm == 32  # 4 blocks of 8 warps
+    assert Usage("k", "", 121, 0, 0, 8, 0, 0, 0, None).warps_per_sm == 16
     # one block is over 64k registers
-    assert Usage("k", "", 255, 0, 0, 16, 0, 0, 0).warps_per_sm == 0
+    assert Usage("k", "", 255, 0, 0, 16, 0, 0, 0, None).warps_per_sm == 0
 
 
 def test_instruction_counts_read_loads_and_barriers_off_the_sass():
@@ -32,6 +32,36 @@ def test_instruction_counts_read_loads_and_barriers_off_the_sass():
         /*00e0*/                   STG.E.128 desc[UR4][R6.64], R4 ;
     """
     assert instruction_counts(sass) == (1, 2, 1)
+
+
+def _sass(*lines: str) -> str:
+    return "\n".join(f"        /*{16 * i:04x}*/                   {line} ;"
+                     for i, line in enumerate(lines))  # fmt: skip
+
+
+def test_loop_barriers_are_counted_in_the_loops_over_columns():
+    """A row's loop (two barriers) holding a column loop (two loads, none): 0; a column loop
+    with a barrier: 1; a loop of one load (a table walk) is no column loop; no loop: None."""
+    row_loop = _sass("LDG.E.64 R2, desc[UR4][R2.64]", "LDG.E.128 R4, desc[UR4][R6.64]",
+                     "@!P0 LDG.E.128 R8, desc[UR4][R6.64]", "FADD R1, R1, R4",
+                     "@P1 BRA 0x10", "BAR.SYNC.DEFER_BLOCKING 0x0",
+                     "BAR.SYNC.DEFER_BLOCKING 0x0", "@P2 BRA 0x0")  # fmt: skip
+    assert loop_barriers(row_loop) == 0
+    synced = _sass("LDG.E.128 R4, desc[UR4][R6.64]", "BAR.SYNC.DEFER_BLOCKING 0x0",
+                   "LDG.E.128 R8, desc[UR4][R6.64]", "@P1 BRA 0x0")  # fmt: skip
+    assert loop_barriers(synced) == 1
+    walk = _sass("LDG.E.CONSTANT R2, desc[UR4][R2.64]", "BAR.SYNC.DEFER_BLOCKING 0x0",
+                 "@P1 BRA 0x0")  # fmt: skip
+    assert loop_barriers(walk) is None
+    assert loop_barriers(_sass("LDG.E.128 R4, desc[UR4][R6.64]", "EXIT")) is None
+
+
+def test_the_committed_report_renders_in_the_results_document():
+    from app.results import render
+
+    text = render(REPO / "docs" / "results", REPO / "docs")
+    assert "The heads' Triton kernels compiled for sm_90" in text
+    assert "| rows.statistics | REPS=4, LANES=2048, FUSE=True, HAS_OUTSIDE=False | 128 |" in text
 
 
 @pytest.mark.slow
@@ -47,5 +77,5 @@ def test_every_kernel_compiles_for_hopper_without_spills():
         assert kernel in run.stdout
     rows = [line.split() for line in run.stdout.splitlines() if line.startswith("rows.")]
     assert len(rows) == 4  # statistics: two-pass, fused, fused as a block; gradient
-    for *_, wide, _, _ in rows:  # REPS = 4 16-byte loads of logits a block at least
-        assert int(wide) >= 4, run.stdout
+    for *_, wide, _, _, in_loop in rows:  # REPS = 4 16-byte loads of logits a block at least
+        assert int(wide) >= 4 and in_loop in ("0", "-"), run.stdout  # no barrier in a loop
