@@ -7,7 +7,8 @@ then
 
 - :func:`row_statistics` reads them once: per row the online log-sum-exp of ``z + b`` (kept
   per lane, one ``exp`` a logit), the target's logit (one load) and, with label smoothing,
-  the row's sum of logits;
+  the row's sum of logits (``b``: the rows plan passes none, its products take the bias as a
+  column);
 - :func:`row_gradient_` reads them once more and writes ``dz = scale p - onehot [x = t] -
   uniform`` over them, in place, in their dtype (``p = exp(z + b - lse)``; 0 in the padding),
   for the two gradient products.
@@ -15,13 +16,14 @@ then
 Two bytes read, then two read and two written per logit: no float32 copy of the tile, and the
 tile's memory is its logits alone (the compiled body holds them and ``dz`` side by side).
 Where a softmax's per-row coefficients are known before its log-sum-exp (one softmax: ``w``
-and ``(1 - eps) w``), :func:`row_statistics` takes them and writes ``dz`` in the same program,
-row by row (``fuse``); its programs are a fixed grid (:class:`Launch`'s ``programs_per_sm`` a
-streaming multiprocessor), each taking every so many rows, so that the rows being read at once (and
-read again for ``dz``) stay few, and each reads its row from the end for the statistics,
-then from the start for ``dz``: the columns read last are read again first, the likeliest
-still in the GPU's L2 cache (read again in the order first read, a row whose programs' rows
-together overflow the cache would find none of it there: it is evicted as it is reached).
+and ``(1 - eps) w``; also one block of it, the rest's log-sum-exp given: Mixtape's rare
+block), :func:`row_statistics` takes them and writes ``dz`` in the same program, row by row
+(``fuse``). Its programs are a fixed grid (:class:`Launch`'s ``programs_per_sm`` a streaming
+multiprocessor), each taking every so many rows, so that the rows read at once (and read
+again for ``dz``) stay few; each reads its row from the end for the statistics, then from
+the start for ``dz``: the columns read last are read again first, the likeliest still in the
+GPU's L2 cache (read again in the order first read, rows that together overflow the cache
+would find none of themselves there: each column is evicted just before it is reached).
 
 Why the kernels are shaped so (``python -m app.bench.kernels`` shows it in the compiled
 code): every load is 16 bytes (the loads are masked by the padded width ``C``, which Triton
