@@ -12,9 +12,9 @@ one-hot) goes down the sigmoid tree to the two frequent products' outputs,
 (1 - gamma_j)`` (a node's prior ``pi_j`` is the sum of its leaves'), and six products give the
 gradients of the contexts, ``W``, the gate inputs, the gate embeddings, the mixed context and
 ``W_rare`` (the biases folded into the ``W`` products on GPUs; the rare one into its logits'
-product too). So each product runs once
-forward and twice backward, the FLOP floor, with nothing recomputed and nothing ``[N, K, S]``
-held beyond a tile: the column plans recompute the frequent block in their backward.
+product too). So each product runs once forward and twice backward, the FLOP floor, with
+nothing recomputed and nothing ``[N, K, S]`` held beyond a tile: the column plans recompute
+the frequent block in their backward.
 
 Two tile bodies: on GPUs with Triton the products' outputs in their dtype, with the frequent
 block's passes as two Triton kernels (``heads/kernels/triton_mixtape.py``) and the rare
@@ -178,21 +178,16 @@ class _Walk:
         lse, picked, total = frequent_statistics(values, pre, self.b_freq, target, s, smoothing,
                                                  acc=acc, **noise)  # fmt: skip
         lse_parts, rare = [lse], None
-        if self.rare:  # its dz in the same pass (the rows kernels' fused form, as a block of
-            # the one softmax: dz's coefficients are known before its log-sum-exp, and the
-            # frequent block's is given)
+        # the rare block's dz in its statistics' pass (the rows kernels' fused form, as a block
+        # of the one softmax: dz's coefficients are known before any log-sum-exp, and the rest
+        # of the softmax's, the frequent block's, is given)
+        if self.rare:
             rare = torch.mm(self.mixed[t0:t1], self.w_rare.t())
             fuse = Terms.softmax_coefficients(row_weight, eps, self.v)
             rare_lse, rare_picked, rare_total = row_statistics(
-                rare,
-                self.b_rare,
-                self.rare_target[t0:t1],
-                smoothing,
-                fuse,
-                acc,
-                self.rare,
+                rare, self.b_rare, self.rare_target[t0:t1], smoothing, fuse, acc, self.rare,
                 outside_lse=lse,
-            )
+            )  # fmt: skip
             lse_parts.append(rare_lse)
             picked = picked + rare_picked
             total = total + rare_total if smoothing else None

@@ -32,9 +32,9 @@ from heads.kernels.triton_rows import bias_to_width, triton_available
 __all__ = ["frequent_gradient_", "frequent_statistics", "gate_noise", "triton_available"]
 
 _WARPS = 8
-# columns a thread holds of each of a block's 2K - 1 rows (K = 2: one 16-byte load a row; more
-# would hold the thread's column trees in over 128 registers; K = 8 at 2 spills): 8 K = 2, 4
-# K = 4, 1 beyond
+# columns a thread holds of each of a block's 2K - 1 rows: K = 2, 8 (one 16-byte load a row);
+# K = 4, 4; K >= 8, 1 (K = 8 at 2 spills); more would hold a thread's column trees in over
+# 128 registers
 COLUMNS_PER_THREAD = {2: 8, 4: 4}
 
 
