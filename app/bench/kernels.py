@@ -121,22 +121,28 @@ def _resources(cubin: bytes, cuobjdump: Path) -> tuple[int, int, int]:
     return registers, stack + local, shared
 
 
-_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+((?:@!?U?P\w+\s+)?[A-Z][A-Z0-9_.]*[^;]*);")
+# a SASS line: its address, then the instruction (an optional predicate, the opcode, operands)
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def _code(sass: str) -> list[tuple[int, str, str]]:
+    """``(address, opcode, operands)`` of each instruction."""
+    return [(int(a, 16), op, rest) for a, op, rest in _INSTRUCTION.findall(sass)]
 
 
 def loop_barriers(sass: str) -> int | None:
     """The most barriers in one loop over a row's columns: a loop (a branch back) with two or
     more global loads holding no other such loop (a row's loop holds its column loops; a
     loop of one load, such as a libdevice table walk, is no column loop); None: no loop."""
-    code = [(int(address, 16), text) for address, text in _INSTRUCTION.findall(sass)]
+    code = _code(sass)
     loops = []
-    for address, text in code:
-        back = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+    for address, opcode, operands in code:
+        back = re.search(r"0x([0-9a-f]+)", operands) if opcode.startswith("BRA") else None
         if back and int(back.group(1), 16) < address:
-            body = [t for a, t in code if int(back.group(1), 16) <= a <= address]
-            loads = sum(re.search(r"(^|\s)LDG", t) is not None for t in body)
-            loops.append((int(back.group(1), 16), address, loads,
-                          sum("BAR.SYNC" in t for t in body)))  # fmt: skip
+            start = int(back.group(1), 16)
+            body = [op for a, op, _ in code if start <= a <= address]
+            loads = sum(op.startswith("LDG") for op in body)
+            loops.append((start, address, loads, sum(op.startswith("BAR.SYNC") for op in body)))
     columns = [(lo, hi, bars) for lo, hi, loads, bars in loops if loads >= 2]
 
     def holds_another(lo: int, hi: int) -> bool:
@@ -149,7 +155,7 @@ def loop_barriers(sass: str) -> int | None:
 def instruction_counts(sass: str) -> tuple[int, int, int]:
     """``(16-byte loads, other multi-element loads, barriers)`` among the SASS's global
     loads and barriers (the scalar loads of a row's few per-row values are left out)."""
-    opcodes = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass)
+    opcodes = [op for _, op, _ in _code(sass)]
     wide = sum(op.startswith("LDG.E.128") for op in opcodes)
     narrow = sum(op.startswith(("LDG.E.64", "LDG.E.U16", "LDG.E.16")) for op in opcodes)
     barriers = sum(op.startswith("BAR.SYNC") for op in opcodes)
