@@ -378,11 +378,7 @@ def _is_sweep(report: dict[str, Any]) -> bool:
 
 def render_sweep(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
     args, rows = report["args"], report["results"]
-    defaults = {"softmax@rows": report["defaults"]["launch"], "mos@rows":
-                report["defaults"]["launch"], "mixtape@rows":
-                {"columns_per_thread": report["defaults"]["columns_per_thread"]}}  # fmt: skip
-    base = {r["subject"]: r["time_ms"] for r in rows
-            if r["setting"] == defaults.get(r["subject"], {})}  # fmt: skip
+    base = {r["subject"]: r["time_ms"] for r in rows if r["default"]}
     body = [[r["subject"], ", ".join(f"{k} {v}" for k, v in r["setting"].items()) or "-",
              r["time_ms"], r["time_ms"] / base[r["subject"]] if r["subject"] in base else None]
             for r in rows]  # fmt: skip

@@ -55,11 +55,11 @@ def _timed(name: str, args, targets: torch.Tensor) -> list[float]:
     return times
 
 
-def _row(subject: str, setting: dict, times: list[float]) -> dict:
+def _row(subject: str, setting: dict, times: list[float], default: bool = True) -> dict:
     print(f"  {subject:14} {json.dumps(setting):48} {statistics.median(times):9.3f} ms",
           flush=True)  # fmt: skip
-    return {"subject": subject, "setting": setting, "time_ms": statistics.median(times),
-            "times_ms": times}  # fmt: skip
+    return {"subject": subject, "setting": setting, "default": default,
+            "time_ms": statistics.median(times), "times_ms": times}  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -71,12 +71,14 @@ def run(args: argparse.Namespace) -> dict:
         for launch in ROWS_SETTINGS:
             triton_rows.LAUNCH = launch
             for subject in ("softmax@rows", "mos@rows"):
-                rows.append(_row(subject, asdict(launch), _timed(subject, args, targets)))
+                rows.append(_row(subject, asdict(launch), _timed(subject, args, targets),
+                                 launch == default_launch))  # fmt: skip
         triton_rows.LAUNCH = default_launch
         for columns in MIXTAPE_SETTINGS:
             triton_mixtape.COLUMNS_PER_THREAD = columns
             setting = {"columns_per_thread": {str(k): v for k, v in columns.items()}}
-            rows.append(_row("mixtape@rows", setting, _timed("mixtape@rows", args, targets)))
+            rows.append(_row("mixtape@rows", setting, _timed("mixtape@rows", args, targets),
+                             columns == default_columns))  # fmt: skip
     finally:
         triton_rows.LAUNCH, triton_mixtape.COLUMNS_PER_THREAD = default_launch, default_columns
     device = torch.device(args.device)

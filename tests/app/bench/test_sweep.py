@@ -21,6 +21,9 @@ def test_every_setting_of_every_subject_is_timed_and_written(tmp_path, capsys):
     assert [r["subject"] for r in rows].count("mos@rows") == per_setting
     assert [r["subject"] for r in rows].count("mixtape@rows") == len(sweep.MIXTAPE_SETTINGS)
     assert rows[0]["subject"] == "matmul"
+    # one row a subject under the defaults, which the table's ratios are taken against
+    defaults = [r["subject"] for r in rows if r["default"]]
+    assert defaults == ["matmul", "softmax@rows", "mos@rows", "mixtape@rows"]
     assert all(len(r["times_ms"]) == 2 and r["time_ms"] > 0 for r in rows)
     assert {r["setting"]["programs_per_sm"] for r in rows if r["subject"] == "mos@rows"} == {
         launch.programs_per_sm for launch in sweep.ROWS_SETTINGS}  # fmt: skip
