@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from heads.kernels import triton_rows_kernels
-from heads.kernels.triton_rows_kernels import merge_statistics, row_lse
+from heads.kernels.triton_rows_kernels import merge_statistics, row_lse, softmax_gradient
 
 # the statistics' dtype for each accumulation dtype (the rows kernels' table)
 ACC = triton_rows_kernels.ACC
@@ -120,12 +120,11 @@ def gradient(values_ptr, pre_ptr, bias_ptr, target_ptr, seed_ptr, lse_ptr, scale
     z, gates, priors, values = _logits(values_row, pre_row, bias_ptr, seed, cols, mask, s,
                                        stride_v, stride_p, noise_std, K, LEVELS, HAS_BIAS,
                                        HAS_NOISE, ACC, BLOCK)  # fmt: skip
-    lse = tl.load(lse_ptr + row)
-    p = tl.where(lse == float("-inf"), 0.0, tl.exp(z - lse))  # a row of -inf: p = 0
-    dz = tl.load(scale_ptr + row) * p - tl.where(cols == tl.load(target_ptr + row),
-                                                 tl.load(onehot_ptr + row), 0.0)  # fmt: skip
+    uniform = 0.0
     if HAS_UNIFORM:
-        dz -= tl.load(uniform_ptr + row)
+        uniform = tl.load(uniform_ptr + row)
+    dz = softmax_gradient(z, cols, tl.load(target_ptr + row), tl.load(lse_ptr + row),
+                          tl.load(scale_ptr + row), tl.load(onehot_ptr + row), uniform)  # fmt: skip
     dz = tl.where(cols < s, dz, 0.0)
     for k in tl.static_range(K):
         tl.store(values_row + k * stride_v + cols, (dz * priors[k]).to(values_ptr.dtype.element_ty),

@@ -59,11 +59,18 @@ def _block(z_row, bias_ptr, offs, v, width, HAS_BIAS: tl.constexpr, ACC: tl.cons
 
 
 @triton.jit
+def softmax_gradient(x, cols, t, lse, scale, onehot, uniform):
+    """``dz = scale p - onehot [x = t] - uniform``, ``p = exp(x - lse)`` (0 for a row of
+    ``-inf``, whose ``lse`` is ``-inf``)."""
+    p = tl.where(lse == float("-inf"), 0.0, tl.exp(x - lse))
+    return scale * p - tl.where(cols == t, onehot, 0.0) - uniform
+
+
+@triton.jit
 def _write_gradient(z_row, bias_ptr, offs, t, lse, scale, onehot, uniform, v, width,
                     HAS_BIAS: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
     x = _block(z_row, bias_ptr, offs, v, width, HAS_BIAS, ACC)
-    p = tl.where(lse == float("-inf"), 0.0, tl.exp(x - lse))  # a row of -inf: p = 0
-    dz = scale * p - tl.where(offs == t, onehot, 0.0) - uniform
+    dz = softmax_gradient(x, offs, t, lse, scale, onehot, uniform)
     dz = tl.where(offs < v, dz, 0.0)  # the padding's gradient is 0
     tl.store(z_row + offs, dz.to(z_row.dtype.element_ty), mask=offs < width)
 
@@ -111,11 +118,9 @@ def statistics(z_ptr, bias_ptr, target_ptr, lse_ptr, picked_ptr, sum_ptr,
         if HAS_SUM:
             tl.store(sum_ptr + row, tl.sum(logit_sum, 0))
         if FUSE:  # one softmax: dz in the same program, its coefficients given
-            if HAS_OUTSIDE:  # log Z = logaddexp(lse, the rest's)
-                other = tl.load(outside_ptr + row)
-                high = tl.maximum(lse, other)
-                shift = tl.where(high == float("-inf"), 0.0, high)
-                lse = shift + tl.log(tl.exp(lse - shift) + tl.exp(other - shift))
+            if HAS_OUTSIDE:  # log Z = logaddexp(lse, the rest's): two sums of exp(0)
+                high, total = merge_statistics(lse, 1.0, tl.load(outside_ptr + row), 1.0)
+                lse = high + tl.log(total)  # both -inf: -inf + log 1
             scale = tl.load(scale_ptr + row)
             onehot = tl.load(onehot_ptr + row)
             uniform = 0.0
