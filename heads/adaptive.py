@@ -331,12 +331,14 @@ class AdaptiveSoftmaxHead(Head):
     def _classify(self, hidden, weight, bias, target, weights, row_bound=None, want_lse=False):
         """One classifier's ``(part of the mean loss, NLL, log-sum-exp)``: the part (``sum_n
         w_n nll_n``) only with ``weights``; NLL 0 where ``target`` is ignored (``IGNORE_INDEX``).
-        Plainly where the classifier's logits fit the saved budget (:func:`plain_loss_fits`;
-        most of an adaptive softmax's classifiers: no log-sum-exp unless ``want_lse``), else
-        by the rows plan where :func:`mean_loss_plan` picks it (no log-sum-exp either), else
-        by a column plan."""
+        Plainly where the classifier's logits fit the saved budget and, under plan ``rows``,
+        are few enough for its launches to dominate (:func:`plain_loss_fits`:
+        ``ROWS_PLAIN_LOGITS``; no log-sum-exp unless ``want_lse``), else by the rows plan where
+        :func:`mean_loss_plan` picks it (no log-sum-exp either), else by a column plan."""
         rows = hidden.size(0) if row_bound is None else row_bound  # eager: the cluster's own
-        if not want_lse and plain_loss_fits(self.loss_options, hidden.device, rows, weight.size(0)):
+        plain = plain_loss_fits(self.loss_options, hidden.device, rows, weight.size(0),
+                                classifier=True)  # fmt: skip
+        if not want_lse and plain:
             nll = plain_nll(hidden, weight, bias, target)
             return None if weights is None else (weights * nll).sum(), nll, None
         if weights is not None:

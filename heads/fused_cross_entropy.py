@@ -64,6 +64,22 @@ _CUDA_MIN_BYTES = 256 << 20
 _CUDA_MEMORY_SHARE = 16
 # Chunk results kept for the backward instead of recomputed, per call (see LossOptions).
 DEFAULT_SAVED_BYTES = 128 << 20
+# Plan rows on CUDA: an adaptive softmax's classifier over at most this many logits runs as
+# plain maths (plain_loss_fits), a larger one by the rows plan. Plain maths moves ~46 bytes a
+# logit forward and backward (bf16 logits, a float32 copy, log-softmax and its backward, dz
+# read by two products), the rows plan's Triton tiles ~8 (heads/kernels/rows_ce.py): ~38 bytes
+# more, ~13 ps a logit at an H100's ~3 TB/s. The rows plan costs host time instead: 53 more
+# operators and 0.18 ms more a classifier on the launch-bound proxy (CUDA's plans on one CPU
+# thread, V = 1,000, d = 32, 32 tokens: 0.91 ms a step for three classifiers by rows, 0.36
+# plainly: docs/results/profile_cpu_cuda_plans_adaptive_rows_1k.json), which a host-bound
+# step pays in full: the H100's plain step at V = 10k, d = 512, 16,384 tokens took 3.45 ms
+# (docs/results/bench_gpu_heads_10k.json) for under 1 ms of device work by these figures
+# (30M logits, 32 GFLOP). The two match near 14M logits: 2^24 (64 MiB of float32 logits,
+# within the saved budget). At the benchmark's d = 512 and 16,384 tokens, V = 10k's
+# classifiers (6.5M-12M logits) stay plain and V = 100k's (48M-106M) run by rows, as under the
+# saved budget alone. Not yet timed on a GPU: adaptive@rows against adaptive@plain with
+# --saved-mb 0 (every classifier by rows) at V = 10k would place it.
+ROWS_PLAIN_LOGITS = 1 << 24
 # the rows plan's tiles (row_tile)
 _ROWS_MIN_CPU = 512
 _ROWS_MAX_CPU_BYTES = 256 << 20
@@ -97,7 +113,9 @@ class LossOptions:
         the hand-written plans are measured against), ``rows`` (a whole mean loss, of a
         softmax, a mixture or Mixtape's rare block, with its gradient computed in the
         forward by row tiles over the whole vocabulary: three products instead of four,
-        ``heads/kernels/rows_ce.py``; the heads' other blocks run as under ``auto``),
+        ``heads/kernels/rows_ce.py``; the heads' other blocks run as under ``auto``; on CUDA
+        a step, or an adaptive softmax's classifier, small enough to be launch-bound runs
+        plainly: :func:`plain_loss_fits`),
         ``plain`` (an adaptive softmax's classifiers as one product and PyTorch's fused
         log-softmax and NLL: :func:`plain_nll`; the rest as under ``auto``), or ``auto``:
         compiled on CUDA, eager elsewhere (rows for a whole mean loss on a CPU:
@@ -432,25 +450,40 @@ def mean_cross_entropy(
     return MeanCrossEntropy(loss, nll)
 
 
-def plain_loss_fits(options: LossOptions, device: torch.device, rows: int, columns: int) -> bool:
-    """Whether a classifier's loss over ``rows x columns`` logits runs as plain maths
-    (:func:`plain_nll`): with ``plan="plain"``, and under ``auto`` on CUDA where the float32
-    logits fit ``options.saved_bytes`` (the budget the column plans may keep anyway). There
-    the chunk machinery saves no memory and costs launches and host time, what a GPU step of
-    small classifiers is made of: an adaptive softmax's step at V = 1,000, d = 32, 32 tokens
-    (one CPU thread: the launch-bound proxy) dispatched 257 operators in 0.81 ms of host time
-    by the eager plan, 98 in 0.35 ms plainly, PyTorch's own layer 108 in 0.31 ms (docs/results/
-    profile_cpu_launch_bound_1k.json); on an H100 ours measured 0.45x as fast as PyTorch's
-    at V = 10k. Not ``auto`` on a CPU, where the hand-written plan is faster once the products
-    count: V = 33k, d = 512, 4,096 tokens, 141 ms against 190 plainly and PyTorch's 179
-    (docs/results/bench_cpu_adaptive_plain_d512.json)."""
+def plain_loss_fits(
+    options: LossOptions, device: torch.device, rows: int, columns: int, *,
+    classifier: bool = False,
+) -> bool:  # fmt: skip
+    """Whether a loss over ``rows x columns`` logits runs as plain maths (:func:`plain_nll`):
+    always with ``plan="plain"``; on the GPU plans' devices (CUDA) under ``auto`` and
+    ``rows`` where the float32 logits fit ``options.saved_bytes`` (the budget the column plans
+    may keep anyway), and under ``rows`` for a ``classifier`` (one of an adaptive softmax's)
+    only up to :data:`ROWS_PLAIN_LOGITS` logits too.
+
+    There the chunk machinery saves no memory and costs launches and host time, what a GPU
+    step of small classifiers is made of: an adaptive softmax's step at V = 1,000, d = 32, 32
+    tokens (one CPU thread: the launch-bound proxy) dispatched 257 operators in 0.81 ms of
+    host time by the eager plan, 98 in 0.35 ms plainly, PyTorch's own layer 108 in 0.31 ms
+    (docs/results/profile_cpu_launch_bound_1k.json); on an H100 ours measured 0.45x as fast as
+    PyTorch's at V = 10k. Not ``auto`` on a CPU, where the hand-written plan is faster once
+    the products count: V = 33k, d = 512, 4,096 tokens, 141 ms against 190 plainly and
+    PyTorch's 179 (docs/results/bench_cpu_adaptive_plain_d512.json).
+
+    ``classifier``: an adaptive softmax's ``rows`` is only ever asked for (its ``auto`` on
+    CUDA is ``torch`` or ``plain``: MEASURED_FASTEST), so a large classifier takes the rows
+    plan it asks for. A softmax's and Mixtape's ``rows`` is what their ``auto`` runs on CUDA
+    up to V = 100k (``measured_options``), plain up to the saved budget: kept so (False) until
+    a GPU run measures the crossover there."""
     if options.backend not in ("auto", "torch"):
         return False
     if options.plan == "plain":
         return True
-    fits = 4 * rows * columns <= options.saved_bytes
+    if options.plan not in ("auto", "rows") or not gpu_plans(device):
+        return False
+    if options.plan == "rows" and classifier and rows * columns > ROWS_PLAIN_LOGITS:
+        return False
     # rows: the measured choice for large steps (MEASURED_FASTEST); a small one is plainer
-    return options.plan in ("auto", "rows") and gpu_plans(device) and fits
+    return 4 * rows * columns <= options.saved_bytes
 
 
 def plain_nll(

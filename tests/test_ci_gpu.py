@@ -2,6 +2,7 @@
 replaced by a recorder, and every command line it would run is parsed by the tool it names
 (with ``--device cpu``): a typo there would otherwise cost a scarce GPU session."""
 
+import math
 import os
 import shlex
 import subprocess
@@ -86,3 +87,63 @@ def test_targets_reads_the_runs_reports(tmp_path):
     assert commands[:2] == ["-m", "app.bench.targets"]
     assert sorted(Path(f).name for f in commands[2:]) == ["bench_gpu_heads_100k.json",
                                                           "bench_gpu_lm_ptb_step.json"]  # fmt: skip
+
+
+def _subjects(command: list[str]) -> list[str]:
+    """A bench command line's ``--heads``."""
+    start = command.index("--heads") + 1
+    return command[start : next(i for i in range(start, len(command))
+                                if command[i].startswith("--"))]  # fmt: skip
+
+
+def test_quick_measures_every_target_but_the_memory_search(tmp_path):
+    """``quick`` (a lent 15-minute session): no ``pytest -m gpu``; the heads' benches at 100k and
+    10k with 6 repeats (the fewest with a 95% interval, which ``fastest`` needs), lmstep,
+    fastest and targets, the sweep last; every command accepted by its tool, and a run of
+    its subjects gives every target but MoS's tokens in 12 GiB (the memory part's)."""
+    from app.bench.fastest import choices
+    from app.bench.report import paired_row_ratio
+    from app.bench.sweep import parse_args as sweep_args
+    from app.bench.targets import collect
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "bench_gpu_heads_100k.json").write_text("{}")  # what targets reads
+    commands = [c for c in _recorded(tmp_path, "quick") if c[:1] == ["-m"]]
+    assert not any(c[1] == "pytest" for c in commands)
+    assert [c[1] for c in commands] == ["app.bench"] * 3 + ["app.bench.fastest",
+                                        "app.bench.targets", "app.bench.sweep"]  # fmt: skip
+    heads100, heads10, lmstep = (bench_args(_on_cpu(c[2:])) for c in commands[:3])
+    assert (heads100.vocab_sizes, heads10.vocab_sizes) == ([100_000], [10_000])
+    assert heads100.repeats == heads10.repeats == 6 and lmstep.scope == "lm"
+
+    def interval_top(repeats: int) -> float:  # of the paired ratios' 95% interval
+        mine = {"times_ms": [1.0 + 0.01 * i for i in range(repeats)], "tokens": 1}
+        return paired_row_ratio(mine, {"times_ms": [2.0] * repeats, "tokens": 1})[2]
+
+    assert math.isnan(interval_top(5)) and interval_top(heads100.repeats) < 1
+    ours = {"softmax", "softmax@rows", "matmul", "mixtape@rows", "adaptive@plain",
+            "adaptive@rows", "torch_adaptive"}  # fmt: skip
+    assert set(_subjects(commands[0])) == ours | {"mos@rows", "softmax@cce", "softmax@liger"}
+    assert set(_subjects(commands[1])) == ours | {"softmax@cce", "softmax@liger"}
+    assert [Path(f).name for f in commands[3][2:]] == ["bench_gpu_heads_100k.json",
+                                                       "bench_gpu_heads_10k.json"]  # fmt: skip
+    sweep = sweep_args([*commands[5][2:], "--device", "cpu"])  # its default: cuda
+    assert (sweep.repeats, sweep.name, sweep.out) == (3, "sweep_gpu_tiles_100k", str(out))
+
+    def row(head, vocab, scope="head"):
+        times = [1.0 + 0.01 * i for i in range(6)]
+        return {"head": head, "vocab_size": vocab, "scope": scope, "tokens": 16_384,
+                "time_ms": 1.0, "times_ms": times, "time_per_token_us": 0.1,
+                "extra_peak_mb": 100.0}  # fmt: skip
+
+    rows = [
+        row(h, args.vocab_sizes[0], args.scope)
+        for args, command in zip((heads100, heads10, lmstep), commands, strict=False)
+        for h in _subjects(command)
+    ]
+    report = {"results": rows, "machine": {"cuda": "NVIDIA H100 80GB HBM3"}}
+    unmeasured = [t.target for t in collect({"quick.json": report}) if t.met is None]
+    assert unmeasured == ["MoS-15 tokens in 12 GiB at 100k (>= 16384)"]
+    benches = {**report, "results": [r for r in rows if r["scope"] == "head"]}  # fastest's
+    assert {head for head, *_ in choices(benches)} == {"SoftmaxHead"}  # softmax's choice alone

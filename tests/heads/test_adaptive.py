@@ -2,10 +2,12 @@ import numpy as np
 import pytest
 import torch
 
+import heads.fused_cross_entropy as fce
 from heads import HeadConfigError, HeadSetup, adaptive
 from heads.adaptive import AdaptiveSoftmaxHead
 from heads.errors import CheckpointMismatchError
 from heads.fused_cross_entropy import LossOptions
+from heads.kernels import chunks, compiled_lse
 from tests.heads.contract import (
     CHUNKED,
     HIDDEN,
@@ -123,6 +125,71 @@ def test_a_cluster_the_batch_misses_gets_a_zero_gradient(high, plan):
         assert all(p.grad is not None and not p.grad.any() for p in module.parameters())
     if high == 50:
         assert all(p.grad.any() for p in head.tail[0].parameters())
+
+
+@pytest.fixture
+def gpu_plans_here(monkeypatch):
+    """CUDA's execution plans on this CPU (``chunks.GPU_PLAN_DEVICES``): compiled tile bodies,
+    through torch.compile's aot_eager backend (seconds instead of Inductor's minutes)."""
+    import torch._dynamo
+
+    monkeypatch.setattr(chunks, "GPU_PLAN_DEVICES", {"cuda", "cpu"})
+    monkeypatch.setattr(compiled_lse, "COMPILE_BACKEND", "aot_eager")
+    yield
+    torch._dynamo.reset()
+
+
+def test_plan_rows_on_gpu_plans_runs_large_classifiers_by_rows_small_ones_plainly(
+    gpu_plans_here, monkeypatch
+):
+    """Plan ``rows`` on CUDA's plans: a classifier over more than ``ROWS_PLAIN_LOGITS`` logits
+    by the rows plan (its gradient in the forward), a smaller one plainly, in one step; its
+    loss, NLL and every gradient equal PyTorch's layer's in float64."""
+    monkeypatch.setattr(fce, "ROWS_PLAIN_LOGITS", 1200)
+    ran = {"plain": [], "rows": []}
+
+    def spy(path, function):
+        def spied(hidden, weight, *args, **kwargs):
+            ran[path].append(weight.size(0))  # the classifier's columns
+            return function(hidden, weight, *args, **kwargs)
+
+        monkeypatch.setattr(adaptive, function.__name__, spied)
+
+    spy("plain", adaptive.plain_nll)
+    spy("rows", adaptive.mean_cross_entropy)
+    torch.manual_seed(0)
+    ours = AdaptiveSoftmaxHead(16, 300, cutoffs=[20, 90], div_value=2.0).double()
+    ours.loss_options = LossOptions(plan="rows")
+    ref = copy_into_torch(ours, 2.0)
+    gen = torch.Generator().manual_seed(1)
+    # 64 rows: the head classifier's 64 x 22 logits (1,408) and the second cluster's 8 x 210
+    # (1,680) over 1,200, the first cluster's 16 x 70 (1,120) within
+    target = torch.cat([torch.randint(0, 20, (40,), generator=gen),
+                        torch.randint(20, 90, (16,), generator=gen),
+                        torch.randint(90, 300, (8,), generator=gen)])  # fmt: skip
+    target = target[torch.randperm(64, generator=gen)]
+    hidden = torch.randn(64, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    out, expected = ours(hidden, target), ref(hidden, target)
+    assert ran == {"plain": [70], "rows": [22, 210]}
+    torch.testing.assert_close(out.loss, expected.loss)
+    torch.testing.assert_close(out.nll, -expected.output)
+    mine = [hidden, *ours.parameters()]
+    theirs = [hidden, *ref.parameters()]
+    assert [p.shape for p in mine] == [p.shape for p in theirs]
+    for got, want in zip(torch.autograd.grad(out.loss, mine),
+                         torch.autograd.grad(expected.loss, theirs), strict=True):  # fmt: skip
+        torch.testing.assert_close(got, want)
+
+
+def test_plan_rows_on_gpu_plans_at_the_losss_edges(gpu_plans_here, monkeypatch):
+    """The same plans at the contract's edges (one row, ignored rows, every row ignored, label
+    smoothing), against the float64 formula: every classifier by rows, and some plainly."""
+    for crossover in (0, 30):
+        monkeypatch.setattr(fce, "ROWS_PLAIN_LOGITS", crossover)
+        check_loss_matches_reference(
+            lambda: AdaptiveSoftmaxHead(HIDDEN, VOCAB, cutoffs=[4, 11], div_value=2.0),
+            options=(LossOptions(plan="rows"), LossOptions(plan="rows", rows=4)),
+        )
 
 
 def test_the_steps_one_read_back_comes_before_any_product():

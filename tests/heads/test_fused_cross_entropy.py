@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from heads.errors import HeadConfigError, UserError
 from heads.fused_cross_entropy import (
     IGNORE_INDEX,
+    ROWS_PLAIN_LOGITS,
     LossOptions,
     MissingBackendError,
     combine_lse,
@@ -380,3 +381,25 @@ def test_plain_runs_on_cuda_where_the_logits_fit_the_saved_budget():
     for options in (LossOptions(plan="compiled"), LossOptions(plan="eager"),
                     LossOptions(backend="liger")):  # fmt: skip
         assert not plain_loss_fits(options, cuda, 1, 1)
+
+
+def test_plan_rows_runs_a_large_classifier_by_rows_and_a_small_one_plainly():
+    """An adaptive softmax's classifier (``classifier=True``) under ``rows`` on CUDA: plainly up
+    to ``ROWS_PLAIN_LOGITS`` logits (launch-bound) within the saved budget, by the rows plan
+    beyond, however large the budget; ``auto`` and a softmax's (or Mixtape's) ``rows``, which
+    is its auto on CUDA, keep the saved budget alone; ``plain`` is always plain."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    rows, columns = 1024, ROWS_PLAIN_LOGITS // 1024
+    ample = LossOptions(plan="rows", saved_bytes=64 * ROWS_PLAIN_LOGITS)
+    assert plain_loss_fits(ample, cuda, rows, columns, classifier=True)
+    assert not plain_loss_fits(ample, cuda, rows + 1, columns, classifier=True)
+    assert not plain_loss_fits(ample, cpu, rows, columns, classifier=True)  # CPU: no GPU plans
+    assert plain_loss_fits(ample, cuda, rows + 1, columns)  # a softmax's rows: the budget
+    # the budget still bounds the plain classifier's memory
+    tight = LossOptions(plan="rows", saved_bytes=4 * 100 * 50)
+    assert plain_loss_fits(tight, cuda, 100, 50, classifier=True)
+    assert not plain_loss_fits(tight, cuda, 101, 50, classifier=True)
+    auto = LossOptions(saved_bytes=64 * ROWS_PLAIN_LOGITS)  # auto: unchanged
+    assert plain_loss_fits(auto, cuda, rows + 1, columns, classifier=True)
+    plain = LossOptions(plan="plain", saved_bytes=0)
+    assert plain_loss_fits(plain, cuda, rows + 1, columns, classifier=True)
