@@ -376,11 +376,17 @@ def _is_sweep(report: dict[str, Any]) -> bool:
     return str(report.get("schema", "")).startswith("sweep/")
 
 
+def _setting(setting: dict[str, Any]) -> str:
+    """``key value, ...``; a nested setting (the fused products' tiles) as ``key: ...``."""
+    return ", ".join(f"{k}: {_setting(v)}" if isinstance(v, dict) else f"{k} {v}"
+                     for k, v in setting.items())  # fmt: skip
+
+
 def render_sweep(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
     args, rows = report["args"], report["results"]
     base = {r["subject"]: r["time_ms"] for r in rows if r["default"]}
-    body = [[r["subject"], ", ".join(f"{k} {v}" for k, v in r["setting"].items()) or "-",
-             r["time_ms"], r["time_ms"] / base[r["subject"]] if r["subject"] in base else None]
+    body = [[r["subject"], _setting(r["setting"]) or "-", r["time_ms"],
+             r["time_ms"] / base[r["subject"]] if r["subject"] in base else None]
             for r in rows]  # fmt: skip
     return "\n\n".join([
         f"The Triton tiles' launch settings at V = {args['vocab']}, d = {args['hidden']}, "
@@ -402,16 +408,20 @@ def _is_kernels(report: dict[str, Any]) -> bool:
 def render_kernels(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
     args = report["args"]
     header = ["kernel", "variant", "registers", "spilled B", "warps / SM", "16-byte loads",
-              "narrower loads", "barriers", "barriers in a column loop"]  # fmt: skip
+              "narrower loads", "barriers", "barriers in a column loop", "cp.async copies",
+              "wgmma"]  # fmt: skip
     body = [[u["kernel"], u["variant"], u["registers"], u["spilled_bytes"], u["warps_per_sm"],
-             u["wide_loads"], u["narrow_loads"], u["barriers"], u["loop_barriers"]]
+             u["wide_loads"], u["narrow_loads"], u["barriers"], u["loop_barriers"],
+             u.get("async_copies", "-"), u.get("tensor_core", "-")]
             for u in report["results"]]  # fmt: skip
     return "\n\n".join([
         f"The heads' Triton kernels compiled for sm_{args['arch']} without a GPU (Triton "
         f"{report['triton']}), as the heads launch them, and read off the machine code: the "
         "loads a thread makes (16 bytes wide, or narrower multi-element ones) and the "
         "barriers, in all and in the most barrier-laden loop over a row's columns (`-`: no "
-        "such loop). What it shows is how the kernels are built, not how fast they run.",
+        "such loop); for the fused products (`gemm.*`), their operands' asynchronous copies "
+        "into shared memory and Hopper's warpgroup tensor-core products (their barriers are "
+        "the pipeline's). What it shows is how the kernels are built, not how fast they run.",
         f"```bash\n{command_of('app.bench.kernels', args, skip=('out', 'name'))}\n```",
         table(header, body),
     ])  # fmt: skip

@@ -33,9 +33,14 @@ from pathlib import Path
 ROWS_COMMON = {"rows": "i32", "v": "i32", "width": "i32", "stride": "i32"}
 MIXTAPE_COMMON = {"s": "i32", "width": "i32", "stride_v": "i32", "stride_p": "i32",
                   "noise_std": "fp32", "row0": "i32"}  # fmt: skip
+GEMM_COMMON = {name: "i32" for name in ("rows", "v", "width", "d", "stride_h", "stride_w",
+                                         "stride_u", "stride_out", "stride_split", "stride_dw",
+                                         "blocks", "steps", "steps_per_split")}  # fmt: skip
 # what Triton specializes at a launch by the heads, which pad their products' rows to 64
-# columns: pointers 16-byte aligned, these integers multiples of 16 (V itself: any)
-ALIGNED = ("width", "stride", "stride_v", "stride_p")
+# columns: pointers 16-byte aligned, these integers multiples of 16 (V itself: any; d of the
+# fused products: a multiple of 16 at d = 512, as the GPU benchmark runs them)
+ALIGNED = ("width", "stride", "stride_v", "stride_p", "d", "stride_h", "stride_w", "stride_u",
+           "stride_out", "stride_split", "stride_dw")  # fmt: skip
 
 
 @dataclass
@@ -52,6 +57,8 @@ class Usage:
     narrow_loads: int  # other global loads of more than one element (the rest: scalars)
     barriers: int  # BAR.SYNC in the code
     loop_barriers: int | None  # the most in one loop over a row's columns (None: no loop)
+    async_copies: int = 0  # 16-byte copies from global to shared memory (LDGSTS: cp.async)
+    tensor_core: int = 0  # Hopper's warpgroup tensor-core products (HGMMA: wgmma)
 
     @property
     def warps_per_sm(self) -> int:
@@ -61,7 +68,8 @@ class Usage:
 
 
 def _specs():
-    """``(kernel name, function, signature, constexprs, warps)`` of every variant."""
+    """``(kernel name, function, signature, constexprs, warps, stages or None)`` of every
+    variant."""
     import triton.language as tl
 
     from heads.kernels import triton_mixtape, triton_rows, triton_rows_kernels
@@ -95,6 +103,40 @@ def _specs():
             fn = getattr(mixtape, name)
             specs.append((f"mixtape.{name} K={k}", fn, _ordered(fn, mixtape_args),
                           {**flags, **extra}, triton_mixtape._WARPS))  # fmt: skip
+    return [(*spec, None) for spec in specs] + _gemm_specs()
+
+
+def _gemm_specs():
+    """The fused products' kernels (``heads/kernels/triton_gemm_kernels.py``) as a bf16
+    softmax's tile launches them (its bias added in the forward, its bias gradient taken)."""
+    import triton.language as tl
+
+    from heads.kernels import triton_gemm_kernels as gemm
+    from heads.kernels.triton_gemm import GEMM_LAUNCH as launch
+
+    types = {name: "*fp32" for name in ("bias_ptr", "top_ptr", "sum_ptr", "picked_ptr",
+                                        "logit_sum_ptr", "lse_ptr", "total_ptr", "scale_ptr",
+                                        "onehot_ptr", "uniform_ptr", "out_ptr", "dw_ptr",
+                                        "db_ptr")}  # fmt: skip
+    types |= {"h_ptr": "*bf16", "w_ptr": "*bf16", "u_ptr": "*bf16", "target_ptr": "*i64"}
+    variants = (
+        ("gemm.logits_blocks", gemm.logits_blocks,
+         {"HAS_BIAS": True, "HAS_SUM": False, "BLOCK_M": launch.block_m,
+          "BLOCK_N": launch.block_n, "BLOCK_K": launch.block_k, "GROUP_M": launch.group_m}),
+        ("gemm.gradient_hidden", gemm.gradient_hidden,
+         {"HAS_UNIFORM": False, "BLOCK_M": launch.hidden_block_m, "BLOCK_N": launch.block_n,
+          "BLOCK_K": launch.hidden_step, "BLOCK_D": launch.hidden_block_d}),
+        ("gemm.gradient_weight", gemm.gradient_weight,
+         {"HAS_UNIFORM": False, "HAS_BIAS": True, "ACCUMULATE": True,
+          "BLOCK_N": launch.block_n, "BLOCK_C": launch.weight_block_c,
+          "BLOCK_R": launch.block_r, "BLOCK_D": launch.weight_block_d}),
+    )  # fmt: skip
+    specs = [(name, fn, _ordered(fn, {**types, **GEMM_COMMON}), {**flags, "ACC": tl.float32},
+              launch.warps, launch.stages) for name, fn, flags in variants]  # fmt: skip
+    merge = gemm.merge_blocks
+    flags = {"HAS_SUM": True, "ACC": tl.float32, "BLOCK_M": 32, "BLOCK_B": 32}
+    specs.append(("gemm.merge_blocks", merge, _ordered(merge, {**types, **GEMM_COMMON}), flags,
+                  4, None))  # fmt: skip
     return specs
 
 
@@ -162,6 +204,16 @@ def instruction_counts(sass: str) -> tuple[int, int, int]:
     return wide, narrow, barriers
 
 
+def pipeline_counts(sass: str) -> tuple[int, int]:
+    """``(cp.async copies, wgmma products)`` in the SASS: a product's operands copied into
+    shared memory ahead of use (``LDGSTS``) and multiplied by Hopper's warpgroup instruction
+    (``HGMMA``; none: the older ``HMMA``, a fraction of the tensor cores' rate)."""
+    opcodes = [op for _, op, _ in _code(sass)]
+    return sum(op.startswith("LDGSTS") for op in opcodes), sum(
+        op.startswith("HGMMA") for op in opcodes
+    )
+
+
 def compile_all(arch: int = 90) -> list[Usage]:
     """Every variant compiled for ``sm_<arch>`` as the heads launch it (:data:`ALIGNED`):
     its resource use and loads."""
@@ -173,20 +225,22 @@ def compile_all(arch: int = 90) -> list[Usage]:
 
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     usages = []
-    for name, fn, signature, constexprs, warps in _specs():
+    for name, fn, signature, constexprs, warps, stages in _specs():
         aligned = {(fn.arg_names.index(arg),): [["tt.divisibility", 16]]
                    for arg, kind in signature.items()
                    if kind.startswith("*") or arg in ALIGNED}  # fmt: skip
         signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
         source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
-        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                                  options={"num_warps": warps})  # fmt: skip
+        options = {"num_warps": warps} | ({} if stages is None else {"num_stages": stages})
+        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
         cubin = compiled.asm["cubin"]
         variant = ", ".join(f"{k}={v}" for k, v in constexprs.items()
-                            if k in ("FUSE", "HAS_OUTSIDE", "BLOCK", "REPS", "LANES"))  # fmt: skip
+                            if k in ("FUSE", "HAS_OUTSIDE", "BLOCK", "REPS", "LANES")
+                            or k.startswith("BLOCK_"))  # fmt: skip
         sass = _dump(cubin, cuobjdump, "-sass")
         usages.append(Usage(name, variant, *_resources(cubin, cuobjdump), warps,
-                            *instruction_counts(sass), loop_barriers(sass)))  # fmt: skip
+                            *instruction_counts(sass), loop_barriers(sass),
+                            *pipeline_counts(sass)))  # fmt: skip
     return usages
 
 
@@ -203,12 +257,14 @@ def main(argv: list[str] | None = None) -> int:
     usages = compile_all(args.arch)
     print(f"{'kernel':24} {'variant':46} {'regs':>5} {'spilled B':>9} {'shared B':>8} "
           f"{'warps':>5} {'warps/SM':>8} {'16B loads':>9} {'narrow':>6} "
-          f"{'barriers':>8} {'in a loop':>9}")  # fmt: skip
+          f"{'barriers':>8} {'in a loop':>9} {'cp.async':>8} {'wgmma':>5}")  # fmt: skip
     for u in usages:
         in_loop = "-" if u.loop_barriers is None else str(u.loop_barriers)
-        print(f"{u.kernel:24} {u.variant:46} {u.registers:5d} {u.spilled_bytes:9d} "
+        variant = u.variant.replace(" ", "")
+        print(f"{u.kernel:24} {variant:46} {u.registers:5d} {u.spilled_bytes:9d} "
               f"{u.shared_bytes:8d} {u.warps:5d} {u.warps_per_sm:8d} {u.wide_loads:9d} "
-              f"{u.narrow_loads:6d} {u.barriers:8d} {in_loop:>9}")  # fmt: skip
+              f"{u.narrow_loads:6d} {u.barriers:8d} {in_loop:>9} {u.async_copies:8d} "
+              f"{u.tensor_core:5d}")  # fmt: skip
     if args.out is not None:
         import json
 

@@ -4,8 +4,11 @@ The rows plan's kernels (``heads.kernels.triton_rows.Launch``: programs an SM, l
 a thread, warps) and Mixtape's frequent-block kernels
 (``heads.kernels.triton_mixtape.COLUMNS_PER_THREAD``) are launched as the compiled code and
 the GPU's sizes suggest (``python -m app.bench.kernels``: registers, load widths, barriers),
-not yet as a GPU's clock says. This times the subjects that run them (``softmax@rows``,
-``mos@rows``, ``mixtape@rows``) under each setting, the bare matmul beside them, at one size:
+not yet as a GPU's clock says; nor is the choice between cuBLAS's products with those
+kernels between them and the fused products (``heads.kernels.triton_gemm``, opt-in:
+``rows_ce.FUSED_PRODUCTS``), timed here under their own tiles (``GemmLaunch``). This times the
+subjects that run them (``softmax@rows``, ``mos@rows``, ``mixtape@rows``) under each setting,
+the bare matmul beside them, at one size:
 each figure the median of ``--repeats``, a repeat ``--steps`` steps back to back (as
 ``app.bench --steps-per-repeat``). JSON into ``--out``; the fastest settings are the ones to
 make the defaults. Without Triton (a CPU) the settings change nothing, and the JSON says so.
@@ -27,7 +30,8 @@ from app.bench.run import Case, build_case, make_targets
 from app.bench.subjects import BenchOptions
 from app.bench.timing import check_device, time_once
 from app.machine import load_average
-from heads.kernels import triton_mixtape, triton_rows
+from heads.kernels import rows_ce, triton_gemm, triton_mixtape, triton_rows
+from heads.kernels.triton_gemm import GemmLaunch
 from heads.kernels.triton_rows import Launch, triton_available
 
 SCHEMA = "sweep/1"
@@ -37,6 +41,16 @@ ROWS_SETTINGS = (Launch(), Launch(1, 4, 8), Launch(3, 4, 8), Launch(4, 2, 8), La
                  Launch(1, 4, 16))  # fmt: skip
 # Mixtape's: the default, half the columns a thread (fewer registers), 16-byte loads at K = 4
 MIXTAPE_SETTINGS = ({2: 8, 4: 4}, {2: 4, 4: 2}, {2: 8, 4: 8})
+# the rows plan's tiles as the fused products (rows_ce.FUSED_PRODUCTS): their default tiles,
+# the forward's 128 x 256 (255 registers: one program an SM), dz W at 128 x 128 and 64
+# columns a step (184), dz^T h at 64 x 256 and 32 rows a step (181), 64-column blocks, four
+# operand buffers; each compiles without spills (Triton 3.9)
+FUSED_SETTINGS = (
+    GemmLaunch(), GemmLaunch(block_n=256),
+    GemmLaunch(hidden_block_d=128, hidden_step=64),
+    GemmLaunch(weight_block_c=64, weight_block_d=256, block_r=32),
+    GemmLaunch(block_n=64, weight_block_c=64), GemmLaunch(stages=4),
+)  # fmt: skip
 
 
 def _timed(name: str, args, targets: torch.Tensor) -> list[float]:
@@ -67,13 +81,23 @@ def run(args: argparse.Namespace) -> dict:
     targets = make_targets("zipf", args.vocab, args.tokens, torch.Generator().manual_seed(0))
     rows = [_row("matmul", {}, _timed("matmul", args, targets))]
     default_launch, default_columns = triton_rows.LAUNCH, triton_mixtape.COLUMNS_PER_THREAD
+    default_fused, default_gemm = rows_ce.FUSED_PRODUCTS, triton_gemm.GEMM_LAUNCH
     try:
+        rows_ce.FUSED_PRODUCTS = False
         for launch in ROWS_SETTINGS:
             triton_rows.LAUNCH = launch
             for subject in ("softmax@rows", "mos@rows"):
                 rows.append(_row(subject, asdict(launch), _timed(subject, args, targets),
-                                 launch == default_launch))  # fmt: skip
+                                 launch == default_launch and not default_fused))  # fmt: skip
         triton_rows.LAUNCH = default_launch
+        rows_ce.FUSED_PRODUCTS = True
+        for gemm in FUSED_SETTINGS:
+            triton_gemm.GEMM_LAUNCH = gemm
+            for subject in ("softmax@rows", "mos@rows"):
+                rows.append(_row(subject, {"fused_products": asdict(gemm)},
+                                 _timed(subject, args, targets),
+                                 default_fused and gemm == default_gemm))  # fmt: skip
+        rows_ce.FUSED_PRODUCTS, triton_gemm.GEMM_LAUNCH = default_fused, default_gemm
         for columns in MIXTAPE_SETTINGS:
             triton_mixtape.COLUMNS_PER_THREAD = columns
             setting = {"columns_per_thread": {str(k): v for k, v in columns.items()}}
@@ -81,11 +105,13 @@ def run(args: argparse.Namespace) -> dict:
                              columns == default_columns))  # fmt: skip
     finally:
         triton_rows.LAUNCH, triton_mixtape.COLUMNS_PER_THREAD = default_launch, default_columns
+        rows_ce.FUSED_PRODUCTS, triton_gemm.GEMM_LAUNCH = default_fused, default_gemm
     device = torch.device(args.device)
     return {
         "schema": SCHEMA, "args": vars(args), "results": rows,
         "defaults": {"launch": asdict(default_launch),
-                     "columns_per_thread": {str(k): v for k, v in default_columns.items()}},
+                     "columns_per_thread": {str(k): v for k, v in default_columns.items()},
+                     "fused_products": asdict(default_gemm) if default_fused else None},
         "triton": triton_available() and device.type == "cuda",
         "machine": {"platform": platform.platform(), "torch": torch.__version__,
                     "device": str(device), "load_average": load_average(),

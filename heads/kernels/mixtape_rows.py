@@ -33,6 +33,7 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
+from heads.kernels import rows_ce
 from heads.kernels.chunks import (
     accumulation_dtype,
     as_dtype,
@@ -55,6 +56,7 @@ from heads.kernels.rows_ce import (
     with_bias,
 )
 from heads.kernels.sigmoid_tree import heap_level, level_widths
+from heads.kernels.triton_gemm import gradients, logits_blocks
 from heads.kernels.triton_mixtape import frequent_gradient_, frequent_statistics
 from heads.kernels.triton_rows import bias_to_width, row_statistics
 
@@ -111,6 +113,9 @@ class _Walk:
         self.v = self.s + self.rare
         self.acc = accumulation_dtype(contexts, w_freq)
         self.triton = tile_body(contexts.device, dtype) == "triton"
+        # the rare block by the fused products (rows_ce.FUSED_PRODUCTS: its bias added in
+        # their epilogue, in the statistics' dtype); the frequent block's stay cuBLAS's
+        self.fused = self.triton and rows_ce.FUSED_PRODUCTS and dtype in rows_ce.FUSED_DTYPES
         # the Triton tiles' products: zero rows after each weight's, whose outputs stay 0
         pad = padded_columns if self.triton else (lambda columns: columns)
         self.columns = pad(self.s), pad(self.rare)
@@ -124,8 +129,9 @@ class _Walk:
         )
         self.mixed = self.w_rare = self.b_rare = None
         if self.rare:
-            self.mixed, self.w_rare, self.b_rare = self._product(mixed, w_rare, b_rare,
-                                                                 self.columns[1])  # fmt: skip
+            self.mixed, self.w_rare, self.b_rare = self._product(
+                mixed, w_rare, b_rare, self.columns[1], fold=not self.fused
+            )
         self.frequent_target = torch.where(target < self.s, target, -1)  # -1 stays -1
         self.rare_target = torch.where(target >= self.s, target - self.s, -1)
         self.tiles = spans(n, tile)
@@ -144,8 +150,10 @@ class _Walk:
         ``dL/dz = w (p - q)`` per row) added into ``grads`` (frequent, gates, rare or None)."""
         parts = []
         for t0, t1 in self.tiles:
-            body = self._triton_tile if self.triton else self._eager_tile
-            terms, outputs = body(t0, t1, row_weight[t0:t1], eps)
+            if self.triton:
+                terms, outputs = self._triton_tile(t0, t1, row_weight[t0:t1], eps, grads[2])
+            else:
+                terms, outputs = self._eager_tile(t0, t1, row_weight[t0:t1], eps)
             parts.append((terms.nll, terms.loss))
             k = self.k
             grads[0].add_tile(t0 * k, t1 * k, self.contexts[t0 * k : t1 * k], self.w_freq,
@@ -153,7 +161,7 @@ class _Walk:
             grads[1].add_tile(t0 * (k - 1), t1 * (k - 1),
                               self.gate_inputs[t0 * (k - 1) : t1 * (k - 1)], self.gate_weights,
                               outputs[1], self.dtype)  # fmt: skip
-            if self.rare:
+            if self.rare and outputs[2] is not None:  # (the fused products' are added)
                 grads[2].add_tile(t0, t1, self.mixed[t0:t1], self.w_rare, outputs[2], self.dtype)
             outputs = None  # freed before the next tile's are allocated
         if not parts:
@@ -167,9 +175,10 @@ class _Walk:
         lse = lse_parts[0] if len(lse_parts) == 1 else torch.logaddexp(*lse_parts)
         return lse, Terms(lse, picked, total_logit, Mixing(), row_weight, eps, self.v)
 
-    def _triton_tile(self, t0: int, t1: int, row_weight, eps: float):
+    def _triton_tile(self, t0: int, t1: int, row_weight, eps: float, rare_grads=None):
         """One tile by the Triton kernels: ``(terms, (dL/d values, dL/d pre, dL/d rare
-        logits))``, the gradients written over the products' outputs."""
+        logits))``, the gradients written over the products' outputs; the rare block's by
+        the fused products straight into ``rare_grads`` instead (then None)."""
         k, s, acc, smoothing = self.k, self.s, self.acc, eps > 0
         values = torch.mm(self.contexts[t0 * k : t1 * k], self.w_freq.t())  # [R K, S]
         pre = torch.mm(self.gate_inputs[t0 * (k - 1) : t1 * (k - 1)], self.gate_weights.t())
@@ -181,7 +190,13 @@ class _Walk:
         # the rare block's dz in its statistics' pass (the rows kernels' fused form, as a block
         # of the one softmax: dz's coefficients are known before any log-sum-exp, and the rest
         # of the softmax's, the frequent block's, is given)
-        if self.rare:
+        if self.rare and self.fused:  # its gradient products once the whole lse is known
+            blocks = logits_blocks(self.mixed[t0:t1], self.w_rare, self.b_rare,
+                                   self.rare_target[t0:t1], self.rare, smoothing, acc)  # fmt: skip
+            lse_parts.append(blocks.lse)
+            picked = picked + blocks.picked
+            total = total + blocks.logit_sum if smoothing else None
+        elif self.rare:
             rare = torch.mm(self.mixed[t0:t1], self.w_rare.t())
             fuse = Terms.softmax_coefficients(row_weight, eps, self.v)
             rare_lse, rare_picked, rare_total = row_statistics(
@@ -194,6 +209,11 @@ class _Walk:
         lse, terms = self._terms(lse_parts, picked, total, row_weight, eps)
         frequent_gradient_(values, pre, self.b_freq, target, s, lse, terms.scale, terms.onehot,
                            terms.uniform, **noise)  # fmt: skip
+        if self.rare and self.fused and rare_grads is not None and rare_grads.any:
+            dh = None if rare_grads.h is None else rare_grads.h[t0:t1]
+            gradients(blocks, self.mixed[t0:t1], self.w_rare, self.rare_target[t0:t1],
+                      self.rare, terms.scale, terms.onehot, terms.uniform, dh, rare_grads.w_all,
+                      rare_grads.b_all, accumulate=t0 > 0, lse=lse)  # fmt: skip
         return terms, (values, pre, rare)
 
     def _eager_tile(self, t0: int, t1: int, row_weight, eps: float):
@@ -251,7 +271,7 @@ def _gradients(walk: _Walk, inputs, need, acc) -> tuple:
     rare = None
     if walk.rare:
         rare = TileGradients(mixed, w_rare, b_rare, acc, (need[2], need[6], need[7]),
-                             fold_bias=fold, columns=columns[1])  # fmt: skip
+                             fold_bias=fold and not walk.fused, columns=columns[1])  # fmt: skip
     return frequent, gates, rare
 
 

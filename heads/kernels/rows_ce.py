@@ -51,6 +51,7 @@ from heads.kernels.chunks import (
     target_columns,
 )
 from heads.kernels.compiled_lse import compiled_body, joint_width, with_ones
+from heads.kernels.triton_gemm import gradients, logits_blocks
 from heads.kernels.triton_rows import row_gradient_, row_statistics, triton_available
 
 # tiles run as compiled bodies on the devices that run the GPU plans (chunks.gpu_plans) and on
@@ -63,6 +64,12 @@ TRITON_DEVICES: tuple[str, ...] = ("cuda",)
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # one softmax's tile: dz written by the statistics kernel itself, row by row
 FUSE_SOFTMAX = True
+# the Triton tiles as three Triton products with the softmax in their prologues and epilogue
+# (heads/kernels/triton_gemm.py), for products in these dtypes (tests add float64): opt-in
+# until a GPU's clock (python -m app.bench.sweep) says they beat cuBLAS's products and the
+# elementwise kernels; float32 products keep cuBLAS's (Triton's would round them to tf32)
+FUSED_PRODUCTS = False
+FUSED_DTYPES = (torch.bfloat16, torch.float16)
 
 
 # the Triton tiles' logits have a multiple of this many columns (zero columns after the
@@ -284,11 +291,14 @@ class _Walk:
         self.weight, self.bias, self.dtype, self.k = weight, bias, dtype, k
         body = tile_body(hidden.device, dtype)
         self.triton, self.compiled = body == "triton", body == "compiled"
-        self.fold_bias = self.triton or self.compiled  # GPU tiles: db from the dW product
+        # the fused products: the bias added in the forward's epilogue, db from dz^T h's
+        self.fused = self.triton and FUSED_PRODUCTS and dtype in FUSED_DTYPES
+        # GPU tiles: db from the dW product
+        self.fold_bias = (self.triton or self.compiled) and not self.fused
         # the Triton tiles' products: zero rows after W's, whose logits (and dz there) are 0,
         # and the bias as a column of them (a bias read a logit would be twice the logits')
         self.columns = padded_columns(weight.size(0)) if self.triton else weight.size(0)
-        if self.triton and bias is not None:
+        if self.triton and bias is not None and not self.fused:
             self.h = with_ones(hidden, dtype)
             self.w = with_bias(weight, bias, self.columns, dtype)
         else:
@@ -297,7 +307,9 @@ class _Walk:
         tokens = hidden.size(0) // k
         self.tiles = spans(tokens, None if tile is None else max(1, tile // k))
         self.buffer = None
-        if self.triton:  # the bias in the products
+        if self.fused:  # added to the float32 products, unrounded
+            self.b = None if bias is None else as_dtype(bias, self.acc)
+        elif self.triton:  # the bias in the products
             self.b = None
         elif self.compiled:
             b = bias if bias is not None else weight.new_zeros(weight.size(0))
@@ -315,6 +327,11 @@ class _Walk:
         for t0, t1 in self.tiles:
             r0, r1 = t0 * k, t1 * k
             rows_mixing = mixing.tokens(t0, t1)
+            if self.fused:  # the gradient products too: nothing for add_tile
+                stats = self._fused_tile(r0, r1, rows_mixing, row_weight[t0:t1], eps, grads)
+                lse[r0:r1], picked[r0:r1] = stats[0], stats[1]
+                parts.append(stats[2:])
+                continue
             if self.triton:
                 stats, dz = self._triton_tile(r0, r1, rows_mixing, row_weight[t0:t1], eps,
                                               grads.any)  # fmt: skip
@@ -367,11 +384,36 @@ class _Walk:
         row_gradient_(z, self.b, target, lse, terms.scale, terms.onehot, terms.uniform, v)
         return stats, z
 
+    def _fused_tile(self, r0: int, r1: int, mixing: Mixing, row_weight, eps: float,
+                    grads: TileGradients):  # fmt: skip
+        """One tile by the fused products (:mod:`heads.kernels.triton_gemm`): the logits'
+        blocks and their statistics, then (where gradients are wanted) ``dz``'s two products
+        straight into ``grads``."""
+        h, target, v = self.h[r0:r1], self.rows_target[r0:r1], self.weight.size(0)
+        blocks = logits_blocks(h, self.w, self.b, target, v, eps > 0, self.acc)
+        terms = Terms(blocks.lse, blocks.picked, blocks.logit_sum, mixing, row_weight, eps, v)
+        if grads.any:
+            self._fused_gradients(r0, r1, blocks, terms.scale, terms.onehot, terms.uniform,
+                                  grads)  # fmt: skip
+        return blocks.lse, blocks.picked, terms.nll, terms.loss, terms.grads
+
+    def _fused_gradients(self, r0, r1, blocks, scale, onehot, uniform, grads) -> None:
+        dh = None if grads.h is None else grads.h[r0:r1]
+        h, target = self.h[r0:r1], self.rows_target[r0:r1]
+        gradients(blocks, h, self.w, target, self.weight.size(0), scale, onehot, uniform, dh,
+                  grads.w_all, grads.b_all, accumulate=r0 > 0)  # fmt: skip
+
     def recompute(self, lse, scale, onehot, grads: TileGradients) -> None:
         """The backward's extra pass: ``dz = scale p - onehot onehot(t)`` into ``grads``."""
         k = self.k
         for t0, t1 in self.tiles:
             r0, r1 = t0 * k, t1 * k
+            if self.fused:  # the logits' blocks again (their lse is the saved one)
+                target = self.rows_target[r0:r1]
+                blocks = logits_blocks(self.h[r0:r1], self.w, self.b, target,
+                                       self.weight.size(0), False, self.acc)  # fmt: skip
+                self._fused_gradients(r0, r1, blocks, scale[r0:r1], onehot[r0:r1], None, grads)
+                continue
             if self.triton:
                 dz = torch.mm(self.h[r0:r1], self.w.t())
                 row_gradient_(dz, self.b, self.rows_target[r0:r1], lse[r0:r1], scale[r0:r1],

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from app.bench.kernels import Usage, instruction_counts, loop_barriers
+from app.bench.kernels import Usage, instruction_counts, loop_barriers, pipeline_counts
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -20,6 +20,14 @@ def test_warps_per_sm_follow_the_registers():
     assert Usage("k", "", 121, 0, 0, 8, 0, 0, 0, None).warps_per_sm == 16
     # one block is over 64k registers
     assert Usage("k", "", 255, 0, 0, 16, 0, 0, 0, None).warps_per_sm == 0
+
+
+def test_pipeline_counts_read_async_copies_and_wgmma_off_the_sass():
+    sass = _sass("LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64]",
+                 "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24",
+                 "HMMA.16816.F32.BF16 R4, R8, R12, R4",
+                 "LDG.E.128 R4, desc[UR4][R6.64]")  # fmt: skip
+    assert pipeline_counts(sass) == (1, 1)
 
 
 def test_instruction_counts_read_loads_and_barriers_off_the_sass():
@@ -77,5 +85,39 @@ def test_every_kernel_compiles_for_hopper_without_spills():
         assert kernel in run.stdout
     rows = [line.split() for line in run.stdout.splitlines() if line.startswith("rows.")]
     assert len(rows) == 4  # statistics: two-pass, fused, fused as a block; gradient
-    for *_, wide, _, _, in_loop in rows:  # REPS = 4 16-byte loads of logits a block at least
+    for *_, wide, _, _, in_loop, _, _ in rows:  # REPS = 4 16-byte loads a block at least
         assert int(wide) >= 4 and in_loop in ("0", "-"), run.stdout  # no barrier in a loop
+    # the fused products: operands copied ahead into shared memory, multiplied by wgmma
+    products = [line.split() for line in run.stdout.splitlines()
+                if line.startswith(("gemm.logits", "gemm.gradient"))]  # fmt: skip
+    assert len(products) == 3
+    for *_, copies, wgmma in products:
+        assert int(copies) > 0 and int(wgmma) > 0, run.stdout
+
+
+@pytest.mark.slow
+def test_every_fused_products_setting_the_sweep_times_compiles_without_spills():
+    """What ``python -m app.bench.sweep`` times must be what compiles well: each of its
+    fused-products settings, as the heads launch them, spills nothing and multiplies by wgmma."""
+    pytest.importorskip("triton", reason="Triton is an optional GPU extra (requirements-gpu.txt)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    script = (
+        "import heads.kernels.triton_gemm as g\n"
+        "from app.bench import kernels, sweep\n"
+        "kernels._specs = kernels._gemm_specs\n"
+        "for setting in sweep.FUSED_SETTINGS:\n"
+        "    g.GEMM_LAUNCH = setting\n"
+        "    for u in kernels.compile_all():\n"
+        "        print(u.kernel, u.spilled_bytes, u.tensor_core)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=900)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    from app.bench.sweep import FUSED_SETTINGS
+
+    lines = [line.split() for line in run.stdout.splitlines()]
+    assert len(lines) == 4 * len(FUSED_SETTINGS)
+    for kernel, spilled, wgmma in lines:
+        assert spilled == "0", (kernel, run.stdout)
+        assert kernel == "gemm.merge_blocks" or int(wgmma) > 0, (kernel, run.stdout)

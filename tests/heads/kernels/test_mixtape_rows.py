@@ -13,21 +13,30 @@ import torch
 import torch.nn.functional as F
 
 import heads.kernels.rows_ce as rows_ce
+import heads.kernels.triton_gemm as triton_gemm
 from heads.kernels.mixtape_rows import MixtapeRowsCrossEntropy, tile_logits_per_row
 from heads.kernels.sigmoid_tree import sigmoid_tree_priors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(params=["eager", "triton"])
+@pytest.fixture(params=["eager", "triton", "fused"])
 def body(request, monkeypatch):
-    """The tile body under test: ``triton`` through Triton's interpreter on this CPU."""
-    if request.param == "triton":
+    """The tile body under test: ``triton`` through Triton's interpreter on this CPU;
+    ``fused``: its rare block by the fused products (heads/kernels/triton_gemm.py), in tiles
+    of a few blocks a row."""
+    if request.param in ("triton", "fused"):
         pytest.importorskip("triton", reason="Triton is an optional GPU extra")
         if os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it without CUDA
             pytest.skip("with CUDA, the gpu tests run the kernels on the device")
         monkeypatch.setattr(rows_ce, "TRITON_DEVICES", ("cuda", "cpu"))
         monkeypatch.setattr(rows_ce, "TRITON_DTYPES", (*rows_ce.TRITON_DTYPES, torch.float64))
+    if request.param == "fused":
+        from tests.heads.kernels.test_triton_gemm import SMALL
+
+        monkeypatch.setattr(triton_gemm, "GEMM_LAUNCH", SMALL)
+        monkeypatch.setattr(rows_ce, "FUSED_PRODUCTS", True)
+        monkeypatch.setattr(rows_ce, "FUSED_DTYPES", (*rows_ce.FUSED_DTYPES, torch.float64))
     return request.param
 
 
@@ -110,7 +119,7 @@ def test_gate_noise_is_the_same_in_the_forward_and_its_gradient(body):
     inputs, target = _case(n=9, k=4)
     n, k, s = 9, 4, inputs["w_freq"].size(0)
     std, tile = 0.7, 4
-    if body == "triton":
+    if body in ("triton", "fused"):
         from heads.kernels.triton_mixtape import gate_noise
 
         seed = torch.tensor([12345], dtype=torch.int64)
@@ -180,11 +189,14 @@ def test_the_head_by_its_rows_plan_matches_the_reference(body, head):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_head_on_cuda_matches_float64(dtype):
+@pytest.mark.parametrize("fused", [False, True], ids=["cublas", "fused_products"])
+def test_the_head_on_cuda_matches_float64(monkeypatch, dtype, fused):
     """On CUDA (the Triton tiles where Triton is installed) under autocast, at a vocabulary
-    that is no multiple of the tiles' column padding, against the same head in float64."""
+    that is no multiple of the tiles' column padding, against the same head in float64; the
+    rare block by cuBLAS's products or the fused ones (half precision only)."""
     import copy
 
+    monkeypatch.setattr(rows_ce, "FUSED_PRODUCTS", fused)
     from heads import MixtapeHead
     from heads.fused_cross_entropy import LossOptions
 
