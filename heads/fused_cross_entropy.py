@@ -123,6 +123,9 @@ class LossOptions:
         ``saved_bytes``: :func:`plain_loss_fits`).
     device_memory: bytes of device memory the CUDA chunks are planned for; None: the
         device's own (tests state one to check a plan on a CPU).
+    fused_products: the rows plan's Triton tiles (CUDA, half-precision products) as three
+        Triton products with the softmax inside them (``heads/kernels/triton_gemm.py``)
+        instead of cuBLAS's with two kernels between them; a task's ``loss_backend: fused``.
     """
 
     backend: str = "auto"
@@ -133,6 +136,7 @@ class LossOptions:
     fold: bool | None = None
     plan: str = "auto"
     device_memory: int | None = None
+    fused_products: bool = False
 
     def __post_init__(self) -> None:
         check_backend(self.backend)
@@ -153,8 +157,12 @@ def check_backend(name: str) -> None:
         )
 
 
+# the rows plan with its tiles as fused Triton products (LossOptions.fused_products): a loss
+# choice of its own, so that a task's config, the benchmark's subjects and auto's measured
+# table name it as they name a plan
+FUSED = "fused"
 # A task's ``loss_backend``: a backend, or a plan of the torch backend (LossOptions.plan)
-LOSS_CHOICES = BACKENDS + tuple(plan for plan in PLANS if plan != "auto")
+LOSS_CHOICES = BACKENDS + tuple(plan for plan in PLANS if plan != "auto") + (FUSED,)
 
 
 def check_loss_choice(name: str) -> None:
@@ -162,7 +170,8 @@ def check_loss_choice(name: str) -> None:
     if name not in LOSS_CHOICES:
         raise HeadConfigError(
             f"loss_backend {name!r} is not one of {', '.join(BACKENDS)} (backends) or "
-            f"{', '.join(LOSS_CHOICES[len(BACKENDS) :])} (plans of the torch backend): set "
+            f"{', '.join(LOSS_CHOICES[len(BACKENDS) :])} (plans of the torch backend; fused: "
+            f"rows with the fused products): set "
             f"model.loss_backend to one"
         )
 
@@ -445,7 +454,7 @@ def mean_cross_entropy(
     loss, nll = RowsCrossEntropy.apply(
         hidden, weight, bias, torch.where(inside, target, -1), log_prior, outside_lse,
         outside_logit, weights, float(label_smoothing), dtype, tile,
-        torch.is_grad_enabled(),
+        torch.is_grad_enabled(), options.fused_products,
     )  # fmt: skip
     return MeanCrossEntropy(loss, nll)
 
@@ -570,7 +579,7 @@ def fastest_backend(head: str, vocab_size: int, device: torch.device) -> str:
         return "torch"
     for largest, backend in MEASURED_FASTEST.get(head, []):
         if vocab_size <= largest:
-            if backend in PLANS:
+            if backend in PLANS or backend == FUSED:
                 return backend
             try:
                 external_loss_function(backend)
@@ -582,10 +591,12 @@ def fastest_backend(head: str, vocab_size: int, device: torch.device) -> str:
 
 def measured_options(options: LossOptions, choice: str) -> LossOptions:
     """``options`` running ``choice`` (:func:`fastest_backend`'s): a backend, or a plan of the
-    torch backend."""
+    torch backend (``fused``: ``rows`` with the fused products)."""
+    if choice == FUSED:
+        return dataclasses.replace(options, backend="torch", plan="rows", fused_products=True)
     if choice in PLANS:
-        return dataclasses.replace(options, backend="torch", plan=choice)
-    return dataclasses.replace(options, backend=choice)
+        return dataclasses.replace(options, backend="torch", plan=choice, fused_products=False)
+    return dataclasses.replace(options, backend=choice, fused_products=False)
 
 
 def resolve_backend(name: str, hidden: torch.Tensor) -> str:

@@ -64,7 +64,8 @@ class HeadTask(L.LightningModule):
       data-dependent values, captured as such). ``log_prob`` / ``topk`` stay eager.
     - ``loss_backend`` (every task's option): the head's fused-loss backend, or a plan of
       the torch backend (``LossOptions.plan``: ``eager``, ``compiled``, ``rows``, ``plain``,
-      ``checkpoint``), ``heads/fused_cross_entropy.py``; ``auto``: measured per device.
+      ``checkpoint``; ``fused``: ``rows`` with its tiles as fused Triton products),
+      ``heads/fused_cross_entropy.py``; ``auto``: measured per device.
     - :meth:`check_finite_loss` in a step stops the run on a NaN or infinite loss without a
       host sync per step: the loss is checked on the device and read back at the logging
       interval, at the end of a training epoch and of each validation and test

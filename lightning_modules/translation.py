@@ -53,7 +53,7 @@ class Translation(HeadTask):
         compile: ``torch.compile`` the backbone and the head (true, or torch.compile's keyword
             arguments); see ``HeadTask``.
         loss_backend: the head's fused-loss backend (auto, torch, cce, liger) or a plan of
-            the torch backend (eager, compiled, rows, plain, checkpoint); see ``HeadTask``.
+            the torch backend (eager, compiled, rows, plain, checkpoint, fused); see ``HeadTask``.
     """
 
     # the run's quality in TensorBoard's HPARAMS tab (hp_metric): its best validation BLEU

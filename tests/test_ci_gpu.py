@@ -59,6 +59,7 @@ def test_every_part_runs_commands_its_tools_accept(tmp_path):
     bench = [c for c in commands if c[:2] == ["-m", "app.bench"] and "--mode" not in c]
     heads = bench[0][bench[0].index("--heads") + 1 :]
     assert {"softmax@cce", "softmax@liger", "mos@liger", "matmul", "torch_adaptive"} <= set(heads)
+    assert {"softmax@fused", "mos@fused", "mixtape@fused"} <= set(heads)  # the fused products
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="bash")
@@ -122,9 +123,10 @@ def test_quick_measures_every_target_but_the_memory_search(tmp_path):
         return paired_row_ratio(mine, {"times_ms": [2.0] * repeats, "tokens": 1})[2]
 
     assert math.isnan(interval_top(5)) and interval_top(heads100.repeats) < 1
-    ours = {"softmax", "softmax@rows", "matmul", "mixtape@rows", "adaptive@plain",
-            "adaptive@rows", "torch_adaptive"}  # fmt: skip
-    assert set(_subjects(commands[0])) == ours | {"mos@rows", "softmax@cce", "softmax@liger"}
+    ours = {"softmax", "softmax@rows", "softmax@fused", "matmul", "mixtape@rows",
+            "mixtape@fused", "adaptive@plain", "adaptive@rows", "torch_adaptive"}  # fmt: skip
+    assert set(_subjects(commands[0])) == ours | {"mos@rows", "mos@fused", "softmax@cce",
+                                                  "softmax@liger"}  # fmt: skip
     assert set(_subjects(commands[1])) == ours | {"softmax@cce", "softmax@liger"}
     assert [Path(f).name for f in commands[3][2:]] == ["bench_gpu_heads_100k.json",
                                                        "bench_gpu_heads_10k.json"]  # fmt: skip

@@ -2,9 +2,10 @@
 
 For every head and vocabulary size the reports time, the loss that ran fastest among the head's
 default (``torch``: the compiled column plan, or plain maths for an adaptive softmax's small
-classifiers), its ``@rows``, ``@compiled`` and ``@plain`` plans and the field's ``@cce`` and
-``@liger`` kernels: an alternative replaces the default only where its paired ratio's 95%
-interval lies wholly below 1 (a faster median inside the noise changes nothing). Prints the
+classifiers), its ``@rows``, ``@fused`` (rows with the fused products), ``@compiled`` and
+``@plain`` plans and the field's ``@cce`` and ``@liger`` kernels: an alternative replaces the
+default only where its paired ratio's 95% interval lies wholly below 1 (a faster median
+inside the noise changes nothing). Prints the
 ``MEASURED_FASTEST`` literal for ``heads/fused_cross_entropy.py``, each choice with its ratio
 and the file it came from, for a person to paste with the run that produced it.
 """
@@ -22,7 +23,7 @@ HEAD_CLASSES = {"softmax": "SoftmaxHead", "mos": "MoSHead", "mixtape": "MixtapeH
                 "adaptive": "AdaptiveSoftmaxHead"}  # fmt: skip
 # what auto may run instead of the default (compiled: the column plan where the default is
 # another, e.g. an adaptive softmax's plain classifiers)
-ALTERNATIVES = ("rows", "compiled", "plain", "cce", "liger")
+ALTERNATIVES = ("rows", "fused", "compiled", "plain", "cce", "liger")
 
 
 def choices(report: dict) -> list[tuple[str, int, str, str]]:

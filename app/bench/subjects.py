@@ -26,7 +26,13 @@ from jsonargparse import ArgumentError, ArgumentParser
 from torch import nn
 
 from heads import Head
-from heads.fused_cross_entropy import BACKENDS, LossOptions, external_loss_function
+from heads.fused_cross_entropy import (
+    BACKENDS,
+    FUSED,
+    LossOptions,
+    external_loss_function,
+    measured_options,
+)
 from lightning_modules.backbones import LSTMBackbone
 
 HEADS = ("softmax", "mixtape", "mos", "adaptive")
@@ -37,7 +43,8 @@ PEERS = ("torch_adaptive", "matmul", "cce", "liger")
 # @rows: a single softmax's mean loss with its gradient in the forward, by row tiles.
 # @compiled: the GPU plan (compiled chunk and block bodies) wherever it runs (a CPU: Inductor's
 # C++ code). @plain: an adaptive softmax's classifiers as plain maths (CUDA's auto where small).
-PLAN_SUBJECTS = ("eager", "checkpoint", "rows", "compiled", "plain")
+# @fused: @rows with its Triton tiles as fused products (heads/kernels/triton_gemm.py; CUDA).
+PLAN_SUBJECTS = ("eager", "checkpoint", "rows", "compiled", "plain", FUSED)
 DEFAULT_SUBJECTS = ("softmax", "mixtape", "mos", "adaptive", "torch_adaptive", "matmul")
 
 
@@ -199,10 +206,8 @@ def build_head(name: str, hidden: int, vocab: int, options: BenchOptions) -> nn.
     if subject.head in HEADS:
         backend = subject.backend or options.loss_backend
         saved = {} if options.saved_bytes is None else {"saved_bytes": options.saved_bytes}
-        if backend in PLAN_SUBJECTS:
-            head.loss_options = LossOptions(backend="torch", plan=backend, **saved)
-        else:
-            head.loss_options = LossOptions(backend=backend, **saved)
+        # a backend, a plan of the torch one, or fused (rows with the fused products)
+        head.loss_options = measured_options(LossOptions(**saved), backend)
         if subject.compiled:
             torch._dynamo.config.capture_scalar_outputs = True  # adaptive's cluster sizes
             head.compile()

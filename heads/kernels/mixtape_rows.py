@@ -105,7 +105,7 @@ class _Walk:
     """The row tiles and their bodies; ``run`` fills the three products' gradients."""
 
     def __init__(self, contexts, gate_inputs, mixed, w_freq, b_freq, gate_weights, w_rare,
-                 b_rare, target, dtype, tile, noise_std, seed) -> None:  # fmt: skip
+                 b_rare, target, dtype, tile, noise_std, seed, fused=False) -> None:  # fmt: skip
         n, k, d = contexts.shape
         self.k, self.s, self.dtype = k, w_freq.size(0), dtype
         self.noise_std, self.seed = noise_std, seed
@@ -115,7 +115,8 @@ class _Walk:
         self.triton = tile_body(contexts.device, dtype) == "triton"
         # the rare block by the fused products (rows_ce.FUSED_PRODUCTS: its bias added in
         # their epilogue, in the statistics' dtype); the frequent block's stay cuBLAS's
-        self.fused = self.triton and rows_ce.FUSED_PRODUCTS and dtype in rows_ce.FUSED_DTYPES
+        self.fused = self.triton and (fused or rows_ce.FUSED_PRODUCTS)
+        self.fused = self.fused and dtype in rows_ce.FUSED_DTYPES
         # the Triton tiles' products: zero rows after each weight's, whose outputs stay 0
         pad = padded_columns if self.triton else (lambda columns: columns)
         self.columns = pad(self.s), pad(self.rare)
@@ -296,10 +297,11 @@ class MixtapeRowsCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, contexts, gate_inputs, mixed, w_freq, b_freq, gate_weights, w_rare,
-                b_rare, target, row_weight, eps, noise_std, seed, dtype, tile, grad):  # fmt: skip
+                b_rare, target, row_weight, eps, noise_std, seed, dtype, tile, grad,
+                fused=False):  # fmt: skip
         ctx.set_materialize_grads(False)  # an undifferentiated NLL output gives None, not 0s
         inputs = (contexts, gate_inputs, mixed, w_freq, b_freq, gate_weights, w_rare, b_rare)
-        walk = _Walk(*inputs, target, dtype, tile, noise_std, seed)
+        walk = _Walk(*inputs, target, dtype, tile, noise_std, seed, fused)
         state = None
         if noise_std > 0 and walk.triton and seed is None:  # one seed, drawn on the device
             seed = walk.seed = torch.randint(2**62, (1,), device=contexts.device)
@@ -316,7 +318,7 @@ class MixtapeRowsCrossEntropy(torch.autograd.Function):
         loss = (row_weight * torch.where(keep, row_loss, 0.0)).sum()
         ctx.save_for_backward(*inputs, target, row_weight, unit, seed, state,
                               *_grads_of(grads))  # fmt: skip
-        ctx.layout = noise_std, dtype, tile
+        ctx.layout = noise_std, dtype, tile, fused
         return loss, nll
 
     @staticmethod
@@ -324,14 +326,14 @@ class MixtapeRowsCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_nll):
         saved = ctx.saved_tensors
         inputs, (target, row_weight, unit, seed, state), stored = saved[:8], saved[8:13], saved[13:]
-        noise_std, dtype, tile = ctx.layout
+        noise_std, dtype, tile, fused = ctx.layout
         need = ctx.needs_input_grad[:8]
         factor = None if grad_loss is None else as_dtype(grad_loss, unit.dtype) * unit
         out = [None if g is None or factor is None or not wanted else g * factor
                for g, wanted in zip(stored, need, strict=True)]  # fmt: skip
         if grad_nll is not None:  # the NLL output is differentiated too: walk again, w = g
             g = torch.where(row_weight > 0, as_dtype(grad_nll, row_weight.dtype), 0.0)
-            walk = _Walk(*inputs, target, dtype, tile, noise_std, seed)
+            walk = _Walk(*inputs, target, dtype, tile, noise_std, seed, fused)
             extra = _gradients(walk, inputs, need, row_weight.dtype)
             device = inputs[0].device
             with ReplayNoise(state, [], device), torch.autocast(device.type, enabled=False):
@@ -340,4 +342,4 @@ class MixtapeRowsCrossEntropy(torch.autograd.Function):
                    for x, y, wanted in zip(out, _grads_of(extra), need, strict=True)]  # fmt: skip
         grads = [None if g is None or x is None else g.view(x.shape).to(x.dtype)
                  for g, x in zip(out, inputs, strict=True)]  # fmt: skip
-        return (*grads, *([None] * 8))
+        return (*grads, *([None] * 9))

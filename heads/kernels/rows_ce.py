@@ -66,8 +66,9 @@ TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FUSE_SOFTMAX = True
 # the Triton tiles as three Triton products with the softmax in their prologues and epilogue
 # (heads/kernels/triton_gemm.py), for products in these dtypes (tests add float64): opt-in
-# until a GPU's clock (python -m app.bench.sweep) says they beat cuBLAS's products and the
-# elementwise kernels; float32 products keep cuBLAS's (Triton's would round them to tf32)
+# (LossOptions.fused_products, loss_backend fused; this switch: every tile, for the sweep)
+# until a GPU's clock says they beat cuBLAS's products and the elementwise kernels; float32
+# products keep cuBLAS's (Triton's would round them to tf32)
 FUSED_PRODUCTS = False
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -286,13 +287,13 @@ class TileGradients:
 class _Walk:
     """The row tiles (whole tokens: all ``k`` component rows of each) and their bodies."""
 
-    def __init__(self, hidden, weight, bias, target, dtype, tile, k) -> None:
+    def __init__(self, hidden, weight, bias, target, dtype, tile, k, fused=False) -> None:
         self.acc = accumulation_dtype(hidden, weight)
         self.weight, self.bias, self.dtype, self.k = weight, bias, dtype, k
         body = tile_body(hidden.device, dtype)
         self.triton, self.compiled = body == "triton", body == "compiled"
         # the fused products: the bias added in the forward's epilogue, db from dz^T h's
-        self.fused = self.triton and FUSED_PRODUCTS and dtype in FUSED_DTYPES
+        self.fused = self.triton and (fused or FUSED_PRODUCTS) and dtype in FUSED_DTYPES
         # GPU tiles: db from the dW product
         self.fold_bias = (self.triton or self.compiled) and not self.fused
         # the Triton tiles' products: zero rows after W's, whose logits (and dz there) are 0,
@@ -478,10 +479,10 @@ class RowsCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, log_prior, outside_lse, outside_logit,
-                row_weight, eps, dtype, tile, grad):  # fmt: skip
+                row_weight, eps, dtype, tile, grad, fused=False):  # fmt: skip
         ctx.set_materialize_grads(False)  # an undifferentiated NLL output gives None, not 0s
         mixing = Mixing(log_prior, outside_lse, outside_logit)
-        walk = _Walk(hidden, weight, bias, target, dtype, tile, mixing.k)
+        walk = _Walk(hidden, weight, bias, target, dtype, tile, mixing.k, fused)
         # `grad`: the caller's grad mode (needs_input_grad ignores no_grad)
         need = ctx.needs_input_grad[:3] if grad else (False,) * 3
         grads = TileGradients(hidden, weight, bias, walk.acc, need, fold_bias=walk.fold_bias,
@@ -497,7 +498,7 @@ class RowsCrossEntropy(torch.autograd.Function):
         loss = (row_weight * torch.where(keep, row_loss, 0.0)).sum()
         ctx.save_for_backward(hidden, weight, bias, target, row_weight, unit, lse, picked,
                               *mixing, grads.h, grads.w, grads.b, *mixing_grads)  # fmt: skip
-        ctx.layout = dtype, tile
+        ctx.layout = dtype, tile, fused
         return loss, nll
 
     @staticmethod
@@ -505,7 +506,7 @@ class RowsCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_nll):
         hidden, weight, bias, target, row_weight, unit, lse, picked, *rest = ctx.saved_tensors
         mixing, stored = Mixing(*rest[:3]), rest[3:]
-        dtype, tile = ctx.layout
+        dtype, tile, fused = ctx.layout
         need = (*ctx.needs_input_grad[:3], *ctx.needs_input_grad[4:7])
         factor = None if grad_loss is None else as_dtype(grad_loss, unit.dtype) * unit
         scaled = [None if g is None or factor is None or not wanted else g * factor
@@ -513,7 +514,7 @@ class RowsCrossEntropy(torch.autograd.Function):
         if grad_nll is not None:  # the NLL output is differentiated too: g r (p - onehot)
             g = torch.where(row_weight > 0, as_dtype(grad_nll, lse.dtype), 0.0)
             scale, onehot, mixing_extra = nll_terms(lse, picked, mixing, g)
-            walk = _Walk(hidden, weight, bias, target, dtype, tile, mixing.k)
+            walk = _Walk(hidden, weight, bias, target, dtype, tile, mixing.k, fused)
             extra = TileGradients(hidden, weight, bias, lse.dtype, ctx.needs_input_grad[:3],
                                   fold_bias=walk.fold_bias, columns=walk.columns)  # fmt: skip
             with torch.autocast(hidden.device.type, enabled=False):
@@ -530,5 +531,5 @@ class RowsCrossEntropy(torch.autograd.Function):
             None if db is None or bias is None else db.to(bias.dtype),
             None,
             *(None if d is None else d.to(x.dtype) for d, x in zip(d_mixing, mixing, strict=True)),
-            *([None] * 5),
+            *([None] * 6),
         )

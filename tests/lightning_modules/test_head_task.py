@@ -101,6 +101,16 @@ def test_a_plan_named_as_loss_backend_runs_on_the_torch_backend(plan):
         assert (task.head.loss_options.backend, task.head.loss_options.plan) == ("torch", plan)
 
 
+def test_fused_as_loss_backend_is_the_rows_plan_with_the_fused_products():
+    """``model.loss_backend: fused``: the rows plan, its tiles as fused Triton products where
+    they run Triton (CUDA); on a CPU the same rows plan."""
+    task = LanguageModel(LSTMBackbone(30, 8, 8), SoftmaxHead(8, 30), loss_backend="fused")
+    for device in ("cuda", "cpu"):
+        task.place_loss_backend(torch.device(device))
+        options = task.head.loss_options
+        assert (options.backend, options.plan, options.fused_products) == ("torch", "rows", True)
+
+
 def test_a_missing_or_misplaced_loss_backend_is_named_when_the_model_is_built():
     """CCE/Liger not installed: one line at construction, not at the first step; and a model
     placed on a CPU refuses them when the trainer sets it up (they run on CUDA only)."""

@@ -178,10 +178,19 @@ def test_subject_names_are_checked_with_one_clear_error(capsys):
 
     assert parse_subject("mixtape@torch+compile") == Subject("mixtape", "torch", True)
     assert parse_subject("cce") == Subject("cce")
+    assert parse_subject("mos@fused") == Subject("mos", "fused", False)
     for bad in ("softmax@fast", "softmax@cpu", "cce+compile", "matmul@torch", "nohead"):
         with pytest.raises(SystemExit):
             parse_args(["--heads", bad])
         assert "error:" in capsys.readouterr().err
+
+
+def test_a_fused_subject_runs_the_rows_plan_with_the_fused_products():
+    from app.bench.subjects import BenchOptions, build_head
+
+    options = build_head("mixtape@fused", 16, 300, BenchOptions()).loss_options
+    assert (options.backend, options.plan, options.fused_products) == ("torch", "rows", True)
+    assert not build_head("mixtape@rows", 16, 300, BenchOptions()).loss_options.fused_products
 
 
 def test_peers_of_the_field_need_cuda_and_say_so():

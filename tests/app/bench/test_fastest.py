@@ -29,6 +29,14 @@ def test_an_alternative_replaces_the_default_only_beyond_the_noise():
     assert table(entries) == {"SoftmaxHead": [(10_000, "torch"), (33_000, "rows")]}
 
 
+def test_the_fused_products_are_an_alternative_like_a_plan():
+    steady = [10.0, 10.2, 9.9, 10.1, 10.0, 9.8, 10.3]
+    report = {"results": [_row("mos", 100_000, steady),
+                          _row("mos@rows", 100_000, [t * 0.6 for t in steady]),
+                          _row("mos@fused", 100_000, [t * 0.4 for t in steady])]}  # fmt: skip
+    assert table(choices(report)) == {"MoSHead": [(100_000, "fused")]}
+
+
 def test_the_recorded_gpu_run_gives_the_table_in_the_code(capsys):
     """The H100 run behind ``MEASURED_FASTEST``: the rows plan for softmax, MoS-15 and
     Mixtape at V = 10k and 100k (MoS: 0.22x the column plan's time at 10k, faster than Liger),

@@ -294,6 +294,21 @@ def test_auto_backend_follows_the_measured_table_where_installed(monkeypatch):
     assert fce.fastest_backend("MoSHead", 10_000, cuda) == "torch"
 
 
+def test_fused_is_the_rows_plan_with_the_fused_products(monkeypatch):
+    """``fused`` (a task's ``loss_backend``, a benchmark subject's ``@fused``, a measured
+    table's choice) runs ``rows`` with ``fused_products``; any other choice clears them."""
+    import heads.fused_cross_entropy as fce
+
+    fce.check_loss_choice("fused")
+    fused = fce.measured_options(fce.LossOptions(saved_bytes=5), "fused")
+    assert (fused.backend, fused.plan, fused.fused_products, fused.saved_bytes) == (
+        "torch", "rows", True, 5)  # fmt: skip
+    for choice in ("rows", "plain", "liger"):
+        assert not fce.measured_options(fused, choice).fused_products
+    monkeypatch.setattr(fce, "MEASURED_FASTEST", {"SoftmaxHead": [(100_000, "fused")]})
+    assert fce.fastest_backend("SoftmaxHead", 50_000, torch.device("cuda")) == "fused"
+
+
 def test_a_compiled_model_traces_the_plan_into_one_graph():
     """Under ``model.compile`` (Dynamo tracing the head) the chunk bodies are inlined: one
     graph, no breaks, the eager plan's values and gradients."""

@@ -28,7 +28,7 @@ SMALL = GemmLaunch(block_m=16, block_n=32, block_k=16, hidden_block_m=16, hidden
 @pytest.fixture
 def interpreted(monkeypatch):
     """The kernels through Triton's interpreter in small tiles, and the rows plan's Triton
-    tiles by them (float64 too)."""
+    tiles by them where asked for (``fused_products``; float64 too)."""
     pytest.importorskip("triton", reason="Triton is an optional GPU extra (requirements-gpu.txt)")
     import os
 
@@ -37,7 +37,6 @@ def interpreted(monkeypatch):
     monkeypatch.setattr(triton_gemm, "GEMM_LAUNCH", SMALL)
     monkeypatch.setattr(rows_ce, "TRITON_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(rows_ce, "TRITON_DTYPES", (*rows_ce.TRITON_DTYPES, torch.float64))
-    monkeypatch.setattr(rows_ce, "FUSED_PRODUCTS", True)
     monkeypatch.setattr(rows_ce, "FUSED_DTYPES", (*rows_ce.FUSED_DTYPES, torch.float64))
 
 
@@ -152,9 +151,11 @@ def test_a_bad_layout_is_refused_in_one_line():
 @pytest.mark.parametrize("bias", [True, False])
 def test_rows_plan_through_the_fused_products_equals_the_plain_maths(use, eps, bias):
     case = float64_case(rows=40, classes=150, dim=20, seed=3, bias=bias)
-    walk = rows_ce._Walk(*case[:4], torch.float64, None, 1)
+    walk = rows_ce._Walk(*case[:4], torch.float64, None, 1, fused=True)
     assert walk.fused and walk.columns == 192 and walk.w.shape == (192, 20)  # no bias column
-    got, want = rows_tests._results(use, *case, eps, LossOptions(plan="rows", rows=16))
+    assert not rows_ce._Walk(*case[:4], torch.float64, None, 1).fused  # opt-in
+    options = LossOptions(plan="rows", rows=16, fused_products=True)
+    got, want = rows_tests._results(use, *case, eps, options)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
 
@@ -165,8 +166,9 @@ def test_mixture_and_block_through_the_fused_products_equal_the_plain_maths():
         tokens=9, classes=70, dim=17, seed=13
     )
     inputs = (contexts, weight, b, prior_logits)
+    fused = LossOptions(plan="rows", rows=12, fused_products=True)
     out = mean_cross_entropy(contexts, weight, b, target, log_prior=prior_logits.log_softmax(-1),
-                             options=LossOptions(plan="rows", rows=12))  # fmt: skip
+                             options=fused)  # fmt: skip
     got = [out.loss, out.nll, *torch.autograd.grad(out.loss + out.nll.sum(), inputs)]
     loss, nll = rows_tests._mixture_plain(contexts, weight, b, prior_logits.log_softmax(-1),
                                           target)  # fmt: skip
@@ -175,9 +177,37 @@ def test_mixture_and_block_through_the_fused_products_equal_the_plain_maths():
         torch.testing.assert_close(g, w)
     use = rows_tests.USES["both"]
     case = float64_case(rows=30, classes=150, dim=20, seed=7)
-    got, want = rows_tests._block_results(use, 40, LossOptions(plan="rows", rows=16), *case)
+    options = LossOptions(plan="rows", rows=16, fused_products=True)
+    got, want = rows_tests._block_results(use, 40, options, *case)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
+
+
+@pytest.mark.usefixtures("interpreted")
+@pytest.mark.parametrize("head", ["softmax-projection", "mos-one_chunk", "mixtape-shared_gates"])
+def test_heads_asking_for_the_fused_products_run_them_and_match_the_reference(monkeypatch, head):
+    """``loss_backend: fused`` reaches the tiles of every head whose rows plan has them
+    (softmax's and MoS's tiles, Mixtape's rare block): the kernels run, and the loss, NLL and
+    gradients equal the float64 formula at the contract's edges."""
+    from functools import partial
+
+    from tests.heads.contract import HEADS, check_loss_matches_reference, run_check
+
+    calls = []
+    real = rows_ce.logits_blocks
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rows_ce, "logits_blocks", counted)
+    import heads.kernels.mixtape_rows as mixtape_rows
+
+    monkeypatch.setattr(mixtape_rows, "logits_blocks", counted)
+    options = (LossOptions(plan="rows", rows=4, fused_products=True),)
+    run_check(partial(check_loss_matches_reference, options=options, inference=False),
+              HEADS[head])  # fmt: skip
+    assert calls
 
 
 @pytest.mark.gpu
@@ -206,11 +236,11 @@ def test_cuda_rows_plan_with_fused_products_matches_the_cublas_tiles(monkeypatch
     log_prior = torch.randn(tokens, k, device="cuda", generator=gen).log_softmax(-1)
     results = []
     for fused in (False, True):
-        monkeypatch.setattr(rows_ce, "FUSED_PRODUCTS", fused)
+        options = LossOptions(plan="rows", rows=256, fused_products=fused)
         with torch.autocast("cuda", torch.bfloat16):
             out = mean_cross_entropy(hidden, weight, bias, target,
                                      log_prior=log_prior if k > 1 else None,
-                                     options=LossOptions(plan="rows", rows=256))  # fmt: skip
+                                     options=options)  # fmt: skip
         results.append([out.loss, *torch.autograd.grad(out.loss, (hidden, weight, bias))])
     for cublas, fused in zip(*results, strict=True):
         torch.testing.assert_close(fused.float(), cublas.float(), rtol=2e-2, atol=1e-4)
