@@ -12,12 +12,13 @@ from heads import AdaptiveSoftmaxHead, DSSoftmaxHead, MixtapeHead, MoSHead, Soft
 HIDDEN, VOCAB, TOKENS = 64, 3000, 512
 
 
-def _rows(head):
+def _rows(head, fused: bool = False):
     """``head`` by its rows plan (what ``auto`` runs on CUDA for large steps; a step this
-    small would otherwise run plainly: nothing saved)."""
+    small would otherwise run plainly: nothing saved), its tiles as the fused products
+    where ``fused`` (``loss_backend: fused``)."""
     from heads.fused_cross_entropy import LossOptions
 
-    head.loss_options = LossOptions(plan="rows", saved_bytes=0)
+    head.loss_options = LossOptions(plan="rows", saved_bytes=0, fused_products=fused)
     return head
 
 
@@ -26,6 +27,9 @@ HEADS = {
     "mos": (lambda: MoSHead(HIDDEN, VOCAB, num_components=5), 0),
     "mixtape": (lambda: MixtapeHead(HIDDEN, VOCAB, gate_noise=0.1, context_dropout=0.1), 0),
     "mixtape_rows": (lambda: _rows(MixtapeHead(HIDDEN, VOCAB, gate_noise=0.1)), 0),
+    "softmax_fused": (lambda: _rows(SoftmaxHead(HIDDEN, VOCAB), fused=True), 0),
+    "mos_fused": (lambda: _rows(MoSHead(HIDDEN, VOCAB, num_components=5), fused=True), 0),
+    "mixtape_fused": (lambda: _rows(MixtapeHead(HIDDEN, VOCAB, gate_noise=0.1), fused=True), 0),
     "adaptive": (lambda: AdaptiveSoftmaxHead(HIDDEN, VOCAB, cutoffs=[300, 1000]), 1),
     "ds": (
         lambda: DSSoftmaxHead(
