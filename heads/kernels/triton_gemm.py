@@ -1,5 +1,5 @@
 """The rows plan's tile as three Triton products with the softmax fused into them (CUDA, with
-Triton installed; opt-in: ``rows_ce.FUSED_PRODUCTS``, until a GPU's clock says it beats the
+Triton installed; opt-in, ``loss_backend: fused``, until a GPU's clock says it beats the
 cuBLAS products and the two elementwise kernels of :mod:`heads.kernels.triton_rows`).
 
 A tile's ``[R, C]`` logits ``z = h W^T + b`` are formed in ``BLOCK_N``-column blocks, and
@@ -14,9 +14,10 @@ the products. Per logit: two bytes written, then read by each gradient product, 
 cuBLAS tile's two written, then two read, two read and two written by the elementwise
 kernels, and two read by each product.
 
-``u`` is also the better number to keep: in bf16 it holds ``p`` to 8 bits relative, where
-``exp`` of a bf16 logit is off by ``|z| 2^-8`` relative (4% at ``z = 10``). The log-sum-exp and
-the target's logit come from the float32 accumulator, not from rounded logits.
+``u`` is also the better number to keep: in bf16 it holds ``p`` to ``2^-9`` relative, where
+``exp`` of a bf16 logit is off by up to ``|z| 2^-9`` relative (2% at ``|z| = 10``). The
+log-sum-exp and the target's logit come from the float32 accumulator, not from rounded
+logits.
 
 The same three quantities per row (``scale``, ``onehot``, ``uniform``) give every form of the
 rows plan's ``dz``: one softmax, a mixture's components (MoS), a block of a larger softmax

@@ -69,7 +69,16 @@ def _reference(h, w, bias, target, v, scale, onehot, uniform):
     return lse, picked, z.sum(1), dz - uniform.double()[:, None]
 
 
-def _check(h, w, bias, target, coefficients, v, sums=True, **close):
+def _close(got, want, norm=None, **close):
+    """Equal within ``close`` (assert_close's), or with ``norm``: in norm, relative (bf16
+    gradients: most entries far below any absolute tolerance that the largest would pass)."""
+    if norm is None:
+        torch.testing.assert_close(got, want, **close)
+    else:
+        assert (got - want).norm() <= norm * want.norm(), ((got - want).norm(), want.norm())
+
+
+def _check(h, w, bias, target, coefficients, v, sums=True, norm=None, **close):
     scale, onehot, uniform = coefficients
     lse, picked, total, dz = _reference(h, w, bias, target, v, scale, onehot, uniform)
     blocks = logits_blocks(h, w, bias, target, v, True, acc=scale.dtype)
@@ -84,9 +93,9 @@ def _check(h, w, bias, target, coefficients, v, sums=True, **close):
     dw = torch.full((width, d), 0.5, dtype=scale.dtype, device=h.device)
     db = torch.full((width,), 0.25, dtype=scale.dtype, device=h.device)
     gradients(blocks, h, w, target, v, scale, onehot, uniform, dh, dw, db, accumulate=True)
-    torch.testing.assert_close(dh.double(), dz @ w[:v].double(), **close)
-    torch.testing.assert_close(dw[:v].double() - 0.5, dz.t() @ h.double(), **close)
-    torch.testing.assert_close(db[:v].double() - 0.25, dz.sum(0), **close)
+    _close(dh.double(), dz @ w[:v].double(), norm, **close)
+    _close(dw[:v].double() - 0.5, dz.t() @ h.double(), norm, **close)
+    _close(db[:v].double() - 0.25, dz.sum(0), norm, **close)
     assert (dw[v:] == 0.5).all() and (db[v:] == 0.25).all()  # the padding's gradient is 0
     return blocks
 
@@ -218,14 +227,15 @@ def test_cuda_kernels_as_the_heads_launch_them():
     h, w, b, target, coefficients = _case("cuda", torch.bfloat16, rows=300, v=100_003,
                                           width=100_032, d=512)  # fmt: skip
     h, w = h / 8, w / 8  # logits of a few units, as a trained head's
-    _check(h, w, b, target, coefficients, 100_003, rtol=2e-2, atol=2e-2)
+    _check(h, w, b, target, coefficients, 100_003, norm=2e-2, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["softmax", "mos"])
 def test_cuda_rows_plan_with_fused_products_matches_the_cublas_tiles(monkeypatch, name):
     """The rows plan's loss and gradients in bf16 with and without the fused products, at a
-    size that takes several tiles: equal within bf16's rounding."""
+    size that takes several tiles: equal within bf16's rounding (each gradient's error in
+    norm, relative: its entries span many magnitudes)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     k = 1 if name == "softmax" else 3
     tokens, v, d = 1024, 50_000, 256
@@ -242,5 +252,7 @@ def test_cuda_rows_plan_with_fused_products_matches_the_cublas_tiles(monkeypatch
                                      log_prior=log_prior if k > 1 else None,
                                      options=options)  # fmt: skip
         results.append([out.loss, *torch.autograd.grad(out.loss, (hidden, weight, bias))])
-    for cublas, fused in zip(*results, strict=True):
-        torch.testing.assert_close(fused.float(), cublas.float(), rtol=2e-2, atol=1e-4)
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-2, atol=0)  # the loss
+    for cublas, fused in zip(results[0][1:], results[1][1:], strict=True):  # the gradients
+        error = (fused.double() - cublas.double()).norm() / cublas.double().norm()
+        assert error < 2e-2, error.item()
