@@ -302,18 +302,24 @@ def _mixture_plain(contexts, weight, b, log_prior, target):
     return nll.sum() / keep.sum(), nll
 
 
-@pytest.mark.parametrize("use", USES.values(), ids=USES.keys())
-@pytest.mark.parametrize("tile", [None, 6, 1], ids=["one_tile", "tiles_of_2_tokens", "row_1"])
-def test_mixture_equals_the_plain_maths_in_float64(use, tile):
-    contexts, weight, b, prior_logits, target = _mixture_case()
+def _mixture_results(use, options, case):
+    """``(rows plan under options, plain maths)``: ``[loss, nll, grads...]`` of the mixture
+    of ``case`` (:func:`_mixture_case`'s), its outputs used as ``use`` uses them."""
+    contexts, weight, b, prior_logits, target = case
     inputs = (contexts, weight, b, prior_logits)
     scale = torch.linspace(0.5, 1.5, target.size(0), dtype=torch.float64)
-    log_prior = prior_logits.log_softmax(-1)
-    out = mean_cross_entropy(contexts, weight, b, target, log_prior=log_prior,
-                             options=LossOptions(plan="rows", rows=tile))  # fmt: skip
+    out = mean_cross_entropy(contexts, weight, b, target, log_prior=prior_logits.log_softmax(-1),
+                             options=options)  # fmt: skip
     got = [out.loss, out.nll, *torch.autograd.grad(use(out.loss, out.nll, scale), inputs)]
     loss, nll = _mixture_plain(contexts, weight, b, prior_logits.log_softmax(-1), target)
     want = [loss, nll, *torch.autograd.grad(use(loss, nll, scale), inputs)]
+    return got, want
+
+
+@pytest.mark.parametrize("use", USES.values(), ids=USES.keys())
+@pytest.mark.parametrize("tile", [None, 6, 1], ids=["one_tile", "tiles_of_2_tokens", "row_1"])
+def test_mixture_equals_the_plain_maths_in_float64(use, tile):
+    got, want = _mixture_results(use, LossOptions(plan="rows", rows=tile), _mixture_case())
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
 
@@ -321,14 +327,8 @@ def test_mixture_equals_the_plain_maths_in_float64(use, tile):
 @pytest.mark.usefixtures("compiled_tiles")
 @pytest.mark.parametrize("use", USES.values(), ids=USES.keys())
 def test_mixture_compiled_tile_bodies_equal_the_plain_maths_in_float64(use):
-    contexts, weight, b, prior_logits, target = _mixture_case(seed=12)
-    inputs = (contexts, weight, b, prior_logits)
-    scale = torch.linspace(0.5, 1.5, target.size(0), dtype=torch.float64)
-    out = mean_cross_entropy(contexts, weight, b, target, log_prior=prior_logits.log_softmax(-1),
-                             options=LossOptions(plan="rows", rows=6))  # fmt: skip
-    got = [out.loss, out.nll, *torch.autograd.grad(use(out.loss, out.nll, scale), inputs)]
-    loss, nll = _mixture_plain(contexts, weight, b, prior_logits.log_softmax(-1), target)
-    want = [loss, nll, *torch.autograd.grad(use(loss, nll, scale), inputs)]
+    case = _mixture_case(seed=12)
+    got, want = _mixture_results(use, LossOptions(plan="rows", rows=6), case)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
 

@@ -171,20 +171,12 @@ def test_rows_plan_through_the_fused_products_equals_the_plain_maths(use, eps, b
 
 @pytest.mark.usefixtures("interpreted")
 def test_mixture_and_block_through_the_fused_products_equal_the_plain_maths():
-    contexts, weight, b, prior_logits, target = rows_tests._mixture_case(
-        tokens=9, classes=70, dim=17, seed=13
-    )
-    inputs = (contexts, weight, b, prior_logits)
+    use = rows_tests.USES["both"]
+    case = rows_tests._mixture_case(tokens=9, classes=70, dim=17, seed=13)
     fused = LossOptions(plan="rows", rows=12, fused_products=True)
-    out = mean_cross_entropy(contexts, weight, b, target, log_prior=prior_logits.log_softmax(-1),
-                             options=fused)  # fmt: skip
-    got = [out.loss, out.nll, *torch.autograd.grad(out.loss + out.nll.sum(), inputs)]
-    loss, nll = rows_tests._mixture_plain(contexts, weight, b, prior_logits.log_softmax(-1),
-                                          target)  # fmt: skip
-    want = [loss, nll, *torch.autograd.grad(loss + nll.sum(), inputs)]
+    got, want = rows_tests._mixture_results(use, fused, case)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
-    use = rows_tests.USES["both"]
     case = float64_case(rows=30, classes=150, dim=20, seed=7)
     options = LossOptions(plan="rows", rows=16, fused_products=True)
     got, want = rows_tests._block_results(use, 40, options, *case)

@@ -204,19 +204,11 @@ def test_the_tiles_products_are_padded_and_take_the_bias_as_a_column():
 
 @pytest.mark.usefixtures("interpreted")
 def test_mixture_and_block_through_the_kernels_equal_the_plain_maths():
-    contexts, weight, b, prior_logits, target = rows_tests._mixture_case(seed=13)
-    from heads.fused_cross_entropy import mean_cross_entropy
-
-    inputs = (contexts, weight, b, prior_logits)
-    out = mean_cross_entropy(contexts, weight, b, target, log_prior=prior_logits.log_softmax(-1),
-                             options=LossOptions(plan="rows", rows=6))  # fmt: skip
-    got = [out.loss, out.nll, *torch.autograd.grad(out.loss + out.nll.sum(), inputs)]
-    loss, nll = rows_tests._mixture_plain(contexts, weight, b, prior_logits.log_softmax(-1),
-                                          target)  # fmt: skip
-    want = [loss, nll, *torch.autograd.grad(loss + nll.sum(), inputs)]
+    use = rows_tests.USES["both"]
+    case = rows_tests._mixture_case(seed=13)
+    got, want = rows_tests._mixture_results(use, LossOptions(plan="rows", rows=6), case)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
-    use = rows_tests.USES["both"]
     got, want = rows_tests._block_results(use, 9, LossOptions(plan="rows", rows=4),
                                           *float64_case(seed=7))  # fmt: skip
     for g, w in zip(got, want, strict=True):
