@@ -33,7 +33,6 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from heads.kernels import rows_ce
 from heads.kernels.chunks import (
     accumulation_dtype,
     as_dtype,
@@ -51,6 +50,7 @@ from heads.kernels.rows_ce import (
     eager_gradient_,
     padded_columns,
     padded_weight,
+    runs_fused_products,
     tile_body,
     weight_unit,
     with_bias,
@@ -113,10 +113,9 @@ class _Walk:
         self.v = self.s + self.rare
         self.acc = accumulation_dtype(contexts, w_freq)
         self.triton = tile_body(contexts.device, dtype) == "triton"
-        # the rare block by the fused products (rows_ce.FUSED_PRODUCTS: its bias added in
-        # their epilogue, in the statistics' dtype); the frequent block's stay cuBLAS's
-        self.fused = self.triton and (fused or rows_ce.FUSED_PRODUCTS)
-        self.fused = self.fused and dtype in rows_ce.FUSED_DTYPES
+        # the rare block by the fused products (its bias added in their epilogue, in the
+        # statistics' dtype); the frequent block's stay cuBLAS's
+        self.fused = runs_fused_products(self.triton, fused, dtype)
         # the Triton tiles' products: zero rows after each weight's, whose outputs stay 0
         pad = padded_columns if self.triton else (lambda columns: columns)
         self.columns = pad(self.s), pad(self.rare)

@@ -95,6 +95,13 @@ def tile_body(device: torch.device, dtype: torch.dtype) -> str:
     return "eager"
 
 
+def runs_fused_products(triton: bool, asked: bool, dtype: torch.dtype) -> bool:
+    """Whether Triton tiles (``triton``) run as the fused products: where ``asked``
+    (``LossOptions.fused_products``) or :data:`FUSED_PRODUCTS`, for products in
+    :data:`FUSED_DTYPES`."""
+    return triton and (asked or FUSED_PRODUCTS) and dtype in FUSED_DTYPES
+
+
 def tile_bytes_per_logit(device: torch.device, dtype: torch.dtype) -> int:
     """What a tile holds per logit, for its planning: the Triton tiles their logits alone in
     the products' dtype (``dz`` written over them), the compiled ones the logits and ``dz``,
@@ -293,7 +300,7 @@ class _Walk:
         body = tile_body(hidden.device, dtype)
         self.triton, self.compiled = body == "triton", body == "compiled"
         # the fused products: the bias added in the forward's epilogue, db from dz^T h's
-        self.fused = self.triton and (fused or FUSED_PRODUCTS) and dtype in FUSED_DTYPES
+        self.fused = runs_fused_products(self.triton, fused, dtype)
         # GPU tiles: db from the dW product
         self.fold_bias = (self.triton or self.compiled) and not self.fused
         # the Triton tiles' products: zero rows after W's, whose logits (and dz there) are 0,
