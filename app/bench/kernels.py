@@ -113,6 +113,7 @@ def _gemm_specs():
 
     from heads.kernels import triton_gemm_kernels as gemm
     from heads.kernels.triton_gemm import GEMM_LAUNCH as launch
+    from heads.kernels.triton_gemm import MERGE_ROWS, MERGE_STEP
 
     types = {name: "*fp32" for name in ("bias_ptr", "top_ptr", "sum_ptr", "picked_ptr",
                                         "logit_sum_ptr", "lse_ptr", "total_ptr", "scale_ptr",
@@ -134,7 +135,7 @@ def _gemm_specs():
     specs = [(name, fn, _ordered(fn, {**types, **GEMM_COMMON}), {**flags, "ACC": tl.float32},
               launch.warps, launch.stages) for name, fn, flags in variants]  # fmt: skip
     merge = gemm.merge_blocks
-    flags = {"HAS_SUM": True, "ACC": tl.float32, "BLOCK_M": 32, "BLOCK_B": 32}
+    flags = {"HAS_SUM": True, "ACC": tl.float32, "BLOCK_M": MERGE_ROWS, "BLOCK_B": MERGE_STEP}
     specs.append(("gemm.merge_blocks", merge, _ordered(merge, {**types, **GEMM_COMMON}), flags,
                   4, None))  # fmt: skip
     return specs

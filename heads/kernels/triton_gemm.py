@@ -72,6 +72,8 @@ class GemmLaunch:
 
 
 GEMM_LAUNCH = GemmLaunch()
+# merge_blocks' rows a program and blocks a step (4 warps: 56 registers; 32 blocks spill)
+MERGE_ROWS, MERGE_STEP = 32, 16
 # the split of dz W's column blocks aims at this many programs an SM
 _PROGRAMS_PER_SM = 2
 _INTERPRETED_SMS = 1
@@ -144,9 +146,9 @@ def logits_blocks(
             BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
             GROUP_M=launch.group_m, num_warps=launch.warps, num_stages=launch.stages,
         )  # fmt: skip
-        k.merge_blocks[(-(-rows // 32),)](
+        k.merge_blocks[(-(-rows // MERGE_ROWS),)](
             top, sums, logit_sums, lse, total, rows, blocks, HAS_SUM=want_sum, ACC=_acc(acc),
-            BLOCK_M=32, BLOCK_B=32, num_warps=4,
+            BLOCK_M=MERGE_ROWS, BLOCK_B=MERGE_STEP, num_warps=4,
         )  # fmt: skip
     return Blocks(u, top, lse, picked, total if want_sum else None)
 

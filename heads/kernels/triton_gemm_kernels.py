@@ -11,6 +11,8 @@ row ``r`` is stored as ``u = exp(z - m_rb)``, its maximum ``m_rb`` and sum ``s_r
 import triton
 import triton.language as tl
 
+from heads.kernels.triton_rows_kernels import merge_statistics
+
 
 @triton.jit
 def _grouped(pid, blocks_m, blocks_n, GROUP_M: tl.constexpr):
@@ -67,21 +69,24 @@ def logits_blocks(h_ptr, w_ptr, bias_ptr, target_ptr, u_ptr, top_ptr, sum_ptr, p
 
 
 @triton.jit
+def rows_statistics(top, s):
+    """Blocks' ``(m, s)`` ``[rows, n]`` as one ``(m, s)`` per row (0 from a block of ``-inf``)."""
+    high = tl.max(top, 1)
+    shift = tl.where(high == float("-inf"), 0.0, high)
+    return high, tl.sum(tl.where(top == float("-inf"), 0.0, s * tl.exp(top - shift[:, None])), 1)
+
+
+@triton.jit
 def merge_blocks(top_ptr, sum_ptr, logit_sum_ptr, lse_ptr, total_ptr, rows, blocks,
                  HAS_SUM: tl.constexpr, ACC: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_B: tl.constexpr):  # fmt: skip
-    """Per row: ``lse = log sum_b s_b exp(m_b)`` over its blocks' statistics (``-inf`` for a
-    row of ``-inf``) and (``HAS_SUM``) the sum of its blocks' logit sums."""
+    """Per row: ``lse = log sum_b s_b exp(m_b)`` over its blocks' statistics, read once and
+    merged ``BLOCK_B`` blocks at a time (``-inf`` for a row of ``-inf``), and (``HAS_SUM``)
+    the sum of its blocks' logit sums."""
     rows_ = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     in_rows = rows_ < rows
     base = rows_.to(tl.int64)[:, None] * blocks
     high = tl.full([BLOCK_M], float("-inf"), ACC)
-    for b in range(0, blocks, BLOCK_B):
-        bs = b + tl.arange(0, BLOCK_B)
-        inside = in_rows[:, None] & (bs < blocks)[None, :]
-        high = tl.maximum(high, tl.max(tl.load(top_ptr + base + bs[None, :], mask=inside,
-                                               other=float("-inf")), 1))  # fmt: skip
-    shift = tl.where(high == float("-inf"), 0.0, high)
     total = tl.zeros([BLOCK_M], ACC)
     logits = tl.zeros([BLOCK_M], ACC)
     for b in range(0, blocks, BLOCK_B):
@@ -89,9 +94,10 @@ def merge_blocks(top_ptr, sum_ptr, logit_sum_ptr, lse_ptr, total_ptr, rows, bloc
         inside = in_rows[:, None] & (bs < blocks)[None, :]
         top = tl.load(top_ptr + base + bs[None, :], mask=inside, other=float("-inf"))
         s = tl.load(sum_ptr + base + bs[None, :], mask=inside, other=0.0)
-        total += tl.sum(tl.where(top == float("-inf"), 0.0, s * tl.exp(top - shift[:, None])), 1)
+        high, total = merge_statistics(high, total, *rows_statistics(top, s))
         if HAS_SUM:
             logits += tl.sum(tl.load(logit_sum_ptr + base + bs[None, :], mask=inside, other=0.0), 1)
+    shift = tl.where(high == float("-inf"), 0.0, high)
     tl.store(lse_ptr + rows_, shift + tl.log(total), mask=in_rows)
     if HAS_SUM:
         tl.store(total_ptr + rows_, logits, mask=in_rows)
