@@ -1,7 +1,9 @@
 """``.ci/gpu``: the command a GPU session runs first. Its parts are run here with ``python``
 replaced by a recorder, and every command line it would run is parsed by the tool it names
-(with ``--device cpu``): a typo there would otherwise cost a scarce GPU session."""
+(with ``--device cpu``): a typo there would otherwise cost a scarce GPU session. ``quick``'s
+commands also run for real, on a CPU at a toy size (slow)."""
 
+import json
 import math
 import os
 import shlex
@@ -59,7 +61,7 @@ def test_every_part_runs_commands_its_tools_accept(tmp_path):
     bench = [c for c in commands if c[:2] == ["-m", "app.bench"] and "--mode" not in c]
     heads = bench[0][bench[0].index("--heads") + 1 :]
     assert {"softmax@cce", "softmax@liger", "mos@liger", "matmul", "torch_adaptive"} <= set(heads)
-    assert {"softmax@fused", "mos@fused", "mixtape@fused"} <= set(heads)  # the fused products
+    assert {"softmax@fused", "mos@fused", "mixtape@fused", "adaptive@fused"} <= set(heads)
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="bash")
@@ -124,7 +126,8 @@ def test_quick_measures_every_target_but_the_memory_search(tmp_path):
 
     assert math.isnan(interval_top(5)) and interval_top(heads100.repeats) < 1
     ours = {"softmax", "softmax@rows", "softmax@fused", "matmul", "mixtape@rows",
-            "mixtape@fused", "adaptive@plain", "adaptive@rows", "torch_adaptive"}  # fmt: skip
+            "mixtape@fused", "adaptive@plain", "adaptive@rows", "adaptive@fused",
+            "torch_adaptive"}  # fmt: skip
     assert set(_subjects(commands[0])) == ours | {"mos@rows", "mos@fused", "softmax@cce",
                                                   "softmax@liger"}  # fmt: skip
     assert set(_subjects(commands[1])) == ours | {"softmax@cce", "softmax@liger"}
@@ -149,3 +152,44 @@ def test_quick_measures_every_target_but_the_memory_search(tmp_path):
     assert unmeasured == ["MoS-15 tokens in 12 GiB at 100k (>= 16384)"]
     benches = {**report, "results": [r for r in rows if r["scope"] == "head"]}  # fastest's
     assert {head for head, *_ in choices(benches)} == {"SoftmaxHead"}  # softmax's choice alone
+
+
+def _toy(argv: list[str]) -> list[str]:
+    """A recorded command at a toy size a CPU runs in seconds (d = 16, 64 tokens; the whole
+    LM's 70 = 2 x 35), its vocabularies, subjects and repeats kept; the sweep on the CPU at
+    one repeat."""
+    sizes = {"--hidden-sizes": "16", "--hidden": "16", "--tokens": "64"}
+    argv = [sizes.get(before, a) for before, a in zip(["", *argv], argv, strict=False)]
+    argv = [{"16384": "64", "700": "70"}.get(a, a) if before == "--batch-sizes" else a
+            for before, a in zip(["", *argv], argv, strict=False)]  # fmt: skip
+    if argv[:2] == ["-m", "app.bench.sweep"]:
+        argv = [*argv, "--device", "cpu", "--tokens", "64", "--hidden", "16"]
+        argv[argv.index("--repeats") + 1] = "1"
+    return argv
+
+
+@pytest.mark.slow
+def test_quick_runs_end_to_end_on_a_cpu(tmp_path):
+    """Every command ``quick`` runs, run for real on a CPU at a toy size: each exits 0, the
+    benches write the reports that fastest and targets read, fastest prints its table,
+    targets reads every target but MoS's memory search, the sweep writes its JSON. A crash
+    anywhere in the chain would otherwise cost a scarce GPU session."""
+    out = tmp_path / "out"
+    out.mkdir()
+    reports = ["bench_gpu_heads_100k.json", "bench_gpu_heads_10k.json",
+               "bench_gpu_lm_ptb_step.json"]  # fmt: skip
+    for name in reports:  # the names the benches write, for the targets line recorded here
+        (out / name).write_text("{}")
+    printed = {}
+    for command in [c for c in _recorded(tmp_path, "quick") if c[:1] == ["-m"]]:
+        done = subprocess.run([sys.executable, *_toy(_on_cpu(command))], cwd=ROOT,
+                              capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert done.returncode == 0, (command, done.stderr[-3000:])
+        printed[command[1]] = done.stdout
+    for name in reports:
+        assert json.loads((out / name).read_text())["results"], name
+    assert "MEASURED_FASTEST = " in printed["app.bench.fastest"]
+    lines = printed["app.bench.targets"].splitlines()
+    assert [line.split()[0] for line in lines if line.endswith("unmeasured")] == ["MoS-15"]
+    assert sum("met (bench_gpu_" in line for line in lines) >= 8
+    assert json.loads((out / "sweep_gpu_tiles_100k.json").read_text())

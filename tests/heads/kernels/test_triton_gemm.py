@@ -185,10 +185,13 @@ def test_mixture_and_block_through_the_fused_products_equal_the_plain_maths():
 
 
 @pytest.mark.usefixtures("interpreted")
-@pytest.mark.parametrize("head", ["softmax-projection", "mos-one_chunk", "mixtape-shared_gates"])
+@pytest.mark.parametrize(
+    "head", ["softmax-projection", "mos-one_chunk", "mixtape-shared_gates", "adaptive-two_clusters"]
+)
 def test_heads_asking_for_the_fused_products_run_them_and_match_the_reference(monkeypatch, head):
     """``loss_backend: fused`` reaches the tiles of every head whose rows plan has them
-    (softmax's and MoS's tiles, Mixtape's rare block): the kernels run, and the loss, NLL and
+    (softmax's and MoS's tiles, Mixtape's rare block, the adaptive softmax's classifiers; the
+    DS experts' losses take the column plan): the kernels run, and the loss, NLL and
     gradients equal the float64 formula at the contract's edges."""
     from functools import partial
 
