@@ -177,9 +177,11 @@ def bench_options(args: argparse.Namespace) -> BenchOptions:
     return BenchOptions(init_args, args.loss_backend, saved)  # fmt: skip
 
 
-def _cases(args, options, vocab: int, hidden: int, batch: int, device) -> dict[str, Case]:
+def _cases(args, options, vocab: int, hidden: int, batch: int, device,
+           fits_nothing: list[dict] | None = None) -> dict[str, Case]:  # fmt: skip
     """The case of every subject with tokens to run at this size (``--tokens-for``, or the
-    largest batch in the memory budget in same-memory mode)."""
+    largest batch in the memory budget in same-memory mode; a subject that fits no batch is
+    added to ``fits_nothing``: a measured result, not a missing one)."""
     tokens_for = _tokens_for(args.tokens_for, args.heads)
     max_tokens = max(batch, args.max_batch, *tokens_for.values())
     targets = make_targets(args.targets, vocab, max_tokens, torch.Generator().manual_seed(1))
@@ -193,6 +195,10 @@ def _cases(args, options, vocab: int, hidden: int, batch: int, device) -> dict[s
         for name, case in cases.items():
             cases[name] = replace(case, tokens=largest_batch(case, budget, args.max_batch))
             print(f"  {name}: {cases[name].tokens} tokens fit {args.memory_budget_mb} MiB")
+            if cases[name].tokens == 0 and fits_nothing is not None:
+                fits_nothing.append({"head": name, "vocab_size": vocab, "hidden_size": hidden,
+                                     "scope": args.scope,
+                                     "budget_mb": args.memory_budget_mb})  # fmt: skip
     return {name: case for name, case in cases.items() if case.tokens > 0}
 
 
@@ -268,28 +274,29 @@ def run(args: argparse.Namespace, save=None) -> dict:
     device = torch.device(args.device)
     torch.manual_seed(0)
     options = bench_options(args)
-    results, failed = [], {}
+    results, failed, fits_nothing = [], {}, []
     sizes = [(v, d, b) for v in args.vocab_sizes for d in args.hidden_sizes
              for b in args.batch_sizes]  # fmt: skip
 
     def save_partial(rows: list[dict], note: str) -> None:
-        save({**_report(args, options, device, results + rows, failed), "partial": note})
+        report = _report(args, options, device, results + rows, failed, fits_nothing)
+        save({**report, "partial": note})
 
     for index, (vocab, hidden, batch) in enumerate(sizes, start=1):
         print(f"[{index}/{len(sizes)}] V={vocab} d={hidden} batch={batch}", flush=True)
-        cases = _cases(args, options, vocab, hidden, batch, device)
+        cases = _cases(args, options, vocab, hidden, batch, device, fits_nothing)
         if args.time == "skip":
             results += _memory_rows(args, cases, failed)
         else:
             results += _timed_rows(args, cases, failed, save_partial if save else None)
         if save is not None and index < len(sizes):
-            save({**_report(args, options, device, results, failed),
+            save({**_report(args, options, device, results, failed, fits_nothing),
                   "partial": f"{index} of {len(sizes)} sizes"})  # fmt: skip
-    return _report(args, options, device, results, failed)
+    return _report(args, options, device, results, failed, fits_nothing)
 
 
 def _report(args, options: BenchOptions, device: torch.device, results: list[dict],
-            failed: dict[str, str]) -> dict:  # fmt: skip
+            failed: dict[str, str], fits_nothing: list[dict] = ()) -> dict:  # fmt: skip
     memory_method = (
         "cuda_allocator"
         if device.type == "cuda"
@@ -301,7 +308,7 @@ def _report(args, options: BenchOptions, device: torch.device, results: list[dic
     return {
         **note,
         "args": vars(args), "options": {**asdict(options), "heads": configs}, "results": results,
-        "failed": dict(failed),
+        "failed": dict(failed), "fits_nothing": list(fits_nothing),
         "machine": {"platform": platform.platform(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "device": str(device),
                     "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None,

@@ -65,7 +65,7 @@ class Runs:
     ratio's two rows always come from one run: one machine, one round of repeats)."""
 
     def __init__(self, path: str, report: dict) -> None:
-        self.path, self.rows = path, report.get("results", [])
+        self.path, self.report, self.rows = path, report, report.get("results", [])
         self.card = report.get("machine", {}).get("cuda") or "no GPU"
 
     def find(self, head: str, vocab: int | None = None, scope: str = "head",
@@ -87,6 +87,11 @@ class Runs:
         """``(file, row)`` of the fastest of ``head``'s own plans at ``vocab``, or None."""
         found = [x for plan in OUR_PLANS if (x := self.find(head + plan, vocab))]
         return min(found, key=lambda x: x[1]["time_per_token_us"], default=None)
+
+    def fits_nothing(self, head: str, vocab: int) -> bool:
+        """Whether ``head`` fitted no batch at ``vocab`` in a same-memory search."""
+        return any(x["head"] == head and x["vocab_size"] == vocab
+                   for x in self.report.get("fits_nothing", []))  # fmt: skip
 
     def vocabularies(self, head: str) -> list[int]:
         return sorted({row["vocab_size"] for row in self.rows
@@ -136,13 +141,13 @@ def evaluate(runs: Runs) -> list[Target]:
                           scale=1 / MOS_COMPONENTS))  # fmt: skip
     fit = runs.find("mos", big, mode="same-memory")
     name = "MoS-15 tokens in 12 GiB at 100k (>= 16384)"
-    targets.append(
-        Target(name)
-        if fit is None
-        else Target(
-            name, fit[1]["tokens"], met=fit[1]["tokens"] >= 16_384, source=Path(fit[0]).name
-        )
-    )
+    if fit is not None:
+        tokens = fit[1]["tokens"]
+        targets.append(Target(name, tokens, met=tokens >= 16_384, source=Path(fit[0]).name))
+    elif runs.fits_nothing("mos", big):  # not one batch fitted: measured, and 0
+        targets.append(Target(name, 0, met=False, source=Path(runs.path).name))
+    else:
+        targets.append(Target(name))
     for vocab, bound in ((big, 1.5), (small, 2.0)):
         targets.append(_ratio(runs.ours("mixtape", vocab), runs.ours("softmax", vocab),
                               f"Mixtape / softmax at {vocab // 1000}k (<= {bound})",

@@ -74,6 +74,19 @@ def test_same_memory_mode_and_lm_scope(tmp_path):
     assert all(t % 8 == 0 for t in tokens.values())
 
 
+def test_a_subject_that_fits_no_batch_is_recorded_as_such(tmp_path):
+    """Same-memory mode: a subject whose smallest batch exceeds the budget has no row, and is
+    named in ``fits_nothing`` (targets reads it as 0 tokens, not as unmeasured)."""
+    argv = ["--heads", "softmax", "--vocab-sizes", "400", "--hidden-sizes", "16",
+            "--mode", "same-memory", "--memory-budget-mb", "0.001", "--max-batch", "64",
+            "--repeats", "1", "--warmup", "0", "--out", str(tmp_path),
+            "--name", "none"]  # fmt: skip
+    report = main(argv)
+    assert report["results"] == []
+    assert report["fits_nothing"] == [{"head": "softmax", "vocab_size": 400, "hidden_size": 16,
+                                       "scope": "head", "budget_mb": 0.001}]  # fmt: skip
+
+
 def test_cpu_clock_times_the_process(tmp_path):
     argv = ["--vocab-sizes", "300", "--hidden-sizes", "16",
             "--batch-sizes", "32", "--repeats", "2", "--warmup", "0", "--clock", "cpu",

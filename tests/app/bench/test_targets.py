@@ -66,6 +66,9 @@ def test_memory_and_lm_parts_and_another_card():
     assert fit.figure == 20_000 and fit.met
     step = targets["whole PTB LM step: Mixtape / softmax (<= 1.15) [NVIDIA H200]"]
     assert step.figure == pytest.approx(1.2) and not step.met
+    nothing = {**_report([]), "fits_nothing": [{"head": "mos", "vocab_size": 100_000}]}
+    fit = _by_name(collect({"memory.json": nothing}))["MoS-15 tokens in 12 GiB at 100k (>= 16384)"]
+    assert (fit.figure, fit.met) == (0, False)  # not one batch fitted: measured, not missing
 
 
 def test_the_shipped_h100_run(capsys):
