@@ -47,6 +47,7 @@ from heads.kernels.chunks import spans as spans  # re-exported: callers plan chu
 from heads.kernels.compiled_lse import CompiledLinearLSE, own_targets
 from heads.kernels.eager_lse import EagerLinearLSE
 from heads.kernels.rows_ce import RowsCrossEntropy, tile_bytes_per_logit
+from heads.kernels.rows_ce import fused_products_missing as fused_products_missing  # re-exported
 
 BACKENDS = ("auto", "torch", "cce", "liger")
 PLANS = ("auto", "eager", "compiled", "checkpoint", "rows", "plain")

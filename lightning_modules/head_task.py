@@ -16,10 +16,12 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from heads import Head, HeadSetup
 from heads.fused_cross_entropy import (
+    FUSED,
     check_backend_device,
     check_loss_choice,
     external_loss_function,
     fastest_backend,
+    fused_products_missing,
     measured_options,
 )
 from lightning_modules.checks import (
@@ -33,6 +35,16 @@ from lightning_modules.errors import ModelConfigError
 from lightning_modules.optimization import configure_optimizers
 
 log = logging.getLogger(__name__)
+
+
+def _products(precision: str | None) -> torch.dtype:
+    """The head's products' dtype under Lightning's ``precision`` (bf16 where it is not
+    known: then only the device is checked)."""
+    if precision is None or "bf16" in precision:
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    return torch.float64 if precision.startswith("64") else torch.float32
 
 
 @functools.cache
@@ -127,11 +139,16 @@ class HeadTask(L.LightningModule):
             self.head.loss_options = measured_options(options, loss_backend)
         self._compiled = False
 
-    def place_loss_backend(self, device: torch.device) -> None:
-        """Once the device is known: ``cce``/``liger`` need CUDA, and ``auto`` becomes the
-        backend measured fastest for this head there (``fastest_backend``)."""
+    def place_loss_backend(self, device: torch.device, precision: str | None = None) -> None:
+        """Once the device is known: ``cce``/``liger`` need CUDA, ``auto`` becomes the
+        backend measured fastest for this head there (``fastest_backend``), and ``fused``
+        where its products cannot run (on ``device`` under the trainer's ``precision``) says
+        so in one line: the rows plan runs instead."""
         backend = self.loss_backend
         check_backend_device(backend, device)
+        if backend == FUSED and (why := fused_products_missing(device, _products(precision))):
+            log.warning("loss_backend fused: the rows plan runs without the fused products: %s",
+                        why)  # fmt: skip
         if backend == "auto":  # a backend, or a plan of the torch one
             backend = fastest_backend(type(self.head).__name__, self.head.vocab_size, device)
         self.head.loss_options = measured_options(self.head.loss_options, backend)
@@ -154,7 +171,7 @@ class HeadTask(L.LightningModule):
     def setup(self, stage: str) -> None:
         if self._trainer is None:
             return
-        self.place_loss_backend(self.trainer.strategy.root_device)
+        self.place_loss_backend(self.trainer.strategy.root_device, str(self.trainer.precision))
         if stage != "fit":
             return
         trainer = self.trainer

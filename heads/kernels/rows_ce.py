@@ -95,6 +95,18 @@ def tile_body(device: torch.device, dtype: torch.dtype) -> str:
     return "eager"
 
 
+def fused_products_missing(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the fused products would not run on ``device`` with products in ``dtype`` (the
+    plain rows plan runs instead), or None where they run."""
+    if device.type not in TRITON_DEVICES:
+        return f"they run on CUDA, and this run's device is {device.type}"
+    if not triton_available():
+        return "Triton is not importable; CUDA builds of torch ship it"
+    if dtype not in FUSED_DTYPES:
+        return f"they take bf16 or fp16 products, and this run's are {dtype} (trainer.precision)"
+    return None
+
+
 def runs_fused_products(triton: bool, asked: bool, dtype: torch.dtype) -> bool:
     """Whether Triton tiles (``triton``) run as the fused products: where ``asked``
     (``LossOptions.fused_products``) or :data:`FUSED_PRODUCTS`, for products in

@@ -111,6 +111,28 @@ def test_fused_as_loss_backend_is_the_rows_plan_with_the_fused_products():
         assert (options.backend, options.plan, options.fused_products) == ("torch", "rows", True)
 
 
+def test_fused_says_in_one_line_where_its_products_cannot_run(monkeypatch, caplog):
+    """``loss_backend: fused`` off CUDA, without Triton or with float32 products: one warning
+    naming why, once the device and precision are known; none where they run."""
+    import heads.kernels.rows_ce as rows_ce
+
+    task = LanguageModel(LSTMBackbone(30, 8, 8), SoftmaxHead(8, 30), loss_backend="fused")
+    cases = [("cpu", "bf16-mixed", False, "this run's device is cpu"),
+             ("cuda", "bf16-mixed", False, "Triton is not importable"),
+             ("cuda", "32-true", True, "bf16 or fp16 products, and this run's are torch.float32"),
+             ("cuda", "16-mixed", True, None), ("cuda", "bf16-mixed", True, None)]  # fmt: skip
+    for device, precision, triton, why in cases:
+        monkeypatch.setattr(rows_ce, "triton_available", lambda triton=triton: triton)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lightning_modules.head_task"):
+            task.place_loss_backend(torch.device(device), precision)
+        lines = [r.getMessage() for r in caplog.records]
+        if why is None:
+            assert lines == []
+        else:
+            assert len(lines) == 1 and why in lines[0] and "the rows plan runs" in lines[0]
+
+
 def test_a_missing_or_misplaced_loss_backend_is_named_when_the_model_is_built():
     """CCE/Liger not installed: one line at construction, not at the first step; and a model
     placed on a CPU refuses them when the trainer sets it up (they run on CUDA only)."""
