@@ -602,7 +602,8 @@ def gpu_targets(results: Path) -> list[str]:
         interval = "-" if not measured or t.low is None or math.isnan(t.low) else (
             f"{t.low:.2f}-{t.high:.2f}")  # fmt: skip
         verdict = "unmeasured" if not measured else "met" if t.met else "**not met**"
-        rows.append([t.target, f"{t.figure:.4g}" if measured else "-", interval, verdict,
+        work = "-" if t.flops is None else f"{t.flops:.3g}"
+        rows.append([t.target, f"{t.figure:.4g}" if measured else "-", interval, work, verdict,
                      t.source or "-"])  # fmt: skip
     command = "python -m app.bench.targets " + " ".join(f"docs/results/{p.name}" for p in paths)
     return [
@@ -610,9 +611,10 @@ def gpu_targets(results: Path) -> list[str]:
         "Issue 28's speed and memory targets (stated for one H100; another card is named), "
         "read off the GPU runs' reports by `app.bench.targets`: each ratio paired within one "
         "run, a head's figure its fastest own plan there (each run's date and code: its "
-        "section below).",
+        "section below). FLOPs: the same ratio in the products' counted work, what the "
+        "figure would be were both sides' products equally fast.",
         f"```bash\n{command}\n```",
-        table(["target", "figure", "95% CI", "met?", "file"], rows),
+        table(["target", "figure", "95% CI", "FLOPs", "met?", "file"], rows),
     ]
 
 

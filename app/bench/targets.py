@@ -47,13 +47,18 @@ class Target:
     high: float | None = None
     met: bool | None = None  # None: unmeasured
     source: str = ""
+    # a ratio's figure in counted FLOPs (the products' work): what the time ratio would be
+    # if both sides ran their products equally fast, so how much of it the maths asks
+    flops: float | None = None
 
     def row(self) -> str:
         if self.met is None:
             return f"{self.target:62} {'-':>8} {'':13} unmeasured"
         interval = "" if _missing(self.low, self.high) else f"[{self.low:.2f}-{self.high:.2f}]"
         verdict = "met" if self.met else "NOT met"
-        return f"{self.target:62} {self.figure:8.4g} {interval:13} {verdict} ({self.source})"
+        work = "" if self.flops is None else f" FLOPs {self.flops:.3g}"
+        return (f"{self.target:62} {self.figure:8.4g} {interval:13} {verdict} ({self.source})"
+                f"{work}")  # fmt: skip
 
 
 def _missing(*values) -> bool:
@@ -112,7 +117,18 @@ def _ratio(mine, reference, name: str, most: float | None = None, least: float |
     if invert:
         median, low, high = 1 / median, 1 / high, 1 / low
     met = (most is None or median <= most) and (least is None or median >= least)
-    return Target(name, median, low, high, met, Path(mine[0]).name)
+    return Target(name, median, low, high, met, Path(mine[0]).name,
+                  _flop_ratio(mine[1], reference[1], scale, invert))  # fmt: skip
+
+
+def _flop_ratio(mine: dict, reference: dict, scale: float, invert: bool) -> float | None:
+    """``mine / reference`` in counted FLOPs a token (as the time ratio: times ``scale``,
+    ``invert``), or None where either row lacks the count."""
+    work = [row.get("matmul_gflop") for row in (mine, reference)]
+    if any(w is None or w <= 0 or not math.isfinite(w) for w in work):
+        return None
+    ratio = scale * (work[0] / mine["tokens"]) / (work[1] / reference["tokens"])
+    return 1 / ratio if invert else ratio
 
 
 def evaluate(runs: Runs) -> list[Target]:

@@ -30,11 +30,11 @@ def _by_name(targets):
 
 def test_ratios_bounds_and_our_fastest_plan():
     rows = [
-        _row("softmax", 20.0, extra_peak_mb=3000.0), _row("softmax@rows", 9.0, extra_peak_mb=900.0),
+        _row("softmax", 20.0, extra_peak_mb=3000.0),
+        _row("softmax@rows", 9.0, extra_peak_mb=900.0, matmul_gflop=300.0),
         _row("softmax@cce", 8.0), _row("matmul", 7.5), _row("mos", 150.0), _row("mos@rows", 140.0),
-        _row("mos@fused", 120.0),
-        _row("mixtape@rows", 12.0), _row("mixtape", 40.0), _row("adaptive@plain", 5.0),
-        _row("torch_adaptive", 8.0),
+        _row("mos@fused", 120.0), _row("mixtape@rows", 12.0, matmul_gflop=408.0),
+        _row("mixtape", 40.0), _row("adaptive@plain", 5.0), _row("torch_adaptive", 8.0),
         _row("softmax", 2.0, vocab=10_000), _row("mixtape", 3.0, vocab=10_000),
     ]  # fmt: skip
     targets = _by_name(collect({"run.json": _report(rows)}))
@@ -48,7 +48,10 @@ def test_ratios_bounds_and_our_fastest_plan():
     assert targets["MoS-15 time / its FLOP floor at 100k (<= 1.3)"].figure == pytest.approx(
         120.0 / (15 * 7.5)
     )  # its fused products, the fastest of its own plans
-    assert targets["Mixtape / softmax at 100k (<= 1.5)"].figure == pytest.approx(12.0 / 9.0)
+    mixtape = targets["Mixtape / softmax at 100k (<= 1.5)"]
+    assert mixtape.figure == pytest.approx(12.0 / 9.0)
+    assert mixtape.flops == pytest.approx(1.36)  # the same ratio in the products' FLOPs
+    assert "FLOPs 1.36" in mixtape.row() and share.flops is None  # the matmul has no count
     assert targets["Mixtape / softmax at 10k (<= 2.0)"].met  # 1.5
     adaptive = targets["adaptive speed / PyTorch's at 100k (>= 1.5)"]
     assert adaptive.figure == pytest.approx(8.0 / 5.0) and adaptive.met
