@@ -18,6 +18,16 @@ read twice and written once, where the compiled column plan stored, recomputed a
 them block by block. Gate noise is drawn in the kernels from ``seed`` (a one-element int64
 tensor, on the device: no host read), the same in both (``triton_mixtape_kernels``).
 ``TRITON_INTERPRET=1`` runs the kernels on a CPU (the tests' float64 references).
+
+Why the tree is a pass of its own, not in the products' prologues as the softmax's ``dz`` is
+(``heads/kernels/triton_gemm.py``): a frequent column's gradient needs its whole tree (all K
+component logits and K - 1 gates: 14 bytes in bf16 at K = 4) and costs ~4 exponentials and
+~40 other operations, against the softmax's one exponential a row and block. A gradient
+product's program covers one component and one slice of ``d``, so in its prologue the tree
+would be rebuilt K x (d / tile) times (8 at K = 4, d = 512, 256-wide tiles): more time in the
+exponential and ALU units than in the tensor cores. Here it is built twice in all, at about
+84 bytes of traffic a token and frequent column (products' outputs written 14, read 14 by
+each kernel, gradients written 14 and read 28 by the four products).
 """
 
 from __future__ import annotations
