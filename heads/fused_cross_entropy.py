@@ -299,6 +299,7 @@ def row_tile(
     options: LossOptions,
     bytes_per_logit: int = 4,
     mixture: bool = False,
+    unit: int = 1,
 ) -> int:
     """Rows per tile of the ``rows`` plan (``options.rows``, or from ``options.chunk_bytes``
     of float32 logits over all ``columns``). A CPU tile has at least ``_ROWS_MIN_CPU`` rows
@@ -306,7 +307,11 @@ def row_tile(
     budget's 127), within ``_ROWS_MAX_CPU_BYTES``; a CUDA tile takes at most
     ``_ROWS_CUDA_BYTES`` (a ``mixture``'s: ``_ROWS_CUDA_MIXTURE_BYTES``) and a
     ``1/_CUDA_MEMORY_SHARE`` of the device memory, at ``bytes_per_logit`` (what the tile body
-    holds per logit: ``rows_ce.tile_bytes_per_logit``)."""
+    holds per logit: ``rows_ce.tile_bytes_per_logit``). A CUDA tile is then evened out: as
+    many tiles as the budget needs, of equal rows (whole ``unit``s: a token's ``k`` rows), so
+    that no short last tile holds the budget's memory for a few rows and runs its products
+    nearly empty (V = 100k, 16,384 tokens: 5 tiles of 3,277 rows, not 4 of 4,026 and 280;
+    the same passes of the ``dW`` accumulator, 19% less memory)."""
     if options.rows is not None:
         return max(1, min(options.rows, rows))
     if options.chunk_bytes is not None:
@@ -315,11 +320,19 @@ def row_tile(
         memory = options.device_memory or _device_memory(device)
         wanted = _ROWS_CUDA_MIXTURE_BYTES if mixture else _ROWS_CUDA_BYTES
         budget = min(wanted, memory // _CUDA_MEMORY_SHARE)
-        tile = budget // (bytes_per_logit * columns)
+        tile = _even_tiles(rows, budget // (bytes_per_logit * columns), unit)
     else:
         wide = max(_CHUNK_BYTES["cpu"] // (4 * columns), _ROWS_MIN_CPU)
         tile = min(wide, _ROWS_MAX_CPU_BYTES // (4 * columns))
     return max(1, min(tile, rows))
+
+
+def _even_tiles(rows: int, most: int, unit: int) -> int:
+    """Rows a tile of the fewest tiles of whole ``unit``s over ``rows`` with at most ``most``
+    rows each (``unit`` rows where not one unit fits)."""
+    units, per_tile = -(-rows // unit), max(1, most // unit)
+    tiles = -(-units // per_tile)
+    return -(-units // tiles) * unit
 
 
 def logit_sums(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -451,7 +464,7 @@ def mean_cross_entropy(
     outside_lse, outside_logit = (None, None) if outside is None else outside
     dtype = compute_dtype(hidden, weight)
     held = tile_bytes_per_logit(hidden.device, dtype)
-    tile = row_tile(hidden.size(0), v, hidden.device, options, held, mixture=k > 1)
+    tile = row_tile(hidden.size(0), v, hidden.device, options, held, mixture=k > 1, unit=k)
     loss, nll = RowsCrossEntropy.apply(
         hidden, weight, bias, torch.where(inside, target, -1), log_prior, outside_lse,
         outside_logit, weights, float(label_smoothing), dtype, tile,

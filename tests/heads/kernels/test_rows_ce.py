@@ -2,6 +2,8 @@
 with the plain maths for the loss, the NLL and every gradient, whichever outputs are
 differentiated; three products, not four; both tile bodies; the tile planning."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +18,7 @@ from heads.fused_cross_entropy import (
     mean_loss_plan,
     mean_weights,
     row_tile,
+    spans,
 )
 from tests.heads.kernels.cases import float64_case
 
@@ -222,16 +225,28 @@ def test_row_tiles_are_planned_from_the_vocabulary():
     assert row_tile(4096, 1_000, cpu, LossOptions()) == 4096  # 16 MiB: every row
     h100 = LossOptions(device_memory=80 << 30)
     assert row_tile(16_384, 10_000, cuda, h100, 2) == 16_384  # one tile within 768 MiB
-    # what the tile holds per logit: bf16 logits alone (Triton), logits and dz (compiled)
-    assert row_tile(16_384, 100_000, cuda, h100, 2) == (768 << 20) // 200_000 == 4026
-    assert row_tile(16_384, 100_000, cuda, h100, 4) == 2013
-    assert row_tile(16_384, 100_000, cuda, LossOptions(device_memory=8 << 30), 2) == 2684
-    # a mixture's K N rows: 3 GiB tiles (fewer passes of the dW accumulator), within 1/16
-    mixture = {"mixture": True, "bytes_per_logit": 2}
-    assert row_tile(15 * 16_384, 100_000, cuda, h100, **mixture) == (3 << 30) // 200_000
-    assert row_tile(15 * 16_384, 100_000, cuda, LossOptions(device_memory=16 << 30), **mixture) == (
-        (1 << 30) // 200_000
-    )
+    # what the tile holds per logit: bf16 logits alone (Triton), logits and dz (compiled);
+    # as few tiles as 768 MiB allows, evened out: 5 of 3,277 rows, not 4 of 4,026 and 280
+    assert (768 << 20) // 200_000 == 4026
+    assert row_tile(16_384, 100_000, cuda, h100, 2) == 3277 == math.ceil(16_384 / 5)
+    assert row_tile(16_384, 100_000, cuda, h100, 4) == 1821  # 2,013 at most: 9 tiles
+    assert row_tile(16_384, 100_000, cuda, LossOptions(device_memory=8 << 30), 2) == 2341
+    # a mixture's K N rows: 3 GiB tiles (fewer passes of the dW accumulator), within 1/16,
+    # of whole tokens (K rows each)
+    mixture = {"mixture": True, "bytes_per_logit": 2, "unit": 15}
+    assert (3 << 30) // 200_000 == 16_106  # 16 tiles of 1,024 tokens, not 15 of 1,073 and 289
+    assert row_tile(15 * 16_384, 100_000, cuda, h100, **mixture) == 15 * 1024
+    tile = row_tile(15 * 16_384, 100_000, cuda, LossOptions(device_memory=16 << 30), **mixture)
+    assert (
+        tile % 15 == 0
+        and tile <= (1 << 30) // 200_000
+        and math.ceil(16_384 / (tile // 15)) == (math.ceil(15 * 16_384 / ((1 << 30) // 200_000)))
+    )  # as few tiles as the budget allows
+    for rows, most in ((9, 4), (700, 512), (16_383, 1000), (5, 7)):  # even, and no more tiles
+        even = row_tile(rows, 1, cuda, LossOptions(device_memory=64 * most))
+        sizes = [stop - start for start, stop in spans(rows, even)]
+        assert even <= most and len(sizes) == math.ceil(rows / most)
+        assert max(sizes) - min(sizes) < len(sizes)
     assert row_tile(9, 10, cpu, LossOptions(rows=4)) == 4
 
 
