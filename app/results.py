@@ -419,9 +419,11 @@ def render_kernels(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
         f"{report['triton']}), as the heads launch them, and read off the machine code: the "
         "loads a thread makes (16 bytes wide, or narrower multi-element ones) and the "
         "barriers, in all and in the most barrier-laden loop over a row's columns (`-`: no "
-        "such loop); for the fused products (`gemm.*`), their operands' asynchronous copies "
-        "into shared memory and Hopper's warpgroup tensor-core products (their barriers are "
-        "the pipeline's). What it shows is how the kernels are built, not how fast they run.",
+        "such loop); for the fused products (`gemm.*`, and Mixtape's frequent block's "
+        "`frequent.*`), their operands' asynchronous copies into shared memory and Hopper's "
+        "warpgroup tensor-core products (their barriers are the pipeline's). Spilled bytes "
+        "are `ptxas`'s spill stores. What it shows is how the kernels are built, not how "
+        "fast they run.",
         f"```bash\n{command_of('app.bench.kernels', args, skip=('out', 'name'))}\n```",
         table(header, body),
     ])  # fmt: skip

@@ -5,8 +5,10 @@ Each kernel of ``heads/kernels/triton_rows_kernels.py`` and
 products, float32 statistics; Mixtape's K = 2, 4, 8 with gate noise and label smoothing on),
 down to a cubin for ``--arch`` (default 90: Hopper, H100/H200) with Triton's own ``ptxas``, as
 the heads launch them (:data:`ALIGNED`: what Triton specializes at such a launch), and the
-cubin is read with Triton's ``cuobjdump``: registers per thread, spilled bytes (local memory:
-a spill is a slow kernel), shared memory, and from the machine code its 16-byte global loads,
+cubin is read with Triton's ``cuobjdump``: registers per thread, spilled bytes (``ptxas -v``'s
+spill stores: a spill is a slow kernel; the stack frame beside them, which also holds local
+arrays such as the gate noise's ``cos`` range reduction, never run for its ``[0, 2 pi)``
+arguments), shared memory, and from the machine code its 16-byte global loads,
 its narrower multi-element ones and its barriers. What this proves on a machine without a
 GPU: the kernels compile for the GPU (the interpreter the CPU tests use is more lenient: it
 takes a bf16 ``tl.sigmoid``, which ``ptxas`` refuses), how many warps of them fit an SM, and
@@ -40,7 +42,7 @@ GEMM_COMMON = {name: "i32" for name in ("rows", "v", "width", "d", "stride_h", "
 # columns: pointers 16-byte aligned, these integers multiples of 16 (V itself: any; d of the
 # fused products: a multiple of 16 at d = 512, as the GPU benchmark runs them)
 ALIGNED = ("width", "stride", "stride_v", "stride_p", "d", "stride_h", "stride_w", "stride_u",
-           "stride_out", "stride_split", "stride_dw")  # fmt: skip
+           "stride_out", "stride_split", "stride_dw", "stride_gw")  # fmt: skip
 
 
 @dataclass
@@ -50,7 +52,7 @@ class Usage:
     kernel: str
     variant: str
     registers: int
-    spilled_bytes: int
+    spilled_bytes: int  # ptxas's spill stores
     shared_bytes: int
     warps: int
     wide_loads: int  # 16-byte global loads in the code (LDG.E.128)
@@ -59,6 +61,7 @@ class Usage:
     loop_barriers: int | None  # the most in one loop over a row's columns (None: no loop)
     async_copies: int = 0  # 16-byte copies from global to shared memory (LDGSTS: cp.async)
     tensor_core: int = 0  # Hopper's warpgroup tensor-core products (HGMMA: wgmma)
+    stack_bytes: int = 0  # the stack frame: spills and local arrays
 
     @property
     def warps_per_sm(self) -> int:
@@ -138,6 +141,43 @@ def _gemm_specs():
     flags = {"HAS_SUM": True, "ACC": tl.float32, "BLOCK_M": MERGE_ROWS, "BLOCK_B": MERGE_STEP}
     specs.append(("gemm.merge_blocks", merge, _ordered(merge, {**types, **GEMM_COMMON}), flags,
                   4, None))  # fmt: skip
+    return specs + _frequent_specs(types)
+
+
+def _frequent_specs(types: dict[str, str]):
+    """Mixtape's frequent block as fused products (``heads/kernels/triton_mixtape_gemm.py``):
+    its forward at K = 2, 4 (FUSED_COMPONENTS) with gate noise and a bias, and the gradient
+    products over
+    its component and gate planes (its blocks' columns, the gate planes' narrower tiles)."""
+    import triton.language as tl
+
+    from heads.kernels import triton_gemm_kernels as gemm
+    from heads.kernels import triton_mixtape_gemm as frequent
+    from heads.kernels import triton_mixtape_gemm_kernels as kernels
+
+    launch = frequent.FREQUENT_LAUNCH
+    args = {**types, **GEMM_COMMON, "g_ptr": "*bf16", "gw_ptr": "*bf16", "gate_ptr": "*bf16",
+            "seed_ptr": "*i64", "pick_u_ptr": "*fp32", "pick_g_ptr": "*fp32", "s": "i32",
+            "e": "i32", "stride_g": "i32", "stride_gw": "i32", "stride_gp": "i32",
+            "noise_std": "fp32", "row0": "i32"}  # fmt: skip
+    fn = kernels.frequent_blocks
+    specs = [(f"frequent.blocks K={k}", fn, _ordered(fn, args),
+              {"K": k, "LEVELS": k.bit_length() - 1, "HAS_BIAS": True, "HAS_NOISE": True,
+               "ACC": tl.float32, "BLOCK_M": launch.block_m, "BLOCK_N": launch.block_n,
+               "BLOCK_K": launch.block_k, "BLOCK_E": launch.block_e, "GROUP_M": launch.group_m},
+              launch.warps, launch.stages) for k in frequent.FUSED_COMPONENTS]  # fmt: skip
+    for plane, planes in zip(("values", "gates"), frequent._plane_launches(), strict=True):
+        specs.append((f"frequent.{plane} dz W", gemm.gradient_hidden,
+                      _ordered(gemm.gradient_hidden, {**types, **GEMM_COMMON}),
+                      {"HAS_UNIFORM": False, "ACC": tl.float32, "BLOCK_M": planes.hidden_block_m,
+                       "BLOCK_N": planes.block_n, "BLOCK_K": planes.hidden_step,
+                       "BLOCK_D": planes.hidden_block_d}, planes.warps, planes.stages))  # fmt: skip
+        specs.append((f"frequent.{plane} dz^T h", gemm.gradient_weight,
+                      _ordered(gemm.gradient_weight, {**types, **GEMM_COMMON}),
+                      {"HAS_UNIFORM": False, "HAS_BIAS": plane == "values", "ACCUMULATE": True,
+                       "ACC": tl.float32, "BLOCK_N": planes.block_n,
+                       "BLOCK_C": planes.weight_block_c, "BLOCK_R": planes.block_r,
+                       "BLOCK_D": planes.weight_block_d}, planes.warps, planes.stages))  # fmt: skip
     return specs
 
 
@@ -155,13 +195,35 @@ def _dump(cubin: bytes, cuobjdump: Path, flag: str) -> str:
 
 
 def _resources(cubin: bytes, cuobjdump: Path) -> tuple[int, int, int]:
-    """``(registers, spilled bytes, shared bytes)`` of the cubin's one function."""
+    """``(registers, stack and local bytes, shared bytes)`` of the cubin's one function."""
     text = _dump(cubin, cuobjdump, "--dump-resource-usage")
     found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", text)
     if found is None:
         raise RuntimeError(f"cuobjdump gave no resource usage:\n{text}")
     registers, stack, shared, local = map(int, found.groups())
     return registers, stack + local, shared
+
+
+def spill_stores(ptxas_report: str) -> int:
+    """The bytes of spill stores in ``ptxas -v``'s report of one function."""
+    found = re.search(r"(\d+) bytes spill stores", ptxas_report)
+    if found is None:
+        raise RuntimeError(f"ptxas -v gave no spill count:\n{ptxas_report}")
+    return int(found.group(1))
+
+
+def _spills(ptx: str, arch: int) -> int:
+    """Spill stores of ``ptx`` assembled by the ``ptxas`` Triton compiles with."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    suffix = "a" if arch >= 90 else ""
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder) / "kernel.ptx"
+        source.write_text(ptx)
+        done = subprocess.run([get_ptxas(arch).path, "-v", f"-arch=sm_{arch}{suffix}",
+                               str(source), "-o", str(Path(folder) / "kernel.cubin")],
+                              capture_output=True, text=True, check=True)  # fmt: skip
+    return spill_stores(done.stdout + done.stderr)
 
 
 # a SASS line: its address, then the instruction (an optional predicate, the opcode, operands)
@@ -239,9 +301,10 @@ def compile_all(arch: int = 90) -> list[Usage]:
                             if k in ("FUSE", "HAS_OUTSIDE", "BLOCK", "REPS", "LANES")
                             or k.startswith("BLOCK_"))  # fmt: skip
         sass = _dump(cubin, cuobjdump, "-sass")
-        usages.append(Usage(name, variant, *_resources(cubin, cuobjdump), warps,
-                            *instruction_counts(sass), loop_barriers(sass),
-                            *pipeline_counts(sass)))  # fmt: skip
+        registers, stack, shared = _resources(cubin, cuobjdump)
+        usages.append(Usage(name, variant, registers, _spills(compiled.asm["ptx"], arch), shared,
+                            warps, *instruction_counts(sass), loop_barriers(sass),
+                            *pipeline_counts(sass), stack_bytes=stack))  # fmt: skip
     return usages
 
 

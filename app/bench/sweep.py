@@ -6,7 +6,8 @@ a thread, warps) and Mixtape's frequent-block kernels
 the GPU's sizes suggest (``python -m app.bench.kernels``: registers, load widths, barriers),
 not yet as a GPU's clock says; nor is the choice between cuBLAS's products with those
 kernels between them and the fused products (``heads.kernels.triton_gemm``, opt-in:
-``rows_ce.FUSED_PRODUCTS``), timed here under their own tiles (``GemmLaunch``). This times the
+``rows_ce.FUSED_PRODUCTS``), timed here under their own tiles (``GemmLaunch``; Mixtape's
+frequent block's: ``FrequentLaunch``). This times the
 subjects that run them (``softmax@rows``, ``mos@rows``, ``mixtape@rows``) under each setting,
 the bare matmul beside them, at one size:
 each figure the median of ``--repeats``, a repeat ``--steps`` steps back to back (as
@@ -30,8 +31,9 @@ from app.bench.run import Case, build_case, make_targets
 from app.bench.subjects import BenchOptions
 from app.bench.timing import check_device, time_once
 from app.machine import load_average
-from heads.kernels import rows_ce, triton_gemm, triton_mixtape, triton_rows
+from heads.kernels import rows_ce, triton_gemm, triton_mixtape, triton_mixtape_gemm, triton_rows
 from heads.kernels.triton_gemm import GemmLaunch
+from heads.kernels.triton_mixtape_gemm import FrequentLaunch
 from heads.kernels.triton_rows import Launch, triton_available
 
 SCHEMA = "sweep/1"
@@ -51,6 +53,10 @@ FUSED_SETTINGS = (
     GemmLaunch(weight_block_c=64, weight_block_d=256, block_r=32),
     GemmLaunch(block_n=64, weight_block_c=64), GemmLaunch(stages=4),
 )  # fmt: skip
+# Mixtape's frequent block as fused products (heads/kernels/triton_mixtape_gemm.py), timed
+# through mixtape@rows with the fused products on: its default tile, two operand buffers,
+# 32-wide steps of d (141 and 150 registers; each compiles without spills, Triton 3.9)
+FREQUENT_SETTINGS = (FrequentLaunch(), FrequentLaunch(stages=2), FrequentLaunch(block_k=32))
 
 
 def _timed(name: str, args, targets: torch.Tensor) -> list[float]:
@@ -82,6 +88,7 @@ def run(args: argparse.Namespace) -> dict:
     rows = [_row("matmul", {}, _timed("matmul", args, targets))]
     default_launch, default_columns = triton_rows.LAUNCH, triton_mixtape.COLUMNS_PER_THREAD
     default_fused, default_gemm = rows_ce.FUSED_PRODUCTS, triton_gemm.GEMM_LAUNCH
+    default_frequent = triton_mixtape_gemm.FREQUENT_LAUNCH
     try:
         rows_ce.FUSED_PRODUCTS = False
         for launch in ROWS_SETTINGS:
@@ -97,6 +104,12 @@ def run(args: argparse.Namespace) -> dict:
                 rows.append(_row(subject, {"fused_products": asdict(gemm)},
                                  _timed(subject, args, targets),
                                  default_fused and gemm == default_gemm))  # fmt: skip
+        for frequent in FREQUENT_SETTINGS:
+            triton_mixtape_gemm.FREQUENT_LAUNCH = frequent
+            rows.append(_row("mixtape@rows", {"fused_frequent": asdict(frequent)},
+                             _timed("mixtape@rows", args, targets),
+                             default_fused and frequent == default_frequent))  # fmt: skip
+        triton_mixtape_gemm.FREQUENT_LAUNCH = default_frequent
         rows_ce.FUSED_PRODUCTS, triton_gemm.GEMM_LAUNCH = default_fused, default_gemm
         for columns in MIXTAPE_SETTINGS:
             triton_mixtape.COLUMNS_PER_THREAD = columns
@@ -106,12 +119,14 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         triton_rows.LAUNCH, triton_mixtape.COLUMNS_PER_THREAD = default_launch, default_columns
         rows_ce.FUSED_PRODUCTS, triton_gemm.GEMM_LAUNCH = default_fused, default_gemm
+        triton_mixtape_gemm.FREQUENT_LAUNCH = default_frequent
     device = torch.device(args.device)
     return {
         "schema": SCHEMA, "args": vars(args), "results": rows,
         "defaults": {"launch": asdict(default_launch),
                      "columns_per_thread": {str(k): v for k, v in default_columns.items()},
-                     "fused_products": asdict(default_gemm) if default_fused else None},
+                     "fused_products": asdict(default_gemm) if default_fused else None,
+                     "fused_frequent": asdict(default_frequent) if default_fused else None},
         "triton": triton_available() and device.type == "cuda",
         "machine": {"platform": platform.platform(), "torch": torch.__version__,
                     "device": str(device), "load_average": load_average(),

@@ -19,7 +19,10 @@ the frequent block in their backward.
 Two tile bodies: on GPUs with Triton the products' outputs in their dtype, with the frequent
 block's passes as two Triton kernels (``heads/kernels/triton_mixtape.py``) and the rare
 block's as the rows plan's fused one (``heads/kernels/triton_rows.py``: its ``dz`` in its
-statistics' pass, given the frequent block's log-sum-exp), all in place; elsewhere plain
+statistics' pass, given the frequent block's log-sum-exp), all in place, or, with the fused
+products (``loss_backend: fused``), the rare block as Triton GEMMs with the softmax inside
+them (``heads/kernels/triton_gemm.py``) and, without label smoothing at K <= 4, the
+frequent block too (``heads/kernels/triton_mixtape_gemm.py``); elsewhere plain
 tensor operations in the accumulation dtype (CPUs, and the float64 reference's equal). Gate
 noise is drawn per tile: in the kernels from one seed drawn on the device, or from the
 device's generator, whose state is kept for the backward's extra pass (when the NLL output is
@@ -58,6 +61,12 @@ from heads.kernels.rows_ce import (
 from heads.kernels.sigmoid_tree import heap_level, level_widths
 from heads.kernels.triton_gemm import gradients, logits_blocks
 from heads.kernels.triton_mixtape import frequent_gradient_, frequent_statistics
+from heads.kernels.triton_mixtape_gemm import (
+    FUSED_COMPONENTS,
+    FrequentGradients,
+    frequent_blocks,
+    frequent_gradients,
+)
 from heads.kernels.triton_rows import bias_to_width, row_statistics
 
 
@@ -105,7 +114,8 @@ class _Walk:
     """The row tiles and their bodies; ``run`` fills the three products' gradients."""
 
     def __init__(self, contexts, gate_inputs, mixed, w_freq, b_freq, gate_weights, w_rare,
-                 b_rare, target, dtype, tile, noise_std, seed, fused=False) -> None:  # fmt: skip
+                 b_rare, target, dtype, tile, noise_std, seed, fused=False,
+                 eps: float = 0.0) -> None:  # fmt: skip
         n, k, d = contexts.shape
         self.k, self.s, self.dtype = k, w_freq.size(0), dtype
         self.noise_std, self.seed = noise_std, seed
@@ -114,8 +124,10 @@ class _Walk:
         self.acc = accumulation_dtype(contexts, w_freq)
         self.triton = tile_body(contexts.device, dtype) == "triton"
         # the rare block by the fused products (its bias added in their epilogue, in the
-        # statistics' dtype); the frequent block's stay cuBLAS's
+        # statistics' dtype); the frequent block's too without label smoothing, whose uniform
+        # term its planes cannot give, at K <= 4 (heads/kernels/triton_mixtape_gemm.py)
         self.fused = runs_fused_products(self.triton, fused, dtype)
+        self.fused_frequent = self.fused and not eps and k in FUSED_COMPONENTS
         # the Triton tiles' products: zero rows after each weight's, whose outputs stay 0
         pad = padded_columns if self.triton else (lambda columns: columns)
         self.columns = pad(self.s), pad(self.rare)
@@ -151,16 +163,17 @@ class _Walk:
         parts = []
         for t0, t1 in self.tiles:
             if self.triton:
-                terms, outputs = self._triton_tile(t0, t1, row_weight[t0:t1], eps, grads[2])
+                terms, outputs = self._triton_tile(t0, t1, row_weight[t0:t1], eps, grads)
             else:
                 terms, outputs = self._eager_tile(t0, t1, row_weight[t0:t1], eps)
             parts.append((terms.nll, terms.loss))
             k = self.k
-            grads[0].add_tile(t0 * k, t1 * k, self.contexts[t0 * k : t1 * k], self.w_freq,
-                              outputs[0], self.dtype)  # fmt: skip
-            grads[1].add_tile(t0 * (k - 1), t1 * (k - 1),
-                              self.gate_inputs[t0 * (k - 1) : t1 * (k - 1)], self.gate_weights,
-                              outputs[1], self.dtype)  # fmt: skip
+            if outputs[0] is not None:  # (the fused products' are added)
+                grads[0].add_tile(t0 * k, t1 * k, self.contexts[t0 * k : t1 * k], self.w_freq,
+                                  outputs[0], self.dtype)  # fmt: skip
+                grads[1].add_tile(t0 * (k - 1), t1 * (k - 1),
+                                  self.gate_inputs[t0 * (k - 1) : t1 * (k - 1)],
+                                  self.gate_weights, outputs[1], self.dtype)  # fmt: skip
             if self.rare and outputs[2] is not None:  # (the fused products' are added)
                 grads[2].add_tile(t0, t1, self.mixed[t0:t1], self.w_rare, outputs[2], self.dtype)
             outputs = None  # freed before the next tile's are allocated
@@ -175,18 +188,26 @@ class _Walk:
         lse = lse_parts[0] if len(lse_parts) == 1 else torch.logaddexp(*lse_parts)
         return lse, Terms(lse, picked, total_logit, Mixing(), row_weight, eps, self.v)
 
-    def _triton_tile(self, t0: int, t1: int, row_weight, eps: float, rare_grads=None):
+    def _triton_tile(self, t0: int, t1: int, row_weight, eps: float, grads):
         """One tile by the Triton kernels: ``(terms, (dL/d values, dL/d pre, dL/d rare
-        logits))``, the gradients written over the products' outputs; the rare block's by
-        the fused products straight into ``rare_grads`` instead (then None)."""
+        logits))``, the gradients written over the products' outputs; a block by the fused
+        products straight into its ``grads`` instead (then None)."""
         k, s, acc, smoothing = self.k, self.s, self.acc, eps > 0
-        values = torch.mm(self.contexts[t0 * k : t1 * k], self.w_freq.t())  # [R K, S]
-        pre = torch.mm(self.gate_inputs[t0 * (k - 1) : t1 * (k - 1)], self.gate_weights.t())
+        contexts = self.contexts[t0 * k : t1 * k]
+        gate_inputs = self.gate_inputs[t0 * (k - 1) : t1 * (k - 1)]
         noise = dict(seed=self.seed, noise_std=self.noise_std, row0=t0)
         target = self.frequent_target[t0:t1]
-        lse, picked, total = frequent_statistics(values, pre, self.b_freq, target, s, smoothing,
-                                                 acc=acc, **noise)  # fmt: skip
-        lse_parts, rare = [lse], None
+        if self.fused_frequent:  # products and tree in one kernel, its planes for the backward
+            frequent = frequent_blocks(contexts, self.w_freq, gate_inputs, self.gate_weights,
+                                       self.b_freq, target, s, acc=acc, **noise)  # fmt: skip
+            values = pre = None
+            lse, picked, total = frequent.lse, frequent.picked, None
+        else:
+            values = torch.mm(contexts, self.w_freq.t())  # [R K, S]
+            pre = torch.mm(gate_inputs, self.gate_weights.t())
+            lse, picked, total = frequent_statistics(values, pre, self.b_freq, target, s,
+                                                     smoothing, acc=acc, **noise)  # fmt: skip
+        lse_parts, rare, rare_grads = [lse], None, grads[2]
         # the rare block's dz in its statistics' pass (the rows kernels' fused form, as a block
         # of the one softmax: dz's coefficients are known before any log-sum-exp, and the rest
         # of the softmax's, the frequent block's, is given)
@@ -207,8 +228,17 @@ class _Walk:
             picked = picked + rare_picked
             total = total + rare_total if smoothing else None
         lse, terms = self._terms(lse_parts, picked, total, row_weight, eps)
-        frequent_gradient_(values, pre, self.b_freq, target, s, lse, terms.scale, terms.onehot,
-                           terms.uniform, **noise)  # fmt: skip
+        if self.fused_frequent:
+            h, g = grads[0].h, grads[1].h
+            out = FrequentGradients(None if h is None else h[t0 * k : t1 * k],
+                                    None if g is None else g[t0 * (k - 1) : t1 * (k - 1)],
+                                    grads[0].w_all, grads[0].b_all, grads[1].w_all)  # fmt: skip
+            frequent_gradients(frequent, contexts, self.w_freq, gate_inputs, self.gate_weights,
+                               target, s, lse, terms.scale, terms.onehot, out,
+                               accumulate=t0 > 0)  # fmt: skip
+        else:
+            frequent_gradient_(values, pre, self.b_freq, target, s, lse, terms.scale,
+                               terms.onehot, terms.uniform, **noise)  # fmt: skip
         if self.rare and self.fused and rare_grads is not None and rare_grads.any:
             dh = None if rare_grads.h is None else rare_grads.h[t0:t1]
             gradients(blocks, self.mixed[t0:t1], self.w_rare, self.rare_target[t0:t1],
@@ -265,7 +295,8 @@ def _gradients(walk: _Walk, inputs, need, acc) -> tuple:
     contexts, gate_inputs, mixed, w_freq, b_freq, gate_weights, w_rare, b_rare = inputs
     fold, columns = walk.triton, walk.columns
     frequent = TileGradients(walk.contexts, w_freq, b_freq, acc, (need[0], need[3], need[4]),
-                             fold_bias=fold, columns=columns[0])  # fmt: skip
+                             fold_bias=fold and not walk.fused_frequent,
+                             columns=columns[0])  # fmt: skip
     gates = TileGradients(walk.gate_inputs, gate_weights, None, acc, (need[1], need[5], False),
                           columns=columns[0])  # fmt: skip
     rare = None
@@ -300,7 +331,7 @@ class MixtapeRowsCrossEntropy(torch.autograd.Function):
                 fused=False):  # fmt: skip
         ctx.set_materialize_grads(False)  # an undifferentiated NLL output gives None, not 0s
         inputs = (contexts, gate_inputs, mixed, w_freq, b_freq, gate_weights, w_rare, b_rare)
-        walk = _Walk(*inputs, target, dtype, tile, noise_std, seed, fused)
+        walk = _Walk(*inputs, target, dtype, tile, noise_std, seed, fused, eps)
         state = None
         if noise_std > 0 and walk.triton and seed is None:  # one seed, drawn on the device
             seed = walk.seed = torch.randint(2**62, (1,), device=contexts.device)

@@ -42,16 +42,16 @@ class GemmLaunch:
     app.bench.kernels``, not yet by a GPU's clock: ``python -m app.bench.sweep`` times others).
 
     The forward's output tiles ``block_m x block_n`` (``block_n``: the columns a block's
-    statistics are kept over) over ``block_k`` of ``d`` at a time; the gradient products'
-    tiles ``hidden_block_m x hidden_block_d`` (``dz W``, ``hidden_step`` columns a step, its
-    steps split where there are too few row tiles to fill the GPU) and ``weight_block_c x
-    weight_block_d`` (``dz^T h``, ``block_r`` rows a step); the steps' and tiles' columns
-    divide ``block_n``. The larger a tile, the more products a byte of operands loaded feeds
-    (``m n / 2 (m + n)``: 32 at 128 x 128, 43 at 128 x 256; an H100's tensor cores want ~160
-    from its memory, ~50 from L2), but ``dz``'s prologue holds registers a plain product does
-    not (Triton 3.9, sm_90): the forward takes 127 (two programs an SM, one's epilogue under
-    the other's products), ``dz W`` at 128 x 256 with 32 columns a step 210, ``dz^T h`` at
-    128 x 128 223 (at 128 x 256 it spills)."""
+    statistics are kept over) over ``block_k`` of ``d`` at a time; the gradient products' tiles
+    ``hidden_block_m x hidden_block_d`` (``dz W``, ``hidden_step`` columns a step, its steps
+    split where there are too few row tiles to fill the GPU) and ``weight_block_c x
+    weight_block_d`` (``dz^T h``, ``block_r`` rows a step); the steps' and tiles' columns divide
+    ``block_n`` (``dz^T h``'s may be whole blocks instead). The larger a tile, the more products
+    a byte of operands loaded feeds (``m n / 2 (m + n)``: 32 at 128 x 128, 43 at 128 x 256; an
+    H100's tensor cores want ~160 from its memory, ~50 from L2), but ``dz``'s prologue holds
+    registers a plain product does not (Triton 3.9, sm_90): the forward takes 127 (two programs
+    an SM, one's epilogue under the other's products), ``dz W`` at 128 x 256 with 32 columns a
+    step 210, ``dz^T h`` at 128 x 128 223 (at 128 x 256 it spills)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -67,8 +67,10 @@ class GemmLaunch:
     stages: int = 3
 
     def __post_init__(self) -> None:
-        if self.block_n % self.hidden_step or self.block_n % self.weight_block_c:
-            raise ValueError(f"the gradient products' columns must divide block_n: {self}")
+        whole = self.weight_block_c % self.block_n == 0  # dz^T h's tile: whole blocks, or in one
+        if self.block_n % self.hidden_step or (self.block_n % self.weight_block_c and not whole):
+            raise ValueError(f"the gradient products' columns must divide block_n (dz^T h's "
+                             f"may be a multiple of it): {self}")  # fmt: skip
 
 
 GEMM_LAUNCH = GemmLaunch()
@@ -92,7 +94,8 @@ def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _acc(dtype: torch.dtype) -> object:
+def statistics_type(dtype: torch.dtype) -> object:
+    """Triton's type for statistics in ``dtype`` (float64 in the tests' references)."""
     import triton.language as tl
 
     return tl.float64 if dtype == torch.float64 else tl.float32
@@ -137,26 +140,25 @@ def logits_blocks(
     total = h.new_empty(rows, dtype=acc) if want_sum else lse
     bias = bias_to_width(bias, width)
     if rows:
-        k = _kernels()
+        k, types = _kernels(), statistics_type(acc)
         grid = (-(-rows // launch.block_m) * blocks,)
         k.logits_blocks[grid](
             h, w, top if bias is None else bias, target, u, top, sums, picked, logit_sums,
             rows, v, width, d, h.stride(0), w.stride(0), u.stride(0), blocks,
-            HAS_BIAS=bias is not None, HAS_SUM=want_sum, ACC=_acc(acc),
+            HAS_BIAS=bias is not None, HAS_SUM=want_sum, ACC=types,
             BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
             GROUP_M=launch.group_m, num_warps=launch.warps, num_stages=launch.stages,
         )  # fmt: skip
         k.merge_blocks[(-(-rows // MERGE_ROWS),)](
-            top, sums, logit_sums, lse, total, rows, blocks, HAS_SUM=want_sum, ACC=_acc(acc),
+            top, sums, logit_sums, lse, total, rows, blocks, HAS_SUM=want_sum, ACC=types,
             BLOCK_M=MERGE_ROWS, BLOCK_B=MERGE_STEP, num_warps=4,
         )  # fmt: skip
     return Blocks(u, top, lse, picked, total if want_sum else None)
 
 
-def _splits(rows: int, d: int, steps: int, device: torch.device) -> int:
+def _splits(rows: int, d: int, steps: int, device: torch.device, launch: GemmLaunch) -> int:
     """How many ways ``dz W`` splits its column steps: enough programs to fill the GPU (a
     tile of a few thousand rows at d = 512 is a few dozen output tiles)."""
-    launch = GEMM_LAUNCH
     tiles = -(-rows // launch.hidden_block_m) * -(-d // launch.hidden_block_d)
     sms = _multiprocessors(device.index or 0) if device.type == "cuda" else _INTERPRETED_SMS
     return max(1, min(steps, -(-_PROGRAMS_PER_SM * sms // tiles)))
@@ -176,13 +178,15 @@ def gradients(
     db: torch.Tensor | None,
     accumulate: bool,
     lse: torch.Tensor | None = None,
+    launch: GemmLaunch | None = None,
 ) -> None:
     """``dz = scale p - onehot [x = t] - uniform`` per row (``p = exp(z - lse)``, ``lse`` by
     default the blocks' own, another where these columns are one block of a larger softmax;
     0 from column ``v`` on) into ``dh = dz w[:, :d]`` (written) and ``dw (+)= dz^T h``, ``db
     (+)= sum_rows dz`` (added to where ``accumulate``), each where given, in their dtype (the
-    statistics'); ``dw`` and ``db`` have ``w``'s ``C`` rows."""
-    launch = GEMM_LAUNCH
+    statistics'); ``dw`` and ``db`` have ``w``'s ``C`` rows. ``launch``: the tiles (by default
+    :data:`GEMM_LAUNCH`; its ``block_n`` the one the blocks were formed with)."""
+    launch = launch or GEMM_LAUNCH
     rows, d = h.shape
     width = w.size(0)
     u, top = blocks.u, blocks.top
@@ -190,12 +194,12 @@ def gradients(
     if not rows:
         return
     k = _kernels()
-    acc = _acc(blocks.lse.dtype)
+    acc = statistics_type(blocks.lse.dtype)
     lse = blocks.lse if lse is None else lse
     common = (u, top, target, lse, scale, onehot, scale if uniform is None else uniform)
     if dh is not None:
         steps = -(-width // launch.hidden_step)
-        splits = _splits(rows, d, steps, h.device)
+        splits = _splits(rows, d, steps, h.device, launch)
         per_split = -(-steps // splits)
         splits = -(-steps // per_split)
         out = dh if splits == 1 else dh.new_empty(splits, rows, d)

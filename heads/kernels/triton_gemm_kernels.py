@@ -116,9 +116,14 @@ def block_factor(top_ptr, rows_, in_rows, block, blocks, lse, scale):
 def gradient_block(u, cols, v, t, factor, onehot, uniform, ACC: tl.constexpr):
     """``dz = factor u - onehot [x = t] - uniform`` over ``[rows, cols]`` (0 from column
     ``v`` on), in ``u``'s dtype for the products."""
-    dz = factor[:, None] * u.to(ACC) - tl.where(cols[None, :] == t[:, None], onehot[:, None], 0.0)
-    dz = tl.where(cols[None, :] < v, dz - uniform[:, None], 0.0)
-    return dz.to(u.dtype)
+    return _dz(factor[:, None] * u.to(ACC), cols, v, t, onehot, uniform).to(u.dtype)
+
+
+@triton.jit
+def _dz(scaled, cols, v, t, onehot, uniform):
+    """``dz = scaled - onehot [x = t] - uniform`` (``scaled``: ``scale p``), 0 from ``v`` on."""
+    dz = scaled - tl.where(cols[None, :] == t[:, None], onehot[:, None], 0.0)
+    return tl.where(cols[None, :] < v, dz - uniform[:, None], 0.0)
 
 
 @triton.jit
@@ -178,9 +183,9 @@ def gradient_weight(u_ptr, top_ptr, target_ptr, lse_ptr, scale_ptr, onehot_ptr, 
                     BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
                     BLOCK_D: tl.constexpr):  # fmt: skip
     """``dW (+)= dz^T h`` for one ``[BLOCK_C, BLOCK_D]`` tile (its columns within one of the
-    forward's ``BLOCK_N``-column blocks) over every row, ``BLOCK_R`` a step, ``dz`` formed
-    from ``u`` in the prologue; the first ``d`` block also ``db (+)= sum_rows dz`` (of ``dz``
-    as the products take it)."""
+    forward's ``BLOCK_N``-column blocks, or whole ones of them) over every row, ``BLOCK_R`` a
+    step, ``dz`` formed from ``u`` in the prologue; the first ``d`` block also ``db (+)=
+    sum_rows dz`` (of ``dz`` as the products take it)."""
     blocks_d = tl.cdiv(d, BLOCK_D)
     tile, pid_d = tl.program_id(0) // blocks_d, tl.program_id(0) % blocks_d
     cols = tile * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -197,8 +202,19 @@ def gradient_weight(u_ptr, top_ptr, target_ptr, lse_ptr, scale_ptr, onehot_ptr, 
         )
         u = tl.load(u_ptr + rows_.to(tl.int64)[:, None] * stride_u + cols[None, :],
                     mask=in_rows[:, None] & in_width[None, :], other=0.0)  # fmt: skip
-        factor = block_factor(top_ptr, rows_, in_rows, block, blocks, lse, scale)
-        dz = gradient_block(u, cols, v, t, factor, onehot, uniform, ACC)
+        if BLOCK_C > BLOCK_N:  # several blocks: each's factor over its columns (a block's
+            # statistics are narrower than a tile that feeds the products well)
+            scaled = tl.zeros([BLOCK_R, BLOCK_C], ACC)
+            wide = u.to(ACC)
+            for b in tl.static_range(BLOCK_C // BLOCK_N):
+                real = in_rows & (rows_ * 0 + block + b < blocks)  # (C's last tile: part)
+                factor = block_factor(top_ptr, rows_, real, block + b, blocks, lse, scale)
+                mine = (tl.arange(0, BLOCK_C) // BLOCK_N == b)[None, :]
+                scaled = tl.where(mine, factor[:, None] * wide, scaled)
+            dz = _dz(scaled, cols, v, t, onehot, uniform).to(u.dtype)
+        else:
+            factor = block_factor(top_ptr, rows_, in_rows, block, blocks, lse, scale)
+            dz = gradient_block(u, cols, v, t, factor, onehot, uniform, ACC)
         h = tl.load(h_ptr + rows_.to(tl.int64)[:, None] * stride_h + ds[None, :],
                     mask=in_rows[:, None] & (ds < d)[None, :], other=0.0)  # fmt: skip
         acc = tl.dot(tl.trans(dz), h, acc)

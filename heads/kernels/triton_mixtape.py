@@ -19,7 +19,7 @@ them block by block. Gate noise is drawn in the kernels from ``seed`` (a one-ele
 tensor, on the device: no host read), the same in both (``triton_mixtape_kernels``).
 ``TRITON_INTERPRET=1`` runs the kernels on a CPU (the tests' float64 references).
 
-Why the tree is a pass of its own, not in the products' prologues as the softmax's ``dz`` is
+Why the tree is not in the gradient products' prologues, as the softmax's ``dz`` is
 (``heads/kernels/triton_gemm.py``): a frequent column's gradient needs its whole tree (all K
 component logits and K - 1 gates: 14 bytes in bf16 at K = 4) and costs ~4 exponentials and
 ~40 other operations, against the softmax's one exponential a row and block. A gradient
@@ -27,7 +27,10 @@ product's program covers one component and one slice of ``d``, so in its prologu
 would be rebuilt K x (d / tile) times (8 at K = 4, d = 512, 256-wide tiles): more time in the
 exponential and ALU units than in the tensor cores. Here it is built twice in all, at about
 84 bytes of traffic a token and frequent column (products' outputs written 14, read 14 by
-each kernel, gradients written 14 and read 28 by the four products).
+each kernel, gradients written 14 and read 28 by the four products). The fused products
+(``heads/kernels/triton_mixtape_gemm.py``, ``loss_backend: fused``) build it once, in their
+forward's epilogue, and store planes that the gradient products only scale (42 bytes); these
+kernels remain for label smoothing and K = 8.
 """
 
 from __future__ import annotations

@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from app.bench.kernels import Usage, instruction_counts, loop_barriers, pipeline_counts
+from app.bench.kernels import (
+    Usage,
+    instruction_counts,
+    loop_barriers,
+    pipeline_counts,
+    spill_stores,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -20,6 +26,18 @@ def test_warps_per_sm_follow_the_registers():
     assert Usage("k", "", 121, 0, 0, 8, 0, 0, 0, None).warps_per_sm == 16
     # one block is over 64k registers
     assert Usage("k", "", 255, 0, 0, 16, 0, 0, 0, None).warps_per_sm == 0
+
+
+def test_spills_are_ptxas_spill_stores_not_the_stack_frame():
+    """A stack frame may hold local arrays that are no spill (the gate noise's ``cos``
+    range reduction): the spill is what ``ptxas -v`` counts as spill stores."""
+    report = ("ptxas info    : Compiling entry function 'frequent_blocks' for 'sm_90a'\n"
+              "ptxas info    : Function properties for frequent_blocks\n"
+              "    32 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n")  # fmt: skip
+    assert spill_stores(report) == 0
+    assert spill_stores(report.replace("0 bytes spill stores", "16 bytes spill stores")) == 16
+    with pytest.raises(RuntimeError, match="no spill count"):
+        spill_stores("ptxas info    : Used 76 registers")
 
 
 def test_pipeline_counts_read_async_copies_and_wgmma_off_the_sass():
@@ -98,26 +116,29 @@ def test_every_kernel_compiles_for_hopper_without_spills():
 @pytest.mark.slow
 def test_every_fused_products_setting_the_sweep_times_compiles_without_spills():
     """What ``python -m app.bench.sweep`` times must be what compiles well: each of its
-    fused-products settings, as the heads launch them, spills nothing and multiplies by wgmma."""
+    fused-products settings (and Mixtape's frequent block's), as the heads launch them,
+    spills nothing and multiplies by wgmma."""
     pytest.importorskip("triton", reason="Triton is an optional GPU extra (requirements-gpu.txt)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     script = (
         "import heads.kernels.triton_gemm as g\n"
+        "import heads.kernels.triton_mixtape_gemm as f\n"
         "from app.bench import kernels, sweep\n"
         "kernels._specs = kernels._gemm_specs\n"
-        "for setting in sweep.FUSED_SETTINGS:\n"
-        "    g.GEMM_LAUNCH = setting\n"
+        "settings = [(s, f.FrequentLaunch()) for s in sweep.FUSED_SETTINGS]\n"
+        "settings += [(g.GemmLaunch(), s) for s in sweep.FREQUENT_SETTINGS[1:]]\n"
+        "print('specs', len(kernels._gemm_specs()) * len(settings))\n"
+        "for g.GEMM_LAUNCH, f.FREQUENT_LAUNCH in settings:\n"
         "    for u in kernels.compile_all():\n"
-        "        print(u.kernel, u.spilled_bytes, u.tensor_core)\n"
+        "        print(u.kernel.replace(' ', '_'), u.spilled_bytes, u.tensor_core)\n"
     )
     run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=900)  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
-    from app.bench.sweep import FUSED_SETTINGS
-
-    lines = [line.split() for line in run.stdout.splitlines()]
-    assert len(lines) == 4 * len(FUSED_SETTINGS)
+    (count,), *lines = [line.split()[1:] if line.startswith("specs") else line.split()
+                        for line in run.stdout.splitlines()]  # fmt: skip
+    assert len(lines) == int(count) > 0
     for kernel, spilled, wgmma in lines:
         assert spilled == "0", (kernel, run.stdout)
         assert kernel == "gemm.merge_blocks" or int(wgmma) > 0, (kernel, run.stdout)

@@ -7,7 +7,7 @@ from dataclasses import asdict
 import pytest
 
 import app.bench.sweep as sweep
-from heads.kernels import rows_ce, triton_gemm, triton_mixtape, triton_rows
+from heads.kernels import rows_ce, triton_gemm, triton_mixtape, triton_mixtape_gemm, triton_rows
 from heads.kernels.triton_gemm import GemmLaunch
 
 SMALL = ["--device", "cpu", "--precision", "32-true", "--vocab", "300", "--hidden", "16",
@@ -21,7 +21,9 @@ def test_every_setting_of_every_subject_is_timed_and_written(tmp_path, capsys):
     per_setting = len(sweep.ROWS_SETTINGS) + len(sweep.FUSED_SETTINGS)  # cuBLAS's, the fused
     assert [r["subject"] for r in rows].count("softmax@rows") == per_setting
     assert [r["subject"] for r in rows].count("mos@rows") == per_setting
-    assert [r["subject"] for r in rows].count("mixtape@rows") == len(sweep.MIXTAPE_SETTINGS)
+    assert [r["subject"] for r in rows].count("mixtape@rows") == len(sweep.MIXTAPE_SETTINGS) + len(
+        sweep.FREQUENT_SETTINGS
+    )  # its frequent block's fused tiles, then the cuBLAS tile's kernels
     assert rows[0]["subject"] == "matmul"
     # one row a subject under the defaults, which the table's ratios are taken against
     defaults = [r["subject"] for r in rows if r["default"]]
@@ -32,6 +34,9 @@ def test_every_setting_of_every_subject_is_timed_and_written(tmp_path, capsys):
         launch.programs_per_sm for launch in sweep.ROWS_SETTINGS}  # fmt: skip
     fused = [r["setting"]["fused_products"] for r in rows if "fused_products" in r["setting"]]
     assert fused == [asdict(g) for g in sweep.FUSED_SETTINGS for _ in ("softmax", "mos")]
+    frequent = [r["setting"]["fused_frequent"] for r in rows if "fused_frequent" in r["setting"]]
+    assert frequent == [asdict(f) for f in sweep.FREQUENT_SETTINGS]
+    assert triton_mixtape_gemm.FREQUENT_LAUNCH == triton_mixtape_gemm.FrequentLaunch()
     assert report["triton"] is False and "changed nothing" in capsys.readouterr().err
     assert triton_rows.LAUNCH == triton_rows.Launch()
     assert rows_ce.FUSED_PRODUCTS is False and triton_gemm.GEMM_LAUNCH == GemmLaunch()

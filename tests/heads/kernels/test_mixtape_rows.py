@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import heads.kernels.rows_ce as rows_ce
 import heads.kernels.triton_gemm as triton_gemm
+import heads.kernels.triton_mixtape_gemm as triton_mixtape_gemm
 from heads.kernels.mixtape_rows import MixtapeRowsCrossEntropy, tile_logits_per_row
 from heads.kernels.sigmoid_tree import sigmoid_tree_priors
 
@@ -23,8 +24,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(params=["eager", "triton", "fused"])
 def body(request, monkeypatch):
     """The tile body under test: ``triton`` through Triton's interpreter on this CPU;
-    ``fused``: its rare block by the fused products (heads/kernels/triton_gemm.py), in tiles
-    of a few blocks a row."""
+    ``fused``: its rare block by the fused products (heads/kernels/triton_gemm.py) and,
+    without label smoothing, its frequent block too (heads/kernels/triton_mixtape_gemm.py),
+    in tiles of a few blocks a row."""
     if request.param in ("triton", "fused"):
         pytest.importorskip("triton", reason="Triton is an optional GPU extra")
         if os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it without CUDA
@@ -35,6 +37,8 @@ def body(request, monkeypatch):
         from tests.heads.kernels.test_triton_gemm import SMALL
 
         monkeypatch.setattr(triton_gemm, "GEMM_LAUNCH", SMALL)
+        small = triton_mixtape_gemm.FrequentLaunch(block_m=16, block_n=32, block_k=16, block_e=16)
+        monkeypatch.setattr(triton_mixtape_gemm, "FREQUENT_LAUNCH", small)
         monkeypatch.setattr(rows_ce, "FUSED_PRODUCTS", True)
         monkeypatch.setattr(rows_ce, "FUSED_DTYPES", (*rows_ce.FUSED_DTYPES, torch.float64))
     return request.param
@@ -190,10 +194,12 @@ def test_the_head_by_its_rows_plan_matches_the_reference(body, head):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fused", [False, True], ids=["cublas", "fused_products"])
-def test_the_head_on_cuda_matches_float64(monkeypatch, dtype, fused):
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_the_head_on_cuda_matches_float64(monkeypatch, dtype, fused, eps):
     """On CUDA (the Triton tiles where Triton is installed) under autocast, at a vocabulary
     that is no multiple of the tiles' column padding, against the same head in float64; the
-    rare block by cuBLAS's products or the fused ones (half precision only)."""
+    rare block by cuBLAS's products or the fused ones (half precision only), and the frequent
+    block too without label smoothing."""
     import copy
 
     monkeypatch.setattr(rows_ce, "FUSED_PRODUCTS", fused)
@@ -209,9 +215,9 @@ def test_the_head_on_cuda_matches_float64(monkeypatch, dtype, fused):
     target = torch.randint(0, 30_011, (700,), device="cuda")
     target[:5] = torch.tensor([0, 3001, 3002, 30_010, -100])
     with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
-        out = head(hidden, target, label_smoothing=0.1)
+        out = head(hidden, target, label_smoothing=eps)
     out.loss.backward()
-    expected = reference(hidden.double(), target, label_smoothing=0.1)
+    expected = reference(hidden.double(), target, label_smoothing=eps)
     expected.loss.backward()
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(out.loss.double(), expected.loss, rtol=tol, atol=tol)

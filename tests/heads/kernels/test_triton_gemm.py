@@ -111,6 +111,21 @@ def test_kernels_equal_the_float64_maths(bias):
 
 
 @pytest.mark.usefixtures("interpreted")
+def test_dz_h_product_over_several_blocks_a_tile_is_the_same(monkeypatch):
+    """``dz^T h``'s column tiles may span whole blocks of the forward's statistics (each
+    block's factor over its own columns): the same product, the blocks at the edge of ``C``
+    included."""
+    import dataclasses
+
+    wide = dataclasses.replace(SMALL, weight_block_c=64)  # two blocks of 32 a tile
+    monkeypatch.setattr(triton_gemm, "GEMM_LAUNCH", wide)
+    h, w, b, target, coefficients = _case(width=160)  # 5 blocks: the last tile half outside
+    _check(h, w, b, target, coefficients, 150)
+    with pytest.raises(ValueError, match="must divide block_n"):
+        dataclasses.replace(SMALL, weight_block_c=48)  # neither divides the other
+
+
+@pytest.mark.usefixtures("interpreted")
 def test_rows_and_blocks_of_minus_inf_give_no_nan():
     """A row whose every logit is ``-inf`` has ``lse = -inf`` and ``p = 0``; a block of
     ``-inf`` in a finite row adds nothing (``exp(-inf - -inf)`` would be NaN)."""
@@ -138,7 +153,7 @@ def test_dz_w_split_over_column_blocks_adds_up_to_the_same(monkeypatch):
     more SMs than tiles), the splits summed in a fixed order."""
     h, w, b, target, coefficients = _case()
     monkeypatch.setattr(triton_gemm, "_INTERPRETED_SMS", 16)
-    assert triton_gemm._splits(37, 20, 12, h.device) > 1  # 192 columns, 16 a step
+    assert triton_gemm._splits(37, 20, 12, h.device, SMALL) > 1  # 192 columns, 16 a step
     _check(h, w, b, target, coefficients, 150)
 
 
