@@ -149,11 +149,22 @@ def logits_blocks(
             BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
             GROUP_M=launch.group_m, num_warps=launch.warps, num_stages=launch.stages,
         )  # fmt: skip
-        k.merge_blocks[(-(-rows // MERGE_ROWS),)](
-            top, sums, logit_sums, lse, total, rows, blocks, HAS_SUM=want_sum, ACC=types,
-            BLOCK_M=MERGE_ROWS, BLOCK_B=MERGE_STEP, num_warps=4,
-        )  # fmt: skip
+        merge_blocks(top, sums, lse, logit_sums if want_sum else None, total)
     return Blocks(u, top, lse, picked, total if want_sum else None)
+
+
+def merge_blocks(top: torch.Tensor, sums: torch.Tensor, lse: torch.Tensor,
+                 logit_sums: torch.Tensor | None = None, total: torch.Tensor | None = None,
+                 ) -> None:  # fmt: skip
+    """Each row's log-sum-exp into ``lse`` from its blocks' maxima and sums ``[R, blocks]``
+    (and, given ``logit_sums``, the sum of its blocks' into ``total``)."""
+    rows, blocks = top.shape
+    want_sum = logit_sums is not None
+    _kernels().merge_blocks[(-(-rows // MERGE_ROWS),)](
+        top, sums, logit_sums if want_sum else sums, lse, total if want_sum else lse, rows,
+        blocks, HAS_SUM=want_sum, ACC=statistics_type(lse.dtype), BLOCK_M=MERGE_ROWS,
+        BLOCK_B=MERGE_STEP, num_warps=4,
+    )  # fmt: skip
 
 
 def _splits(rows: int, d: int, steps: int, device: torch.device, launch: GemmLaunch) -> int:

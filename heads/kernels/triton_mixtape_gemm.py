@@ -34,7 +34,7 @@ import torch
 
 from heads.kernels import triton_gemm
 from heads.kernels.sigmoid_tree import level_widths
-from heads.kernels.triton_gemm import MERGE_ROWS, MERGE_STEP, Blocks, gradients, statistics_type
+from heads.kernels.triton_gemm import Blocks, gradients, merge_blocks, statistics_type
 from heads.kernels.triton_rows import bias_to_width
 
 
@@ -79,10 +79,10 @@ def _plane_launches() -> tuple:
 
 @functools.cache
 def _kernels():
-    """The kernels' modules, imported on first use (CPU installs have no Triton)."""
-    from heads.kernels import triton_gemm_kernels, triton_mixtape_gemm_kernels
+    """The kernel's module, imported on first use (CPU installs have no Triton)."""
+    from heads.kernels import triton_mixtape_gemm_kernels
 
-    return triton_mixtape_gemm_kernels, triton_gemm_kernels
+    return triton_mixtape_gemm_kernels
 
 
 class FrequentBlocks(NamedTuple):
@@ -139,7 +139,7 @@ def frequent_blocks(
     pick_gates = h.new_zeros(rows, k - 1, dtype=acc)
     bias = bias_to_width(bias, width)
     if rows:
-        (mixtape, gemm), types = _kernels(), statistics_type(acc)
+        mixtape, types = _kernels(), statistics_type(acc)
         noisy = seed is not None and noise_std > 0
         grid = (-(-rows // launch.block_m) * blocks,)
         mixtape.frequent_blocks[grid](
@@ -151,10 +151,7 @@ def frequent_blocks(
             BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, BLOCK_E=launch.block_e,
             GROUP_M=launch.group_m, num_warps=launch.warps, num_stages=launch.stages,
         )  # fmt: skip
-        gemm.merge_blocks[(-(-rows // MERGE_ROWS),)](
-            top, sums, sums, lse, lse, rows, blocks, HAS_SUM=False, ACC=types,
-            BLOCK_M=MERGE_ROWS, BLOCK_B=MERGE_STEP, num_warps=4,
-        )  # fmt: skip
+        merge_blocks(top, sums, lse)
     return FrequentBlocks(values, gates, top, lse, picked, pick_values, pick_gates)
 
 
