@@ -207,7 +207,8 @@ def gradient_weight(u_ptr, top_ptr, target_ptr, lse_ptr, scale_ptr, onehot_ptr, 
             scaled = tl.zeros([BLOCK_R, BLOCK_C], ACC)
             wide = u.to(ACC)
             for b in tl.static_range(BLOCK_C // BLOCK_N):
-                real = in_rows & (rows_ * 0 + block + b < blocks)  # (C's last tile: part)
+                # C's last tile may end inside its blocks: no statistics past them
+                real = in_rows & (rows_ * 0 + block + b < blocks)
                 factor = block_factor(top_ptr, rows_, real, block + b, blocks, lse, scale)
                 mine = (tl.arange(0, BLOCK_C) // BLOCK_N == b)[None, :]
                 scaled = tl.where(mine, factor[:, None] * wide, scaled)

@@ -44,8 +44,9 @@ class FrequentLaunch:
     statistics' blocks), ``block_k`` of ``d`` and ``block_e`` of the gate inputs a step. A
     program holds about ``2K`` float32 tiles at once (the gates, the tree's differences, a
     pair of components' logits): at K = 4 and 8 warps (Triton 3.9, sm_90) 64 x 32 takes 143
-    registers with no spill but the gate noise's 32 bytes of stack (Philox's keys a row);
-    64 x 64 spills 136 bytes at 255, and 16 warps cap it at 128 registers, spilling too."""
+    registers with no spill (its 32-byte stack frame: the gate noise's ``cos`` range
+    reduction, never run for arguments in ``[0, 2 pi)``); 64 x 64 spills at 255, and 16 warps
+    cap it at 128 registers, spilling too."""
 
     block_m: int = 64
     block_n: int = 32
