@@ -115,7 +115,10 @@ def test_quick_measures_every_target_but_the_memory_search(tmp_path):
     commands = [c for c in _recorded(tmp_path, "quick") if c[:1] == ["-m"]]
     assert not any(c[1] == "pytest" for c in commands)
     assert [c[1] for c in commands] == ["app.bench"] * 3 + ["app.bench.fastest",
-                                        "app.bench.targets", "app.bench.sweep"]  # fmt: skip
+                                        "app.bench.targets", "app.bench.profile",
+                                        "app.bench.sweep"]  # fmt: skip
+    profile = profile_args(_on_cpu(commands[5][2:]))
+    assert profile.vocab == 100_000 and {"softmax@fused", "mixtape@fused"} <= set(profile.heads)
     heads100, heads10, lmstep = (bench_args(_on_cpu(c[2:])) for c in commands[:3])
     assert (heads100.vocab_sizes, heads10.vocab_sizes) == ([100_000], [10_000])
     assert heads100.repeats == heads10.repeats == 6 and lmstep.scope == "lm"
@@ -133,7 +136,7 @@ def test_quick_measures_every_target_but_the_memory_search(tmp_path):
     assert set(_subjects(commands[1])) == ours | {"softmax@cce", "softmax@liger"}
     assert [Path(f).name for f in commands[3][2:]] == ["bench_gpu_heads_100k.json",
                                                        "bench_gpu_heads_10k.json"]  # fmt: skip
-    sweep = sweep_args([*commands[5][2:], "--device", "cpu"])  # its default: cuda
+    sweep = sweep_args([*commands[6][2:], "--device", "cpu"])  # its default: cuda
     assert (sweep.repeats, sweep.name, sweep.out) == (3, "sweep_gpu_tiles_100k", str(out))
 
     def row(head, vocab, scope="head"):
@@ -172,7 +175,8 @@ def _toy(argv: list[str]) -> list[str]:
 def test_quick_runs_end_to_end_on_a_cpu(tmp_path):
     """Every command ``quick`` runs, run for real on a CPU at a toy size: each exits 0, the
     benches write the reports that fastest and targets read, fastest prints its table,
-    targets reads every target but MoS's memory search, the sweep writes its JSON. A crash
+    targets reads every target but MoS's memory search, the profile and the sweep write their
+    JSON. A crash
     anywhere in the chain would otherwise cost a scarce GPU session."""
     out = tmp_path / "out"
     out.mkdir()
@@ -192,4 +196,5 @@ def test_quick_runs_end_to_end_on_a_cpu(tmp_path):
     lines = printed["app.bench.targets"].splitlines()
     assert [line.split()[0] for line in lines if line.endswith("unmeasured")] == ["MoS-15"]
     assert sum("met (bench_gpu_" in line for line in lines) >= 8
+    assert json.loads((out / "profile_gpu_fused_100k.json").read_text())["results"]
     assert json.loads((out / "sweep_gpu_tiles_100k.json").read_text())
