@@ -35,7 +35,7 @@ def _product(a_ptr, stride_a, a_rows, in_rows, w_rows, in_cols, depth, acc,
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["row0"])  # a tile's first row: one compiled kernel for all
 def frequent_blocks(h_ptr, w_ptr, g_ptr, gw_ptr, bias_ptr, target_ptr, seed_ptr, u_ptr,
                     gate_ptr, top_ptr, sum_ptr, picked_ptr, pick_u_ptr, pick_g_ptr, rows, s,
                     width, d, e, stride_h, stride_w, stride_g, stride_gw, stride_u, stride_gp,
