@@ -567,17 +567,19 @@ EXTERNAL_PACKAGES = {"cce": "cut-cross-entropy==25.1.1", "liger": "liger-kernel=
 # fastest, per head class, at vocabulary sizes up to the first number (bf16, d = 512, 16,384
 # tokens; `bash .ci/gpu bench` prints this line: `python -m app.bench.fastest`). Heads or sizes
 # not listed (beyond 100k: unmeasured), or a backend not installed: the compiled column plan.
-# docs/results/bench_gpu_heads_{10k,100k}.json (H100, torch 2.11, 2026-11-26), ms per step:
+# H100, torch 2.11, 2026-11-26 (the full bench; the defaults then: the compiled column plan),
+# ms per step:
 #   softmax  10k 4.66 -> rows 2.31;  100k 25.69 -> rows 16.99 (CCE 66.3, Liger 72.8)
 #   MoS-15   10k 110.0 -> rows 24.5 (Liger 52.3);  100k 361.6 -> rows 259.0 (Liger 456.9)
 #   Mixtape  10k 12.10 -> rows 10.16;  100k 63.46 -> rows 56.79
 #   adaptive 10k 3.57 (plain 3.45, within the noise);  100k 11.87 -> plain 7.94 (PyTorch's 8.46)
-# The H200 run with the rows plan's Triton tiles (bench_gpu_h200_heads_100k.json, times only)
-# gives the same choices at 100k: softmax 25.98 -> rows 13.04 (CCE 64.7, Liger 61.1), MoS-15
-# 353.7 -> rows 203.2, Mixtape 59.8 -> rows 47.5, adaptive 10.5 -> plain 7.08 (PyTorch's 7.78)
-# Mixtape's rows then ran its frequent block by compiled column blocks (recomputed in the
-# backward); since, its rows plan is the whole vocabulary by row tiles with Triton kernels for
-# the gated block (heads/kernels/mixtape_rows.py): the FLOP floor, not yet timed on a GPU.
+# The H200 run with the rows plan's Triton tiles gave the same choices at 100k. Since, on an
+# H100 (docs/results/bench_gpu_heads_{10k,100k}.json, 2026-11-27, `bash .ci/gpu quick`): rows
+# with the Triton tiles and Mixtape's whole-vocabulary row tiles (heads/kernels/mixtape_rows.py)
+#   softmax  10k rows 2.26 (fused 3.98);  100k rows 13.25 (fused 33.46; CCE 65.5, Liger 77.8)
+#   MoS-15   100k rows 182.7 (fused 442.6);  Mixtape 10k rows 6.56;  100k rows 25.38 (fused 70.7)
+#   adaptive 100k plain 7.71, rows 6.96, fused 7.17 (PyTorch's 8.55; fused / plain 0.92, 95% CI
+#   0.65-0.98 over 6 repeats: a candidate for auto, not yet confirmed by the full bench)
 MEASURED_FASTEST: dict[str, list[tuple[int, str]]] = {
     "AdaptiveSoftmaxHead": [(10_000, "torch"), (100_000, "plain")],
     "MixtapeHead": [(10_000, "rows"), (100_000, "rows")],

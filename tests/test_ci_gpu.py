@@ -45,10 +45,12 @@ def _on_cpu(argv: list[str]) -> list[str]:
 
 
 def test_every_part_runs_commands_its_tools_accept(tmp_path):
-    commands = _recorded(tmp_path, "bench", "lmstep", "memory", "profile", "tests")
+    commands = _recorded(tmp_path, "bench", "lmstep", "memory", "profile", "tests", "fused")
     modules = [c[1] for c in commands if c[:1] == ["-m"]]
     assert modules.count("app.bench") == 5  # 3 sizes, the whole-LM step, memory
-    assert modules.count("app.bench.profile") == 3 and "app.bench.fastest" in modules
+    assert modules.count("app.bench.profile") == 4 and "app.bench.fastest" in modules
+    fused = profile_args(_on_cpu(commands[-1][2:]))  # the fused products beside @rows
+    assert {"softmax@fused", "mixtape@fused", "mos@fused", "softmax@rows"} <= set(fused.heads)
     assert ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"] in commands
     assert ["-c", "import cut_cross_entropy"] in commands  # the peers only where installed
     for command in commands:
@@ -99,14 +101,13 @@ def _subjects(command: list[str]) -> list[str]:
                                 if command[i].startswith("--"))]  # fmt: skip
 
 
-def test_quick_measures_every_target_but_the_memory_search(tmp_path):
+def test_quick_measures_every_target(tmp_path):
     """``quick`` (a lent 15-minute session): no ``pytest -m gpu``; the heads' benches at 100k and
     10k with 6 repeats (the fewest with a 95% interval, which ``fastest`` needs), lmstep,
-    fastest and targets, the sweep last; every command accepted by its tool, and a run of
-    its subjects gives every target but MoS's tokens in 12 GiB (the memory part's)."""
+    fastest, the memory search and targets; every command accepted by its tool, and a run of
+    its subjects gives every target."""
     from app.bench.fastest import choices
     from app.bench.report import paired_row_ratio
-    from app.bench.sweep import parse_args as sweep_args
     from app.bench.targets import collect
 
     out = tmp_path / "out"
@@ -114,30 +115,26 @@ def test_quick_measures_every_target_but_the_memory_search(tmp_path):
     (out / "bench_gpu_heads_100k.json").write_text("{}")  # what targets reads
     commands = [c for c in _recorded(tmp_path, "quick") if c[:1] == ["-m"]]
     assert not any(c[1] == "pytest" for c in commands)
-    assert [c[1] for c in commands] == ["app.bench"] * 3 + ["app.bench.fastest",
-                                        "app.bench.targets", "app.bench.profile",
-                                        "app.bench.sweep"]  # fmt: skip
-    profile = profile_args(_on_cpu(commands[5][2:]))
-    assert profile.vocab == 100_000 and {"softmax@fused", "mixtape@fused"} <= set(profile.heads)
-    heads100, heads10, lmstep = (bench_args(_on_cpu(c[2:])) for c in commands[:3])
+    assert [c[1] for c in commands] == ["app.bench"] * 3 + ["app.bench.fastest", "app.bench",
+                                                            "app.bench.targets"]  # fmt: skip
+    heads100, heads10, lmstep, memory = (bench_args(_on_cpu(c[2:]))
+                                         for c in (*commands[:3], commands[4]))  # fmt: skip
     assert (heads100.vocab_sizes, heads10.vocab_sizes) == ([100_000], [10_000])
     assert heads100.repeats == heads10.repeats == 6 and lmstep.scope == "lm"
+    assert memory.mode == "same-memory" and "mos" in memory.heads
+    assert memory.memory_budget_mb == 12 * 1024 and memory.vocab_sizes == [100_000]
 
     def interval_top(repeats: int) -> float:  # of the paired ratios' 95% interval
         mine = {"times_ms": [1.0 + 0.01 * i for i in range(repeats)], "tokens": 1}
         return paired_row_ratio(mine, {"times_ms": [2.0] * repeats, "tokens": 1})[2]
 
     assert math.isnan(interval_top(5)) and interval_top(heads100.repeats) < 1
-    ours = {"softmax", "softmax@rows", "softmax@fused", "matmul", "mixtape@rows",
-            "mixtape@fused", "adaptive@plain", "adaptive@rows", "adaptive@fused",
-            "torch_adaptive"}  # fmt: skip
-    assert set(_subjects(commands[0])) == ours | {"mos@rows", "mos@fused", "softmax@cce",
-                                                  "softmax@liger"}  # fmt: skip
+    ours = {"softmax", "softmax@rows", "matmul", "mixtape@rows", "adaptive@plain",
+            "adaptive@rows", "adaptive@fused", "torch_adaptive"}  # fmt: skip
+    assert set(_subjects(commands[0])) == ours | {"mos@rows", "softmax@cce", "softmax@liger"}
     assert set(_subjects(commands[1])) == ours | {"softmax@cce", "softmax@liger"}
     assert [Path(f).name for f in commands[3][2:]] == ["bench_gpu_heads_100k.json",
                                                        "bench_gpu_heads_10k.json"]  # fmt: skip
-    sweep = sweep_args([*commands[6][2:], "--device", "cpu"])  # its default: cuda
-    assert (sweep.repeats, sweep.name, sweep.out) == (3, "sweep_gpu_tiles_100k", str(out))
 
     def row(head, vocab, scope="head"):
         times = [1.0 + 0.01 * i for i in range(6)]
@@ -150,18 +147,23 @@ def test_quick_measures_every_target_but_the_memory_search(tmp_path):
         for args, command in zip((heads100, heads10, lmstep), commands, strict=False)
         for h in _subjects(command)
     ]
+    rows.append({"head": "mos", "vocab_size": 100_000, "scope": "head", "mode": "same-memory",
+                 "tokens": 20_000})  # the memory search's  # fmt: skip
     report = {"results": rows, "machine": {"cuda": "NVIDIA H100 80GB HBM3"}}
-    unmeasured = [t.target for t in collect({"quick.json": report}) if t.met is None]
-    assert unmeasured == ["MoS-15 tokens in 12 GiB at 100k (>= 16384)"]
-    benches = {**report, "results": [r for r in rows if r["scope"] == "head"]}  # fastest's
+    assert [t.target for t in collect({"quick.json": report}) if t.met is None] == []
+    benches = {
+        **report,
+        "results": [r for r in rows if r["scope"] == "head" and "mode" not in r],
+    }  # fastest's: the timed heads
     assert {head for head, *_ in choices(benches)} == {"SoftmaxHead"}  # softmax's choice alone
 
 
 def _toy(argv: list[str]) -> list[str]:
     """A recorded command at a toy size a CPU runs in seconds (d = 16, 64 tokens; the whole
-    LM's 70 = 2 x 35), its vocabularies, subjects and repeats kept; the sweep on the CPU at
-    one repeat."""
-    sizes = {"--hidden-sizes": "16", "--hidden": "16", "--tokens": "64"}
+    LM's 70 = 2 x 35; the memory search in 64 MiB up to 256 tokens), its vocabularies,
+    subjects and repeats kept; the sweep on the CPU at one repeat."""
+    sizes = {"--hidden-sizes": "16", "--hidden": "16", "--tokens": "64",
+             "--memory-budget-mb": "64", "--max-batch": "256"}  # fmt: skip
     argv = [sizes.get(before, a) for before, a in zip(["", *argv], argv, strict=False)]
     argv = [{"16384": "64", "700": "70"}.get(a, a) if before == "--batch-sizes" else a
             for before, a in zip(["", *argv], argv, strict=False)]  # fmt: skip
@@ -175,13 +177,12 @@ def _toy(argv: list[str]) -> list[str]:
 def test_quick_runs_end_to_end_on_a_cpu(tmp_path):
     """Every command ``quick`` runs, run for real on a CPU at a toy size: each exits 0, the
     benches write the reports that fastest and targets read, fastest prints its table,
-    targets reads every target but MoS's memory search, the profile and the sweep write their
-    JSON. A crash
-    anywhere in the chain would otherwise cost a scarce GPU session."""
+    targets reads every target. A crash anywhere in the chain would otherwise cost a scarce GPU
+    session."""
     out = tmp_path / "out"
     out.mkdir()
     reports = ["bench_gpu_heads_100k.json", "bench_gpu_heads_10k.json",
-               "bench_gpu_lm_ptb_step.json"]  # fmt: skip
+               "bench_gpu_lm_ptb_step.json", "bench_gpu_memory_12g.json"]  # fmt: skip
     for name in reports:  # the names the benches write, for the targets line recorded here
         (out / name).write_text("{}")
     printed = {}
@@ -194,7 +195,6 @@ def test_quick_runs_end_to_end_on_a_cpu(tmp_path):
         assert json.loads((out / name).read_text())["results"], name
     assert "MEASURED_FASTEST = " in printed["app.bench.fastest"]
     lines = printed["app.bench.targets"].splitlines()
-    assert [line.split()[0] for line in lines if line.endswith("unmeasured")] == ["MoS-15"]
-    assert sum("met (bench_gpu_" in line for line in lines) >= 8
-    assert json.loads((out / "profile_gpu_fused_100k.json").read_text())["results"]
-    assert json.loads((out / "sweep_gpu_tiles_100k.json").read_text())
+    assert not [line for line in lines if line.endswith("unmeasured")], lines
+    assert sum("met (bench_gpu_" in line for line in lines) >= 9
+    assert any(line.startswith("MoS-15 tokens in 12 GiB") for line in lines)

@@ -57,6 +57,8 @@ FUSED_SETTINGS = (
 # through mixtape@rows with the fused products on: its default tile, two operand buffers,
 # 32-wide steps of d (141 and 150 registers; each compiles without spills, Triton 3.9)
 FREQUENT_SETTINGS = (FrequentLaunch(), FrequentLaunch(stages=2), FrequentLaunch(block_k=32))
+# the settings' groups, in the order timed (``--groups``)
+GROUPS = ("rows", "fused", "frequent", "mixtape")
 
 
 def _timed(name: str, args, targets: torch.Tensor) -> list[float]:
@@ -82,46 +84,16 @@ def _row(subject: str, setting: dict, times: list[float], default: bool = True) 
             "time_ms": statistics.median(times), "times_ms": times}  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Every setting of every subject timed; the report."""
+def run(args: argparse.Namespace, save=None) -> dict:
+    """Every setting of every subject timed; the report. ``save(report)`` (if given) after each
+    row: a run cut short (a lent GPU's time limit) keeps the rows it timed."""
     targets = make_targets("zipf", args.vocab, args.tokens, torch.Generator().manual_seed(0))
-    rows = [_row("matmul", {}, _timed("matmul", args, targets))]
     default_launch, default_columns = triton_rows.LAUNCH, triton_mixtape.COLUMNS_PER_THREAD
     default_fused, default_gemm = rows_ce.FUSED_PRODUCTS, triton_gemm.GEMM_LAUNCH
     default_frequent = triton_mixtape_gemm.FREQUENT_LAUNCH
-    try:
-        rows_ce.FUSED_PRODUCTS = False
-        for launch in ROWS_SETTINGS:
-            triton_rows.LAUNCH = launch
-            for subject in ("softmax@rows", "mos@rows"):
-                rows.append(_row(subject, asdict(launch), _timed(subject, args, targets),
-                                 launch == default_launch and not default_fused))  # fmt: skip
-        triton_rows.LAUNCH = default_launch
-        rows_ce.FUSED_PRODUCTS = True
-        for gemm in FUSED_SETTINGS:
-            triton_gemm.GEMM_LAUNCH = gemm
-            for subject in ("softmax@rows", "mos@rows"):
-                rows.append(_row(subject, {"fused_products": asdict(gemm)},
-                                 _timed(subject, args, targets),
-                                 default_fused and gemm == default_gemm))  # fmt: skip
-        for frequent in FREQUENT_SETTINGS:
-            triton_mixtape_gemm.FREQUENT_LAUNCH = frequent
-            rows.append(_row("mixtape@rows", {"fused_frequent": asdict(frequent)},
-                             _timed("mixtape@rows", args, targets),
-                             default_fused and frequent == default_frequent))  # fmt: skip
-        triton_mixtape_gemm.FREQUENT_LAUNCH = default_frequent
-        rows_ce.FUSED_PRODUCTS, triton_gemm.GEMM_LAUNCH = default_fused, default_gemm
-        for columns in MIXTAPE_SETTINGS:
-            triton_mixtape.COLUMNS_PER_THREAD = columns
-            setting = {"columns_per_thread": {str(k): v for k, v in columns.items()}}
-            rows.append(_row("mixtape@rows", setting, _timed("mixtape@rows", args, targets),
-                             columns == default_columns))  # fmt: skip
-    finally:
-        triton_rows.LAUNCH, triton_mixtape.COLUMNS_PER_THREAD = default_launch, default_columns
-        rows_ce.FUSED_PRODUCTS, triton_gemm.GEMM_LAUNCH = default_fused, default_gemm
-        triton_mixtape_gemm.FREQUENT_LAUNCH = default_frequent
     device = torch.device(args.device)
-    return {
+    rows: list[dict] = []
+    report = {
         "schema": SCHEMA, "args": vars(args), "results": rows,
         "defaults": {"launch": asdict(default_launch),
                      "columns_per_thread": {str(k): v for k, v in default_columns.items()},
@@ -132,6 +104,42 @@ def run(args: argparse.Namespace) -> dict:
                     "device": str(device), "load_average": load_average(),
                     "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
     }  # fmt: skip
+
+    def add(subject: str, setting: dict, default: bool = True) -> None:
+        rows.append(_row(subject, setting, _timed(subject, args, targets), default))
+        if save is not None:
+            save(report)
+
+    add("matmul", {})
+    groups = set(args.groups)
+    try:
+        rows_ce.FUSED_PRODUCTS = False
+        for launch in ROWS_SETTINGS if "rows" in groups else ():
+            triton_rows.LAUNCH = launch
+            for subject in ("softmax@rows", "mos@rows"):
+                add(subject, asdict(launch), launch == default_launch and not default_fused)
+        triton_rows.LAUNCH = default_launch
+        rows_ce.FUSED_PRODUCTS = True
+        for gemm in FUSED_SETTINGS if "fused" in groups else ():
+            triton_gemm.GEMM_LAUNCH = gemm
+            for subject in ("softmax@rows", "mos@rows"):
+                add(subject, {"fused_products": asdict(gemm)},
+                    default_fused and gemm == default_gemm)  # fmt: skip
+        for frequent in FREQUENT_SETTINGS if "frequent" in groups else ():
+            triton_mixtape_gemm.FREQUENT_LAUNCH = frequent
+            add("mixtape@rows", {"fused_frequent": asdict(frequent)},
+                default_fused and frequent == default_frequent)  # fmt: skip
+        triton_mixtape_gemm.FREQUENT_LAUNCH = default_frequent
+        rows_ce.FUSED_PRODUCTS, triton_gemm.GEMM_LAUNCH = default_fused, default_gemm
+        for columns in MIXTAPE_SETTINGS if "mixtape" in groups else ():
+            triton_mixtape.COLUMNS_PER_THREAD = columns
+            add("mixtape@rows", {"columns_per_thread": {str(k): v for k, v in columns.items()}},
+                columns == default_columns)  # fmt: skip
+    finally:
+        triton_rows.LAUNCH, triton_mixtape.COLUMNS_PER_THREAD = default_launch, default_columns
+        rows_ce.FUSED_PRODUCTS, triton_gemm.GEMM_LAUNCH = default_fused, default_gemm
+        triton_mixtape_gemm.FREQUENT_LAUNCH = default_frequent
+    return report
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -147,6 +155,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=16_384)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="steps a repeat, back to back")
+    parser.add_argument("--groups", nargs="+", choices=GROUPS, default=list(GROUPS),
+                        help="which settings to time (all by default): the rows kernels' "
+                        "launches, the fused products' tiles, Mixtape's fused frequent block's, "
+                        "Mixtape's columns a thread")  # fmt: skip
     parser.add_argument("--out", default="bench_results", help="folder for the JSON")
     parser.add_argument("--name", default="sweep_tiles")
     args = parser.parse_args(argv)
@@ -159,10 +171,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    report = run(args)
     out = Path(args.out) / f"{args.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+
+    def save(report: dict) -> None:
+        out.write_text(json.dumps(report, indent=1) + "\n")
+
+    report = run(args, save)
     if not report["triton"]:
         print("no Triton tiles here (Triton on CUDA): the settings changed nothing",
               file=sys.stderr)  # fmt: skip

@@ -66,9 +66,10 @@ TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FUSE_SOFTMAX = True
 # the Triton tiles as three Triton products with the softmax in their prologues and epilogue
 # (heads/kernels/triton_gemm.py), for products in these dtypes (tests add float64): opt-in
-# (LossOptions.fused_products, loss_backend fused; this switch: every tile, for the sweep)
-# until a GPU's clock says they beat cuBLAS's products and the elementwise kernels; float32
-# products keep cuBLAS's (Triton's would round them to tf32)
+# (LossOptions.fused_products, loss_backend fused; this switch: every tile, for the sweep):
+# an H100 times them 2.5x slower than cuBLAS's products and the elementwise kernels (2026-11-27,
+# heads/kernels/triton_gemm.py's docstring says why); float32 products keep cuBLAS's (Triton's
+# would round them to tf32)
 FUSED_PRODUCTS = False
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 

@@ -1,6 +1,13 @@
 """The rows plan's tile as three Triton products with the softmax fused into them (CUDA, with
-Triton installed; opt-in, ``loss_backend: fused``, until a GPU's clock says it beats the
-cuBLAS products and the two elementwise kernels of :mod:`heads.kernels.triton_rows`).
+Triton installed; opt-in, ``loss_backend: fused``). An H100 (2026-11-27, Triton 3.6; docs/
+results/profile_gpu_fused_100k.json) times them 2.5x slower than cuBLAS's products with the
+elementwise kernels of :mod:`heads.kernels.triton_rows` (softmax at V = 100k, d = 512, 16,384
+tokens: 33.5 against 13.2 ms a step): :func:`logits_blocks` runs at half cuBLAS's rate (5.0
+ms), and the gradient products re-form ``dz`` for every ``BLOCK_D`` slice of ``d`` they cover
+(``gradient_weight``: 4 times at d = 512, 18.6 ms, 90 TFLOP/s; ``gradient_hidden``: twice,
+7.1 ms), where the prologue's elementwise work and its transposition, not the tensor cores,
+set the pace. Wider ``BLOCK_D`` tiles (``GemmLaunch``; ``python -m app.bench.sweep --groups
+fused``) are the next thing to time.
 
 A tile's ``[R, C]`` logits ``z = h W^T + b`` are formed in ``BLOCK_N``-column blocks, and
 :func:`logits_blocks`'s epilogue keeps of each block, per row, its maximum ``m``, its sum

@@ -43,7 +43,7 @@ def test_the_recorded_gpu_run_gives_the_table_in_the_code(capsys):
     the plain classifiers for the adaptive softmax at 100k."""
     from heads.fused_cross_entropy import MEASURED_FASTEST
 
-    reports = ["docs/results/bench_gpu_heads_10k.json", "docs/results/bench_gpu_heads_100k.json"]
+    reports = [f"docs/results/full_bench_gpu_heads_{v}_20261126.json" for v in ("10k", "100k")]
     assert main(reports) == MEASURED_FASTEST
     printed = capsys.readouterr().out
     assert "MoSHead V=10000: rows (0.22x" in printed

@@ -55,8 +55,11 @@ def test_the_defaults_are_put_back_when_a_subject_fails(monkeypatch, tmp_path):
     monkeypatch.setattr(sweep, "_timed", timed)
     launch, columns = triton_rows.LAUNCH, triton_mixtape.COLUMNS_PER_THREAD
     with pytest.raises(RuntimeError, match="out of memory"):
-        sweep.main([*SMALL, "--out", str(tmp_path)])
+        sweep.main([*SMALL, "--out", str(tmp_path), "--name", "cut"])
     assert calls[1][1] == sweep.ROWS_SETTINGS[0]  # set for the subject
+    # the rows timed before the failure (or a lent GPU's time limit) are on disk
+    kept = json.loads((tmp_path / "cut.json").read_text())["results"]
+    assert [r["subject"] for r in kept] == ["matmul", "softmax@rows"]
     assert triton_rows.LAUNCH is launch and triton_mixtape.COLUMNS_PER_THREAD is columns
 
 
