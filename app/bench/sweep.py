@@ -22,6 +22,7 @@ import json
 import platform
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -84,7 +85,7 @@ def _row(subject: str, setting: dict, times: list[float], default: bool = True) 
             "time_ms": statistics.median(times), "times_ms": times}  # fmt: skip
 
 
-def run(args: argparse.Namespace, save=None) -> dict:
+def run(args: argparse.Namespace, save: Callable[[dict], None] | None = None) -> dict:
     """Every setting of every subject timed; the report. ``save(report)`` (if given) after each
     row: a run cut short (a lent GPU's time limit) keeps the rows it timed."""
     targets = make_targets("zipf", args.vocab, args.tokens, torch.Generator().manual_seed(0))

@@ -63,6 +63,13 @@ def test_the_defaults_are_put_back_when_a_subject_fails(monkeypatch, tmp_path):
     assert triton_rows.LAUNCH is launch and triton_mixtape.COLUMNS_PER_THREAD is columns
 
 
+def test_groups_time_only_their_settings(tmp_path):
+    report = sweep.main([*SMALL, "--out", str(tmp_path), "--groups", "mixtape"])
+    assert [r["subject"] for r in report["results"]] == ["matmul"] + ["mixtape@rows"] * len(
+        sweep.MIXTAPE_SETTINGS
+    )  # the matmul, the reference of every group, always
+
+
 def test_a_bad_count_is_one_error_line(capsys):
     with pytest.raises(SystemExit):
         sweep.parse_args(["--device", "cpu", "--steps", "0"])
