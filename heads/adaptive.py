@@ -5,7 +5,10 @@ cluster i projects the hidden state to ``d / div^i`` before its own classifier (
 "Adapting the classifier capacity"). ``log P(w) = log P_head(cluster(w)) + log P_i(w)``
 (Eq. 3 of the two-level model), and the loss evaluates each tail cluster on the batch's rows
 whose targets fall in it (none for a cluster the batch misses: its parameters still get a zero
-gradient, as DDP without ``find_unused_parameters`` needs).
+gradient, as DDP without ``find_unused_parameters`` needs). Sorting the rows into clusters
+reads their sizes back to the host; on CUDA a step small enough for its logits to fit the saved
+budget (a PTB step) skips that: every classifier runs on every row, its targets ignored
+outside it (``dense_loss_fits``).
 
 ``cutoffs="auto"`` chooses the cut-offs by the paper's dynamic program (Eq. 8) on a cost model
 of the device the model trains on: at construction a fixed reference model (the same on every
@@ -21,6 +24,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from heads.adaptive_cutoffs import CostModel, calibrate, optimal_cutoffs, zipf_probabilities
@@ -36,6 +40,7 @@ from heads.base import (
 from heads.cross_entropy import IGNORE_INDEX
 from heads.errors import CheckpointMismatchError, HeadConfigError
 from heads.fused_cross_entropy import (
+    dense_loss_fits,
     linear_lse,
     mean_cross_entropy,
     mean_loss_plan,
@@ -43,6 +48,7 @@ from heads.fused_cross_entropy import (
     plain_loss_fits,
     plain_nll,
 )
+from heads.kernels.chunks import accumulation_dtype
 
 log = logging.getLogger(__name__)
 _REBUILD_SEED_OFFSET = 0xADA  # a stream apart from the backbone's first draws
@@ -276,6 +282,10 @@ class AdaptiveSoftmaxHead(Head):
         self.check_inputs(hidden, target)
         check_label_smoothing(label_smoothing)
         group = (target.unsqueeze(-1) >= self.group_starts).sum(-1)  # 0 ignored, 1 short-list
+        # a small step on CUDA: every classifier on every row, nothing read back
+        if dense_loss_fits(self.loss_options, hidden.device, hidden.size(0),
+                           self.vocab_size + self.num_clusters):  # fmt: skip
+            return self._dense_loss(hidden, target, group, label_smoothing)
         # One sort groups the rows by cluster (ignored and short-list rows first), so each
         # tail cluster is a contiguous slice of one gather: one index_select (and one
         # scatter in its backward) for all tail clusters instead of one per cluster. The
@@ -327,6 +337,26 @@ class AdaptiveSoftmaxHead(Head):
         if weights is not None:
             return HeadOutput(loss, nll, loss.new_zeros(()))
         return self.output(nll, target, smoothing=smoothing, label_smoothing=label_smoothing)
+
+    def _dense_loss(self, hidden: torch.Tensor, target: torch.Tensor, group: torch.Tensor,
+                    label_smoothing: float) -> HeadOutput:  # fmt: skip
+        """Every classifier over every row as plain maths (:func:`dense_loss_fits`: small steps
+        on CUDA): no sort, no gather, no read-back. A row's NLL is the head classifier's over
+        its word or cluster entry plus its own cluster's (Eq. 3), each tail cluster's targets
+        ignored outside it, so that the other rows take no gradient from it. Label smoothing:
+        ``sum_x log P(x) = sum_j c_j log P_head(j) + sum_i sum_{x in C_i} log P_i(x)``, the
+        head's entry j counted ``c_j`` times (once a word, ``|C_i|`` for cluster i's)."""
+        smoothing = label_smoothing > 0
+        head_target = torch.where(group == 1, target, self.group_head_target[group])
+        nll, log_probs = _plain_log_probs(hidden, self.head.weight, self.head.bias, head_target)
+        total = log_probs @ self.head_counts.to(log_probs.dtype) if smoothing else None
+        for i, tail in enumerate(self.tail, start=1):
+            inside = torch.where(group == i + 1, target - self.cutoffs[i - 1], IGNORE_INDEX)
+            part, log_probs = _plain_log_probs(tail[0](hidden), tail[1].weight, None, inside)
+            nll = nll + part
+            total = total + log_probs.sum(1) if smoothing else None
+        mean = None if total is None else -total / self.vocab_size
+        return self.output(nll, target, smoothing=mean, label_smoothing=label_smoothing)
 
     def _classify(self, hidden, weight, bias, target, weights, row_bound=None, want_lse=False):
         """One classifier's ``(part of the mean loss, NLL, log-sum-exp)``: the part (``sum_n
@@ -386,3 +416,14 @@ class AdaptiveSoftmaxHead(Head):
                 cluster_lp = head_lp[:, self.shortlist_size + i : self.shortlist_size + i + 1]
                 parts.append(upcast(logits).log_softmax(-1) + cluster_lp)
             return torch.cat(parts, dim=-1)
+
+
+def _plain_log_probs(hidden, weight, bias, target) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(-log p_target, log p)`` of one classifier, in the accumulation dtype (float32 under
+    autocast): one product, then PyTorch's fused log-softmax and NLL kernels; NLL 0 where
+    ``target`` is ``IGNORE_INDEX``."""
+    logits = F.linear(hidden, weight, bias)
+    with torch.autocast(hidden.device.type, enabled=False):
+        log_probs = logits.to(accumulation_dtype(hidden, weight)).log_softmax(1)
+        nll = F.nll_loss(log_probs, target, reduction="none", ignore_index=IGNORE_INDEX)
+    return nll, log_probs

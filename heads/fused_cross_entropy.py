@@ -509,6 +509,29 @@ def plain_loss_fits(
     return 4 * rows * columns <= options.saved_bytes
 
 
+def dense_loss_fits(options: LossOptions, device: torch.device, rows: int, columns: int) -> bool:
+    """Whether a head whose vocabulary is split among classifiers (an adaptive softmax's short
+    list and tail clusters) runs every classifier over every row as plain maths: on the GPU
+    plans' devices (CUDA) under ``auto`` and ``plain``, where the float32 logits of all of them
+    (``rows x columns``) fit ``options.saved_bytes``, the budget within which every other head
+    runs plainly there too (:func:`plain_loss_fits`).
+
+    Each classifier then runs on every row, a tail cluster's targets ignored outside it: more
+    device work than on the cluster's own rows, but no sort, no gather, and above all no
+    read-back of the group sizes. On a GPU that read-back makes the host wait until the device
+    has run everything queued before it (a whole LM step's backbone forward) before it launches
+    the head: host and device take turns instead of overlapping. Within the budget (e.g. a PTB
+    step, 700 tokens at V = 10k: 7M logits) the extra work is a fraction of a millisecond on
+    an H100. Never on a CPU, where the products' work counts and the hand-written plan on each
+    cluster's own rows is the faster (:func:`plain_loss_fits`)."""
+    return (
+        options.backend in ("auto", "torch")
+        and options.plan in ("auto", "plain")
+        and gpu_plans(device)
+        and 4 * rows * columns <= options.saved_bytes
+    )
+
+
 def plain_nll(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor
 ) -> torch.Tensor:

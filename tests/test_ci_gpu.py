@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from app.bench.profile import parse_args as profile_args
 from app.bench.run import parse_args as bench_args
@@ -64,6 +65,23 @@ def test_every_part_runs_commands_its_tools_accept(tmp_path):
     heads = bench[0][bench[0].index("--heads") + 1 :]
     assert {"softmax@cce", "softmax@liger", "mos@liger", "matmul", "torch_adaptive"} <= set(heads)
     assert {"softmax@fused", "mos@fused", "mixtape@fused", "adaptive@fused"} <= set(heads)
+
+
+def test_dense_times_the_adaptive_softmax_within_and_over_the_saved_budget(tmp_path):
+    """``dense``: two runs at V = 10k, 16,384 tokens, whose budgets put the adaptive softmax's
+    step on each side of ``dense_loss_fits``, each beside PyTorch's layer."""
+    from heads.fused_cross_entropy import LossOptions, dense_loss_fits
+
+    commands = [c for c in _recorded(tmp_path, "dense") if c[:2] == ["-m", "app.bench"]]
+    assert len(commands) == 2
+    dense = []
+    for command in commands:
+        args = bench_args(_on_cpu(command[2:]))
+        assert args.heads == ["adaptive@plain", "torch_adaptive"] and args.name.startswith("dense")
+        assert (args.vocab_sizes, args.batch_sizes) == ([10000], [16384])
+        options = LossOptions(plan="plain", saved_bytes=int(args.saved_mb * 2**20))
+        dense.append(dense_loss_fits(options, torch.device("cuda"), 16384, 10000 + 2))
+    assert dense == [False, True]
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="bash")

@@ -192,6 +192,92 @@ def test_plan_rows_on_gpu_plans_at_the_losss_edges(gpu_plans_here, monkeypatch):
         )
 
 
+@pytest.mark.parametrize("plan", ["auto", "plain"])
+def test_a_small_step_on_gpu_plans_runs_every_classifier_on_every_row(gpu_plans_here, plan,
+                                                                      monkeypatch):  # fmt: skip
+    """Within the saved budget, CUDA's plans run the short list and each tail cluster over
+    every row (no sort, no read-back, no gather): the loss, NLL and every gradient equal
+    PyTorch's layer's in float64, and a cluster the batch misses gets a zero gradient."""
+
+    def no_sort(*args):
+        raise AssertionError("the dense step sorts nothing and reads nothing back")
+
+    monkeypatch.setattr(adaptive, "sort_into_groups", no_sort)
+    torch.manual_seed(0)
+    ours = AdaptiveSoftmaxHead(16, 300, cutoffs=[20, 90, 200], div_value=2.0,
+                               head_bias=True).double()  # fmt: skip
+    ours.loss_options = LossOptions(plan=plan)
+    ref = copy_into_torch(ours, 2.0)
+    gen = torch.Generator().manual_seed(1)
+    target = torch.randint(0, 200, (64,), generator=gen)  # the last cluster missed
+    target[[3, 9]] = fce.IGNORE_INDEX
+    hidden = torch.randn(64, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    out, expected = ours(hidden, target), ref(hidden[target >= 0], target[target >= 0])
+    torch.testing.assert_close(out.loss, expected.loss)
+    torch.testing.assert_close(out.nll[target >= 0], -expected.output)
+    assert not out.nll[[3, 9]].any()
+    mine, theirs = [hidden, *ours.parameters()], [hidden, *ref.parameters()]
+    got = torch.autograd.grad(out.loss, mine)  # every parameter has one (DDP needs it)
+    want = torch.autograd.grad(expected.loss, theirs, allow_unused=True)
+    for g, w, p in zip(got, want, mine, strict=True):
+        torch.testing.assert_close(g, torch.zeros_like(p) if w is None else w)
+    assert [w is None for w in want[-2:]] == [True, True]  # the missed cluster's: zero here
+
+
+def test_the_dense_step_at_the_losss_edges(gpu_plans_here):
+    """One row, ignored rows, every row ignored, label smoothing (each cluster's head entry
+    counted once per word of it), against the float64 formula."""
+    check_loss_matches_reference(
+        lambda: AdaptiveSoftmaxHead(
+            HIDDEN, VOCAB, cutoffs=[4, 11], div_value=2.0, head_bias=True
+        ),  # fmt: skip
+        options=(LossOptions(), LossOptions(plan="plain")),
+    )
+
+
+def test_the_dense_step_compiles_into_one_graph_without_captured_sizes(gpu_plans_here):
+    """Nothing data-dependent in the dense step: one graph under torch.compile even where
+    Dynamo may not capture scalar outputs (the sorted step breaks the graph there)."""
+    import torch._dynamo
+
+    head = AdaptiveSoftmaxHead(16, 100, cutoffs=[10, 50], div_value=2.0)
+    hidden = torch.randn(12, 16, requires_grad=True)
+    target = torch.randint(0, 100, (12,))
+    counts = []
+    for options in (LossOptions(), LossOptions(saved_bytes=0)):  # dense, then sorted
+        head.loss_options = options
+        explained = torch._dynamo.explain(lambda h, t: head(h, t, label_smoothing=0.1).loss)(
+            hidden, target
+        )
+        counts.append(explained.graph_break_count)
+        torch._dynamo.reset()
+    assert counts[0] == 0 and counts[1] > 0, counts
+
+
+def test_steps_over_the_saved_budget_and_cpus_keep_each_cluster_to_its_rows(monkeypatch):
+    """The dense step is for CUDA's plans within the saved budget: over it, or with another
+    plan, or on a CPU's plans, the rows are sorted into their clusters (the one read-back)."""
+    sorted_steps = []
+    sort = adaptive.sort_into_groups
+
+    def spied(labels, groups):
+        sorted_steps.append(labels.numel())
+        return sort(labels, groups)
+
+    monkeypatch.setattr(adaptive, "sort_into_groups", spied)
+    head = AdaptiveSoftmaxHead(16, 100, cutoffs=[10, 50], div_value=2.0)
+    hidden, target = torch.randn(8, 16), torch.randint(0, 100, (8,))
+    dense_bytes = 4 * 8 * (100 + 2)  # float32 logits of the three classifiers over 8 rows
+    head.loss_options = LossOptions(plan="plain")
+    head(hidden, target)  # a CPU's plans
+    monkeypatch.setattr(chunks, "GPU_PLAN_DEVICES", {"cuda", "cpu"})
+    for options in (LossOptions(saved_bytes=dense_bytes - 1), LossOptions(plan="rows"),
+                    LossOptions(plan="eager"), LossOptions(saved_bytes=dense_bytes)):  # fmt: skip
+        head.loss_options = options
+        head(hidden, target)
+    assert sorted_steps == [8, 8, 8, 8]  # all but the last: dense
+
+
 def test_the_steps_one_read_back_comes_before_any_product():
     """The group sizes are read back before the first product is queued: on a GPU the host
     then waits for the backbone and the sort only, not for the head classifier, and the GPU

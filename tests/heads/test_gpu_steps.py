@@ -1,6 +1,7 @@
 """Every head's training step on CUDA under bf16 autocast: no host sync (CUDA's own sync
 detector counts them), at most one for the heads whose work has a data-dependent shape
-(adaptive clusters, DS experts: their group sizes, read back once), and finite results."""
+(adaptive clusters over the saved budget, DS experts: their group sizes, read back once), and
+finite results."""
 
 import warnings
 
@@ -22,6 +23,14 @@ def _rows(head, fused: bool = False):
     return head
 
 
+def _unsaved(head):
+    """``head`` with no saved budget: nothing runs as plain maths over the whole step."""
+    from heads.fused_cross_entropy import LossOptions
+
+    head.loss_options = LossOptions(saved_bytes=0)
+    return head
+
+
 HEADS = {
     "softmax": (lambda: SoftmaxHead(HIDDEN, VOCAB), 0),
     "mos": (lambda: MoSHead(HIDDEN, VOCAB, num_components=5), 0),
@@ -30,7 +39,13 @@ HEADS = {
     "softmax_fused": (lambda: _rows(SoftmaxHead(HIDDEN, VOCAB), fused=True), 0),
     "mos_fused": (lambda: _rows(MoSHead(HIDDEN, VOCAB, num_components=5), fused=True), 0),
     "mixtape_fused": (lambda: _rows(MixtapeHead(HIDDEN, VOCAB, gate_noise=0.1), fused=True), 0),
-    "adaptive": (lambda: AdaptiveSoftmaxHead(HIDDEN, VOCAB, cutoffs=[300, 1000]), 1),
+    # within the saved budget every classifier on every row: nothing read back
+    "adaptive": (lambda: AdaptiveSoftmaxHead(HIDDEN, VOCAB, cutoffs=[300, 1000]), 0),
+    # over it (here: no budget) each cluster on its own rows, their sizes read back once
+    "adaptive_clusters": (
+        lambda: _unsaved(AdaptiveSoftmaxHead(HIDDEN, VOCAB, cutoffs=[300, 1000])),
+        1,
+    ),
     "ds": (
         lambda: DSSoftmaxHead(
             HIDDEN,

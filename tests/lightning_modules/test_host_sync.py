@@ -7,8 +7,9 @@ whose output size depends on the data (``repeat_interleave`` without ``output_si
 ``unique``, ``bincount``, ``masked_select``). The sentinel below records every such call made
 from Python while a step runs, in a real ``Trainer.fit`` of every head in both tasks: the
 window is ``training_step`` through ``backward``, and ``validation_step``. Lightning's own work
-between the hooks (progress bar, logging, the finite-loss read-back at the logging interval)
-is outside it.
+between the hooks (logging, the finite-loss read-back at the logging interval) is outside it;
+that the progress bar reads nothing back per batch either is
+``tests/app/callbacks/training/test_progress.py``'s.
 
 One read-back per step is allowed to heads whose work has a data-dependent shape (adaptive
 clusters, DS experts): all group sizes in one ``tolist`` (``heads.base.sort_into_groups``).
@@ -33,6 +34,7 @@ from datamodules import TranslationDataModule
 from datamodules.bptt import BPTTBatches
 from heads import AdaptiveSoftmaxHead, DSSoftmaxHead, MixtapeHead, MoSHead, SoftmaxHead
 from heads.fused_cross_entropy import LossOptions
+from heads.kernels import chunks
 from lightning_modules import LanguageModel, Translation
 from lightning_modules.backbones import LSTMBackbone, Seq2SeqTransformer
 from lightning_modules.decoding import DecodeConfig
@@ -229,9 +231,7 @@ def assert_no_sync(windows: StepWindows, allowed_tolist: int) -> None:
         assert len(reads) == allowed_tolist, f"group sizes read back {len(reads)}x: {reads}"
 
 
-@pytest.mark.parametrize("head", sorted(HEADS))
-def test_language_model_steps_make_no_host_sync(head, monkeypatch):
-    make_head, allowed = HEADS[head]
+def fit_language_model(make_head, monkeypatch) -> StepWindows:
     vocab = 40
     torch.manual_seed(0)
     backbone = LSTMBackbone(vocab, embedding_size=D, hidden_size=D)
@@ -242,12 +242,10 @@ def test_language_model_steps_make_no_host_sync(head, monkeypatch):
     windows = StepWindows(model, sentinel)
     with sentinel.installed(monkeypatch):
         trainer().fit(model, loader, loader)
-    assert_no_sync(windows, allowed)
+    return windows
 
 
-@pytest.mark.parametrize("head", sorted(HEADS))
-def test_translation_steps_make_no_host_sync(head, tmp_path, monkeypatch):
-    make_head, allowed = HEADS[head]
+def fit_translation(make_head, tmp_path, monkeypatch) -> StepWindows:
     path = write_corpus(tmp_path, {"train": TINY, "val": TINY[:6], "test_2016_flickr": TINY[:2]})
     data = TranslationDataModule(path=path, max_tokens=12)
     torch.manual_seed(0)
@@ -262,7 +260,33 @@ def test_translation_steps_make_no_host_sync(head, tmp_path, monkeypatch):
     windows = StepWindows(model, sentinel)
     with sentinel.installed(monkeypatch):
         trainer().fit(model, datamodule=data)
-    assert_no_sync(windows, allowed)
+    return windows
+
+
+@pytest.mark.parametrize("head", sorted(HEADS))
+def test_language_model_steps_make_no_host_sync(head, monkeypatch):
+    make_head, allowed = HEADS[head]
+    assert_no_sync(fit_language_model(make_head, monkeypatch), allowed)
+
+
+@pytest.mark.parametrize("head", sorted(HEADS))
+def test_translation_steps_make_no_host_sync(head, tmp_path, monkeypatch):
+    make_head, allowed = HEADS[head]
+    assert_no_sync(fit_translation(make_head, tmp_path, monkeypatch), allowed)
+
+
+@pytest.mark.parametrize("task", ["language_model", "translation"])
+def test_small_adaptive_steps_on_cudas_plans_read_nothing_back(task, tmp_path, monkeypatch):
+    """Within the saved budget CUDA's plans run every classifier of the adaptive softmax on
+    every row (``heads.fused_cross_entropy.dense_loss_fits``): not even the group sizes'
+    read-back, which would make the host wait for the backbone before launching the head."""
+    monkeypatch.setattr(chunks, "GPU_PLAN_DEVICES", {"cuda", "cpu"})
+    make_head = HEADS["adaptive"][0]
+    if task == "language_model":
+        windows = fit_language_model(make_head, monkeypatch)
+    else:
+        windows = fit_translation(make_head, tmp_path, monkeypatch)
+    assert_no_sync(windows, 0)
 
 
 def test_the_sentinel_sees_each_kind_of_read_back(monkeypatch):
