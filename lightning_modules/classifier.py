@@ -66,7 +66,9 @@ class Classifier(HeadTask):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
         inputs, targets = batch
         output = self.head(self.backbone(inputs), targets)
-        self.log("train/loss", output.loss, prog_bar=True)
+        # not prog_bar: Lightning reads those back after every batch (a GPU sync); the
+        # app's progress bar shows it at the logging interval (IntervalProgressBar)
+        self.log("train/loss", output.loss)
         if output.aux_loss.requires_grad:
             self.log("train/aux_loss", output.aux_loss)
         return output.loss + output.aux_loss

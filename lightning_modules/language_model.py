@@ -176,7 +176,9 @@ class LanguageModel(HeadTask):
         if stage == "train":
             if extra is not None:
                 self.log("train/backbone_reg", extra)
-            self.log("train/loss", output.loss, prog_bar=True)
+            # not prog_bar: Lightning reads those back after every batch (a GPU sync); the
+            # app's progress bar shows it at the logging interval (IntervalProgressBar)
+            self.log("train/loss", output.loss)
             self.log("train/ppl_batch", output.loss.exp())
             if output.aux_loss.requires_grad:
                 self.log("train/aux_loss", output.aux_loss)

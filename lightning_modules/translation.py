@@ -129,7 +129,9 @@ class Translation(HeadTask):
         tokens = (batch["target_output"] != IGNORE_INDEX).sum()
         self.metrics[f"{stage}_nll"].update(nll.detach(), weight=tokens)
         if stage == "train":
-            self.log("train/loss", loss, prog_bar=True)
+            # not prog_bar: Lightning reads those back after every batch (a GPU sync); the
+            # app's progress bar shows it at the logging interval (IntervalProgressBar)
+            self.log("train/loss", loss)
             self.log("train/nll", nll)
         return loss
 

@@ -18,9 +18,11 @@ from typing import Any
 
 import yaml
 from jsonargparse import Namespace
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
 from app.callbacks.training.preemption import PreemptionCheckpoint
+from app.callbacks.training.progress import IntervalProgressBar
 from app.callbacks.training.run_record import RunRecord
 from app.cli.errors import OneLineErrorParser, check_config_files, check_linked_options, warn_line
 from app.cli.run_folder import configure_loggers, run_hparams
@@ -41,6 +43,21 @@ def backbone_output_size(backbone: Namespace) -> int:
 def _remote(ckpt: str) -> bool:
     """A model registry or remote storage address, which Lightning resolves itself."""
     return ckpt.startswith("registry") or "://" in ckpt
+
+
+def _default_progress_bar(trainer: Namespace, defaults: list) -> bool:
+    """Whether the trainer would show Lightning's default progress bar: enabled, and no
+    progress bar among its callbacks (given in the config or as defaults)."""
+    if trainer.get("enable_progress_bar") is False:
+        return False
+    for callback in [*(trainer.get("callbacks") or []), *defaults]:
+        if isinstance(callback, ProgressBar):
+            return False
+        path = callback.get("class_path", "") if isinstance(callback, (dict, Namespace)) else ""
+        module, _, name = str(path).rpartition(".")
+        if module and issubclass(getattr(importlib.import_module(module), name), ProgressBar):
+            return False
+    return True
 
 
 class AppCLI(LightningCLI):
@@ -99,6 +116,8 @@ class AppCLI(LightningCLI):
         ours = [RunRecord(run_hparams(config))]
         if self.subcommand == "fit":
             ours.append(PreemptionCheckpoint())
+        if _default_progress_bar(config.trainer, extra):  # no device sync per batch for it
+            ours.append(IntervalProgressBar())
         self.trainer_defaults = {**self.trainer_defaults, "callbacks": [*extra, *ours]}
         if self.subcommand not in (None, "fit"):  # the run folder's config.yaml is the fit's
             self.save_config_kwargs = {

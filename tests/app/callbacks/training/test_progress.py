@@ -1,0 +1,94 @@
+import traceback
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import TQDMProgressBar
+from torch.utils.data import DataLoader
+
+from app.callbacks.training.progress import IntervalProgressBar
+from app.cli.lightning_cli import build
+from datamodules.bptt import BPTTBatches
+from heads import SoftmaxHead
+from lightning_modules import LanguageModel
+from lightning_modules.backbones import LSTMBackbone
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BATCHES, INTERVAL = 20, 5
+
+
+class LossOnTheBar(L.Callback):
+    """What the bar shows after each training batch."""
+
+    def __init__(self) -> None:
+        self.shown: list[str] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.shown.append(trainer.progress_bar_callback.train_progress_bar.postfix or "")
+
+
+class LossOnTheBarEachBatch(LanguageModel):
+    """The task as it was: its per-batch loss logged with ``prog_bar=True`` too."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train/loss_on_bar", loss, prog_bar=True)
+        return loss
+
+
+def _fit(bar: TQDMProgressBar, monkeypatch, task=LanguageModel) -> tuple[int, list[str]]:
+    """``(read-backs, postfix after each batch)`` of a fit of ``BATCHES`` training batches,
+    logging every ``INTERVAL``: the read-backs of Lightning's conversion of ``prog_bar`` metrics
+    and of the bar's own (``Tensor.item`` or ``float``)."""
+    torch.manual_seed(0)
+    model = task(LSTMBackbone(40, embedding_size=8, hidden_size=8), SoftmaxHead(8, 40))
+    loader = DataLoader(BPTTBatches(torch.randint(0, 40, (1000,)), batch_size=4, bptt=5),
+                        batch_size=None)  # fmt: skip
+    reads = []
+
+    def recorded(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(tensor):
+            caller = traceback.extract_stack(limit=2)[0].filename
+            reads.append(caller.endswith(("apply_func.py", "progress.py")))
+            return original(tensor)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+
+    recorded("item")
+    recorded("__float__")
+    shown = LossOnTheBar()
+    trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=BATCHES,
+                        limit_val_batches=0, log_every_n_steps=INTERVAL, logger=False,
+                        enable_checkpointing=False, enable_model_summary=False,
+                        callbacks=[bar, shown])  # fmt: skip
+    trainer.fit(model, loader)
+    monkeypatch.undo()
+    assert bar.train_progress_bar.n == BATCHES  # counted to the end all the same
+    return sum(reads), shown.shown
+
+
+def test_the_loss_is_read_back_at_the_logging_interval_not_every_batch(monkeypatch):
+    """Logged with ``prog_bar``, Lightning reads the train loss back after every batch (on a
+    GPU a device sync each); the tasks log it without, and the app's bar shows it at the
+    logging interval."""
+    reads, _ = _fit(TQDMProgressBar(), monkeypatch, task=LossOnTheBarEachBatch)
+    assert reads >= BATCHES
+    reads, shown = _fit(IntervalProgressBar(), monkeypatch)
+    assert reads <= BATCHES // INTERVAL + 3  # and at the epoch's end: the bar's, its metrics'
+    assert [("train/loss=" in postfix) for postfix in shown[: INTERVAL + 1]] == [
+        False] * (INTERVAL - 1) + [True, True]  # fmt: skip
+    assert shown[INTERVAL] == shown[2 * INTERVAL - 2] != shown[2 * INTERVAL - 1]
+
+
+def test_the_cli_shows_it_unless_given_another_bar_or_none(ptb_path):
+    args = ["--data.init_args.path", ptb_path]
+    bar = build(["configs/lm/ptb.yaml"], args).trainer.progress_bar_callback
+    assert type(bar) is IntervalProgressBar
+    off = build(["configs/lm/ptb.yaml"], [*args, "--trainer.enable_progress_bar", "false"])
+    assert off.trainer.progress_bar_callback is None
+    lightnings = "lightning.pytorch.callbacks.TQDMProgressBar"
+    given = build(["configs/lm/ptb.yaml"], [*args, "--trainer.callbacks+", lightnings])
+    assert type(given.trainer.progress_bar_callback) is TQDMProgressBar
