@@ -6,9 +6,10 @@ cluster i projects the hidden state to ``d / div^i`` before its own classifier (
 (Eq. 3 of the two-level model), and the loss evaluates each tail cluster on the batch's rows
 whose targets fall in it (none for a cluster the batch misses: its parameters still get a zero
 gradient, as DDP without ``find_unused_parameters`` needs). Sorting the rows into clusters
-reads their sizes back to the host; on CUDA a step small enough for its logits to fit the saved
-budget (a PTB step) skips that: every classifier runs on every row, its targets ignored
-outside it (``dense_loss_fits``).
+needs their sizes on the host: counted there from the batch before it reaches the device when
+the task says so (:meth:`expect_targets`), else read back from the device (a GPU sync); on
+CUDA a step small enough for its logits to fit the saved budget (a PTB step) needs neither:
+every classifier runs on every row, its targets ignored outside it (``dense_loss_fits``).
 
 ``cutoffs="auto"`` chooses the cut-offs by the paper's dynamic program (Eq. 8) on a cost model
 of the device the model trains on: at construction a fixed reference model (the same on every
@@ -109,6 +110,7 @@ class AdaptiveSoftmaxHead(Head):
         self.num_clusters_wanted = num_clusters
         self.cost_model = CostModel(**cost_model) if cost_model else None
         self.calibration_batch = calibration_batch
+        self._expected: tuple[int, list[int]] | None = None  # (targets, sizes): expect_targets
         self.token_counts = None if token_counts is None else list(token_counts)
         if self.auto:
             model = self.cost_model or reference_cost_model(hidden_size)
@@ -281,6 +283,7 @@ class AdaptiveSoftmaxHead(Head):
     ) -> HeadOutput:
         self.check_inputs(hidden, target)
         check_label_smoothing(label_smoothing)
+        expected = self._take_expected(target)  # the group sizes, counted on the host
         group = (target.unsqueeze(-1) >= self.group_starts).sum(-1)  # 0 ignored, 1 short-list
         # a small step on CUDA: every classifier on every row, nothing read back
         if dense_loss_fits(self.loss_options, hidden.device, hidden.size(0),
@@ -289,11 +292,12 @@ class AdaptiveSoftmaxHead(Head):
         # One sort groups the rows by cluster (ignored and short-list rows first), so each
         # tail cluster is a contiguous slice of one gather: one index_select (and one
         # scatter in its backward) for all tail clusters instead of one per cluster. The
-        # group sizes are the step's one read-back (``sort_into_groups``), taken before any
-        # product is queued: the host waits for the backbone and this sort only, and the head
+        # group sizes: counted on the host where the task told the targets (expect_targets),
+        # else the step's one read-back (``sort_into_groups``), taken before any product is
+        # queued: the host waits for the backbone and this sort only, and the head
         # classifier's product then keeps the GPU busy while the tail clusters are launched
         # (taken after it, the GPU would idle from the read-back to the first tail kernel).
-        order, sizes = sort_into_groups(group, self.num_clusters + 2)  # ignored first
+        order, sizes = sort_into_groups(group, self.num_clusters + 2, expected)  # ignored first
         # Head: the word itself if in the short-list, else its cluster's entry (or ignored).
         head_target = torch.where(group == 1, target, self.group_head_target[group])
         compiling = torch.compiler.is_compiling()
@@ -337,6 +341,26 @@ class AdaptiveSoftmaxHead(Head):
         if weights is not None:
             return HeadOutput(loss, nll, loss.new_zeros(()))
         return self.output(nll, target, smoothing=smoothing, label_smoothing=label_smoothing)
+
+    def expect_targets(self, target: torch.Tensor) -> None:
+        """The next forward's group sizes, counted here on the host from the batch's targets
+        (CPU), so that the forward reads nothing back from the device (it checks them there
+        with a device-side assert); used by that forward only, under eager execution."""
+        self._expected = None
+        if target.device.type == "cpu" and not target.is_floating_point():
+            starts = torch.tensor([0, *self.cutoffs[:-1]])
+            group = (target.reshape(-1, 1) >= starts).sum(-1)
+            counts = torch.bincount(group, minlength=self.num_clusters + 2)
+            self._expected = (target.numel(), counts.tolist())
+
+    def _take_expected(self, target: torch.Tensor) -> list[int] | None:
+        """The group sizes :meth:`expect_targets` counted, if they were counted for as many
+        targets as ``target`` holds (then no longer kept), else None (always under
+        ``torch.compile``, where the read-back is a captured data-dependent size)."""
+        if torch.compiler.is_compiling():
+            return None
+        expected, self._expected = self._expected, None
+        return expected[1] if expected is not None and expected[0] == target.numel() else None
 
     def _dense_loss(self, hidden: torch.Tensor, target: torch.Tensor, group: torch.Tensor,
                     label_smoothing: float) -> HeadOutput:  # fmt: skip

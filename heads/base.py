@@ -93,7 +93,9 @@ def output_bias(vocab_size: int, zipf_bias_init: bool) -> nn.Parameter:
     return nn.Parameter(start)
 
 
-def sort_into_groups(labels: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, list[int]]:
+def sort_into_groups(
+    labels: torch.Tensor, num_groups: int, sizes: list[int] | None = None
+) -> tuple[torch.Tensor, list[int]]:
     """Row indices sorted by ``labels`` (in ``[0, num_groups)``) and each group's size, so
     that group g is one contiguous slice of ``order``. The sizes come from a fixed-length
     count: under ``torch.compile`` they are the only data-dependent values (no data-dependent
@@ -102,10 +104,21 @@ def sort_into_groups(labels: torch.Tensor, num_groups: int) -> tuple[torch.Tenso
     The ``tolist`` of all sizes is one host sync: the only one a training or validation step
     may make, and only in heads whose work has a data-dependent shape (adaptive clusters, DS
     experts), which call this once per forward (``tests/lightning_modules/test_host_sync.py``
-    counts it)."""
+    counts it). Given ``sizes`` (counted on the host from the batch before it reached the
+    device: :meth:`Head.expect_targets`) nothing is read back: the device's count is checked
+    against them by a device-side assert instead, which fails the step (at its next sync on a
+    GPU), never silently, should they be another batch's."""
     order = torch.argsort(labels, stable=True)
     counts = torch.zeros(num_groups, dtype=torch.long, device=labels.device)
-    sizes = counts.scatter_add_(0, labels, torch.ones_like(labels)).tolist()
+    counts = counts.scatter_add_(0, labels, torch.ones_like(labels))
+    if sizes is not None:
+        given = torch.tensor(sizes)
+        if labels.is_cuda:  # pinned: the copy is queued, the host does not wait for it
+            given = given.pin_memory()
+        given = given.to(labels.device, non_blocking=True)
+        torch._assert_async((counts == given).all(), "group sizes given for another batch")
+        return order, list(sizes)
+    sizes = counts.tolist()
     if torch.compiler.is_compiling():
         for size in sizes:
             torch._check(size >= 0)
@@ -186,6 +199,12 @@ class Head(nn.Module):
         """Called by the task once the training device is known, before the optimizer and
         the DDP wrapper are built and before a checkpoint is loaded. A head may change its
         structure here (decided through ``context.decide_once``). Default: nothing."""
+
+    def expect_targets(self, target: torch.Tensor) -> None:
+        """Called by the task with the next training or evaluation batch's targets while they
+        are still on the host, before they are copied to the device and the step runs: a head
+        may take from them now what its :meth:`forward` would otherwise read back from the
+        device (a GPU sync). Default: nothing."""
 
     def training_log_prob(self, hidden: torch.Tensor) -> torch.Tensor:
         """The distribution the loss trains, ``[N, vocab_size]``; equals :meth:`log_prob`

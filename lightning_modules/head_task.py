@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -51,6 +52,13 @@ def _products(precision: str | None) -> torch.dtype:
 def _warn_once(message: str) -> None:
     log.warning(message)
 
+
+# The tasks' on_before_batch_transfer (the head told the targets on the host) is meant to run
+# beside a data module; Lightning warns of every such pair, and lets a data module that defines
+# the hook itself take precedence (the head then reads its sizes back from the device).
+warnings.filterwarnings(
+    "ignore", message="You have overridden `on_before_batch_transfer` in `LightningModule` but"
+)
 
 # torchmetrics aggregators' options in the task modules: the default ``nan_strategy``
 # ("warn"; "ignore" alike) tests ``isnan(x).any()`` in every update, a host sync per step;
@@ -195,6 +203,22 @@ class HeadTask(L.LightningModule):
         return configure_optimizers(
             self.parameters(), self.optimizer_factory, self.scheduler_factory
         )
+
+    # -- the batch's targets told to the head while on the host ------------------------------
+    def batch_targets(self, batch: Any) -> torch.Tensor | None:
+        """The targets of a training or evaluation batch (None for another kind)."""
+        return None
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """The head sees the targets before they reach the device (``Head.expect_targets``):
+        the adaptive softmax counts its clusters' sizes here instead of reading them back
+        from the device in the step, where the host would wait for the backbone."""
+        trainer = self._trainer
+        if trainer is not None and not trainer.predicting:
+            targets = self.batch_targets(batch)
+            if isinstance(targets, torch.Tensor):
+                self.head.expect_targets(targets)
+        return batch
 
     # -- the finite-loss check: recorded on the device per step, read back now and then ----
     def check_finite_loss(self, loss: torch.Tensor, stage: str) -> None:

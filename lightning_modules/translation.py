@@ -135,6 +135,9 @@ class Translation(HeadTask):
             self.log("train/nll", nll)
         return loss
 
+    def batch_targets(self, batch: Any) -> torch.Tensor | None:
+        return batch.get("target_output") if isinstance(batch, dict) else None
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self._step(batch, "train")
 

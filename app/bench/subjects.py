@@ -250,13 +250,18 @@ PRECISIONS: dict[str, torch.dtype | None] = {
 
 class Step:
     """One forward + backward (gradients are dropped each time, as zero_grad(None) does), the
-    forward under autocast for the mixed precisions, as Lightning runs a training step.
-    ``clear()`` drops the gradients the last step left (before a memory baseline)."""
+    forward under autocast for the mixed precisions, as Lightning runs a training step: the
+    head first told the targets as the data loader gives them, on the host (the tasks'
+    ``on_before_batch_transfer``: ``Head.expect_targets``). ``clear()`` drops the gradients
+    the last step left (before a memory baseline)."""
 
     def __init__(self, module: nn.Module, inputs: torch.Tensor, target: torch.Tensor,
                  precision: str = "32-true") -> None:  # fmt: skip
         self.module, self.inputs, self.target = module, inputs, target
         self.autocast_dtype = PRECISIONS[precision]
+        head = module.head if isinstance(module, WholeLM) else module
+        self.expect_targets = getattr(head, "expect_targets", None)  # ours, not the peers
+        self.host_target = target.cpu()
 
     def clear(self) -> None:
         for p in self.module.parameters():
@@ -266,6 +271,8 @@ class Step:
 
     def __call__(self) -> None:
         self.clear()
+        if self.expect_targets is not None:
+            self.expect_targets(self.host_target)
         dtype = self.autocast_dtype
         with torch.autocast(self.inputs.device.type, dtype=dtype, enabled=dtype is not None):
             loss = loss_of(self.module, self.inputs, self.target)

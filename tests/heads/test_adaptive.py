@@ -261,9 +261,9 @@ def test_steps_over_the_saved_budget_and_cpus_keep_each_cluster_to_its_rows(monk
     sorted_steps = []
     sort = adaptive.sort_into_groups
 
-    def spied(labels, groups):
+    def spied(labels, groups, sizes=None):
         sorted_steps.append(labels.numel())
-        return sort(labels, groups)
+        return sort(labels, groups, sizes)
 
     monkeypatch.setattr(adaptive, "sort_into_groups", spied)
     head = AdaptiveSoftmaxHead(16, 100, cutoffs=[10, 50], div_value=2.0)
@@ -277,6 +277,40 @@ def test_steps_over_the_saved_budget_and_cpus_keep_each_cluster_to_its_rows(monk
         head.loss_options = options
         head(hidden, target)
     assert sorted_steps == [8, 8, 8, 8]  # all but the last: dense
+
+
+def test_sizes_counted_on_the_host_leave_nothing_to_read_back(monkeypatch):
+    """Told the batch's targets on the host first (``expect_targets``, as the tasks do before
+    the batch is copied to the device), the sorted step reads nothing back and gives the same
+    loss and gradients; told another batch's, it fails (a device-side assert), never silently;
+    told a batch of another size, or nothing, it reads the sizes back as before."""
+    torch.manual_seed(0)
+    head = AdaptiveSoftmaxHead(16, 100, cutoffs=[10, 50], div_value=2.0).double()
+    hidden = torch.randn(12, 16, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 100, (12,))
+    target[3] = fce.IGNORE_INDEX
+    out = head(hidden, target)
+    want = torch.autograd.grad(out.loss, [hidden, *head.parameters()])
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or tolist(t))
+    head.expect_targets(target.view(3, 4))  # (an LM batch: the task flattens it)
+    reads.clear()  # (expect_targets counts on the host, outside the step)
+    got = head(hidden, target)
+    assert not reads
+    torch.testing.assert_close(got.loss, out.loss)
+    for g, w in zip(torch.autograd.grad(got.loss, [hidden, *head.parameters()]), want,
+                    strict=True):  # fmt: skip
+        torch.testing.assert_close(g, w)
+    head.expect_targets(torch.roll(torch.arange(12) * 8, 1))  # another batch, as many targets
+    with pytest.raises(RuntimeError, match="group sizes given for another batch"):
+        head(hidden, target)
+    for told in (target[:5], None):  # another size, or nothing told: read back
+        if told is not None:
+            head.expect_targets(told)
+        reads.clear()
+        torch.testing.assert_close(head(hidden, target).loss, out.loss)
+        assert len(reads) == 1
 
 
 def test_the_steps_one_read_back_comes_before_any_product():
