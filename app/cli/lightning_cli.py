@@ -50,7 +50,8 @@ def _default_progress_bar(trainer: Namespace, defaults: list) -> bool:
     progress bar among its callbacks (given in the config or as defaults)."""
     if trainer.get("enable_progress_bar") is False:
         return False
-    for callback in [*(trainer.get("callbacks") or []), *defaults]:
+    given = trainer.get("callbacks") or []
+    for callback in [*(given if isinstance(given, list) else [given]), *defaults]:
         if isinstance(callback, ProgressBar):
             return False
         path = callback.get("class_path", "") if isinstance(callback, (dict, Namespace)) else ""

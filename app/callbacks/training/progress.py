@@ -50,6 +50,6 @@ class IntervalProgressBar(TQDMProgressBar):
         if count % self.refresh_rate and not last:
             return
         bar.n = count
-        if count % trainer.log_every_n_steps == 0 or last:
+        if count % max(trainer.log_every_n_steps, 1) == 0 or last:
             bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
         bar.refresh()
