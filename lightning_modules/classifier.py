@@ -70,7 +70,7 @@ class Classifier(HeadTask):
         inputs, targets = batch
         output = self.head(self.backbone(inputs), targets)
         # not prog_bar: Lightning reads those back after every batch (a GPU sync); the
-        # app's progress bar shows it at the logging interval (IntervalProgressBar)
+        # app's progress bar shows it at the logging interval (interval_progress_bar)
         self.log("train/loss", output.loss)
         if output.aux_loss.requires_grad:
             self.log("train/aux_loss", output.aux_loss)

@@ -177,7 +177,7 @@ class LanguageModel(HeadTask):
             if extra is not None:
                 self.log("train/backbone_reg", extra)
             # not prog_bar: Lightning reads those back after every batch (a GPU sync); the
-            # app's progress bar shows it at the logging interval (IntervalProgressBar)
+            # app's progress bar shows it at the logging interval (interval_progress_bar)
             self.log("train/loss", output.loss)
             self.log("train/ppl_batch", output.loss.exp())
             if output.aux_loss.requires_grad:

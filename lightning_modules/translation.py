@@ -130,7 +130,7 @@ class Translation(HeadTask):
         self.metrics[f"{stage}_nll"].update(nll.detach(), weight=tokens)
         if stage == "train":
             # not prog_bar: Lightning reads those back after every batch (a GPU sync); the
-            # app's progress bar shows it at the logging interval (IntervalProgressBar)
+            # app's progress bar shows it at the logging interval (interval_progress_bar)
             self.log("train/loss", loss)
             self.log("train/nll", nll)
         return loss

@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
 from app.callbacks.training.preemption import PreemptionCheckpoint
-from app.callbacks.training.progress import IntervalProgressBar
+from app.callbacks.training.progress import interval_progress_bar
 from app.callbacks.training.run_record import RunRecord
 from app.cli.errors import OneLineErrorParser, check_config_files, check_linked_options, warn_line
 from app.cli.run_folder import configure_loggers, run_hparams
@@ -118,7 +118,7 @@ class AppCLI(LightningCLI):
         if self.subcommand == "fit":
             ours.append(PreemptionCheckpoint())
         if _default_progress_bar(config.trainer, extra):  # no device sync per batch for it
-            ours.append(IntervalProgressBar())
+            ours.append(interval_progress_bar())
         self.trainer_defaults = {**self.trainer_defaults, "callbacks": [*extra, *ours]}
         if self.subcommand not in (None, "fit"):  # the run folder's config.yaml is the fit's
             self.save_config_kwargs = {

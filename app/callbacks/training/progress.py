@@ -1,55 +1,70 @@
 """Lightning's progress bar without a host-device sync per batch.
 
 Lightning converts every metric logged with ``prog_bar=True`` to a Python number after each
-batch, and ``TQDMProgressBar`` shows them then: each conversion reads a device tensor back to
-the host (``Tensor.item``), on a GPU a sync, which holds the host until the device has run the
-whole step, so the host cannot queue the next step while the device runs this one. A small step
-(a PTB batch) is launch-bound, and that overlap is most of its speed. So the tasks log their
-per-batch ``train/loss`` without ``prog_bar``, and :class:`IntervalProgressBar` shows it (with
-whatever else is named in ``shown``) from the trainer's callback metrics at the logging interval
-(``Trainer.log_every_n_steps``, where the loggers read it anyway) and at an epoch's end, its count
-moving every batch as Lightning's does. The app's CLI uses it unless the trainer is given another
-progress bar or none.
+batch, to show it: each conversion reads a device tensor back to the host (``Tensor.item``),
+on a GPU a sync, which holds the host until the device has run the whole step, so the host
+cannot queue the next step while the device runs this one. A small step (a PTB batch) is
+launch-bound, and that overlap is most of its speed. So the tasks log their per-batch
+``train/loss`` without ``prog_bar``, and the bars here show it (and whatever else is named in
+``shown``) from the trainer's callback metrics at the logging interval
+(``Trainer.log_every_n_steps``, where the loggers read it anyway) and at an epoch's end; their
+counts move every batch as Lightning's do. :func:`interval_progress_bar` picks the kind Lightning
+would (Rich where installed, else TQDM); the app's CLI uses it unless the trainer is given
+another progress bar or none.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 
 
-class IntervalProgressBar(TQDMProgressBar):
-    """``TQDMProgressBar`` whose training metrics are read every ``log_every_n_steps`` batches
-    and at the epoch's end: Lightning's ``prog_bar`` metrics, and the latest value of each
-    callback metric in ``shown`` (logged without ``prog_bar``, so never read back per batch);
-    its count moves every ``refresh_rate`` batches."""
+class IntervalMetrics:
+    """The bars' shared part: ``get_metrics`` adds the ``shown`` callback metrics, read back
+    only where :meth:`on_train_batch_end` says a logging interval ends (and outside a training
+    batch: an epoch's or a validation's end), else their last values."""
 
-    def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False,
-                 shown: Sequence[str] = ("train/loss",)) -> None:  # fmt: skip
-        super().__init__(refresh_rate, process_position, leave)
+    def __init__(self, *args: Any, shown: Sequence[str] = ("train/loss",), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.shown = tuple(shown)
+        self._values: dict[str, float] = {}
+        self._read = True
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         metrics = super().get_metrics(trainer, pl_module)
-        for name in self.shown:  # a read-back each: only when the bar shows its metrics
-            value = trainer.callback_metrics.get(name)
-            if value is not None:
-                metrics[name] = f"{float(value):.3f}"
-        return metrics
+        if self._read:  # a read-back each
+            for name in self.shown:
+                value = trainer.callback_metrics.get(name)
+                if value is not None:
+                    self._values[name] = float(value)
+        return {**metrics, **self._values}
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:  # fmt: skip
-        bar = self.train_progress_bar
         count = batch_idx + 1
-        if bar is None or bar.disable or not self.is_enabled:
-            return
-        last = count == bar.total
-        if count % self.refresh_rate and not last:
-            return
-        bar.n = count
-        if count % max(trainer.log_every_n_steps, 1) == 0 or last:
-            bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
-        bar.refresh()
+        last = count == trainer.num_training_batches
+        self._read = count % max(trainer.log_every_n_steps, 1) == 0 or last
+        try:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        finally:
+            self._read = True
+
+
+class IntervalTQDMProgressBar(IntervalMetrics, TQDMProgressBar):
+    """Lightning's TQDM bar, its metrics read at the logging interval."""
+
+
+class IntervalRichProgressBar(IntervalMetrics, RichProgressBar):
+    """Lightning's Rich bar, its metrics read at the logging interval."""
+
+
+def interval_progress_bar() -> ProgressBar:
+    """The bar Lightning would show by default (Rich where installed, else TQDM), its metrics
+    read at the logging interval."""
+    if importlib.util.find_spec("rich") is not None:
+        return IntervalRichProgressBar()
+    return IntervalTQDMProgressBar()

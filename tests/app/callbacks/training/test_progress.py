@@ -3,10 +3,14 @@ import traceback
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from torch.utils.data import DataLoader
 
-from app.callbacks.training.progress import IntervalProgressBar
+from app.callbacks.training.progress import (
+    IntervalRichProgressBar,
+    IntervalTQDMProgressBar,
+    interval_progress_bar,
+)
 from app.cli.lightning_cli import build
 from datamodules.bptt import BPTTBatches
 from heads import SoftmaxHead
@@ -25,7 +29,9 @@ class LossOnTheBar(L.Callback):
         self.shown: list[str] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.shown.append(trainer.progress_bar_callback.train_progress_bar.postfix or "")
+        bar = trainer.progress_bar_callback
+        if isinstance(bar, TQDMProgressBar):
+            self.shown.append(bar.train_progress_bar.postfix or "")
 
 
 class LossOnTheBarEachBatch(LanguageModel):
@@ -66,27 +72,33 @@ def _fit(bar: TQDMProgressBar, monkeypatch, task=LanguageModel) -> tuple[int, li
                         callbacks=[bar, shown])  # fmt: skip
     trainer.fit(model, loader)
     monkeypatch.undo()
-    assert bar.train_progress_bar.n == BATCHES  # counted to the end all the same
+    if isinstance(bar, TQDMProgressBar):
+        assert bar.train_progress_bar.n == BATCHES  # counted to the end all the same
     return sum(reads), shown.shown
 
 
-def test_the_loss_is_read_back_at_the_logging_interval_not_every_batch(monkeypatch):
+@pytest.mark.parametrize("kind", ["tqdm", "rich"])
+def test_the_loss_is_read_back_at_the_logging_interval_not_every_batch(kind, monkeypatch):
     """Logged with ``prog_bar``, Lightning reads the train loss back after every batch (on a
-    GPU a device sync each); the tasks log it without, and the app's bar shows it at the
-    logging interval."""
-    reads, _ = _fit(TQDMProgressBar(), monkeypatch, task=LossOnTheBarEachBatch)
+    GPU a device sync each), whichever bar shows it; the tasks log it without, and the app's
+    bars show it at the logging interval."""
+    lightnings, ours = {"tqdm": (TQDMProgressBar, IntervalTQDMProgressBar),
+                        "rich": (RichProgressBar, IntervalRichProgressBar)}[kind]  # fmt: skip
+    reads, _ = _fit(lightnings(), monkeypatch, task=LossOnTheBarEachBatch)
     assert reads >= BATCHES
-    reads, shown = _fit(IntervalProgressBar(), monkeypatch)
+    reads, shown = _fit(ours(), monkeypatch)
     assert reads <= BATCHES // INTERVAL + 3  # and at the epoch's end: the bar's, its metrics'
-    assert [("train/loss=" in postfix) for postfix in shown[: INTERVAL + 1]] == [
-        False] * (INTERVAL - 1) + [True, True]  # fmt: skip
-    assert shown[INTERVAL] == shown[2 * INTERVAL - 2] != shown[2 * INTERVAL - 1]
+    if kind == "tqdm":  # shown from the first interval on, the same until the next
+        assert [("train/loss=" in postfix) for postfix in shown[: INTERVAL + 1]] == [
+            False] * (INTERVAL - 1) + [True, True]  # fmt: skip
+        assert shown[INTERVAL] == shown[2 * INTERVAL - 2] != shown[2 * INTERVAL - 1]
 
 
 def test_the_cli_shows_it_unless_given_another_bar_or_none(ptb_path):
     args = ["--data.init_args.path", ptb_path]
     bar = build(["configs/lm/ptb.yaml"], args).trainer.progress_bar_callback
-    assert type(bar) is IntervalProgressBar
+    assert type(bar) is type(interval_progress_bar())  # Rich's where installed, as Lightning's
+    assert type(bar) in (IntervalRichProgressBar, IntervalTQDMProgressBar)
     off = build(["configs/lm/ptb.yaml"], [*args, "--trainer.enable_progress_bar", "false"])
     assert off.trainer.progress_bar_callback is None
     lightnings = "lightning.pytorch.callbacks.TQDMProgressBar"
