@@ -25,7 +25,6 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from heads.adaptive_cutoffs import CostModel, calibrate, optimal_cutoffs, zipf_probabilities
@@ -46,10 +45,10 @@ from heads.fused_cross_entropy import (
     mean_cross_entropy,
     mean_loss_plan,
     mean_weights,
+    plain_log_probs,
     plain_loss_fits,
     plain_nll,
 )
-from heads.kernels.chunks import accumulation_dtype
 
 log = logging.getLogger(__name__)
 _REBUILD_SEED_OFFSET = 0xADA  # a stream apart from the backbone's first draws
@@ -372,11 +371,11 @@ class AdaptiveSoftmaxHead(Head):
         head's entry j counted ``c_j`` times (once a word, ``|C_i|`` for cluster i's)."""
         smoothing = label_smoothing > 0
         head_target = torch.where(group == 1, target, self.group_head_target[group])
-        nll, log_probs = _plain_log_probs(hidden, self.head.weight, self.head.bias, head_target)
+        nll, log_probs = plain_log_probs(hidden, self.head.weight, self.head.bias, head_target)
         total = log_probs @ self.head_counts.to(log_probs.dtype) if smoothing else None
         for i, tail in enumerate(self.tail, start=1):
             inside = torch.where(group == i + 1, target - self.cutoffs[i - 1], IGNORE_INDEX)
-            part, log_probs = _plain_log_probs(tail[0](hidden), tail[1].weight, None, inside)
+            part, log_probs = plain_log_probs(tail[0](hidden), tail[1].weight, None, inside)
             nll = nll + part
             total = total + log_probs.sum(1) if smoothing else None
         mean = None if total is None else -total / self.vocab_size
@@ -440,14 +439,3 @@ class AdaptiveSoftmaxHead(Head):
                 cluster_lp = head_lp[:, self.shortlist_size + i : self.shortlist_size + i + 1]
                 parts.append(upcast(logits).log_softmax(-1) + cluster_lp)
             return torch.cat(parts, dim=-1)
-
-
-def _plain_log_probs(hidden, weight, bias, target) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(-log p_target, log p)`` of one classifier, in the accumulation dtype (float32 under
-    autocast): one product, then PyTorch's fused log-softmax and NLL kernels; NLL 0 where
-    ``target`` is ``IGNORE_INDEX``."""
-    logits = F.linear(hidden, weight, bias)
-    with torch.autocast(hidden.device.type, enabled=False):
-        log_probs = logits.to(accumulation_dtype(hidden, weight)).log_softmax(1)
-        nll = F.nll_loss(log_probs, target, reduction="none", ignore_index=IGNORE_INDEX)
-    return nll, log_probs

@@ -547,19 +547,35 @@ def plain_cross_entropy(
     """:func:`log_softmax_rows` of ``hidden W^T + b``: one product, then PyTorch's fused
     log-softmax and NLL kernels in the accumulation dtype (float32 under autocast),
     differentiated by autograd."""
+    nll, log_probs = plain_log_probs(hidden, weight, bias, target)
+    return nll, -log_probs.mean(1) if smoothing else None
+
+
+def plain_log_probs(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`log_probs_and_nll` of ``hidden W^T + b`` in the accumulation dtype."""
     logits = torch.nn.functional.linear(hidden, weight, bias)
-    return log_softmax_rows(logits.to(accumulation_dtype(hidden, weight)), target, smoothing)
+    return log_probs_and_nll(logits.to(accumulation_dtype(hidden, weight)), target)
+
+
+def log_probs_and_nll(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(-log p_target, log p)`` of ``[N, V]`` logits (taken in their dtype, autocast off):
+    PyTorch's fused log-softmax and NLL kernels, the NLL 0 where ``target`` is
+    ``IGNORE_INDEX``."""
+    with torch.autocast(logits.device.type, enabled=False):
+        log_probs = logits.log_softmax(1)
+        nll = torch.nn.functional.nll_loss(log_probs, target, reduction="none",
+                                           ignore_index=IGNORE_INDEX)  # fmt: skip
+    return nll, log_probs
 
 
 def log_softmax_rows(
     logits: torch.Tensor, target: torch.Tensor, smoothing: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(-log p_target, mean_x(-log p_x) or None)`` per row of ``[N, V]`` logits (taken in
-    their dtype, autocast off), the NLL 0 where ``target`` is ``IGNORE_INDEX``."""
-    with torch.autocast(logits.device.type, enabled=False):
-        log_probs = logits.log_softmax(1)
-        nll = torch.nn.functional.nll_loss(log_probs, target, reduction="none",
-                                           ignore_index=IGNORE_INDEX)  # fmt: skip
+    """``(-log p_target, mean_x(-log p_x) or None)`` per row of ``[N, V]`` logits
+    (:func:`log_probs_and_nll`)."""
+    nll, log_probs = log_probs_and_nll(logits, target)
     return nll, -log_probs.mean(1) if smoothing else None
 
 
