@@ -22,11 +22,14 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 
+from app.callbacks.training.logging_steps import logs_this_batch
+
 
 class IntervalMetrics:
     """The bars' shared part: ``get_metrics`` adds the ``shown`` callback metrics, read back
-    only where :meth:`on_train_batch_end` says a logging interval ends (and outside a training
-    batch: an epoch's or a validation's end), else their last values."""
+    only after the training batches whose metrics Lightning logs (:func:`logs_this_batch`)
+    and an epoch's last, and outside a training batch (an epoch's or a validation's end), else
+    their last values."""
 
     def __init__(self, *args: Any, shown: Sequence[str] = ("train/loss",), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -45,9 +48,7 @@ class IntervalMetrics:
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:  # fmt: skip
-        count = batch_idx + 1
-        last = count == trainer.num_training_batches
-        self._read = count % max(trainer.log_every_n_steps, 1) == 0 or last
+        self._read = logs_this_batch(trainer) or batch_idx + 1 == trainer.num_training_batches
         try:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         finally:
