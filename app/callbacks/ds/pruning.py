@@ -60,7 +60,7 @@ class DSPruning(Callback):
         self.max_peak_softmaxes = max_peak_softmaxes
         self.pruned_rows = 0
         self.peak_rows = 0
-        self._loss_sum = 0.0
+        self._loss_sum: torch.Tensor | float = 0.0  # on the loss's device: summed, not read
         self._loss_count = 0
 
     def _stopped(self, trainer: L.Trainer) -> bool:
@@ -75,14 +75,14 @@ class DSPruning(Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
     ) -> None:
         loss = trainer.callback_metrics.get(self.loss_key)
-        if loss is not None:
-            self._loss_sum += float(loss)
+        if loss is not None:  # summed on the device: read back only when a check is due
+            self._loss_sum = loss.detach().float() + self._loss_sum
             self._loss_count += 1
         if self._stopped(trainer) or (trainer.global_step % self.every_n_steps):
             return
         if not self._loss_count:
             return
-        mean = torch.tensor(self._loss_sum / self._loss_count, device=pl_module.device)
+        mean = torch.as_tensor(self._loss_sum / self._loss_count).to(pl_module.device)
         mean = trainer.strategy.reduce(mean, reduce_op="mean")
         self._loss_sum, self._loss_count = 0.0, 0
         if float(mean) < self.loss_threshold:

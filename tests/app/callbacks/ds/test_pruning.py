@@ -68,6 +68,27 @@ def test_no_pruning_above_the_loss_threshold():
     assert model.head.weight.size(0) == 4 * 4
 
 
+def test_the_loss_is_read_back_only_when_a_check_is_due(monkeypatch):
+    """The loss is summed on the device each batch and read back (a GPU sync) once per
+    ``every_n_steps``: the check's mean, not every batch's loss."""
+    reads = []
+    for name in ("item", "__float__"):
+        original = getattr(torch.Tensor, name)
+
+        def read(tensor, original=original):
+            import traceback
+
+            reads.append(traceback.extract_stack(limit=2)[0].filename.endswith("pruning.py"))
+            return original(tensor)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+    torch.manual_seed(0)
+    dm = SyntheticHierarchyDataModule(num_super=2, num_sub=2, train_per_sub=40, batch_size=8)
+    t = trainer(1, [DSPruning(loss_threshold=1e-6, every_n_steps=5)], limit_val_batches=0)
+    t.fit(make_model(dm), dm)
+    assert t.global_step == 20 and sum(reads) == 20 // 5  # not one a batch
+
+
 def test_no_pruning_and_no_lasso_from_stop_epoch():
     torch.manual_seed(0)
     dm = SyntheticHierarchyDataModule(num_super=2, num_sub=2, train_per_sub=20, batch_size=20)
