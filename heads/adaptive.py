@@ -123,10 +123,8 @@ class AdaptiveSoftmaxHead(Head):
         self.shortlist_size = cutoffs[0]
         self.num_clusters = len(cutoffs) - 1
         factory = {} if like is None else {"device": like.device, "dtype": like.dtype}
-        # Each target's group in forward (buffers: they move with the module): 0 ignored
-        # (negative), 1 the short-list, i + 1 tail cluster i, by a comparison per group start
-        # (far cheaper than bucketize for a handful); and each group's head target (the word
-        # itself in the short-list, at index 1: unused)
+        # The group starts (``_groups``) and each group's head target (the word itself in the
+        # short-list, at index 1: unused), as buffers: they move with the module
         device = factory.get("device")
         starts = torch.tensor([0, *cutoffs[:-1]], device=device)
         self.register_buffer("group_starts", starts, persistent=False)
@@ -283,7 +281,7 @@ class AdaptiveSoftmaxHead(Head):
         self.check_inputs(hidden, target)
         check_label_smoothing(label_smoothing)
         expected = self._take_expected(target)  # the group sizes, counted on the host
-        group = (target.unsqueeze(-1) >= self.group_starts).sum(-1)  # 0 ignored, 1 short-list
+        group = _groups(target, self.group_starts)
         # a small step on CUDA: every classifier on every row, nothing read back
         if dense_loss_fits(self.loss_options, hidden.device, hidden.size(0),
                            self.vocab_size + self.num_clusters):  # fmt: skip
@@ -347,8 +345,7 @@ class AdaptiveSoftmaxHead(Head):
         with a device-side assert); used by that forward only, under eager execution."""
         self._expected = None
         if target.device.type == "cpu" and not target.is_floating_point():
-            starts = torch.tensor([0, *self.cutoffs[:-1]])
-            group = (target.reshape(-1, 1) >= starts).sum(-1)
+            group = _groups(target.reshape(-1), torch.tensor([0, *self.cutoffs[:-1]]))
             counts = torch.bincount(group, minlength=self.num_clusters + 2)
             self._expected = (target.numel(), counts.tolist())
 
@@ -439,3 +436,9 @@ class AdaptiveSoftmaxHead(Head):
                 cluster_lp = head_lp[:, self.shortlist_size + i : self.shortlist_size + i + 1]
                 parts.append(upcast(logits).log_softmax(-1) + cluster_lp)
             return torch.cat(parts, dim=-1)
+
+
+def _groups(target: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """Each target's group: 0 ignored (negative), 1 the short-list, i + 1 tail cluster i, by a
+    comparison per group start (far cheaper than bucketize for a handful)."""
+    return (target.unsqueeze(-1) >= starts).sum(-1)

@@ -63,9 +63,6 @@ class Classifier(HeadTask):
             }
         )
 
-    def batch_targets(self, batch: Any) -> torch.Tensor | None:
-        return batch[1] if isinstance(batch, (tuple, list)) and len(batch) == 2 else None
-
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
         inputs, targets = batch
         output = self.head(self.backbone(inputs), targets)

@@ -206,8 +206,9 @@ class HeadTask(L.LightningModule):
 
     # -- the batch's targets told to the head while on the host ------------------------------
     def batch_targets(self, batch: Any) -> torch.Tensor | None:
-        """The targets of a training or evaluation batch (None for another kind)."""
-        return None
+        """The targets of a training or evaluation batch, ``(inputs, targets)`` by default
+        (None for another kind)."""
+        return batch[1] if isinstance(batch, (tuple, list)) and len(batch) == 2 else None
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """The head sees the targets before they reach the device (``Head.expect_targets``):

@@ -184,9 +184,6 @@ class LanguageModel(HeadTask):
                 self.log("train/aux_loss", output.aux_loss)
         return loss
 
-    def batch_targets(self, batch: Any) -> torch.Tensor | None:
-        return batch[1] if isinstance(batch, (tuple, list)) and len(batch) == 2 else None
-
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
         return self._step(batch, "train")
 
