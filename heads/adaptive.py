@@ -369,7 +369,10 @@ class AdaptiveSoftmaxHead(Head):
         smoothing = label_smoothing > 0
         head_target = torch.where(group == 1, target, self.group_head_target[group])
         nll, log_probs = plain_log_probs(hidden, self.head.weight, self.head.bias, head_target)
-        total = log_probs @ self.head_counts.to(log_probs.dtype) if smoothing else None
+        total = None
+        if smoothing:  # in float32: a half-precision product overflows float16 (|sum| > 65504)
+            with float32_no_autocast(hidden.device):
+                total = log_probs.float() @ self.head_counts.float()
         for i, tail in enumerate(self.tail, start=1):
             inside = torch.where(group == i + 1, target - self.cutoffs[i - 1], IGNORE_INDEX)
             part, log_probs = plain_log_probs(tail[0](hidden), tail[1].weight, None, inside)

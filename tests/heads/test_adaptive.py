@@ -235,6 +235,30 @@ def test_the_dense_step_at_the_losss_edges(gpu_plans_here):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_dense_step_smooths_in_float32_under_half_autocast(gpu_plans_here, dtype,
+                                                                monkeypatch):  # fmt: skip
+    """Label smoothing sums each row's head log-probs over the vocabulary (about -2e5 here):
+    under 16-mixed a float16 product of them overflowed (65504) and the loss was inf. Under
+    either autocast the dense step's loss equals the float32 one and its gradient is finite."""
+
+    def no_sort(*args):
+        raise AssertionError("the dense step sorts nothing")
+
+    monkeypatch.setattr(adaptive, "sort_into_groups", no_sort)
+    torch.manual_seed(0)
+    head = AdaptiveSoftmaxHead(32, 20_000, cutoffs=[2000, 10_000], div_value=4.0).eval()
+    hidden, target = 2 * torch.randn(96, 32), torch.randint(0, 20_000, (96,))
+    want = head(hidden, target, label_smoothing=0.1).loss
+    hidden.requires_grad_(True)
+    with torch.autocast("cpu", dtype=dtype):
+        got = head(hidden, target, label_smoothing=0.1).loss
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=0)
+    got.backward()
+    assert torch.isfinite(hidden.grad).all()
+
+
 def test_the_dense_step_compiles_into_one_graph_without_captured_sizes(gpu_plans_here):
     """Nothing data-dependent in the dense step: one graph under torch.compile even where
     Dynamo may not capture scalar outputs (the sorted step breaks the graph there)."""
