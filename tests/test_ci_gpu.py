@@ -25,6 +25,13 @@ printf '%s\\n' "$line" >> "$RECORD"
 """
 
 
+# pytest -m gpu as the tests part runs it: each outcome as it ends (a run cut short names its
+# failures), on 8 workers where pytest-xdist imports (the recorder answers every import), a
+# file's tests on one worker (its module fixtures built once)
+GPU_TESTS = ["-m", "pytest", "-m", "gpu", "-v", "-rfE", "-p", "no:cacheprovider",
+             "-n", "8", "--dist", "loadfile"]  # fmt: skip
+
+
 def _recorded(tmp_path, *parts: str) -> list[list[str]]:
     shim = tmp_path / "bin"
     shim.mkdir()
@@ -52,20 +59,7 @@ def test_every_part_runs_commands_its_tools_accept(tmp_path):
     assert modules.count("app.bench.profile") == 4 and "app.bench.fastest" in modules
     fused = profile_args(_on_cpu(commands[-1][2:]))  # the fused products beside @rows
     assert {"softmax@fused", "mixtape@fused", "mos@fused", "softmax@rows"} <= set(fused.heads)
-    # each test's outcome as it ends (a run cut short names its failures), on 8 workers
-    # where pytest-xdist imports (the recorder answers every import)
-    assert [
-        "-m",
-        "pytest",
-        "-m",
-        "gpu",
-        "-v",
-        "-rfE",
-        "-p",
-        "no:cacheprovider",
-        "-n",
-        "8",
-    ] in commands
+    assert GPU_TESTS in commands
     assert ["-c", "import xdist"] in commands
     assert ["-c", "import cut_cross_entropy"] in commands  # the peers only where installed
     for command in commands:
@@ -109,20 +103,7 @@ def test_tests_and_memory_run_side_by_side(tmp_path):
     """The default run's ``tests+memory``: both parts, the memory search untouched by the
     tests' process (the allocator's own figures)."""
     commands = _recorded(tmp_path, "tests+memory")
-    # each test's outcome as it ends (a run cut short names its failures), on 8 workers
-    # where pytest-xdist imports (the recorder answers every import)
-    assert [
-        "-m",
-        "pytest",
-        "-m",
-        "gpu",
-        "-v",
-        "-rfE",
-        "-p",
-        "no:cacheprovider",
-        "-n",
-        "8",
-    ] in commands
+    assert GPU_TESTS in commands
     assert ["-c", "import xdist"] in commands
     memory = [c for c in commands if "same-memory" in c]
     assert len(memory) == 1 and "--time" in memory[0]
