@@ -554,17 +554,55 @@ def plain_cross_entropy(
 def plain_log_probs(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`log_probs_and_nll` of ``hidden W^T + b`` in the accumulation dtype."""
+    """:func:`log_probs_and_nll` of ``hidden W^T + b`` in the accumulation dtype (the
+    log-probabilities ``[N, V]``; a large product's columns aligned: :func:`aligned_columns`)."""
+    columns = weight.size(0)
+    weight, bias = aligned_columns(hidden, weight, bias)
     logits = torch.nn.functional.linear(hidden, weight, bias)
-    return log_probs_and_nll(logits.to(accumulation_dtype(hidden, weight)), target)
+    # the log-softmax takes the product's logits and writes float32 (float16 ones on CUDA in one
+    # kernel each way, PyTorch's half_to_float: no float32 copy, no cast of their gradient)
+    nll, log_probs = log_probs_and_nll(logits, target, accumulation_dtype(hidden, weight))
+    return nll, log_probs if weight.size(0) == columns else log_probs[:, :columns]
 
 
-def log_probs_and_nll(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``(-log p_target, log p)`` of ``[N, V]`` logits (taken in their dtype, autocast off):
-    PyTorch's fused log-softmax and NLL kernels, the NLL 0 where ``target`` is
-    ``IGNORE_INDEX``."""
+# CUDA's tensor-core products want every row of their operands and output 16-byte aligned: a
+# product of V columns, V no multiple of 8, runs cuBLAS's align1 kernels (an H100 ran the
+# adaptive softmax's classifiers at V = 100k, 2,961, 28,573 and 68,468 columns, and PyTorch's
+# layer alike, in cutlass_75 align1 kernels: 2.0 ms of a 7.0 ms step,
+# docs/results/profile_gpu_heads_100k.json), as nanoGPT pads GPT-2's 50,257 to 50,304
+PLAIN_COLUMN_MULTIPLE = 8
+# ... where the product counts (2 N d V FLOPs; the adaptive softmax's at V = 100k, 16,384 tokens:
+# 7 to 50 GFLOP): a smaller step is launch-bound (a PTB step's largest, 0.4 GFLOP), and the
+# padding is two more operators there (the weight's zero rows, the bias's -inf)
+PLAIN_ALIGN_FLOPS = 1 << 32
+
+
+def aligned_columns(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(W, b)`` with zero rows after ``W``'s and ``-inf`` after ``b``'s up to a multiple of
+    :data:`PLAIN_COLUMN_MULTIPLE` on the GPU plans' devices for a product of at least
+    :data:`PLAIN_ALIGN_FLOPS` (unchanged elsewhere): the extra columns' logits are ``-inf``,
+    so a softmax over them is the one over ``V`` and their gradient is 0."""
+    pad = -weight.size(0) % PLAIN_COLUMN_MULTIPLE
+    if not pad or not gpu_plans(hidden.device):
+        return weight, bias
+    if 2 * hidden.size(0) * weight.size(1) * weight.size(0) < PLAIN_ALIGN_FLOPS:
+        return weight, bias
+    if bias is None:
+        bias = weight.new_zeros(weight.size(0))
+    padded = torch.nn.functional.pad
+    return padded(weight, (0, 0, 0, pad)), padded(bias, (0, pad), value=-math.inf)
+
+
+def log_probs_and_nll(
+    logits: torch.Tensor, target: torch.Tensor, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, ...]:
+    """``(-log p_target, log p)`` of ``[N, V]`` logits (in ``dtype``, default theirs;
+    autocast off): PyTorch's fused log-softmax and NLL kernels, the NLL 0 where ``target``
+    is ``IGNORE_INDEX``."""
     with torch.autocast(logits.device.type, enabled=False):
-        log_probs = logits.log_softmax(1)
+        log_probs = logits.log_softmax(1, dtype=dtype)
         nll = torch.nn.functional.nll_loss(log_probs, target, reduction="none",
                                            ignore_index=IGNORE_INDEX)  # fmt: skip
     return nll, log_probs

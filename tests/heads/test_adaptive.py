@@ -192,12 +192,18 @@ def test_plan_rows_on_gpu_plans_at_the_losss_edges(gpu_plans_here, monkeypatch):
         )
 
 
+@pytest.mark.parametrize("align", [False, True], ids=["as_is", "aligned"])
 @pytest.mark.parametrize("plan", ["auto", "plain"])
-def test_a_small_step_on_gpu_plans_runs_every_classifier_on_every_row(gpu_plans_here, plan,
-                                                                      monkeypatch):  # fmt: skip
+def test_a_small_step_on_gpu_plans_runs_every_classifier_on_every_row(
+    gpu_plans_here, plan, align, monkeypatch
+):
     """Within the saved budget, CUDA's plans run the short list and each tail cluster over
     every row (no sort, no read-back, no gather): the loss, NLL and every gradient equal
-    PyTorch's layer's in float64, and a cluster the batch misses gets a zero gradient."""
+    PyTorch's layer's in float64, and a cluster the batch misses gets a zero gradient; the
+    same with every classifier's columns padded to a multiple of 8 (``aligned``: as a large
+    step runs them, fce.aligned_columns)."""
+    if align:
+        monkeypatch.setattr(fce, "PLAIN_ALIGN_FLOPS", 0)
 
     def no_sort(*args):
         raise AssertionError("the dense step sorts nothing and reads nothing back")

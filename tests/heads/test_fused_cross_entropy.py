@@ -6,6 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import heads.fused_cross_entropy as fce
+import heads.kernels.chunks as chunks
 from heads.errors import HeadConfigError, UserError
 from heads.fused_cross_entropy import (
     IGNORE_INDEX,
@@ -364,6 +366,67 @@ def test_plain_nll_equals_the_formula_in_float64_and_keeps_float32_under_bf16():
         low = plain_nll(hidden.float(), weight.float(), bias.float(), target)
     assert low.dtype == torch.float32
     torch.testing.assert_close(low.double(), want, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+def test_a_large_plain_product_on_gpu_plans_runs_on_aligned_columns(with_bias, monkeypatch):
+    """On the GPU plans' devices a plain product of V = 37 columns (large enough: here any)
+    runs on 40 (PLAIN_COLUMN_MULTIPLE), the extra columns' logits -inf: the NLL, the V
+    log-probabilities (with label smoothing's mean over them) and every gradient equal the
+    unpadded formula's in float64; under bf16 autocast they stay finite and close."""
+    products = []
+    linear = F.linear
+
+    def spy(hidden, weight, bias=None):
+        products.append(weight.size(0))
+        return linear(hidden, weight, bias)
+
+    monkeypatch.setattr(F, "linear", spy)
+    monkeypatch.setattr(chunks, "GPU_PLAN_DEVICES", {"cuda", "cpu"})
+    monkeypatch.setattr(fce, "PLAIN_ALIGN_FLOPS", 0)
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(9, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(37, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(37, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = bias if with_bias else None
+    target = torch.randint(0, 37, (9,), generator=gen)
+    target[2] = IGNORE_INDEX
+    inputs = [x for x in (hidden, weight, bias) if x is not None]
+    nll, log_probs = fce.plain_log_probs(hidden, weight, bias, target)
+    assert products == [40] and log_probs.shape == (9, 37)
+    want_log_probs = torch.log_softmax(F.linear(hidden, weight, bias), -1)
+    want = torch.where(target >= 0, -want_log_probs.gather(1, target.clamp_min(0)[:, None])[:, 0],
+                       0.0)  # fmt: skip
+    torch.testing.assert_close(log_probs, want_log_probs)
+    torch.testing.assert_close(nll, want)
+    got_loss = nll.sum() - 0.1 * log_probs.mean(1).sum()
+    want_loss = want.sum() - 0.1 * want_log_probs.mean(1).sum()
+    for g, w in zip(torch.autograd.grad(got_loss, inputs), torch.autograd.grad(want_loss, inputs),
+                    strict=True):  # fmt: skip
+        torch.testing.assert_close(g, w)
+    floats = [x.detach().float().requires_grad_() for x in inputs]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low, _ = fce.plain_log_probs(*floats, *([] if with_bias else [None]), target)
+    low.sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in floats)
+    torch.testing.assert_close(low.double(), want, rtol=0.05, atol=0.05)
+
+
+def test_plain_products_are_padded_only_where_they_count():
+    """Aligned already, on a CPU's own plans, or fewer FLOPs than PLAIN_ALIGN_FLOPS (a
+    launch-bound step, where the padding's operators cost more than they save): unchanged."""
+    weight, bias = torch.randn(37, 6), torch.randn(37)
+    rows = fce.PLAIN_ALIGN_FLOPS // (2 * 6 * 37)
+    big, small = torch.empty(rows + 1, 6), torch.empty(rows - 1, 6)
+    assert fce.aligned_columns(big, weight, bias)[0] is weight  # this CPU's plans
+    chunks.GPU_PLAN_DEVICES.add("cpu")
+    try:
+        assert fce.aligned_columns(big, weight, bias)[0].shape == (40, 6)
+        assert fce.aligned_columns(small, weight, bias)[0] is weight
+        aligned = torch.randn(40, 6)
+        assert fce.aligned_columns(big, aligned, None)[0] is aligned
+    finally:
+        chunks.GPU_PLAN_DEVICES.discard("cpu")
 
 
 def test_plain_runs_on_cuda_where_the_logits_fit_the_saved_budget():
