@@ -46,7 +46,12 @@ from heads.kernels.chunks import accumulation_dtype, compute_dtype, gpu_plans
 from heads.kernels.chunks import spans as spans  # re-exported: callers plan chunks with it
 from heads.kernels.compiled_lse import CompiledLinearLSE, own_targets
 from heads.kernels.eager_lse import EagerLinearLSE
-from heads.kernels.rows_ce import RowsCrossEntropy, tile_bytes_per_logit
+from heads.kernels.rows_ce import (
+    RowsCrossEntropy,
+    padded_columns,
+    padded_weight,
+    tile_bytes_per_logit,
+)
 from heads.kernels.rows_ce import fused_products_missing as fused_products_missing  # re-exported
 
 BACKENDS = ("auto", "torch", "cce", "liger")
@@ -565,34 +570,33 @@ def plain_log_probs(
     return nll, log_probs if weight.size(0) == columns else log_probs[:, :columns]
 
 
-# CUDA's tensor-core products want every row of their operands and output 16-byte aligned: a
-# product of V columns, V no multiple of 8, runs cuBLAS's align1 kernels (an H100 ran the
-# adaptive softmax's classifiers at V = 100k, 2,961, 28,573 and 68,468 columns, and PyTorch's
-# layer alike, in cutlass_75 align1 kernels: 2.0 ms of a 7.0 ms step,
-# docs/results/profile_gpu_heads_100k.json), as nanoGPT pads GPT-2's 50,257 to 50,304
-PLAIN_COLUMN_MULTIPLE = 8
-# ... where the product counts (2 N d V FLOPs; the adaptive softmax's at V = 100k, 16,384 tokens:
-# 7 to 50 GFLOP): a smaller step is launch-bound (a PTB step's largest, 0.4 GFLOP), and the
-# padding is two more operators there (the weight's zero rows, the bias's -inf)
+# A product of V columns, V no multiple of 8, runs cuBLAS's slow align1 kernels (its rows are not
+# 16-byte aligned: an H100 ran the adaptive softmax's classifiers at V = 100k, 2,961, 28,573
+# and 68,468 columns, and PyTorch's layer alike, in cutlass_75 align1 kernels: 2.0 ms of a 7.0
+# ms step, docs/results/profile_gpu_heads_100k.json); a large plain product is padded as the
+# rows plan pads its tiles (rows_ce.padded_columns). Large: 2 N d V FLOPs at least this (the
+# adaptive softmax's at V = 100k, 16,384 tokens: 7 to 50 GFLOP); a smaller step is launch-
+# bound (a PTB step's largest, 0.4 GFLOP), where the padding's operators would cost more
 PLAIN_ALIGN_FLOPS = 1 << 32
 
 
 def aligned_columns(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(W, b)`` with zero rows after ``W``'s and ``-inf`` after ``b``'s up to a multiple of
-    :data:`PLAIN_COLUMN_MULTIPLE` on the GPU plans' devices for a product of at least
-    :data:`PLAIN_ALIGN_FLOPS` (unchanged elsewhere): the extra columns' logits are ``-inf``,
-    so a softmax over them is the one over ``V`` and their gradient is 0."""
-    pad = -weight.size(0) % PLAIN_COLUMN_MULTIPLE
-    if not pad or not gpu_plans(hidden.device):
+    """``(W, b)`` with zero rows after ``W``'s and ``-inf`` after ``b``'s up to
+    :func:`~heads.kernels.rows_ce.padded_columns` on the GPU plans' devices for a product of at
+    least :data:`PLAIN_ALIGN_FLOPS` (unchanged elsewhere): the extra columns' logits are
+    ``-inf``, so a softmax over them is the one over ``V`` and their gradient is 0."""
+    columns = padded_columns(weight.size(0))
+    if columns == weight.size(0) or not gpu_plans(hidden.device):
         return weight, bias
     if 2 * hidden.size(0) * weight.size(1) * weight.size(0) < PLAIN_ALIGN_FLOPS:
         return weight, bias
     if bias is None:
         bias = weight.new_zeros(weight.size(0))
-    padded = torch.nn.functional.pad
-    return padded(weight, (0, 0, 0, pad)), padded(bias, (0, pad), value=-math.inf)
+    pad = columns - weight.size(0)
+    bias = torch.nn.functional.pad(bias, (0, pad), value=-math.inf)
+    return padded_weight(weight, columns, weight.dtype), bias
 
 
 def log_probs_and_nll(

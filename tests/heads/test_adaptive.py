@@ -200,7 +200,7 @@ def test_a_small_step_on_gpu_plans_runs_every_classifier_on_every_row(
     """Within the saved budget, CUDA's plans run the short list and each tail cluster over
     every row (no sort, no read-back, no gather): the loss, NLL and every gradient equal
     PyTorch's layer's in float64, and a cluster the batch misses gets a zero gradient; the
-    same with every classifier's columns padded to a multiple of 8 (``aligned``: as a large
+    same with every classifier's columns padded to a multiple of 64 (``aligned``: as a large
     step runs them, fce.aligned_columns)."""
     if align:
         monkeypatch.setattr(fce, "PLAIN_ALIGN_FLOPS", 0)

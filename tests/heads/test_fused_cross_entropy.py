@@ -371,7 +371,7 @@ def test_plain_nll_equals_the_formula_in_float64_and_keeps_float32_under_bf16():
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
 def test_a_large_plain_product_on_gpu_plans_runs_on_aligned_columns(with_bias, monkeypatch):
     """On the GPU plans' devices a plain product of V = 37 columns (large enough: here any)
-    runs on 40 (PLAIN_COLUMN_MULTIPLE), the extra columns' logits -inf: the NLL, the V
+    runs on 64 (rows_ce.padded_columns), the extra columns' logits -inf: the NLL, the V
     log-probabilities (with label smoothing's mean over them) and every gradient equal the
     unpadded formula's in float64; under bf16 autocast they stay finite and close."""
     products = []
@@ -393,7 +393,7 @@ def test_a_large_plain_product_on_gpu_plans_runs_on_aligned_columns(with_bias, m
     target[2] = IGNORE_INDEX
     inputs = [x for x in (hidden, weight, bias) if x is not None]
     nll, log_probs = fce.plain_log_probs(hidden, weight, bias, target)
-    assert products == [40] and log_probs.shape == (9, 37)
+    assert products == [64] and log_probs.shape == (9, 37)
     want_log_probs = torch.log_softmax(F.linear(hidden, weight, bias), -1)
     want = torch.where(target >= 0, -want_log_probs.gather(1, target.clamp_min(0)[:, None])[:, 0],
                        0.0)  # fmt: skip
@@ -421,9 +421,9 @@ def test_plain_products_are_padded_only_where_they_count():
     assert fce.aligned_columns(big, weight, bias)[0] is weight  # this CPU's plans
     chunks.GPU_PLAN_DEVICES.add("cpu")
     try:
-        assert fce.aligned_columns(big, weight, bias)[0].shape == (40, 6)
+        assert fce.aligned_columns(big, weight, bias)[0].shape == (64, 6)
         assert fce.aligned_columns(small, weight, bias)[0] is weight
-        aligned = torch.randn(40, 6)
+        aligned = torch.randn(64, 6)
         assert fce.aligned_columns(big, aligned, None)[0] is aligned
     finally:
         chunks.GPU_PLAN_DEVICES.discard("cpu")
