@@ -584,18 +584,18 @@ def aligned_columns(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(W, b)`` with zero rows after ``W``'s and ``-inf`` after ``b``'s up to
-    :func:`~heads.kernels.rows_ce.padded_columns` on the GPU plans' devices for a product of at
-    least :data:`PLAIN_ALIGN_FLOPS` (unchanged elsewhere): the extra columns' logits are
-    ``-inf``, so a softmax over them is the one over ``V`` and their gradient is 0."""
-    columns = padded_columns(weight.size(0))
-    if columns == weight.size(0) or not gpu_plans(hidden.device):
+    :func:`~heads.kernels.rows_ce.padded_columns` where ``V`` is no multiple of 8, on the GPU
+    plans' devices, for a product of at least :data:`PLAIN_ALIGN_FLOPS` (unchanged elsewhere):
+    the extra columns' logits are ``-inf``, so a softmax over them is the one over ``V`` and
+    their gradient is 0."""
+    if weight.size(0) % 8 == 0 or not gpu_plans(hidden.device):  # 16-byte rows already
         return weight, bias
     if 2 * hidden.size(0) * weight.size(1) * weight.size(0) < PLAIN_ALIGN_FLOPS:
         return weight, bias
     if bias is None:
         bias = weight.new_zeros(weight.size(0))
-    pad = columns - weight.size(0)
-    bias = torch.nn.functional.pad(bias, (0, pad), value=-math.inf)
+    columns = padded_columns(weight.size(0))
+    bias = torch.nn.functional.pad(bias, (0, columns - weight.size(0)), value=-math.inf)
     return padded_weight(weight, columns, weight.dtype), bias
 
 
