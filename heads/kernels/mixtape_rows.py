@@ -54,6 +54,7 @@ from heads.kernels.rows_ce import (
     padded_columns,
     padded_weight,
     runs_fused_products,
+    scaled_gradients,
     tile_body,
     weight_unit,
     with_bias,
@@ -359,8 +360,7 @@ class MixtapeRowsCrossEntropy(torch.autograd.Function):
         noise_std, dtype, tile, fused = ctx.layout
         need = ctx.needs_input_grad[:8]
         factor = None if grad_loss is None else as_dtype(grad_loss, unit.dtype) * unit
-        out = [None if g is None or factor is None or not wanted else g * factor
-               for g, wanted in zip(stored, need, strict=True)]  # fmt: skip
+        out = scaled_gradients(stored, need, factor)
         if grad_nll is not None:  # the NLL output is differentiated too: walk again, w = g
             g = torch.where(row_weight > 0, as_dtype(grad_nll, row_weight.dtype), 0.0)
             walk = _Walk(*inputs, target, dtype, tile, noise_std, seed, fused)

@@ -488,6 +488,16 @@ def _join(parts):
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def scaled_gradients(stored, need, factor: torch.Tensor | None) -> list:
+    """Each stored gradient that is needed, times ``factor`` (None where not needed, missing,
+    or without ``factor``): one multi-tensor launch on CUDA (``torch._foreach_mul``), not one
+    product each."""
+    keep = [g is not None and w and factor is not None for g, w in zip(stored, need, strict=True)]
+    wanted = [g for g, k in zip(stored, keep, strict=True) if k]
+    products = iter(torch._foreach_mul(wanted, factor) if wanted else [])
+    return [next(products) if k else None for k in keep]
+
+
 class RowsCrossEntropy(torch.autograd.Function):
     """``(sum_n w_n loss_n, nll [N])`` of one softmax over ``hidden W^T + b`` (``hidden``
     ``[N, d]``), of a mixture (``log_prior`` ``[N, K]``; ``hidden`` the ``[N K, d]``
@@ -529,8 +539,7 @@ class RowsCrossEntropy(torch.autograd.Function):
         dtype, tile, fused = ctx.layout
         need = (*ctx.needs_input_grad[:3], *ctx.needs_input_grad[4:7])
         factor = None if grad_loss is None else as_dtype(grad_loss, unit.dtype) * unit
-        scaled = [None if g is None or factor is None or not wanted else g * factor
-                  for g, wanted in zip(stored, need, strict=True)]  # fmt: skip
+        scaled = scaled_gradients(stored, need, factor)
         if grad_nll is not None:  # the NLL output is differentiated too: g r (p - onehot)
             g = torch.where(row_weight > 0, as_dtype(grad_nll, lse.dtype), 0.0)
             scale, onehot, mixing_extra = nll_terms(lse, picked, mixing, g)

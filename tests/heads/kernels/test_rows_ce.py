@@ -457,3 +457,25 @@ def test_float16_products_keep_the_small_gradients():
     want = torch.autograd.grad(1024 * plain, doubles)
     for g, w in zip(got, want, strict=True):
         assert ((g.double() - w).norm() / w.norm()).item() < 2e-3
+
+
+def test_the_stored_gradients_are_scaled_in_one_multi_tensor_product(monkeypatch):
+    """The backward's scaling of the gradients formed in the forward: each one needed times
+    the factor, None where not needed or missing, in one ``torch._foreach_mul`` call (one
+    launch on CUDA, not one a gradient)."""
+    calls = []
+    foreach_mul = torch._foreach_mul
+
+    def spy(tensors, factor):
+        calls.append(len(tensors))
+        return foreach_mul(tensors, factor)
+
+    monkeypatch.setattr(torch, "_foreach_mul", spy)
+    stored = [torch.ones(2, 3), None, torch.full((4,), 2.0), torch.ones(1)]
+    factor = torch.tensor(0.5)
+    scaled = rows_ce.scaled_gradients(stored, [True, True, True, False], factor)
+    assert calls == [2] and scaled[1] is None and scaled[3] is None
+    torch.testing.assert_close(scaled[0], torch.full((2, 3), 0.5))
+    torch.testing.assert_close(scaled[2], torch.ones(4))
+    assert rows_ce.scaled_gradients(stored, [True] * 4, None) == [None] * 4
+    assert calls == [2]  # nothing to scale: no call
