@@ -282,10 +282,12 @@ class AdaptiveSoftmaxHead(Head):
         check_label_smoothing(label_smoothing)
         expected = self._take_expected(target)  # the group sizes, counted on the host
         group = _groups(target, self.group_starts)
+        # Head: the word itself if in the short-list, else its cluster's entry (or ignored).
+        head_target = torch.where(group == 1, target, self.group_head_target[group])
         # a small step on CUDA: every classifier on every row, nothing read back
         if dense_loss_fits(self.loss_options, hidden.device, hidden.size(0),
                            self.vocab_size + self.num_clusters):  # fmt: skip
-            return self._dense_loss(hidden, target, group, label_smoothing)
+            return self._dense_loss(hidden, target, group, head_target, label_smoothing)
         # One sort groups the rows by cluster (ignored and short-list rows first), so each
         # tail cluster is a contiguous slice of one gather: one index_select (and one
         # scatter in its backward) for all tail clusters instead of one per cluster. The
@@ -295,8 +297,6 @@ class AdaptiveSoftmaxHead(Head):
         # classifier's product then keeps the GPU busy while the tail clusters are launched
         # (taken after it, the GPU would idle from the read-back to the first tail kernel).
         order, sizes = sort_into_groups(group, self.num_clusters + 2, expected)  # ignored first
-        # Head: the word itself if in the short-list, else its cluster's entry (or ignored).
-        head_target = torch.where(group == 1, target, self.group_head_target[group])
         compiling = torch.compiler.is_compiling()
         # Where the rows plan may pay for some classifier (eagerly, without smoothing), each
         # classifier gives its part of the mean loss (token weights 1 / count over the whole
@@ -359,7 +359,7 @@ class AdaptiveSoftmaxHead(Head):
         return expected[1] if expected is not None and expected[0] == target.numel() else None
 
     def _dense_loss(self, hidden: torch.Tensor, target: torch.Tensor, group: torch.Tensor,
-                    label_smoothing: float) -> HeadOutput:  # fmt: skip
+                    head_target: torch.Tensor, label_smoothing: float) -> HeadOutput:  # fmt: skip
         """Every classifier over every row as plain maths (:func:`dense_loss_fits`: small steps
         on CUDA): no sort, no gather, no read-back. A row's NLL is the head classifier's over
         its word or cluster entry plus its own cluster's (Eq. 3), each tail cluster's targets
@@ -367,7 +367,6 @@ class AdaptiveSoftmaxHead(Head):
         ``sum_x log P(x) = sum_j c_j log P_head(j) + sum_i sum_{x in C_i} log P_i(x)``, the
         head's entry j counted ``c_j`` times (once a word, ``|C_i|`` for cluster i's)."""
         smoothing = label_smoothing > 0
-        head_target = torch.where(group == 1, target, self.group_head_target[group])
         nll, log_probs = plain_log_probs(hidden, self.head.weight, self.head.bias, head_target)
         total = None
         if smoothing:  # in float32: a half-precision product overflows float16 (|sum| > 65504)

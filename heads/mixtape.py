@@ -368,7 +368,7 @@ def plain_step_fits(options, device: torch.device, rows: int, vocab_size: int, k
     and values. There a CUDA step is launch-bound: the plans' ~150 operators (blocks, tiles
     and their glue) against one compiled function, a few fused kernels each way (a whole
     PTB LM step with Mixtape, 700 tokens, measured 1.61x softmax's on an H100 by the plans,
-    1.35x so: docs/results/bench_gpu_lm_ptb_step.json)."""
+    1.32x so: docs/results/bench_gpu_lm_ptb_step.json)."""
     return plain_loss_fits(options, device, rows, vocab_size + 3 * k * frequent)
 
 
