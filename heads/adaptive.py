@@ -316,7 +316,7 @@ class AdaptiveSoftmaxHead(Head):
         tail_rows = order[sizes[0] + sizes[1] :]
         tail_hidden = hidden.index_select(0, tail_rows)
         tail_target = target.index_select(0, tail_rows)
-        tail_weights = None if weights is None else weights.index_select(0, tail_rows)
+        tail_weights = None if weights is None else weights.rows(tail_rows)
         cluster_nll, start = [], 0
         # Every cluster runs, one without a target in this batch on zero rows: its parameters
         # get a (zero) gradient all the same, which DDP without find_unused_parameters needs
@@ -328,7 +328,7 @@ class AdaptiveSoftmaxHead(Head):
             relative = tail_target[rows] - self.cutoffs[i - 1]  # all in the cluster
             part, part_nll, _ = self._classify(
                 projected, tail[1].weight, None, relative,
-                None if weights is None else tail_weights[rows],
+                None if weights is None else tail_weights.rows(rows),
                 row_bound=hidden.size(0) if compiling else None,
             )  # fmt: skip
             loss = None if weights is None else loss + part
@@ -392,7 +392,7 @@ class AdaptiveSoftmaxHead(Head):
                                 classifier=True)  # fmt: skip
         if not want_lse and plain:
             nll = plain_nll(hidden, weight, bias, target)
-            return None if weights is None else (weights * nll).sum(), nll, None
+            return None if weights is None else weights.total(nll), nll, None
         if weights is not None:
             mean = mean_cross_entropy(hidden, weight, bias, target, weights=weights,
                                       options=self.loss_options)  # fmt: skip
@@ -402,7 +402,7 @@ class AdaptiveSoftmaxHead(Head):
         parts = linear_lse(hidden, weight, bias, torch.where(valid, target, -1),
                            options=self.loss_options, row_bound=row_bound)  # fmt: skip
         nll = torch.where(valid, parts.lse - parts.target_logit, 0.0)
-        loss = None if weights is None else (weights * nll).sum()
+        loss = None if weights is None else weights.total(nll)
         return loss, nll, parts.lse
 
     def _smoothing(self, hidden: torch.Tensor, head_lse: torch.Tensor) -> torch.Tensor:

@@ -283,11 +283,11 @@ class Head(nn.Module):
         ignored rows (they are zeroed here)."""
         keep = target != IGNORE_INDEX
         nll = upcast(nll)
-        nll = torch.where(keep, nll, torch.zeros_like(nll))
+        nll = torch.where(keep, nll, 0.0)
         # clamp: an all-ignored batch gives loss 0, not NaN
         count = keep.sum().clamp_min(1)
         if label_smoothing:
-            smoothing = torch.where(keep, upcast(smoothing), torch.zeros_like(nll))
+            smoothing = torch.where(keep, upcast(smoothing), 0.0)
             loss = ((1 - label_smoothing) * nll + label_smoothing * smoothing).sum() / count
         else:
             loss = nll.sum() / count

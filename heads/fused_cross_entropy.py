@@ -48,6 +48,7 @@ from heads.kernels.compiled_lse import CompiledLinearLSE, own_targets
 from heads.kernels.eager_lse import EagerLinearLSE
 from heads.kernels.rows_ce import (
     RowsCrossEntropy,
+    RowWeights,
     padded_columns,
     padded_weight,
     tile_bytes_per_logit,
@@ -424,10 +425,10 @@ def mean_loss_plan(options: LossOptions, hidden: torch.Tensor, columns: int) -> 
     return options.plan
 
 
-def mean_weights(keep: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def mean_weights(keep: torch.Tensor, like: torch.Tensor) -> RowWeights:
     """Each token's weight in a mean loss: ``1 / count`` where ``keep``, else 0 (in the
     accumulation dtype of ``like``: float64 stays float64)."""
-    return keep.to(accumulation_dtype(like)) / keep.sum().clamp_min(1)
+    return RowWeights.mean(keep, accumulation_dtype(like))
 
 
 def mean_cross_entropy(
@@ -438,7 +439,7 @@ def mean_cross_entropy(
     *,
     log_prior: torch.Tensor | None = None,
     outside: tuple[torch.Tensor, torch.Tensor] | None = None,
-    weights: torch.Tensor | None = None,
+    weights: RowWeights | None = None,
     label_smoothing: float = 0.0,
     ignore_index: int = IGNORE_INDEX,
     options: LossOptions | None = None,
@@ -448,9 +449,10 @@ def mean_cross_entropy(
     the mixture ``sum_k pi_k softmax(z_k)`` over the ``[N K, d]`` component rows ``hidden``
     (token-major). With ``outside = (lse, target logit)`` ``[N]`` of the rest of the
     vocabulary: of the softmax over both, these columns one block of it (``target`` then
-    counts here only inside ``[0, V)``). ``weights`` ``[N]``: each token's weight in the loss
-    (0: ignored), when it is not ``1 / count`` over the tokens whose target is inside
-    ``[0, V)`` (a block's or a cluster's tokens are counted among all of the batch's).
+    counts here only inside ``[0, V)``). ``weights`` (:func:`mean_weights`): each token's
+    weight in the loss (0: ignored), when it is not ``1 / count`` over the tokens whose target
+    is inside ``[0, V)`` (a block's or a cluster's tokens are counted among all of the
+    batch's).
     None where another plan or backend runs (:func:`mean_loss_plan`), or for a mixture or a
     block with label smoothing: the caller then runs its column plan."""
     options = options or LossOptions()
@@ -465,14 +467,14 @@ def mean_cross_entropy(
     v = weight.size(0)
     inside = (target >= 0) & (target < v) & (target != ignore_index)
     if weights is None:
-        weights = inside.to(accumulation_dtype(hidden, weight)) / inside.sum().clamp_min(1)
+        weights = RowWeights.mean(inside, accumulation_dtype(hidden, weight))
     outside_lse, outside_logit = (None, None) if outside is None else outside
     dtype = compute_dtype(hidden, weight)
     held = tile_bytes_per_logit(hidden.device, dtype)
     tile = row_tile(hidden.size(0), v, hidden.device, options, held, mixture=k > 1, unit=k)
     loss, nll = RowsCrossEntropy.apply(
         hidden, weight, bias, torch.where(inside, target, -1), log_prior, outside_lse,
-        outside_logit, weights, float(label_smoothing), dtype, tile,
+        outside_logit, *weights, float(label_smoothing), dtype, tile,
         torch.is_grad_enabled(), options.fused_products,
     )  # fmt: skip
     return MeanCrossEntropy(loss, nll)

@@ -200,7 +200,7 @@ class MixtapeHead(SingleSoftmaxHead):
         tile = row_tile(n, logits, device, self.loss_options, itemsize)
         loss, nll = MixtapeRowsCrossEntropy.apply(
             contexts, gate_inputs, mixed, w_freq, b_freq, gate_weights, w_rare, b_rare, ids,
-            mean_weights(ids >= 0, contexts), float(label_smoothing), self._noise(), None,
+            *mean_weights(ids >= 0, contexts), float(label_smoothing), self._noise(), None,
             dtype, tile, torch.is_grad_enabled(), self.loss_options.fused_products,
         )  # fmt: skip
         return HeadOutput(loss, nll, loss.new_zeros(()))

@@ -25,6 +25,14 @@ def spans(total: int, width: int | None) -> list[tuple[int, int]]:
     return [(start, min(total, start + width)) for start in range(0, total, width)]
 
 
+def span_of(x: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+    """``x[start:stop]``, or ``x`` itself where the span is all of it: a step in one tile (a
+    launch-bound GPU step's usual case) then dispatches no slicing operator a tensor."""
+    if x is None or (start == 0 and stop == x.size(0)):
+        return x
+    return x[start:stop]
+
+
 # -- the row passes ---------------------------------------------------------------------------
 # The elementwise passes of the loss over one chunk's float32/64 logits ``z [R, C]``. On a CPU
 # the exps are floored at ``EXP_FLOOR``.
@@ -32,6 +40,15 @@ def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x.to(dtype)`` without a dispatcher call when it already is (the loss's loops make
     dozens of these per call, most of them no-ops)."""
     return x if x.dtype == dtype else x.to(dtype)
+
+
+def as_input(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``grad`` in the shape and dtype of the input ``x`` it is the gradient of, with no
+    dispatcher call for what already matches (a backward returns several: each a host
+    operator on a launch-bound GPU step)."""
+    if grad.shape != x.shape:
+        grad = grad.view(x.shape)
+    return as_dtype(grad, x.dtype)
 
 
 def chunk_logits(

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from heads.kernels.chunks import finite_shift
+from heads.kernels.chunks import as_dtype, finite_shift
 
 # torch.compile's backend for the chunk bodies; tests swap in "aot_eager" to check the plan's
 # logic quickly, and keep one test on the real one
@@ -160,10 +160,23 @@ def with_ones(hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     per call (in place of the plain cast) for the bias gradient's fold, ``dz^T [h | 1 | 0] =
     [dW | db | 0]``; times ``[W | b | 0]^T`` it is ``h W^T + b`` in one product."""
     n, d = hidden.shape
-    h_ext = hidden.new_zeros(n, joint_width(d), dtype=dtype)
-    h_ext[:, :d] = hidden
-    h_ext[:, d] = 1.0
-    return h_ext
+    if torch.compiler.is_compiling():  # traced: the graph's one fused kernel writes it
+        h_ext = hidden.new_zeros(n, joint_width(d), dtype=dtype)
+        h_ext[:, :d] = hidden
+        h_ext[:, d] = 1.0
+        return h_ext
+    # one concatenation (a launch where the three writes were six host operators)
+    ones = _ones_columns(hidden.device, dtype, joint_width(d) - d).expand(n, -1)
+    return torch.cat((as_dtype(hidden, dtype), ones), 1)
+
+
+@functools.cache
+def _ones_columns(device: torch.device, dtype: torch.dtype, width: int) -> torch.Tensor:
+    """``[1 | 0]`` ``[1, width]``: :func:`with_ones`' columns after ``h``, made once a device
+    and dtype."""
+    columns = torch.zeros(1, width, dtype=dtype, device=device)
+    columns[0, 0] = 1.0
+    return columns
 
 
 def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:

@@ -39,8 +39,10 @@ from torch.autograd.function import once_differentiable
 from heads.kernels.chunks import (
     accumulation_dtype,
     as_dtype,
+    as_input,
     exp_shifted_,
     finite_shift,
+    span_of,
     spans,
     target_columns,
 )
@@ -51,12 +53,13 @@ from heads.kernels.rows_ce import (
     Terms,
     TileGradients,
     eager_gradient_,
+    join_tiles,
     padded_columns,
     padded_weight,
     runs_fused_products,
     scaled_gradients,
     tile_body,
-    weight_unit,
+    weighted_loss,
     with_bias,
 )
 from heads.kernels.sigmoid_tree import heap_level, level_widths
@@ -145,8 +148,11 @@ class _Walk:
             self.mixed, self.w_rare, self.b_rare = self._product(
                 mixed, w_rare, b_rare, self.columns[1], fold=not self.fused
             )
-        self.frequent_target = torch.where(target < self.s, target, -1)  # -1 stays -1
-        self.rare_target = torch.where(target >= self.s, target - self.s, -1)
+        # each block's targets: every body leaves a target outside its block's columns out
+        # (the kernels' and chunks.target_columns' masks), so the rare block's are the ids
+        # shifted (negative: a frequent token, or ignored) and the frequent block's the ids
+        self.frequent_target = target
+        self.rare_target = target - self.s if self.rare else None
         self.tiles = spans(n, tile)
 
     def _product(self, hidden, weight, bias, columns: int, fold: bool = True):
@@ -164,25 +170,27 @@ class _Walk:
         parts = []
         for t0, t1 in self.tiles:
             if self.triton:
-                terms, outputs = self._triton_tile(t0, t1, row_weight[t0:t1], eps, grads)
+                terms, outputs = self._triton_tile(t0, t1, span_of(row_weight, t0, t1), eps,
+                                                   grads)  # fmt: skip
             else:
-                terms, outputs = self._eager_tile(t0, t1, row_weight[t0:t1], eps)
+                terms, outputs = self._eager_tile(t0, t1, span_of(row_weight, t0, t1), eps)
             parts.append((terms.nll, terms.loss))
             k = self.k
             if outputs[0] is not None:  # (the fused products' are added)
-                grads[0].add_tile(t0 * k, t1 * k, self.contexts[t0 * k : t1 * k], self.w_freq,
-                                  outputs[0], self.dtype)  # fmt: skip
+                grads[0].add_tile(t0 * k, t1 * k, span_of(self.contexts, t0 * k, t1 * k),
+                                  self.w_freq, outputs[0], self.dtype)  # fmt: skip
                 grads[1].add_tile(t0 * (k - 1), t1 * (k - 1),
-                                  self.gate_inputs[t0 * (k - 1) : t1 * (k - 1)],
+                                  span_of(self.gate_inputs, t0 * (k - 1), t1 * (k - 1)),
                                   self.gate_weights, outputs[1], self.dtype)  # fmt: skip
             if self.rare and outputs[2] is not None:  # (the fused products' are added)
-                grads[2].add_tile(t0, t1, self.mixed[t0:t1], self.w_rare, outputs[2], self.dtype)
+                grads[2].add_tile(t0, t1, span_of(self.mixed, t0, t1), self.w_rare, outputs[2],
+                                  self.dtype)  # fmt: skip
             outputs = None  # freed before the next tile's are allocated
         if not parts:
             empty = self.contexts.new_zeros(0, dtype=self.acc)
             return empty, empty
         nll, loss = zip(*parts, strict=True)
-        return torch.cat(nll), torch.cat(loss)
+        return join_tiles(nll), join_tiles(loss)
 
     def _terms(self, lse_parts, picked, total_logit, row_weight, eps: float):
         """``(lse, terms)`` of one softmax over both blocks, its log-sum-exp from theirs."""
@@ -194,10 +202,11 @@ class _Walk:
         logits))``, the gradients written over the products' outputs; a block by the fused
         products straight into its ``grads`` instead (then None)."""
         k, s, acc, smoothing = self.k, self.s, self.acc, eps > 0
-        contexts = self.contexts[t0 * k : t1 * k]
-        gate_inputs = self.gate_inputs[t0 * (k - 1) : t1 * (k - 1)]
+        contexts = span_of(self.contexts, t0 * k, t1 * k)
+        gate_inputs = span_of(self.gate_inputs, t0 * (k - 1), t1 * (k - 1))
         noise = dict(seed=self.seed, noise_std=self.noise_std, row0=t0)
-        target = self.frequent_target[t0:t1]
+        target = span_of(self.frequent_target, t0, t1)
+        mixed, rare_target = span_of(self.mixed, t0, t1), span_of(self.rare_target, t0, t1)
         if self.fused_frequent:  # products and tree in one kernel, its planes for the backward
             frequent = frequent_blocks(contexts, self.w_freq, gate_inputs, self.gate_weights,
                                        self.b_freq, target, s, acc=acc, **noise)  # fmt: skip
@@ -213,26 +222,24 @@ class _Walk:
         # of the one softmax: dz's coefficients are known before any log-sum-exp, and the rest
         # of the softmax's, the frequent block's, is given)
         if self.rare and self.fused:  # its gradient products once the whole lse is known
-            blocks = logits_blocks(self.mixed[t0:t1], self.w_rare, self.b_rare,
-                                   self.rare_target[t0:t1], self.rare, smoothing, acc)  # fmt: skip
+            blocks = logits_blocks(mixed, self.w_rare, self.b_rare, rare_target, self.rare,
+                                   smoothing, acc)  # fmt: skip
             lse_parts.append(blocks.lse)
             picked = picked + blocks.picked
             total = total + blocks.logit_sum if smoothing else None
         elif self.rare:
-            rare = torch.mm(self.mixed[t0:t1], self.w_rare.t())
+            rare = torch.mm(mixed, self.w_rare.t())
             fuse = Terms.softmax_coefficients(row_weight, eps, self.v)
             rare_lse, rare_picked, rare_total = row_statistics(
-                rare, self.b_rare, self.rare_target[t0:t1], smoothing, fuse, acc, self.rare,
-                outside_lse=lse,
-            )  # fmt: skip
+                rare, self.b_rare, rare_target, smoothing, fuse, acc, self.rare, outside_lse=lse
+            )
             lse_parts.append(rare_lse)
             picked = picked + rare_picked
             total = total + rare_total if smoothing else None
         lse, terms = self._terms(lse_parts, picked, total, row_weight, eps)
         if self.fused_frequent:
-            h, g = grads[0].h, grads[1].h
-            out = FrequentGradients(None if h is None else h[t0 * k : t1 * k],
-                                    None if g is None else g[t0 * (k - 1) : t1 * (k - 1)],
+            out = FrequentGradients(span_of(grads[0].h, t0 * k, t1 * k),
+                                    span_of(grads[1].h, t0 * (k - 1), t1 * (k - 1)),
                                     grads[0].w_all, grads[0].b_all, grads[1].w_all)  # fmt: skip
             frequent_gradients(frequent, contexts, self.w_freq, gate_inputs, self.gate_weights,
                                target, s, lse, terms.scale, terms.onehot, out,
@@ -241,29 +248,29 @@ class _Walk:
             frequent_gradient_(values, pre, self.b_freq, target, s, lse, terms.scale,
                                terms.onehot, terms.uniform, **noise)  # fmt: skip
         if self.rare and self.fused and rare_grads is not None and rare_grads.any:
-            dh = None if rare_grads.h is None else rare_grads.h[t0:t1]
-            gradients(blocks, self.mixed[t0:t1], self.w_rare, self.rare_target[t0:t1],
-                      self.rare, terms.scale, terms.onehot, terms.uniform, dh, rare_grads.w_all,
-                      rare_grads.b_all, accumulate=t0 > 0, lse=lse)  # fmt: skip
+            gradients(blocks, mixed, self.w_rare, rare_target, self.rare, terms.scale,
+                      terms.onehot, terms.uniform, span_of(rare_grads.h, t0, t1),
+                      rare_grads.w_all, rare_grads.b_all, accumulate=t0 > 0, lse=lse)  # fmt: skip
         return terms, (values, pre, rare)
 
     def _eager_tile(self, t0: int, t1: int, row_weight, eps: float):
         """One tile as plain tensor operations in the accumulation dtype."""
         k, s, acc, rows = self.k, self.s, self.acc, t1 - t0
-        values = torch.mm(self.contexts[t0 * k : t1 * k], self.w_freq.t()).to(acc)
+        values = torch.mm(span_of(self.contexts, t0 * k, t1 * k), self.w_freq.t()).to(acc)
         values = values.view(rows, k, s)
-        pre = torch.mm(self.gate_inputs[t0 * (k - 1) : t1 * (k - 1)], self.gate_weights.t())
+        pre = torch.mm(span_of(self.gate_inputs, t0 * (k - 1), t1 * (k - 1)),
+                       self.gate_weights.t())  # fmt: skip
         pre = pre.to(acc).view(rows, k - 1, s)
         if self.noise_std > 0:  # Eq. 4's training noise on the pre-activations
             pre = pre + self.noise_std * torch.randn_like(pre)
         gammas = torch.sigmoid(pre)
         priors = leaf_priors(gammas)
         logits = [(priors * values).sum(1) + self.b_freq]  # Eq. 2
-        targets = [self.frequent_target[t0:t1]]
+        targets = [span_of(self.frequent_target, t0, t1)]
         if self.rare:
-            rare = torch.mm(self.mixed[t0:t1], self.w_rare.t()).to(acc) + self.b_rare
+            rare = torch.mm(span_of(self.mixed, t0, t1), self.w_rare.t()).to(acc) + self.b_rare
             logits.append(rare)
-            targets.append(self.rare_target[t0:t1])
+            targets.append(span_of(self.rare_target, t0, t1))
         picked = sum(_picked(z, t) for z, t in zip(logits, targets, strict=True))
         total = sum(z.sum(1) for z in logits) if eps > 0 else None
         # each block's exps in place over its logits: one exp a logit
@@ -321,14 +328,16 @@ class MixtapeRowsCrossEntropy(torch.autograd.Function):
     ``mixed`` ``[N, d]`` (Eq. 6's mixed context; None when every token is frequent),
     ``w_freq`` ``[S, d]``, ``b_freq`` ``[S]``, ``w_rare`` ``[V-S, d]``, ``b_rare``
     ``[V-S]``, ``target`` ``[N]`` (ids in ``[0, V)``, -1: ignored), ``row_weight`` ``[N]``
-    (``1 / count`` on kept tokens, 0 on ignored ones), label smoothing ``eps``, the gate
+    and ``unit`` ``[]`` (``w_n = row_weight_n unit``, :class:`~heads.kernels.rows_ce.RowWeights`:
+    for the mean, 1 on kept tokens and 0 on ignored ones times ``1 / count``), label
+    smoothing ``eps``, the gate
     noise's std (0 outside training), ``seed`` (``[1]`` int64: the Triton tiles' noise; None:
     drawn on the device), the products' ``dtype``, the ``tile`` rows and the caller's grad
     mode."""
 
     @staticmethod
     def forward(ctx, contexts, gate_inputs, mixed, w_freq, b_freq, gate_weights, w_rare,
-                b_rare, target, row_weight, eps, noise_std, seed, dtype, tile, grad,
+                b_rare, target, row_weight, unit, eps, noise_std, seed, dtype, tile, grad,
                 fused=False):  # fmt: skip
         ctx.set_materialize_grads(False)  # an undifferentiated NLL output gives None, not 0s
         inputs = (contexts, gate_inputs, mixed, w_freq, b_freq, gate_weights, w_rare, b_rare)
@@ -340,13 +349,11 @@ class MixtapeRowsCrossEntropy(torch.autograd.Function):
             state = rng_state(contexts.device)
         need = ctx.needs_input_grad[:8] if grad else (False,) * 8
         grads = _gradients(walk, inputs, need, walk.acc)
-        row_weight = row_weight.to(walk.acc)
-        unit = weight_unit(row_weight)  # gradients per unit, scaled in the backward
+        # gradients per unit, scaled in the backward
+        row_weight, unit = as_dtype(row_weight, walk.acc), as_dtype(unit, walk.acc)
         with torch.autocast(contexts.device.type, enabled=False):
-            nll, row_loss = walk.run(row_weight / unit, eps, grads)
-        keep = row_weight > 0
-        nll = torch.where(keep, nll, 0.0)
-        loss = (row_weight * torch.where(keep, row_loss, 0.0)).sum()
+            nll, row_loss = walk.run(row_weight, eps, grads)
+        loss, nll = weighted_loss(row_weight, unit, nll, row_loss, eps > 0)
         ctx.save_for_backward(*inputs, target, row_weight, unit, seed, state,
                               *_grads_of(grads))  # fmt: skip
         ctx.layout = noise_std, dtype, tile, fused
@@ -370,6 +377,6 @@ class MixtapeRowsCrossEntropy(torch.autograd.Function):
                 walk.run(g, 0.0, extra)
             out = [x if y is None or not wanted else (y if x is None else x + y)
                    for x, y, wanted in zip(out, _grads_of(extra), need, strict=True)]  # fmt: skip
-        grads = [None if g is None or x is None else g.view(x.shape).to(x.dtype)
+        grads = [None if g is None or x is None else as_input(g, x)
                  for g, x in zip(out, inputs, strict=True)]  # fmt: skip
-        return (*grads, *([None] * 9))
+        return (*grads, *([None] * 10))

@@ -47,6 +47,7 @@ from heads.kernels.chunks import (
     exp_sum_,
     finite_shift,
     gpu_plans,
+    span_of,
     spans,
     target_columns,
 )
@@ -140,6 +141,9 @@ class Mixing(NamedTuple):
         return 1 if self.log_prior is None else self.log_prior.size(1)
 
     def tokens(self, t0: int, t1: int) -> Mixing:
+        return Mixing(*(span_of(x, t0, t1) for x in self))
+
+    def sliced(self, t0: int, t1: int) -> Mixing:
         return Mixing(*(None if x is None else x[t0:t1] for x in self))
 
 
@@ -178,7 +182,9 @@ class Terms:
         """One softmax's ``(a, b, c)`` of ``dz = a p - b onehot(t) - c``: known before its
         log-sum-exp. With smoothing, ``mean_x(-log p_x) = lse - mean_x z_x``, whose ``dL/dz``
         is the uniform ``eps w / V``."""
-        return weight, (1 - eps) * weight, eps / v * weight if eps else None
+        if not eps:  # (no product by 1: a launch on a GPU)
+            return weight, weight, None
+        return weight, (1 - eps) * weight, eps / v * weight
 
 
 def nll_terms(lse, picked, mixing: Mixing, g):
@@ -276,14 +282,17 @@ class TileGradients:
         self.any = any(need)
         new = weight.new_empty if n else weight.new_zeros  # no rows, no tile: zeros
         self.h = hidden.new_empty(n, d, dtype=acc) if need[0] else None
-        self.w_all = new(columns, d, dtype=acc) if need[1] else None
-        self.b_all = new(columns, dtype=acc) if bias is not None and need[2] else None
-        self.joint = None
-        if fold_bias and self.w_all is not None and self.b_all is not None:
+        want_w, want_b = need[1], bias is not None and need[2]
+        self.joint = self.w_all = self.b_all = None
+        if fold_bias and want_w and want_b:
             self.joint = new(columns, joint_width(d), dtype=acc)
             self.w_all, self.b_all = self.joint[:, :d], self.joint[:, d]
-        self.w = None if self.w_all is None else self.w_all[:v]
-        self.b = None if self.b_all is None else self.b_all[:v]
+        else:
+            self.w_all = new(columns, d, dtype=acc) if want_w else None
+            self.b_all = new(columns, dtype=acc) if want_b else None
+        # (no slicing operator where there are no padding rows)
+        self.w = self.w_all if columns == v else span_of(self.w_all, 0, v)
+        self.b = self.b_all if columns == v else span_of(self.b_all, 0, v)
         self.d = d
 
     def add_tile(self, r0: int, r1: int, h_r, w_c, dz, dtype) -> None:
@@ -342,57 +351,54 @@ class _Walk:
     def forward(self, mixing: Mixing, row_weight, eps: float, grads: TileGradients):
         """Every tile: ``(lse, z_target)`` per component row, ``(nll, row loss)`` per token
         and the mixing inputs' gradients; each tile's ``dz`` products added into ``grads``."""
-        k, n = self.k, self.h.size(0)
-        lse, picked = self.h.new_empty(n, dtype=self.acc), self.h.new_empty(n, dtype=self.acc)
-        parts = []  # per tile: nll, row loss, the mixing inputs' gradients
+        k = self.k
+        parts = []  # per tile: lse, z_target, nll, row loss, the mixing inputs' gradients
         for t0, t1 in self.tiles:
             r0, r1 = t0 * k, t1 * k
             rows_mixing = mixing.tokens(t0, t1)
+            weights = span_of(row_weight, t0, t1)
             if self.fused:  # the gradient products too: nothing for add_tile
-                stats = self._fused_tile(r0, r1, rows_mixing, row_weight[t0:t1], eps, grads)
-                lse[r0:r1], picked[r0:r1] = stats[0], stats[1]
-                parts.append(stats[2:])
+                parts.append(self._fused_tile(r0, r1, rows_mixing, weights, eps, grads))
                 continue
             if self.triton:
-                stats, dz = self._triton_tile(r0, r1, rows_mixing, row_weight[t0:t1], eps,
-                                              grads.any)  # fmt: skip
-                lse[r0:r1], picked[r0:r1] = stats[0], stats[1]
-                parts.append(stats[2:])
-            elif self.compiled:
+                stats, dz = self._triton_tile(r0, r1, rows_mixing, weights, eps, grads.any)
+            elif self.compiled:  # (slices always: Dynamo guards a view's base, so that a
+                # whole tensor in one step and a view in the next would compile twice)
                 body = compiled_body(compiled_forward_tile)
                 *stats, dz = body(self.h[r0:r1], self.w, self.b, self.rows_target[r0:r1],
-                                  rows_mixing, row_weight[t0:t1], eps, grads.any)  # fmt: skip
-                lse[r0:r1], picked[r0:r1] = stats[0], stats[1]
-                parts.append(stats[2:])
+                                  mixing.sliced(t0, t1), row_weight[t0:t1], eps,
+                                  grads.any)  # fmt: skip
             else:
-                exps, total, lse[r0:r1], picked[r0:r1], total_logit = eager_statistics(
-                    self.h[r0:r1], self.weight, self.bias, self.rows_target[r0:r1], self.acc,
+                target = span_of(self.rows_target, r0, r1)
+                exps, total, lse, picked, total_logit = eager_statistics(
+                    span_of(self.h, r0, r1), self.weight, self.bias, target, self.acc,
                     self.buffer, eps > 0,
                 )  # fmt: skip
-                terms = Terms(lse[r0:r1], picked[r0:r1], total_logit, rows_mixing,
-                              row_weight[t0:t1], eps, self.weight.size(0))  # fmt: skip
-                parts.append((terms.nll, terms.loss, terms.grads))
+                terms = Terms(lse, picked, total_logit, rows_mixing, weights, eps,
+                              self.weight.size(0))  # fmt: skip
+                stats = (lse, picked, terms.nll, terms.loss, terms.grads)
                 dz = None
                 if grads.any:  # p = exps / total
-                    dz = eager_gradient_(exps, self.rows_target[r0:r1], terms.scale / total,
-                                         terms.onehot, terms.uniform)  # fmt: skip
+                    dz = eager_gradient_(exps, target, terms.scale / total, terms.onehot,
+                                         terms.uniform)  # fmt: skip
+            parts.append(stats)
             if grads.any:
-                grads.add_tile(r0, r1, self.h[r0:r1], self.w, dz, self.dtype)
+                grads.add_tile(r0, r1, span_of(self.h, r0, r1), self.w, dz, self.dtype)
             dz = None  # freed before the next tile's logits are allocated
         if not parts:  # no tokens
             empty = self.h.new_zeros(0, dtype=self.acc)
             zeros = Mixing(*(None if x is None else x * 0 for x in mixing))
-            return lse, picked, empty, empty, zeros
-        nll, loss, mixing_grads = zip(*parts, strict=True)
-        joined = Mixing(*(_join(tiles) for tiles in zip(*mixing_grads, strict=True)))
-        return lse, picked, _join(nll), _join(loss), joined
+            return empty, empty, empty, empty, zeros
+        lse, picked, nll, loss, mixing_grads = zip(*parts, strict=True)
+        joined = Mixing(*(join_tiles(tiles) for tiles in zip(*mixing_grads, strict=True)))
+        return join_tiles(lse), join_tiles(picked), join_tiles(nll), join_tiles(loss), joined
 
     def _triton_tile(self, r0: int, r1: int, mixing: Mixing, row_weight, eps: float, want_dz):
         """One tile by the Triton kernels: its logits in the products' dtype, then their
         statistics and (``want_dz``) ``dz`` over them in place; one softmax's ``dz`` in the
         statistics' own program (:data:`FUSE_SOFTMAX`)."""
-        target, v = self.rows_target[r0:r1], self.weight.size(0)
-        z = torch.mm(self.h[r0:r1], self.w.t())  # [rows, columns]: V, then zero columns
+        target, v = span_of(self.rows_target, r0, r1), self.weight.size(0)
+        z = torch.mm(span_of(self.h, r0, r1), self.w.t())  # [rows, columns]: V, then zeros
         plain = mixing.log_prior is None and mixing.outside_lse is None
         fuse = None
         if want_dz and plain and FUSE_SOFTMAX:
@@ -410,7 +416,8 @@ class _Walk:
         """One tile by the fused products (:mod:`heads.kernels.triton_gemm`): the logits'
         blocks and their statistics, then (where gradients are wanted) ``dz``'s two products
         straight into ``grads``."""
-        h, target, v = self.h[r0:r1], self.rows_target[r0:r1], self.weight.size(0)
+        h, target = span_of(self.h, r0, r1), span_of(self.rows_target, r0, r1)
+        v = self.weight.size(0)
         blocks = logits_blocks(h, self.w, self.b, target, v, eps > 0, self.acc)
         terms = Terms(blocks.lse, blocks.picked, blocks.logit_sum, mixing, row_weight, eps, v)
         if grads.any:
@@ -419,8 +426,8 @@ class _Walk:
         return blocks.lse, blocks.picked, terms.nll, terms.loss, terms.grads
 
     def _fused_gradients(self, r0, r1, blocks, scale, onehot, uniform, grads) -> None:
-        dh = None if grads.h is None else grads.h[r0:r1]
-        h, target = self.h[r0:r1], self.rows_target[r0:r1]
+        dh = span_of(grads.h, r0, r1)
+        h, target = span_of(self.h, r0, r1), span_of(self.rows_target, r0, r1)
         gradients(blocks, h, self.w, target, self.weight.size(0), scale, onehot, uniform, dh,
                   grads.w_all, grads.b_all, accumulate=r0 > 0)  # fmt: skip
 
@@ -473,16 +480,46 @@ def with_bias(weight: torch.Tensor, bias: torch.Tensor, rows: int, dtype: torch.
     return out
 
 
-def weight_unit(row_weight: torch.Tensor) -> torch.Tensor:
-    """The unit the rows plans form their gradients in: the largest weight (``1 / count``,
-    every kept token's, for a mean loss; 1 where there is none). The backward scales them by
-    it: ``w p`` in float16 products would underflow where the loss-scaled ``g p`` does not."""
-    unit = row_weight.amax() if row_weight.numel() else row_weight.new_ones(())
-    return torch.where(unit > 0, unit, 1.0)
+class RowWeights(NamedTuple):
+    """Each token's weight in a loss as ``per_unit [N] * unit []``: for a mean, 1 on the kept
+    tokens and 0 on the ignored ones, times ``1 / count`` (:meth:`mean`). The rows plans form
+    their gradients per unit and the backward scales them by ``unit``: ``w p`` in float16
+    products would underflow where the loss-scaled ``g p`` does not."""
+
+    per_unit: torch.Tensor
+    unit: torch.Tensor
+
+    @classmethod
+    def mean(cls, keep: torch.Tensor, dtype: torch.dtype) -> RowWeights:
+        """A mean over the tokens where ``keep`` (``[N]`` bool), in ``dtype``."""
+        per_unit = keep.to(dtype)
+        return cls(per_unit, per_unit.sum().clamp_min(1).reciprocal())
+
+    def rows(self, index: torch.Tensor | slice) -> RowWeights:
+        """The weights of some tokens (an index tensor or a slice), in the same unit."""
+        if isinstance(index, slice):
+            return RowWeights(self.per_unit[index], self.unit)
+        return RowWeights(self.per_unit.index_select(0, index), self.unit)
+
+    def total(self, values: torch.Tensor) -> torch.Tensor:
+        """``sum_n w_n values_n``."""
+        return self.unit * torch.dot(self.per_unit, as_dtype(values, self.per_unit.dtype))
 
 
-def _join(parts):
-    """The tiles' per-token tensors as one (None where the tiles have none)."""
+def weighted_loss(per_unit, unit, nll, row_loss, smoothed: bool):
+    """``(sum_n w_n loss_n, nll)`` with ignored tokens' (``per_unit`` 0) NLL 0 and out of
+    the sum (whatever their rows held)."""
+    nll = torch.where(per_unit > 0, nll, 0.0)
+    if smoothed:  # (else each token's loss is its NLL)
+        row_loss = torch.where(per_unit > 0, row_loss, 0.0)
+    else:
+        row_loss = nll
+    return unit * torch.dot(per_unit, row_loss), nll
+
+
+def join_tiles(parts):
+    """The tiles' per-token tensors as one (None where the tiles have none; one tile's as it
+    is, no copy)."""
     if parts[0] is None:
         return None
     return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -504,12 +541,13 @@ class RowsCrossEntropy(torch.autograd.Function):
     component rows, token-major) or of one block of a larger softmax (``outside_lse`` and
     ``outside_logit`` ``[N]``: :class:`Mixing`), against ``target`` ``[N]`` (outside
     ``[0, V)``: another block's token, or ignored), with the gradient computed in the forward
-    (module docstring). ``row_weight`` ``[N]``: the mean loss's ``1 / count`` on kept tokens,
-    0 on ignored ones (whose NLL is 0). Label smoothing: one softmax only."""
+    (module docstring). ``w_n = row_weight_n unit`` (:class:`RowWeights`: for the mean loss
+    1 on kept tokens and 0 on ignored ones, whose NLL is 0, times ``1 / count``). Label
+    smoothing: one softmax only."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, log_prior, outside_lse, outside_logit,
-                row_weight, eps, dtype, tile, grad, fused=False):  # fmt: skip
+                row_weight, unit, eps, dtype, tile, grad, fused=False):  # fmt: skip
         ctx.set_materialize_grads(False)  # an undifferentiated NLL output gives None, not 0s
         mixing = Mixing(log_prior, outside_lse, outside_logit)
         walk = _Walk(hidden, weight, bias, target, dtype, tile, mixing.k, fused)
@@ -517,15 +555,10 @@ class RowsCrossEntropy(torch.autograd.Function):
         need = ctx.needs_input_grad[:3] if grad else (False,) * 3
         grads = TileGradients(hidden, weight, bias, walk.acc, need, fold_bias=walk.fold_bias,
                               columns=walk.columns)  # fmt: skip
-        row_weight = row_weight.to(walk.acc)
-        unit = weight_unit(row_weight)
+        row_weight, unit = as_dtype(row_weight, walk.acc), as_dtype(unit, walk.acc)
         with torch.autocast(hidden.device.type, enabled=False):
-            lse, picked, nll, row_loss, mixing_grads = walk.forward(
-                mixing, row_weight / unit, eps, grads
-            )
-        keep = row_weight > 0
-        nll = torch.where(keep, nll, 0.0)
-        loss = (row_weight * torch.where(keep, row_loss, 0.0)).sum()
+            lse, picked, nll, row_loss, mixing_grads = walk.forward(mixing, row_weight, eps, grads)
+        loss, nll = weighted_loss(row_weight, unit, nll, row_loss, eps > 0)
         ctx.save_for_backward(hidden, weight, bias, target, row_weight, unit, lse, picked,
                               *mixing, grads.h, grads.w, grads.b, *mixing_grads)  # fmt: skip
         ctx.layout = dtype, tile, fused
@@ -555,10 +588,13 @@ class RowsCrossEntropy(torch.autograd.Function):
             ]
         dh, dw, db, *d_mixing = scaled
         return (
-            None if dh is None else dh.to(hidden.dtype),
-            None if dw is None else dw.to(weight.dtype),
-            None if db is None or bias is None else db.to(bias.dtype),
+            None if dh is None else as_dtype(dh, hidden.dtype),
+            None if dw is None else as_dtype(dw, weight.dtype),
+            None if db is None or bias is None else as_dtype(db, bias.dtype),
             None,
-            *(None if d is None else d.to(x.dtype) for d, x in zip(d_mixing, mixing, strict=True)),
-            *([None] * 6),
+            *(
+                None if d is None else as_dtype(d, x.dtype)
+                for d, x in zip(d_mixing, mixing, strict=True)
+            ),  # fmt: skip
+            *([None] * 7),
         )

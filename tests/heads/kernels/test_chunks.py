@@ -49,3 +49,23 @@ def test_cuda_products_of_bf16_operands_are_float32(add):
     error = (out.double() - exact).abs().max()
     rounding = ((a.double() @ b.double()).bfloat16().double() - (a.double() @ b.double())).abs()
     assert error < rounding.max() / 4, (error, rounding.max())
+
+
+def test_a_span_of_all_rows_is_the_tensor_itself():
+    """One tile: no slicing operator (the same tensor back); else the rows asked for."""
+    x = torch.arange(12.0).view(6, 2)
+    assert chunks.span_of(x, 0, 6) is x
+    assert chunks.span_of(None, 0, 3) is None
+    part = chunks.span_of(x, 2, 5)
+    assert part.data_ptr() == x[2].data_ptr() and torch.equal(part, x[2:5])
+    assert chunks.span_of(x, 0, 0).shape == (0, 2)
+
+
+def test_a_gradient_as_its_input_is_reshaped_and_cast_only_where_it_differs():
+    x = torch.zeros(2, 3, 4, dtype=torch.float16)
+    same = torch.ones(2, 3, 4, dtype=torch.float16)
+    assert chunks.as_input(same, x) is same
+    flat = torch.arange(24.0).view(6, 4)
+    got = chunks.as_input(flat, x)
+    assert got.shape == x.shape and got.dtype == x.dtype
+    torch.testing.assert_close(got, flat.view(2, 3, 4).half())

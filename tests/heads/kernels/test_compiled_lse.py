@@ -341,3 +341,17 @@ def test_checkpoint_plan_equals_the_eager_one_in_float64(layout):
     want = _loss_and_grads(LossOptions(plan="eager"), *case)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("dim", [5, 8, 16])
+def test_with_ones_is_h_then_a_one_then_zeros(dtype, dim):
+    """``[h | 1 | 0]`` in ``dtype``, ``joint_width`` columns, eagerly (one concatenation) and
+    traced (the three writes a compiled graph fuses), the same."""
+    hidden = torch.randn(7, dim, dtype=torch.float64)
+    want = torch.zeros(7, compiled_lse.joint_width(dim), dtype=dtype)
+    want[:, :dim], want[:, dim] = hidden.to(dtype), 1
+    assert torch.equal(compiled_lse.with_ones(hidden, dtype), want)
+    compiled = torch.compile(compiled_lse.with_ones, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(hidden, dtype), want)
+    assert compiled_lse.with_ones(hidden[:0], dtype).shape == (0, want.size(1))

@@ -81,8 +81,8 @@ def _reference(inputs, target, eps, noise=None):
 
 def _rows(inputs, target, eps, tile, noise_std=0.0, seed=None, dtype=torch.float64):
     keep = target >= 0
-    weight = keep.double() / keep.sum()
-    return MixtapeRowsCrossEntropy.apply(*inputs.values(), target, weight, eps, noise_std,
+    weight, unit = keep.double(), 1 / keep.sum().clamp_min(1).double()
+    return MixtapeRowsCrossEntropy.apply(*inputs.values(), target, weight, unit, eps, noise_std,
                                          seed, dtype, tile, True)  # fmt: skip
 
 

@@ -479,3 +479,28 @@ def test_the_stored_gradients_are_scaled_in_one_multi_tensor_product(monkeypatch
     torch.testing.assert_close(scaled[2], torch.ones(4))
     assert rows_ce.scaled_gradients(stored, [True] * 4, None) == [None] * 4
     assert calls == [2]  # nothing to scale: no call
+
+
+def test_row_weights_of_a_mean_are_ones_in_a_unit_of_one_over_the_count():
+    keep = torch.tensor([True, False, True, True])
+    weights = rows_ce.RowWeights.mean(keep, torch.float64)
+    assert torch.equal(weights.per_unit, keep.double())
+    torch.testing.assert_close(weights.unit, torch.tensor(1 / 3, dtype=torch.float64))
+    values = torch.tensor([1.0, 100.0, 2.0, 3.0], dtype=torch.float64)
+    torch.testing.assert_close(weights.total(values), torch.tensor(2.0, dtype=torch.float64))
+    # some tokens' weights keep the batch's unit: their parts add up to the whole
+    first, rest = weights.rows(torch.tensor([0, 1])), weights.rows(slice(2, 4))
+    torch.testing.assert_close(first.total(values[:2]) + rest.total(values[2:]),
+                               weights.total(values))  # fmt: skip
+    nothing = rows_ce.RowWeights.mean(torch.zeros(3, dtype=torch.bool), torch.float32)
+    assert nothing.unit == 1 and nothing.total(torch.ones(3)) == 0
+
+
+@pytest.mark.parametrize("smoothed", [False, True])
+def test_an_ignored_rows_loss_stays_out_of_the_sum_whatever_it_holds(smoothed):
+    per_unit, unit = torch.tensor([1.0, 0.0, 1.0]), torch.tensor(0.5)
+    nll = torch.tensor([1.0, math.nan, 3.0])
+    row_loss = torch.tensor([2.0, math.inf, 4.0]) if smoothed else nll
+    loss, kept_nll = rows_ce.weighted_loss(per_unit, unit, nll, row_loss, smoothed)
+    assert torch.equal(kept_nll, torch.tensor([1.0, 0.0, 3.0]))
+    assert loss == (3.0 if smoothed else 2.0)
