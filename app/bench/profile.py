@@ -35,6 +35,10 @@ and the op counts are a proxy for the launch-bound regime: what each head costs 
 kernels take no time. ``--plans cuda`` runs CUDA's execution plans there (compiled bodies,
 GPU-sized tiles, launch-bound steps plainly: ``heads.kernels.chunks.GPU_PLAN_DEVICES``), so the
 counts are those of the plans a GPU runs; a compiled body counts as its call, not its kernels.
+``--triton stub`` (with Triton installed) also runs the rows plans' Triton tiles there, as a GPU
+with Triton does: Triton's interpreter takes each launch, which does nothing but leave one host
+event, counted as ``triton_launches`` (the tiles' results are then garbage, their host work a
+GPU step's: the operators around the kernels, and one launch each).
 
 JSON (``--out``/``--name``.json): ``schema`` (``profile/1``), ``args``, ``options``,
 ``machine`` and ``results`` (one row per subject) as the benchmark writes them; a ``--note``
@@ -44,7 +48,10 @@ is kept as ``note``. ``python -m app.results`` renders it.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
+import os
 import platform
 import re
 import statistics
@@ -63,10 +70,12 @@ from app.bench.run import Case, add_subject_args, bench_options, first_step, mak
 from app.bench.subjects import FRAGMENTS, PRECISIONS, head_config, parse_head, parse_subject
 from app.bench.timing import check_device, sync
 from app.machine import load_average
+from heads.errors import UserError
 from heads.kernels.chunks import GPU_PLAN_DEVICES
 
 SCHEMA = "profile/1"
 STEP, HOST = "profile.step", "profile.host"  # the markers: a step with its sync, its host part
+TRITON_LAUNCH = "profile.triton_launch"  # a Triton kernel's launch, stubbed (--triton stub)
 # the profiler's activity types -> what is counted: host events (operators, annotations), CUDA
 # runtime and driver calls (on the host), kernels and copies (on the device); others ignored
 KINDS = {"cpu_op": "cpu", "user_annotation": "cpu", "python_function": "cpu",
@@ -161,7 +170,8 @@ def summarize(events: list[Event], cuda: bool, top: int = 10) -> dict:
         outside = max(0.0, host_us - sum(e.self_us for e in on_host))
         row = {"profiled_host_ms": host_us / 1e3, "aten_ops": len(aten),
                "aten_ops_top": sum(e.top for e in aten), "outside_ops_ms": outside / 1e3,
-               "outside_ops_share": outside / host_us if host_us else 0.0}  # fmt: skip
+               "outside_ops_share": outside / host_us if host_us else 0.0,
+               "triton_launches": sum(e.name == TRITON_LAUNCH for e in on_host)}  # fmt: skip
         if cuda:
             device = [e for e in _within(events, step) if e.kind in ("kernel", "copy")]
             kernels = [e for e in device if e.kind == "kernel"]
@@ -250,7 +260,8 @@ def profile_case(case: Case, args: argparse.Namespace, failed: dict[str, str]) -
         "host_ms": statistics.median(host), "wall_ms": statistics.median(wall),
         "host_times_ms": host, "wall_times_ms": wall,
         **{key: median(key) for key in ("profiled_host_ms", "aten_ops", "aten_ops_top",
-                                        "outside_ops_ms", "outside_ops_share", *CUDA_FIELDS)},
+                                        "outside_ops_ms", "outside_ops_share",
+                                        "triton_launches", *CUDA_FIELDS)},
         **counts, "parameters": sum(p.numel() for p in module.parameters()),
     }  # fmt: skip
     del module, step
@@ -268,11 +279,41 @@ def run(args: argparse.Namespace, save: Callable[[dict], None] | None = None) ->
     if emulated:  # the GPU's plans on this CPU: what a launch-bound GPU step dispatches
         GPU_PLAN_DEVICES.add("cpu")
     try:
-        return _run(args, save)
+        with stubbed_triton() if emulated and args.triton == "stub" else contextlib.nullcontext():
+            return _run(args, save)
     finally:
         torch.set_num_threads(threads)  # as it was: main() may run inside a longer process
         if emulated:
             GPU_PLAN_DEVICES.discard("cpu")
+
+
+@contextlib.contextmanager
+def stubbed_triton():
+    """The rows plans' Triton tiles on this CPU (``heads.kernels.rows_ce.TRITON_DEVICES``),
+    each launch taken by Triton's interpreter and turned into one :data:`TRITON_LAUNCH` host
+    event that runs nothing: the host's work of a GPU step with Triton, kernels aside."""
+    if importlib.util.find_spec("triton") is None:
+        raise UserError("--triton stub needs Triton (pip install triton): it runs the Triton "
+                        "tiles' host side")  # fmt: skip
+    os.environ["TRITON_INTERPRET"] = "1"  # read as the kernels' modules are imported
+    from triton.runtime import interpreter
+
+    from heads.kernels import rows_ce, triton_rows
+
+    if not isinstance(triton_rows._kernels().statistics, interpreter.InterpretedFunction):
+        raise UserError("--triton stub: Triton's kernels were imported before TRITON_INTERPRET=1 "
+                        "was set; run it in a process of its own")  # fmt: skip
+
+    def launch(self, *args, **kwargs) -> None:
+        with record_function(TRITON_LAUNCH):
+            return None
+
+    devices, call = rows_ce.TRITON_DEVICES, interpreter.GridExecutor.__call__
+    rows_ce.TRITON_DEVICES, interpreter.GridExecutor.__call__ = (*devices, "cpu"), launch
+    try:
+        yield
+    finally:
+        rows_ce.TRITON_DEVICES, interpreter.GridExecutor.__call__ = devices, call
 
 
 def _run(args: argparse.Namespace, save: Callable[[dict], None] | None) -> dict:
@@ -340,14 +381,17 @@ def _cell(value, decimals: int = 0) -> str:
 def table_rows(report: dict) -> tuple[list[str], list[list[str]]]:
     """The printed (and rendered) table's header and rows: the CUDA columns on CUDA only."""
     cuda = report["machine"]["device"].startswith("cuda")
+    stubs = report["args"].get("triton") == "stub"
     header = ["head", "host ms", *(["wall ms", "kernel ms", "kernels", "syncs"] if cuda else []),
-              "aten ops", "top-level ops", "% outside ops"]  # fmt: skip
+              "aten ops", "top-level ops", *(["Triton launches"] if stubs else []),
+              "% outside ops"]  # fmt: skip
     rows = []
     for row in report["results"]:
         rows.append([row["head"], _cell(row["host_ms"], 3),
                      *([_cell(row["wall_ms"], 3), _cell(row["kernel_ms"], 3),
                         _cell(row["kernels"]), _cell(row["syncs"])] if cuda else []),
                      _cell(row["aten_ops"]), _cell(row["aten_ops_top"]),
+                     *([_cell(row.get("triton_launches"))] if stubs else []),
                      _cell(100 * row["outside_ops_share"])])  # fmt: skip
     return header, rows
 
@@ -398,6 +442,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="cuda (with --device cpu): run CUDA's execution plans on the CPU "
                         "(compiled bodies, GPU-sized tiles, launch-bound steps plainly): at "
                         "negligible sizes, the operators a GPU step dispatches")  # fmt: skip
+    parser.add_argument("--triton", choices=["none", "stub"], default="none",
+                        help="stub (with --plans cuda on a CPU, Triton installed): the rows "
+                        "plans' Triton tiles too, each launch one host event that runs "
+                        "nothing (their results garbage): a GPU step's host work")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--steps", type=_positive, default=3,
                         help="steps timed, then as many profiled")  # fmt: skip
@@ -409,6 +457,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check_device(parser, args.device)
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
+    if args.triton == "stub" and not (args.plans == "cuda" and args.device == "cpu"):
+        parser.error("--triton stub goes with --plans cuda --device cpu (on a GPU the kernels run)")
     try:  # a bad override, named now rather than after the first subjects
         options = bench_options(args)
         for name in {parse_subject(s).head for s in args.heads} & set(FRAGMENTS):

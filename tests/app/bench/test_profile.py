@@ -137,7 +137,8 @@ def test_cuda_counts_from_a_trace():
                      "outside_ops_ms": pytest.approx(0.032),
                      "outside_ops_share": pytest.approx(32 / 60), "kernels": 2, "launch_calls": 2,
                      "kernel_ms": pytest.approx(0.025), "copies": 1,
-                     "device_ms": pytest.approx(0.026), "syncs": 1, "dtoh_copies": 1}  # fmt: skip
+                     "device_ms": pytest.approx(0.026), "syncs": 1, "dtoh_copies": 1,
+                     "triton_launches": 0}  # fmt: skip
     assert second["kernel_ms"] == pytest.approx(0.029)
     assert summary["top_of"] == "device"
     top = summary["top"]
@@ -206,3 +207,37 @@ def test_cuda_plans_on_a_cpu_count_what_a_launch_bound_gpu_step_dispatches():
     assert GPU_PLAN_DEVICES == {"cuda"}
     for head in ("softmax", "mixtape"):
         assert counts["cuda"][head] < counts["device"][head] / 2, counts
+
+
+def test_triton_stubbed_counts_each_launch_of_the_rows_plans_tiles():
+    """``--triton stub``: the rows plans' Triton tiles on this CPU as on a GPU with Triton,
+    each launch one host event that runs nothing; the switches are off again afterwards. The
+    host operators a step dispatches are held to their count of 2026-11-27 (74 and 167 the
+    stop before: one tile's step slices nothing, a mean's weights come with their unit)."""
+    pytest.importorskip("triton", reason="Triton is an optional GPU extra")
+    from triton.runtime import interpreter
+
+    from app.bench.profile import parse_args, run
+    from heads.kernels import rows_ce
+
+    launch = interpreter.GridExecutor.__call__
+    argv = ["--device", "cpu", "--plans", "cuda", "--triton", "stub", "--heads", "softmax@rows",
+            "mixtape@rows", "--vocab", "1000", "--hidden", "16", "--tokens", "32", "--saved-mb",
+            "0", "--warmup", "1", "--steps", "1", "--threads", "1"]  # fmt: skip
+    report = run(parse_args(argv))
+    torch._dynamo.reset()
+    assert not report["failed"]
+    rows = {r["head"]: r for r in report["results"]}
+    assert {head: row["triton_launches"] for head, row in rows.items()} == {
+        "softmax@rows": 1, "mixtape@rows": 3}  # fmt: skip
+    assert rows["softmax@rows"]["aten_ops_top"] <= 50, rows["softmax@rows"]["aten_ops_top"]
+    assert rows["mixtape@rows"]["aten_ops_top"] <= 120, rows["mixtape@rows"]["aten_ops_top"]
+    assert rows_ce.TRITON_DEVICES == ("cuda",) and interpreter.GridExecutor.__call__ is launch
+
+
+def test_triton_stub_goes_with_cuda_plans_on_a_cpu(capsys):
+    from app.bench.profile import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--device", "cpu", "--triton", "stub", "--heads", "softmax"])
+    assert "--triton stub goes with --plans cuda" in capsys.readouterr().err
