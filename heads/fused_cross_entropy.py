@@ -75,12 +75,13 @@ DEFAULT_SAVED_BYTES = 128 << 20
 # plain maths (plain_loss_fits), a larger one by the rows plan. Plain maths moves ~46 bytes a
 # logit forward and backward (bf16 logits, a float32 copy, log-softmax and its backward, dz
 # read by two products), the rows plan's Triton tiles ~8 (heads/kernels/rows_ce.py): ~38 bytes
-# more, ~13 ps a logit at an H100's ~3 TB/s. The rows plan costs host time instead: 53 more
-# operators and 0.18 ms more a classifier on the launch-bound proxy (CUDA's plans on one CPU
-# thread, V = 1,000, d = 32, 32 tokens: 0.91 ms a step for three classifiers by rows, 0.36
-# plainly: docs/results/profile_cpu_cuda_plans_adaptive_rows_1k.json), which a host-bound
-# step pays in full: the H100's plain step at V = 10k, d = 512, 16,384 tokens took 3.45 ms
-# (docs/results/bench_gpu_heads_10k.json) for under 1 ms of device work by these figures
+# more, ~13 ps a logit at an H100's ~3 TB/s. The rows plan costs host time instead: 20 more
+# top-level operators and 0.18-0.25 ms more a classifier on the launch-bound proxy (CUDA's
+# plans on one CPU thread, V = 1,000, d = 32, 32 tokens, Triton's launches stubbed: 1.40 ms a
+# step for three classifiers by rows, 0.67 plainly, on 2026-11-27's slower machine; 0.91 and
+# 0.36 on the one before: docs/results/profile_cpu_cuda_plans_adaptive_rows_1k.json), which a
+# host-bound step pays in full: the H100's plain step at V = 10k, d = 512, 16,384 tokens took
+# 3.45 ms (docs/results/bench_gpu_heads_10k.json) for under 1 ms of device work by these figures
 # (30M logits, 32 GFLOP). The two match near 14M logits: 2^24 (64 MiB of float32 logits,
 # within the saved budget). At the benchmark's d = 512 and 16,384 tokens, V = 10k's
 # classifiers (6.5M-12M logits) stay plain and V = 100k's (48M-106M) run by rows, as under the
