@@ -89,13 +89,13 @@ def _specs():
     # the two-pass form (MoS), the fused one (softmax), fused as a block (Mixtape's rare)
     for fuse, outside in ((False, False), (True, False), (True, True)):
         specs.append((
-            "rows.statistics", triton_rows_kernels.statistics,
-            _ordered(triton_rows_kernels.statistics, {**rows_args, **ROWS_COMMON}),
+            "rows.statistics", triton_rows_kernels.tile_statistics,
+            _ordered(triton_rows_kernels.tile_statistics, {**rows_args, **ROWS_COMMON}),
             {**rows_flags, "HAS_SUM": True, "FUSE": fuse, "HAS_OUTSIDE": outside},
             triton_rows.LAUNCH.warps,
         ))  # fmt: skip
-    specs.append(("rows.gradient", triton_rows_kernels.gradient,
-                  _ordered(triton_rows_kernels.gradient, {**rows_args, **ROWS_COMMON}),
+    specs.append(("rows.gradient", triton_rows_kernels.tile_gradient,
+                  _ordered(triton_rows_kernels.tile_gradient, {**rows_args, **ROWS_COMMON}),
                   rows_flags, triton_rows.LAUNCH.warps))  # fmt: skip
     mixtape_args = {"values_ptr": "*bf16", "pre_ptr": "*bf16", "target_ptr": "*i64",
                     "seed_ptr": "*i64", **ptr, **MIXTAPE_COMMON}  # fmt: skip
@@ -103,7 +103,7 @@ def _specs():
         flags = {"K": k, "LEVELS": k.bit_length() - 1, "HAS_BIAS": True, "HAS_NOISE": True,
                  "ACC": tl.float32, "BLOCK": triton_mixtape._block(k)}  # fmt: skip
         for name, extra in (("statistics", {"HAS_SUM": True}), ("gradient", {"HAS_UNIFORM": True})):
-            fn = getattr(mixtape, name)
+            fn = getattr(mixtape, f"frequent_{name}")
             specs.append((f"mixtape.{name} K={k}", fn, _ordered(fn, mixtape_args),
                           {**flags, **extra}, triton_mixtape._WARPS))  # fmt: skip
     return [(*spec, None) for spec in specs] + _gemm_specs()

@@ -300,7 +300,7 @@ def stubbed_triton():
 
     from heads.kernels import rows_ce, triton_rows
 
-    if not isinstance(triton_rows._kernels().statistics, interpreter.InterpretedFunction):
+    if not isinstance(triton_rows._kernels().tile_statistics, interpreter.InterpretedFunction):
         raise UserError("--triton stub: Triton's kernels were imported before TRITON_INTERPRET=1 "
                         "was set; run it in a process of its own")  # fmt: skip
 

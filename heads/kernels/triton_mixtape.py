@@ -121,7 +121,7 @@ def frequent_statistics(
     lse, picked = values.new_empty(rows, dtype=acc), values.new_empty(rows, dtype=acc)
     total = values.new_empty(rows, dtype=acc) if want_sum else lse
     if rows:
-        _kernels().statistics[(rows,)](
+        _kernels().frequent_statistics[(rows,)](
             values, pre, lse if bias is None else bias, target, lse if seed is None else seed,
             lse, picked, total, HAS_BIAS=bias is not None, HAS_SUM=want_sum,
             **_common(values, pre, s, k, seed, noise_std, row0, acc),
@@ -154,7 +154,7 @@ def frequent_gradient_(
     bias = bias_to_width(bias, _width(values, pre))
     if rows:
         kernels = _kernels()
-        kernels.gradient[(rows, kernels.cdiv(_width(values, pre), _block(k)))](
+        kernels.frequent_gradient[(rows, kernels.cdiv(_width(values, pre), _block(k)))](
             values, pre, lse if bias is None else bias, target, lse if seed is None else seed,
             lse, scale, onehot, lse if uniform is None else uniform, HAS_BIAS=bias is not None,
             HAS_UNIFORM=uniform is not None,

@@ -69,7 +69,7 @@ def _logits(values_row, pre_row, bias_ptr, seed, cols, mask, s, stride_v, stride
 
 
 @triton.jit(do_not_specialize=["row0"])
-def statistics(values_ptr, pre_ptr, bias_ptr, target_ptr, seed_ptr, lse_ptr, picked_ptr,
+def frequent_statistics(values_ptr, pre_ptr, bias_ptr, target_ptr, seed_ptr, lse_ptr, picked_ptr,
                sum_ptr, s, width, stride_v, stride_p, noise_std, row0, K: tl.constexpr,
                LEVELS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NOISE: tl.constexpr,
                HAS_SUM: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
@@ -101,7 +101,7 @@ def statistics(values_ptr, pre_ptr, bias_ptr, target_ptr, seed_ptr, lse_ptr, pic
 
 
 @triton.jit(do_not_specialize=["row0"])
-def gradient(values_ptr, pre_ptr, bias_ptr, target_ptr, seed_ptr, lse_ptr, scale_ptr,
+def frequent_gradient(values_ptr, pre_ptr, bias_ptr, target_ptr, seed_ptr, lse_ptr, scale_ptr,
              onehot_ptr, uniform_ptr, s, width, stride_v, stride_p, noise_std, row0,
              K: tl.constexpr, LEVELS: tl.constexpr, HAS_BIAS: tl.constexpr,
              HAS_NOISE: tl.constexpr, HAS_UNIFORM: tl.constexpr, ACC: tl.constexpr,

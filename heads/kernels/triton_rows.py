@@ -150,7 +150,7 @@ def row_statistics(
     scale, onehot, uniform = fuse if fuse is not None else (lse, lse, None)
     bias = bias_to_width(bias, z.size(1))
     if rows:
-        _kernels().statistics[(_programs(z, rows),)](
+        _kernels().tile_statistics[(_programs(z, rows),)](
             z, lse if bias is None else bias, target, lse, picked, total, scale, onehot,
             lse if uniform is None else uniform, lse if outside_lse is None else outside_lse,
             rows, HAS_BIAS=bias is not None, HAS_SUM=want_sum, FUSE=fuse is not None,
@@ -178,7 +178,7 @@ def row_gradient_(
     bias = bias_to_width(bias, z.size(1))
     if rows:
         k = _kernels()
-        k.gradient[(rows, k.cdiv(z.size(1), LAUNCH.block))](
+        k.tile_gradient[(rows, k.cdiv(z.size(1), LAUNCH.block))](
             z, lse if bias is None else bias, target, lse, scale, onehot,
             lse if uniform is None else uniform, HAS_BIAS=bias is not None,
             HAS_UNIFORM=uniform is not None, ACC=k.ACC[lse.dtype], **_geometry(z, v),

@@ -82,7 +82,7 @@ def _lanes(REPS: tl.constexpr, LANES: tl.constexpr):
 
 
 @triton.jit
-def statistics(z_ptr, bias_ptr, target_ptr, lse_ptr, picked_ptr, sum_ptr,
+def tile_statistics(z_ptr, bias_ptr, target_ptr, lse_ptr, picked_ptr, sum_ptr,
                scale_ptr, onehot_ptr, uniform_ptr, outside_ptr, rows, v, width, stride,
                HAS_BIAS: tl.constexpr, HAS_SUM: tl.constexpr, FUSE: tl.constexpr,
                HAS_UNIFORM: tl.constexpr, HAS_OUTSIDE: tl.constexpr, ACC: tl.constexpr,
@@ -132,7 +132,7 @@ def statistics(z_ptr, bias_ptr, target_ptr, lse_ptr, picked_ptr, sum_ptr,
 
 
 @triton.jit
-def gradient(z_ptr, bias_ptr, target_ptr, lse_ptr, scale_ptr, onehot_ptr, uniform_ptr,
+def tile_gradient(z_ptr, bias_ptr, target_ptr, lse_ptr, scale_ptr, onehot_ptr, uniform_ptr,
              v, width, stride, HAS_BIAS: tl.constexpr, HAS_UNIFORM: tl.constexpr,
              ACC: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
     """``dz`` over one block of one row (grid: rows x blocks of the padded width)."""
