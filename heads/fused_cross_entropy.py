@@ -469,6 +469,8 @@ def mean_cross_entropy(
     inside = (target >= 0) & (target < v) & (target != ignore_index)
     if weights is None:
         weights = RowWeights.mean(inside, accumulation_dtype(hidden, weight))
+    elif not isinstance(weights, RowWeights):  # (a plain [N] tensor would unpack by rows)
+        raise TypeError(f"weights must be RowWeights (mean_weights), got {type(weights)}")
     outside_lse, outside_logit = (None, None) if outside is None else outside
     dtype = compute_dtype(hidden, weight)
     held = tile_bytes_per_logit(hidden.device, dtype)

@@ -504,3 +504,10 @@ def test_an_ignored_rows_loss_stays_out_of_the_sum_whatever_it_holds(smoothed):
     loss, kept_nll = rows_ce.weighted_loss(per_unit, unit, nll, row_loss, smoothed)
     assert torch.equal(kept_nll, torch.tensor([1.0, 0.0, 3.0]))
     assert loss == (3.0 if smoothed else 2.0)
+
+
+def test_weights_are_row_weights_not_a_plain_tensor():
+    hidden, weight, b, target = float64_case()
+    with pytest.raises(TypeError, match="RowWeights"):
+        mean_cross_entropy(hidden, weight, b, target, weights=torch.ones(hidden.size(0)),
+                           options=LossOptions(plan="rows"))  # fmt: skip
