@@ -328,12 +328,11 @@ class MixtapeRowsCrossEntropy(torch.autograd.Function):
     ``mixed`` ``[N, d]`` (Eq. 6's mixed context; None when every token is frequent),
     ``w_freq`` ``[S, d]``, ``b_freq`` ``[S]``, ``w_rare`` ``[V-S, d]``, ``b_rare``
     ``[V-S]``, ``target`` ``[N]`` (ids in ``[0, V)``, -1: ignored), ``row_weight`` ``[N]``
-    and ``unit`` ``[]`` (``w_n = row_weight_n unit``, :class:`~heads.kernels.rows_ce.RowWeights`:
-    for the mean, 1 on kept tokens and 0 on ignored ones times ``1 / count``), label
-    smoothing ``eps``, the gate
-    noise's std (0 outside training), ``seed`` (``[1]`` int64: the Triton tiles' noise; None:
-    drawn on the device), the products' ``dtype``, the ``tile`` rows and the caller's grad
-    mode."""
+    and ``unit`` ``[]`` (``w_n = row_weight_n unit``: :class:`~heads.kernels.rows_ce.RowWeights`,
+    for the mean 1 on kept tokens and 0 on ignored ones times ``1 / count``), label smoothing
+    ``eps``, the gate noise's std (0 outside training), ``seed`` (``[1]`` int64: the Triton
+    tiles' noise; None: drawn on the device), the products' ``dtype``, the ``tile`` rows and
+    the caller's grad mode."""
 
     @staticmethod
     def forward(ctx, contexts, gate_inputs, mixed, w_freq, b_freq, gate_weights, w_rare,

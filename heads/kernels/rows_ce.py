@@ -140,11 +140,11 @@ class Mixing(NamedTuple):
     def k(self) -> int:
         return 1 if self.log_prior is None else self.log_prior.size(1)
 
-    def tokens(self, t0: int, t1: int) -> Mixing:
-        return Mixing(*(span_of(x, t0, t1) for x in self))
-
-    def sliced(self, t0: int, t1: int) -> Mixing:
-        return Mixing(*(None if x is None else x[t0:t1] for x in self))
+    def tokens(self, t0: int, t1: int, view: bool = False) -> Mixing:
+        """The tokens ``[t0, t1)``' inputs: :func:`~heads.kernels.chunks.span_of` each, or
+        with ``view`` always a slice."""
+        return Mixing(*(x[t0:t1] if view and x is not None else span_of(x, t0, t1)
+                        for x in self))  # fmt: skip
 
 
 class Terms:
@@ -290,9 +290,7 @@ class TileGradients:
         else:
             self.w_all = new(columns, d, dtype=acc) if want_w else None
             self.b_all = new(columns, dtype=acc) if want_b else None
-        # (no slicing operator where there are no padding rows)
-        self.w = self.w_all if columns == v else span_of(self.w_all, 0, v)
-        self.b = self.b_all if columns == v else span_of(self.b_all, 0, v)
+        self.w, self.b = span_of(self.w_all, 0, v), span_of(self.b_all, 0, v)
         self.d = d
 
     def add_tile(self, r0: int, r1: int, h_r, w_c, dz, dtype) -> None:
@@ -355,19 +353,19 @@ class _Walk:
         parts = []  # per tile: lse, z_target, nll, row loss, the mixing inputs' gradients
         for t0, t1 in self.tiles:
             r0, r1 = t0 * k, t1 * k
-            rows_mixing = mixing.tokens(t0, t1)
-            weights = span_of(row_weight, t0, t1)
+            # the compiled body's inputs always slices: Dynamo guards a view's base, so that
+            # a whole tensor in one step and a view in the next would compile twice
+            rows_mixing = mixing.tokens(t0, t1, view=self.compiled)
+            weights = row_weight[t0:t1] if self.compiled else span_of(row_weight, t0, t1)
             if self.fused:  # the gradient products too: nothing for add_tile
                 parts.append(self._fused_tile(r0, r1, rows_mixing, weights, eps, grads))
                 continue
             if self.triton:
                 stats, dz = self._triton_tile(r0, r1, rows_mixing, weights, eps, grads.any)
-            elif self.compiled:  # (slices always: Dynamo guards a view's base, so that a
-                # whole tensor in one step and a view in the next would compile twice)
+            elif self.compiled:
                 body = compiled_body(compiled_forward_tile)
                 *stats, dz = body(self.h[r0:r1], self.w, self.b, self.rows_target[r0:r1],
-                                  mixing.sliced(t0, t1), row_weight[t0:t1], eps,
-                                  grads.any)  # fmt: skip
+                                  rows_mixing, weights, eps, grads.any)  # fmt: skip
             else:
                 target = span_of(self.rows_target, r0, r1)
                 exps, total, lse, picked, total_logit = eager_statistics(
