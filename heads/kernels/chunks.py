@@ -25,10 +25,13 @@ def spans(total: int, width: int | None) -> list[tuple[int, int]]:
     return [(start, min(total, start + width)) for start in range(0, total, width)]
 
 
-def span_of(x: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
-    """``x[start:stop]``, or ``x`` itself where the span is all of it: a step in one tile (a
-    launch-bound GPU step's usual case) then dispatches no slicing operator a tensor."""
-    if x is None or (start == 0 and stop == x.size(0)):
+def span_of(
+    x: torch.Tensor | None, start: int, stop: int, view: bool = False
+) -> torch.Tensor | None:
+    """``x[start:stop]``, or ``x`` itself where the span is all of it (unless ``view``: a
+    slice always): a step in one tile (a launch-bound GPU step's usual case) then dispatches
+    no slicing operator a tensor."""
+    if x is None or (not view and start == 0 and stop == x.size(0)):
         return x
     return x[start:stop]
 

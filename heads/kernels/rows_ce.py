@@ -141,10 +141,8 @@ class Mixing(NamedTuple):
         return 1 if self.log_prior is None else self.log_prior.size(1)
 
     def tokens(self, t0: int, t1: int, view: bool = False) -> Mixing:
-        """The tokens ``[t0, t1)``' inputs: :func:`~heads.kernels.chunks.span_of` each, or
-        with ``view`` always a slice."""
-        return Mixing(*(x[t0:t1] if view and x is not None else span_of(x, t0, t1)
-                        for x in self))  # fmt: skip
+        """The tokens ``[t0, t1)``' inputs (:func:`~heads.kernels.chunks.span_of` each)."""
+        return Mixing(*(span_of(x, t0, t1, view) for x in self))
 
 
 class Terms:
@@ -356,7 +354,7 @@ class _Walk:
             # the compiled body's inputs always slices: Dynamo guards a view's base, so that
             # a whole tensor in one step and a view in the next would compile twice
             rows_mixing = mixing.tokens(t0, t1, view=self.compiled)
-            weights = row_weight[t0:t1] if self.compiled else span_of(row_weight, t0, t1)
+            weights = span_of(row_weight, t0, t1, view=self.compiled)
             if self.fused:  # the gradient products too: nothing for add_tile
                 parts.append(self._fused_tile(r0, r1, rows_mixing, weights, eps, grads))
                 continue

@@ -59,6 +59,8 @@ def test_a_span_of_all_rows_is_the_tensor_itself():
     part = chunks.span_of(x, 2, 5)
     assert part.data_ptr() == x[2].data_ptr() and torch.equal(part, x[2:5])
     assert chunks.span_of(x, 0, 0).shape == (0, 2)
+    whole = chunks.span_of(x, 0, 6, view=True)  # a slice all the same (a compiled body's)
+    assert whole is not x and torch.equal(whole, x)
 
 
 def test_a_gradient_as_its_input_is_reshaped_and_cast_only_where_it_differs():
