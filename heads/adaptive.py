@@ -84,6 +84,8 @@ class AdaptiveSoftmaxHead(Head):
             module reports in :meth:`setup`, else a Zipf law over the frequency-sorted ids.
     """
 
+    capture_blocker = "its clusters' sizes are counted from each batch (heads/graphs.py)"
+
     def __init__(
         self,
         hidden_size: int,

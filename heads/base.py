@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
@@ -155,7 +155,16 @@ class Head(nn.Module):
     ``loss_options`` (:class:`~heads.fused_cross_entropy.LossOptions`): how the training loss
     runs its fused linear + log-sum-exp blocks (backend, chunk sizes); a task sets it from its
     ``loss_backend`` option. Not part of the state: it never changes the results' meaning.
+
+    ``capturable``: whether a training step is a function of its batch's shape alone (no host
+    reads, no sizes taken from the data), so that it can be captured as a CUDA graph
+    (``heads/graphs.py``); ``capture_blocker`` says why not.
     """
+
+    capturable: ClassVar[bool] = False
+    capture_blocker: ClassVar[str] = (
+        "it does not declare its step a function of the batch's shape alone (Head.capturable)"
+    )
 
     def __init__(self, hidden_size: int, vocab_size: int) -> None:
         super().__init__()

@@ -91,6 +91,8 @@ class MixtapeHead(SingleSoftmaxHead):
             context-free plateau (issue 18's seed-7 run; see ``zipf_log_prior``).
     """
 
+    capturable = True  # its step depends on the batch's shape alone (heads/graphs.py)
+
     def __init__(
         self,
         hidden_size: int,

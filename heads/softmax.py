@@ -36,6 +36,8 @@ class SoftmaxHead(SingleSoftmaxHead):
             does, so that head comparisons start alike; False: at zero.
     """
 
+    capturable = True  # its step depends on the batch's shape alone (heads/graphs.py)
+
     def __init__(
         self,
         hidden_size: int,

@@ -33,6 +33,8 @@ class Classifier(HeadTask):
             arguments); see ``HeadTask``.
         loss_backend: the head's fused-loss backend (auto, torch, cce, liger) or a plan of
             the torch backend (eager, compiled, rows, plain, checkpoint, fused); see ``HeadTask``.
+        cuda_graphs: capture the head's training step as CUDA graphs, one per batch shape
+            (softmax, MoS, Mixtape; CUDA only: elsewhere it runs eagerly); see ``HeadTask``.
     """
 
     def __init__(
@@ -44,15 +46,24 @@ class Classifier(HeadTask):
         top_k: tuple[int, ...] = (1, 5, 10),
         compile: bool | dict[str, Any] = False,
         loss_backend: str = "auto",
+        cuda_graphs: bool = False,
     ) -> None:
-        super().__init__(backbone, head, optimizer, scheduler, compile, loss_backend)
+        super().__init__(backbone, head, optimizer, scheduler, compile, loss_backend, cuda_graphs)
         top_k = tuple(k for k in top_k if k <= head.vocab_size)
         if not top_k:
             raise ModelConfigError(
                 "top_k needs at least one k not larger than the number of classes"
             )
         self.save_hyperparameters(
-            ignore=["backbone", "head", "optimizer", "scheduler", "compile", "loss_backend"]
+            ignore=[
+                "backbone",
+                "head",
+                "optimizer",
+                "scheduler",
+                "compile",
+                "loss_backend",
+                "cuda_graphs",
+            ]  # fmt: skip
         )
         self.top_k = top_k
         self.metrics = nn.ModuleDict(
@@ -65,7 +76,7 @@ class Classifier(HeadTask):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
         inputs, targets = batch
-        output = self.head(self.backbone(inputs), targets)
+        output = self.head_loss(self.backbone(inputs), targets)
         # not prog_bar: Lightning reads those back after every batch (a GPU sync); the
         # app's progress bar shows it at the logging interval (interval_progress_bar)
         self.log("train/loss", output.loss)

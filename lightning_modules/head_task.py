@@ -15,8 +15,9 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
-from heads import Head, HeadSetup
+from heads import Head, HeadOutput, HeadSetup
 from heads.fused_cross_entropy import (
+    EXTERNAL_PACKAGES,
     FUSED,
     check_backend_device,
     check_loss_choice,
@@ -25,6 +26,7 @@ from heads.fused_cross_entropy import (
     fused_products_missing,
     measured_options,
 )
+from heads.graphs import GraphedTrainingLoss, check_capturable
 from lightning_modules.checks import (
     HEAD_KEY,
     FiniteLossCheck,
@@ -65,6 +67,12 @@ warnings.filterwarnings(
 # "disable" does not look. A NaN loss stops the run anyway (``check_finite_loss``).
 NO_READ_BACK: dict[str, Any] = {"nan_strategy": "disable"}
 
+_EXTERNAL_GRAPHS = (
+    "model.cuda_graphs captures the torch backend's plans; loss_backend {} is another "
+    "library's kernels, not known to be capturable: set loss_backend auto or torch, or "
+    "cuda_graphs false"
+)
+
 # What tasks take for ``compile``: False, True (torch.compile's defaults) or its keyword arguments
 CompileOption = bool | dict[str, Any]
 
@@ -86,6 +94,12 @@ class HeadTask(L.LightningModule):
       the torch backend (``LossOptions.plan``: ``eager``, ``compiled``, ``rows``, ``plain``,
       ``checkpoint``; ``fused``: ``rows`` with its tiles as fused Triton products),
       ``heads/fused_cross_entropy.py``; ``auto``: measured per device.
+    - ``cuda_graphs`` (every task's option): the head's training loss, forward and backward,
+      captured as CUDA graphs once per batch shape and replayed (``heads/graphs.py``): a
+      launch-bound step (PTB sizes) launches all its kernels at once. CUDA only (elsewhere the
+      head runs eagerly); heads whose sizes come from the batch (adaptive, DS) and the
+      external backends (cce, liger) refuse it in one line. The tasks call the head's loss
+      through :meth:`head_loss`.
     - :meth:`check_finite_loss` in a step stops the run on a NaN or infinite loss without a
       host sync per step: the loss is checked on the device and read back at the logging
       interval, at the end of a training epoch and of each validation and test
@@ -111,21 +125,31 @@ class HeadTask(L.LightningModule):
         scheduler: LRSchedulerCallable | None,
         compile: CompileOption,
         loss_backend: str,
+        cuda_graphs: bool = False,
     ) -> None:
         super().__init__()
         check_hidden_sizes(head, getattr(backbone, "output_size", None))
         self.backbone = backbone
         self.head = head
-        self.configure_training(compile, loss_backend)
+        self.configure_training(compile, loss_backend, cuda_graphs)
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         # validations ended in fit, and that count at the plateau scheduler's last step
         self._validations = self._plateau_validations = 0
         self._finite_loss = FiniteLossCheck()
 
-    def configure_training(self, compile: CompileOption, loss_backend: str) -> None:
-        """Record the ``compile`` and ``loss_backend`` options (once ``self.head`` is set)."""
+    def configure_training(
+        self, compile: CompileOption, loss_backend: str, cuda_graphs: bool = False
+    ) -> None:
+        """Record the ``compile``, ``loss_backend`` and ``cuda_graphs`` options (once
+        ``self.head`` is set)."""
         check_loss_choice(loss_backend)
+        if cuda_graphs:
+            check_capturable(self.head)  # adaptive, DS: one line naming the option
+            if loss_backend in EXTERNAL_PACKAGES:
+                raise ModelConfigError(_EXTERNAL_GRAPHS.format(loss_backend))
+        # a plain object, not a submodule: the head's parameters stay registered once
+        self._graphed_loss = GraphedTrainingLoss(self.head) if cuda_graphs else None
         if isinstance(compile, dict):
             self.compile_options = dict(compile)
         elif compile is True:
@@ -137,7 +161,7 @@ class HeadTask(L.LightningModule):
                 f"model.compile must be true, false or torch.compile's keyword arguments, got "
                 f"{compile!r}"
             )
-        if loss_backend in ("cce", "liger"):  # a missing package: now, not at the first step
+        if loss_backend in EXTERNAL_PACKAGES:  # a missing package: now, not at the first step
             external_loss_function(loss_backend)
         self.loss_backend = loss_backend
         options = self.head.loss_options
@@ -159,7 +183,22 @@ class HeadTask(L.LightningModule):
                         why)  # fmt: skip
         if backend == "auto":  # a backend, or a plan of the torch one
             backend = fastest_backend(type(self.head).__name__, self.head.vocab_size, device)
+            if self._graphed_loss is not None and backend in EXTERNAL_PACKAGES:
+                backend = "torch"  # cuda_graphs: the torch backend's plans only
         self.head.loss_options = measured_options(self.head.loss_options, backend)
+        if self._graphed_loss is not None and device.type != "cuda":
+            _warn_once(f"cuda_graphs: the head's steps are captured on CUDA only; on "
+                       f"{device.type} it runs eagerly")  # fmt: skip
+
+    def head_loss(
+        self, hidden: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0
+    ) -> HeadOutput:
+        """``self.head(hidden, target, label_smoothing=...)``: what every task's step calls,
+        through the CUDA graphs of ``cuda_graphs`` where they run (a training step on
+        CUDA)."""
+        if self._graphed_loss is not None:
+            return self._graphed_loss(hidden, target, label_smoothing)
+        return self.head(hidden, target, label_smoothing=label_smoothing)
 
     def configure_model(self) -> None:
         if self.compile_options is None or self._compiled:

@@ -30,7 +30,7 @@ def _map_tensors(state: Any, fn: Any) -> Any:
 
 NOT_HPARAMS = [
     "backbone", "head", "optimizer", "scheduler", "predict_top_k", "generate_tokens",
-    "temperature", "pretrained_checkpoint", "compile", "loss_backend",
+    "temperature", "pretrained_checkpoint", "compile", "loss_backend", "cuda_graphs",
 ]  # fmt: skip
 
 
@@ -74,6 +74,8 @@ class LanguageModel(HeadTask):
         loss_backend: the head's fused-loss backend: auto, torch, cce or liger (CUDA,
             optional packages), or a plan of the torch backend (eager, compiled, rows,
             plain, checkpoint); see ``HeadTask``.
+        cuda_graphs: capture the head's training step as CUDA graphs, one per batch shape
+            (softmax, MoS, Mixtape; CUDA only: elsewhere it runs eagerly); see ``HeadTask``.
     """
 
     # the run's quality in TensorBoard's HPARAMS tab (hp_metric): its best validation perplexity
@@ -93,8 +95,9 @@ class LanguageModel(HeadTask):
         freeze_backbone: bool = False,
         compile: bool | dict[str, Any] = False,
         loss_backend: str = "auto",
+        cuda_graphs: bool = False,
     ) -> None:
-        super().__init__(backbone, head, optimizer, scheduler, compile, loss_backend)
+        super().__init__(backbone, head, optimizer, scheduler, compile, loss_backend, cuda_graphs)
         if tie_weights:
             head.tie_output_embedding(backbone.embedding.weight)
         _check_predict_options(predict_top_k, generate_tokens, temperature)
@@ -163,7 +166,7 @@ class LanguageModel(HeadTask):
         hidden, new_state = self.backbone(inputs, self._state.get(stage))
         # carry the recurrent state to the next window, without the graph
         self._state[stage] = LMBackbone.detach_state(new_state)
-        output = self.head(hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1))
+        output = self.head_loss(hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1))
         tokens = (targets != -100).sum()
         metric = self.metrics[f"{stage}_nll"]
         metric.update(output.loss.detach(), weight=tokens)

@@ -54,6 +54,8 @@ class Translation(HeadTask):
             arguments); see ``HeadTask``.
         loss_backend: the head's fused-loss backend (auto, torch, cce, liger) or a plan of
             the torch backend (eager, compiled, rows, plain, checkpoint, fused); see ``HeadTask``.
+        cuda_graphs: capture the head's training step as CUDA graphs, one per batch shape
+            (softmax, MoS, Mixtape; CUDA only: elsewhere it runs eagerly); see ``HeadTask``.
     """
 
     # the run's quality in TensorBoard's HPARAMS tab (hp_metric): its best validation BLEU
@@ -71,8 +73,9 @@ class Translation(HeadTask):
         translations_file: str | None = None,
         compile: bool | dict[str, Any] = False,
         loss_backend: str = "auto",
+        cuda_graphs: bool = False,
     ) -> None:
-        super().__init__(backbone, head, optimizer, scheduler, compile, loss_backend)
+        super().__init__(backbone, head, optimizer, scheduler, compile, loss_backend, cuda_graphs)
         if not 0.0 <= label_smoothing < 1.0:
             raise ModelConfigError(
                 f"model.label_smoothing must be in [0, 1), got {label_smoothing}"
@@ -100,6 +103,7 @@ class Translation(HeadTask):
                 "translations_file",
                 "compile",
                 "loss_backend",
+                "cuda_graphs",
             ]
         )
         self.label_smoothing = label_smoothing
@@ -116,7 +120,7 @@ class Translation(HeadTask):
         hidden = hidden.reshape(-1, hidden.size(-1))
         target = batch["target_output"].reshape(-1)
         eps = self.label_smoothing if self.training else 0.0  # evaluation: the plain NLL
-        output = self.head(hidden, target, label_smoothing=eps)
+        output = self.head_loss(hidden, target, label_smoothing=eps)
         if eps == 0.0:  # the loss is then the mean NLL
             mean_nll = output.loss
         else:

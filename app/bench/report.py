@@ -72,7 +72,7 @@ def peer_speedups(rows: list[dict]) -> list[str]:
     times as fast ours is, from the repeats' paired ratios, with the 95% interval."""
     lines = []
     for row in rows:
-        head = row["head"].partition("@")[0].removesuffix("+compile")
+        head = row["head"].split("+")[0].partition("@")[0]  # no modifier, no backend
         for name in PEERS_OF.get(head, ()):
             peer = _peer(rows, row, name)
             paired = None if peer is None else paired_row_ratio(row, peer)

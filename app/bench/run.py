@@ -15,8 +15,9 @@ two heads is owed to the work each one does. And its extra peak memory: what one
 step takes above the memory in use before it (``app/bench/memory.py``: peak RSS on a CPU,
 the caching allocator's peak on CUDA), which same-memory mode fits to the budget.
 
-Subjects (``--heads``) are named ``<head>[@<backend>][+compile]`` (``app/bench/subjects.py``):
-e.g. ``softmax softmax+compile softmax@cce cce liger matmul``.
+Subjects (``--heads``) are named ``<head>[@<backend>][+compile][+graphs]``
+(``app/bench/subjects.py``): e.g. ``softmax softmax+compile softmax@rows+graphs softmax@cce cce
+liger matmul``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from app.bench.subjects import (
     BenchOptions,
     WholeLM,
     build_head,
+    eager_twin,
     head_config,
     parse_head,
     parse_subject,
@@ -344,11 +346,13 @@ def _row(module, step, times: list[float] | None, args, case: Case) -> dict:
 
 def _flops(step, case: Case) -> int:
     """The step's matrix-product FLOPs, counted once and untimed (the counter slows the step);
-    a compiled subject's from its eager twin (the counter sees no compiled kernels)."""
-    if not parse_subject(case.name).compiled:
+    a compiled or graphed subject's from its eager twin (the counter sees neither compiled
+    kernels nor a graph's replay)."""
+    subject = parse_subject(case.name)
+    if not (subject.compiled or subject.graphs):
         return matmul_flops(step)
     torch.manual_seed(0)
-    _, eager = build_case(replace(case, name=case.name.removesuffix("+compile")))
+    _, eager = build_case(replace(case, name=eager_twin(case.name)))
     return matmul_flops(eager)
 
 
@@ -370,7 +374,7 @@ def add_subject_args(parser: argparse.ArgumentParser) -> None:
     """What is benchmarked: the subjects and how their heads are built."""
     group = parser.add_argument_group("subjects (app/bench/subjects.py)")
     group.add_argument("--heads", nargs="+", type=_subject, default=list(DEFAULT_SUBJECTS),
-                       help="<head>[@<backend>][+compile] or a peer; our heads (and torch_"
+                       help="<head>[@<backend>][+compile][+graphs] or a peer; our heads (and torch_"
                        "adaptive's cut-offs) from configs/heads/<head>.yaml")  # fmt: skip
     group.add_argument("--init-args", nargs="+", default=[], metavar="HEAD.KEY=VALUE",
                        help="override a head fragment's init_args (VALUE in YAML), e.g. "

@@ -1,8 +1,10 @@
 """What the benchmark times: heads, the peer and limit rows, and whole language models.
 
-A subject is named ``<head>[@<backend>][+compile]``: one of our heads (``HEADS``) with its
-fused loss on a given backend (``heads/fused_cross_entropy.py``; default ``--loss-backend``)
-and/or under ``torch.compile``, e.g. ``softmax@cce`` or ``mixtape+compile``; or a peer
+A subject is named ``<head>[@<backend>][+compile][+graphs]``: one of our heads (``HEADS``)
+with its fused loss on a given backend (``heads/fused_cross_entropy.py``; default
+``--loss-backend``), under ``torch.compile`` and/or with its training step as CUDA graphs
+(``heads/graphs.py``; eager on a CPU), e.g. ``softmax@cce``, ``mixtape+compile`` or
+``mixtape@rows+graphs``; or a peer
 (``PEERS``): PyTorch's adaptive softmax, the bare matmul (the machine's limit), and on CUDA
 the field's fused linear cross-entropy kernels on the softmax, Apple's cut-cross-entropy
 (``cce``) and Liger-Kernel's (``liger``).
@@ -33,6 +35,7 @@ from heads.fused_cross_entropy import (
     external_loss_function,
     measured_options,
 )
+from heads.graphs import GraphedTrainingLoss
 from lightning_modules.backbones import LSTMBackbone
 
 HEADS = ("softmax", "mixtape", "mos", "adaptive")
@@ -99,32 +102,48 @@ def instantiate_head(config: dict[str, Any], hidden: int, vocab: int) -> Head:
     return _head_parser().instantiate(parse_head(config, hidden, vocab)).head
 
 
+# a subject name's modifiers, after its head and backend: +compile, +graphs (either or both)
+MODIFIERS = ("compile", "graphs")
+
+
 @dataclass(frozen=True)
 class Subject:
-    """A parsed subject name: ``head`` (ours or a peer), ``backend`` and ``compiled``."""
+    """A parsed subject name: ``head`` (ours or a peer), ``backend``, ``compiled`` (under
+    ``torch.compile``) and ``graphs`` (its training step as CUDA graphs: heads/graphs.py)."""
 
     head: str
     backend: str | None = None
     compiled: bool = False
+    graphs: bool = False
 
 
 def parse_subject(name: str) -> Subject:
-    """``<head>[@<backend>][+compile]`` -> :class:`Subject`; one clear error otherwise."""
-    base, compiled = (
-        (name[: -len("+compile")], True) if name.endswith("+compile") else (name, False)
-    )
+    """``<head>[@<backend>][+compile][+graphs]`` -> :class:`Subject`; one clear error
+    otherwise."""
+    base, *modifiers = name.split("+")
     head, _, backend = base.partition("@")
-    if head not in HEADS + PEERS:
+    if (
+        head not in HEADS + PEERS
+        or len(set(modifiers)) < len(modifiers)
+        or not set(modifiers) <= set(MODIFIERS)
+    ):
         raise ValueError(
             f"unknown subject {name!r}: a head ({', '.join(HEADS)}) with an optional "
-            f"@backend ({', '.join(BACKENDS)}) and +compile, or a peer ({', '.join(PEERS)})"
+            f"@backend ({', '.join(BACKENDS)}), +compile and +graphs, or a peer "
+            f"({', '.join(PEERS)})"
         )
     if backend and (head not in HEADS or backend not in BACKENDS + PLAN_SUBJECTS):
         raise ValueError(f"subject {name!r}: @backend applies to {', '.join(HEADS)} only, "
                          f"and must be one of {', '.join(BACKENDS + PLAN_SUBJECTS)}")  # fmt: skip
-    if compiled and head in PEERS:
-        raise ValueError(f"subject {name!r}: +compile applies to {', '.join(HEADS)} only")
-    return Subject(head, backend or None, compiled)
+    if modifiers and head in PEERS:
+        raise ValueError(f"subject {name!r}: +compile and +graphs apply to {', '.join(HEADS)} "
+                         f"only")  # fmt: skip
+    return Subject(head, backend or None, "compile" in modifiers, "graphs" in modifiers)
+
+
+def eager_twin(name: str) -> str:
+    """The subject without its modifiers: the same head and plan, run as written."""
+    return name.split("+")[0]
 
 
 class TorchAdaptive(nn.Module):
@@ -211,7 +230,22 @@ def build_head(name: str, hidden: int, vocab: int, options: BenchOptions) -> nn.
         if subject.compiled:
             torch._dynamo.config.capture_scalar_outputs = True  # adaptive's cluster sizes
             head.compile()
+        if subject.graphs:
+            return GraphedHead(head)
     return head
+
+
+class GraphedHead(nn.Module):
+    """One of our heads with its training step as CUDA graphs (``+graphs``; on a CPU it runs
+    eagerly): ``(hidden, target) -> HeadOutput``."""
+
+    def __init__(self, head: Head) -> None:
+        super().__init__()
+        self.head = head
+        self.graphs = GraphedTrainingLoss(head)  # a plain object: the head registered once
+
+    def forward(self, hidden: torch.Tensor, target: torch.Tensor):
+        return self.graphs(hidden, target)
 
 
 def _build(name: str, hidden: int, vocab: int, options: BenchOptions) -> nn.Module:

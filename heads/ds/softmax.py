@@ -91,6 +91,8 @@ class DSSoftmaxHead(Head):
     row_class: torch.Tensor
     expert_offsets: torch.Tensor
 
+    capture_blocker = "its experts' sizes are counted from each batch (heads/graphs.py)"
+
     def __init__(
         self,
         hidden_size: int,

@@ -86,13 +86,21 @@ def block_noise(shape, keep: bool, noise_state, noise_kept: list, device, acc):
     """A block's gate noise and the replay state: for a block not kept, the generator state
     before the first such block (eager) or the noise itself (under ``torch.compile``) is
     recorded for the backward (``ReplayNoise``)."""
-    compiling = torch.compiler.is_compiling()
-    if not keep and noise_state is None and not compiling:
+    # no generator state to record: traced (torch.compile), or under a CUDA graph's capture
+    # (which cannot read it; each replay draws anew, so a recorded state would be stale)
+    stateless = torch.compiler.is_compiling() or capturing(device)
+    if not keep and noise_state is None and not stateless:
         noise_state = rng_state(device)
     noise = torch.randn(*shape, dtype=acc, device=device)
-    if not keep and compiling:
+    if not keep and stateless:
         noise_kept.append(noise)
     return noise, noise_state
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current stream is being captured into a CUDA graph
+    (``heads/graphs.py``): the generator's state cannot be read then."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def rng_state(device: torch.device) -> torch.Tensor:
@@ -105,7 +113,8 @@ class ReplayNoise:
     """The gate noise of the blocks not kept, drawn again in the backward exactly as in the
     forward: the generator is set back to its state before the first such block (and restored
     after), and the blocks are drawn in the same order and shapes. Under ``torch.compile``
-    (no generator state to trace) the forward keeps those blocks' noise instead."""
+    (no generator state to trace) and a CUDA graph's capture (none to read) the forward keeps
+    those blocks' noise instead."""
 
     def __init__(self, state: torch.Tensor | None, kept: list[torch.Tensor], device) -> None:
         self.state, self.kept, self.device = state, kept, device

@@ -47,7 +47,7 @@ from heads.kernels.chunks import (
     target_columns,
 )
 from heads.kernels.compiled_lse import with_ones
-from heads.kernels.mixtape_frequent import ReplayNoise, rng_state
+from heads.kernels.mixtape_frequent import ReplayNoise, capturing, rng_state
 from heads.kernels.rows_ce import (
     Mixing,
     Terms,
@@ -344,8 +344,8 @@ class MixtapeRowsCrossEntropy(torch.autograd.Function):
         state = None
         if noise_std > 0 and walk.triton and seed is None:  # one seed, drawn on the device
             seed = walk.seed = torch.randint(2**62, (1,), device=contexts.device)
-        elif noise_std > 0 and not walk.triton:  # the generator's state replays the noise
-            state = rng_state(contexts.device)
+        elif noise_std > 0 and not walk.triton and not capturing(contexts.device):
+            state = rng_state(contexts.device)  # the generator's state replays the noise
         need = ctx.needs_input_grad[:8] if grad else (False,) * 8
         grads = _gradients(walk, inputs, need, walk.acc)
         # gradients per unit, scaled in the backward
@@ -368,6 +368,12 @@ class MixtapeRowsCrossEntropy(torch.autograd.Function):
         factor = None if grad_loss is None else as_dtype(grad_loss, unit.dtype) * unit
         out = scaled_gradients(stored, need, factor)
         if grad_nll is not None:  # the NLL output is differentiated too: walk again, w = g
+            if noise_std > 0 and seed is None and state is None:
+                raise RuntimeError(
+                    "Mixtape's rows plan replays its gate noise for the NLL output's gradient "
+                    "from the generator's state, which a CUDA graph's capture cannot read: "
+                    "differentiate the loss alone there (heads/graphs.py does)"
+                )
             g = torch.where(row_weight > 0, as_dtype(grad_nll, row_weight.dtype), 0.0)
             walk = _Walk(*inputs, target, dtype, tile, noise_std, seed, fused)
             extra = _gradients(walk, inputs, need, row_weight.dtype)

@@ -192,7 +192,10 @@ def test_subject_names_are_checked_with_one_clear_error(capsys):
     assert parse_subject("mixtape@torch+compile") == Subject("mixtape", "torch", True)
     assert parse_subject("cce") == Subject("cce")
     assert parse_subject("mos@fused") == Subject("mos", "fused", False)
-    for bad in ("softmax@fast", "softmax@cpu", "cce+compile", "matmul@torch", "nohead"):
+    assert parse_subject("mixtape@rows+graphs") == Subject("mixtape", "rows", graphs=True)
+    assert parse_subject("softmax+graphs+compile") == Subject("softmax", None, True, True)
+    for bad in ("softmax@fast", "softmax@cpu", "cce+compile", "matmul@torch", "nohead",
+                "matmul+graphs", "softmax+graph", "softmax+compile+compile"):  # fmt: skip
         with pytest.raises(SystemExit):
             parse_args(["--heads", bad])
         assert "error:" in capsys.readouterr().err
@@ -218,13 +221,18 @@ def test_peers_of_the_field_need_cuda_and_say_so():
 
 
 def test_compiled_subject_counts_its_eager_twins_flops(tmp_path):
-    """A +compile subject: timed compiled, FLOPs counted on its eager twin (the same products)."""
-    argv = ["--heads", "softmax", "softmax+compile", "--vocab-sizes", "300", "--hidden-sizes",
-            "16", "--batch-sizes", "32", "--repeats", "1", "--warmup", "1", "--memory", "skip",
-            "--out", str(tmp_path), "--name", "compiled"]  # fmt: skip
+    """A +compile subject: timed compiled, FLOPs counted on its eager twin (the same products);
+    a +graphs one likewise (on a CPU its step runs eagerly), in the LM too."""
+    argv = ["--heads", "softmax", "softmax+compile", "mixtape@rows", "mixtape@rows+graphs",
+            "--vocab-sizes", "300", "--hidden-sizes", "16", "--batch-sizes", "32", "--repeats",
+            "1", "--warmup", "1", "--memory", "skip", "--out", str(tmp_path),
+            "--name", "compiled"]  # fmt: skip
     report = main(argv)
     flops = {r["head"]: r["matmul_gflop"] for r in report["results"]}
     assert flops["softmax+compile"] == flops["softmax"] > 0
+    assert flops["mixtape@rows+graphs"] == flops["mixtape@rows"] > 0
+    lm = main([*argv[:5], "--scope", "lm", *argv[5:-1], "lm"])
+    assert {r["head"] for r in lm["results"]} >= {"mixtape@rows+graphs"}
 
 
 def test_a_device_or_backend_this_machine_lacks_is_one_line(capsys, tmp_path):

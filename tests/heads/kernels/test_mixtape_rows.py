@@ -143,6 +143,32 @@ def test_gate_noise_is_the_same_in_the_forward_and_its_gradient(body):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
+def test_under_a_capture_the_eager_tiles_draw_noise_without_the_generators_state(monkeypatch):
+    """A CUDA graph's capture cannot read the generator's state (heads/graphs.py, stood in for
+    here): the loss and its gradients are the plain maths' with the noise drawn; the NLL
+    output's gradient, which would replay the noise from that state, is refused by name."""
+    import heads.kernels.mixtape_rows as mixtape_rows
+
+    def unreadable(device):
+        raise RuntimeError("a capture cannot read the generator's state")
+
+    monkeypatch.setattr(mixtape_rows, "capturing", lambda device: True)
+    monkeypatch.setattr(mixtape_rows, "rng_state", unreadable)
+    inputs, target = _case(n=9, k=4)
+    n, k, s, std, tile = 9, 4, inputs["w_freq"].size(0), 0.7, 4
+    torch.manual_seed(3)
+    noise = torch.cat([torch.randn(min(tile, n - t0), k - 1, s, dtype=torch.float64)
+                       for t0 in range(0, n, tile)])  # fmt: skip
+    torch.manual_seed(3)
+    loss, nll = _rows(inputs, target, 0.0, tile, std)
+    expected_loss, _ = _reference(inputs, target, 0.0, std * noise)
+    for a, b in zip(_grads(loss, inputs), _grads(expected_loss, inputs), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    loss, nll = _rows(inputs, target, 0.0, tile, std)
+    with pytest.raises(RuntimeError, match="CUDA graph's capture cannot read"):
+        _grads(loss + nll.sum(), inputs)
+
+
 def test_masked_rows_of_minus_infinity_give_finite_gradients(body):
     """A frequent block whose logits are all ``-inf`` (a bias of ``-inf``): no NaN."""
     inputs, target = _case()

@@ -1,0 +1,333 @@
+"""heads/graphs.py: a head's training step as CUDA graphs.
+
+On the CPU, :func:`torch.cuda.make_graphed_callables` is stood in for by a function with its
+contract (``Replayed``): the loss run through the head, its outputs handed back as the same
+buffers every call, rewritten by the next one, as a graph's static outputs are. That checks
+the runner itself: which calls capture, which run eagerly, that its outputs are copies, that
+a capture runs without autocast's cast cache. The captures themselves are the GPU tests'."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from heads import (
+    AdaptiveSoftmaxHead,
+    DSSoftmaxHead,
+    HeadConfigError,
+    MixtapeHead,
+    MoSHead,
+    SoftmaxHead,
+)
+from heads.fused_cross_entropy import LossOptions
+from heads.graphs import GRAPH_DEVICES, GraphedTrainingLoss, check_capturable
+
+D, V = 16, 50
+
+
+class _StaticOutputs(torch.autograd.Function):
+    """The outputs copied into fixed buffers and handed back as them (gradients pass)."""
+
+    @staticmethod
+    def forward(ctx, buffers, *outputs):
+        for buffer, output in zip(buffers, outputs, strict=True):
+            buffer.copy_(output)
+        return tuple(buffer.detach() for buffer in buffers)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *grads)
+
+
+class Replayed:
+    """A stand-in for ``make_graphed_callables`` on a CPU: records each capture (and the
+    autocast cache's state then) and returns a callable whose outputs are fixed buffers."""
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.captures: list[tuple[int, ...]] = []
+        self.cache_enabled: list[bool] = []
+        self.fail = fail
+
+    def __call__(self, module, sample, num_warmup_iters, allow_unused_input):
+        assert num_warmup_iters >= 1 and allow_unused_input
+        if self.fail is not None:
+            raise self.fail
+        self.captures.append(tuple(sample[0].shape))
+        self.cache_enabled.append(torch.is_autocast_cache_enabled())
+        buffers = [output.detach().clone() for output in module(*sample)]
+
+        def graphed(hidden, target):
+            return _StaticOutputs.apply(buffers, *module(hidden, target))
+
+        return graphed
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    """Steps on the CPU are captured (by a stand-in) for the test's duration."""
+    monkeypatch.setattr("heads.graphs.GRAPH_DEVICES", GRAPH_DEVICES | {"cpu"})
+
+
+def _batch(tokens: int = 24, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, V, (tokens,), generator=gen)
+    target[:3] = -100
+    return hidden, target
+
+
+def _heads():
+    return {
+        "softmax": SoftmaxHead(D, V),
+        "mos": MoSHead(D, V, num_components=3),
+        "mixtape": MixtapeHead(D, V, num_components=4, gate_embedding_size=4),
+    }
+
+
+@pytest.mark.parametrize("name", ["softmax", "mos", "mixtape"])
+def test_the_graphed_step_gives_the_heads_loss_nll_and_gradients(on_cpu, name):
+    head = _heads()[name].double().train()
+    twin = copy.deepcopy(head)
+    grapher = Replayed()
+    graphed = GraphedTrainingLoss(head, grapher=grapher)
+    for seed in range(3):  # one capture, then replays of new batches
+        hidden, target = _batch(seed=seed)
+        twin_hidden = hidden.detach().clone().requires_grad_(True)
+        out = graphed(hidden, target, label_smoothing=0.1)
+        want = twin(twin_hidden, target, label_smoothing=0.1)
+        torch.testing.assert_close(out.loss, want.loss)
+        torch.testing.assert_close(out.nll, want.nll)
+        torch.testing.assert_close(out.aux_loss, want.aux_loss)
+        assert out.aux_loss.requires_grad == want.aux_loss.requires_grad
+        assert not out.nll.requires_grad
+        (out.loss + out.aux_loss).backward()
+        (want.loss + want.aux_loss).backward()
+        torch.testing.assert_close(hidden.grad, twin_hidden.grad)
+        for (key, p), q in zip(head.named_parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, msg=key)
+    assert grapher.captures == [(24, D)]
+
+
+def test_its_outputs_are_copies_that_the_next_step_leaves_alone(on_cpu):
+    head = SoftmaxHead(D, V).double().train()
+    graphed = GraphedTrainingLoss(head, grapher=Replayed())
+    first = graphed(*_batch(seed=0))
+    kept = first.loss.detach().clone(), first.nll.clone()
+    second = graphed(*_batch(seed=1))
+    assert not torch.equal(second.nll, kept[1])  # another batch: other values
+    torch.testing.assert_close(first.loss.detach(), kept[0], rtol=0, atol=0)
+    torch.testing.assert_close(first.nll, kept[1], rtol=0, atol=0)
+
+
+def test_each_shape_is_captured_once_and_shapes_past_the_limit_run_eagerly(on_cpu, caplog):
+    head = SoftmaxHead(D, V).double().train()
+    grapher = Replayed()
+    graphed = GraphedTrainingLoss(head, max_shapes=2, grapher=grapher)
+    for tokens in (24, 24, 10, 24, 10, 7, 7):
+        out = graphed(*_batch(tokens))
+        assert out.nll.shape == (tokens,)
+    assert grapher.captures == [(24, D), (10, D)]
+    assert graphed.captured == 2
+    assert sum("runs eagerly" in r.getMessage() for r in caplog.records) == 1  # once a shape
+
+
+def test_evaluation_no_grad_and_other_devices_run_the_head_itself(on_cpu, monkeypatch):
+    head = SoftmaxHead(D, V).double()
+    grapher = Replayed()
+    graphed = GraphedTrainingLoss(head, grapher=grapher)
+    hidden, target = _batch()
+    head.eval()
+    torch.testing.assert_close(graphed(hidden, target).loss, head(hidden, target).loss)
+    head.train()
+    with torch.no_grad():
+        graphed(hidden, target)
+    monkeypatch.setattr("heads.graphs.GRAPH_DEVICES", {"cuda"})  # a CPU step, as by default
+    graphed(hidden, target)
+    assert grapher.captures == []
+
+
+def test_options_and_precision_are_part_of_a_shapes_key(on_cpu):
+    head = SoftmaxHead(D, V).train()
+    grapher = Replayed()
+    graphed = GraphedTrainingLoss(head, max_shapes=8, grapher=grapher)
+    hidden, target = _batch()
+    hidden = hidden.float().detach().requires_grad_(True)
+    graphed(hidden, target)
+    graphed(hidden, target, label_smoothing=0.1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        graphed(hidden, target)
+    graphed(hidden, target, label_smoothing=0.1)  # seen: replayed
+    assert len(grapher.captures) == 3
+    head.loss_options = LossOptions(plan="rows")
+    graphed(hidden, target)
+    graphed(hidden.detach(), target)  # no input gradient wanted
+    assert len(grapher.captures) == 5
+
+
+def test_a_capture_runs_without_autocasts_cast_cache(on_cpu):
+    head = SoftmaxHead(D, V).train()
+    grapher = Replayed()
+    graphed = GraphedTrainingLoss(head, grapher=grapher)
+    hidden = torch.randn(12, D, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.is_autocast_cache_enabled()
+        graphed(hidden, torch.randint(0, V, (12,)))
+        assert torch.is_autocast_cache_enabled()  # the caller's setting, restored
+    assert grapher.cache_enabled == [False]
+
+
+def test_replaced_parameters_are_captured_again(on_cpu):
+    head = SoftmaxHead(D, V).double().train()
+    grapher = Replayed()
+    graphed = GraphedTrainingLoss(head, grapher=grapher)
+    batch = _batch()
+    graphed(*batch)
+    graphed(*batch)
+    head.weight = torch.nn.Parameter(head.weight.detach().clone())  # new storage
+    out = graphed(*batch)
+    assert len(grapher.captures) == 2
+    out.loss.backward()
+    assert head.weight.grad is not None  # the new parameter's, not the old one's
+    head.bias.requires_grad_(False)  # frozen: the graph's gradients change
+    graphed(*batch)
+    assert len(grapher.captures) == 3
+
+
+def test_a_copy_keeps_no_graph_and_captures_for_its_own_head(on_cpu):
+    head = SoftmaxHead(D, V).double().train()
+    graphed = GraphedTrainingLoss(head, grapher=Replayed())
+    graphed(*_batch())
+    copied_head, copied = copy.deepcopy((head, graphed))
+    assert copied.captured == 0 and copied.head is copied_head
+    copied(*_batch()).loss.backward()
+    assert copied_head.weight.grad is not None and head.weight.grad is None
+    assert graphed.captured == 1
+
+
+def test_a_failed_capture_names_the_head_and_the_option(on_cpu):
+    graphed = GraphedTrainingLoss(
+        MoSHead(D, V, num_components=2).train(), grapher=Replayed(RuntimeError("capture broke"))
+    )
+    with pytest.raises(HeadConfigError, match=r"MoSHead.*capture broke.*cuda_graphs false"):
+        graphed(*_batch())
+
+
+@pytest.mark.parametrize(
+    "head",
+    [AdaptiveSoftmaxHead(D, V, cutoffs=[20]), DSSoftmaxHead(D, V, num_experts=2)],
+    ids=["adaptive", "ds"],
+)
+def test_heads_whose_sizes_come_from_the_batch_are_refused(head):
+    with pytest.raises(HeadConfigError, match=r"sizes are counted from each batch.*cuda_graphs"):
+        check_capturable(head)
+    with pytest.raises(HeadConfigError):
+        GraphedTrainingLoss(head)
+
+
+def _dispatched(head, hidden, target) -> list[tuple[str, list]]:
+    """The operators a training step (forward and backward) dispatches, in order, each with
+    its inputs' shapes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        out = head(hidden, target, label_smoothing=0.1)
+        (out.loss + out.aux_loss).backward()
+    return [(e.name, e.input_shapes) for e in prof.events() if e.name.startswith("aten::")]
+
+
+@pytest.mark.parametrize("plan", ["auto", "rows"])
+@pytest.mark.parametrize("name", ["softmax", "mos", "mixtape", "adaptive"])
+def test_a_capturable_heads_step_is_the_same_operators_on_the_same_shapes_for_any_batch(
+    name, plan, monkeypatch
+):
+    """What a graph replays is what the step does for every batch of its shape: CUDA's plans
+    (run here: compiled bodies through aot_eager) dispatch the same operators on the same
+    shapes for batches that differ in values, targets and ignored rows, for every head that
+    declares itself capturable; the adaptive softmax, sized by its clusters, does not."""
+    import torch._dynamo
+
+    import heads.kernels.chunks as chunks
+    import heads.kernels.compiled_lse as compiled_lse
+
+    monkeypatch.setattr(chunks, "GPU_PLAN_DEVICES", {"cuda", "cpu"})
+    monkeypatch.setattr(compiled_lse, "COMPILE_BACKEND", "aot_eager")
+    vocab = 300
+    head = {
+        "softmax": lambda: SoftmaxHead(D, vocab),
+        "mos": lambda: MoSHead(D, vocab, num_components=3, context_dropout=0.1),
+        "mixtape": lambda: MixtapeHead(D, vocab, gate_noise=0.1, gate_dropout=0.1),
+        "adaptive": lambda: AdaptiveSoftmaxHead(D, vocab, cutoffs=[20, 100]),
+    }[name]().train()
+    head.loss_options = LossOptions(plan=plan, saved_bytes=0, rows=16)
+    steps = []
+    try:
+        for seed in range(3):  # the first compiles: the next two are compared
+            gen = torch.Generator().manual_seed(seed)
+            hidden = torch.randn(40, D, generator=gen, requires_grad=True)
+            # each batch its own mix of frequent and rare ids, and of ignored rows
+            target = torch.randint(0, [25, 120, vocab][seed], (40,), generator=gen)
+            target[: 2 + 3 * seed] = -100
+            steps.append(_dispatched(head, hidden, target))
+    finally:
+        torch._dynamo.reset()
+    assert (steps[1] == steps[2]) == head.capturable
+
+
+# -- on a GPU: the captures themselves ---------------------------------------------------
+
+
+def _gpu_heads(hidden: int, vocab: int):
+    rows = LossOptions(plan="rows", saved_bytes=0)
+    heads = {
+        "softmax": SoftmaxHead(hidden, vocab),
+        "softmax_rows": SoftmaxHead(hidden, vocab),
+        "mos_rows": MoSHead(hidden, vocab, num_components=3),
+        "mixtape": MixtapeHead(hidden, vocab, gate_noise=0.0),
+        "mixtape_rows": MixtapeHead(hidden, vocab, gate_noise=0.0),
+    }
+    for name, head in heads.items():
+        if name.endswith("_rows"):
+            head.loss_options = rows
+    return heads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["softmax", "softmax_rows", "mos_rows", "mixtape", "mixtape_rows"])
+def test_a_captured_step_trains_as_the_eager_one_on_cuda(name, precision):
+    """Three SGD steps of new batches: the graphed head's losses, input gradients and
+    parameters equal its eager twin's, with nothing read back during the replays."""
+    hidden_size, vocab, tokens = 64, 3000, 512
+    torch.manual_seed(0)
+    head = _gpu_heads(hidden_size, vocab)[name].cuda().train()
+    twin = copy.deepcopy(head)
+    graphed = GraphedTrainingLoss(head)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (head, twin)]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tol = dict(rtol=1e-4, atol=1e-5) if precision == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+    for step in range(3):
+        hidden = torch.randn(tokens, hidden_size, device="cuda", generator=gen)
+        target = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
+        target[:5] = -100
+        results = []
+        for run in (graphed, twin):
+            h = hidden.clone().requires_grad_(True)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision != torch.float32):
+                if step > 0 and run is graphed:  # replays: no host sync
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    out = run(h, target, label_smoothing=0.1)
+                    (out.loss + out.aux_loss).backward()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            results.append((out.loss.detach(), out.nll, h.grad))
+        for got, want in zip(*results, strict=True):
+            torch.testing.assert_close(got, want, **tol)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        for p, q in zip(head.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(p, q, **tol)
+    assert graphed.captured == 1
