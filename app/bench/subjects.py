@@ -122,11 +122,8 @@ def parse_subject(name: str) -> Subject:
     otherwise."""
     base, *modifiers = name.split("+")
     head, _, backend = base.partition("@")
-    if (
-        head not in HEADS + PEERS
-        or len(set(modifiers)) < len(modifiers)
-        or not set(modifiers) <= set(MODIFIERS)
-    ):
+    known = head in HEADS + PEERS and set(modifiers) <= set(MODIFIERS)
+    if not known or len(set(modifiers)) < len(modifiers):
         raise ValueError(
             f"unknown subject {name!r}: a head ({', '.join(HEADS)}) with an optional "
             f"@backend ({', '.join(BACKENDS)}), +compile and +graphs, or a peer "
