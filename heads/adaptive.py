@@ -84,7 +84,9 @@ class AdaptiveSoftmaxHead(Head):
             module reports in :meth:`setup`, else a Zipf law over the frequency-sorted ids.
     """
 
-    capture_blocker = "its clusters' sizes are counted from each batch (heads/graphs.py)"
+    # a CUDA graph of a dense step (every classifier on every row) holds for any batch of its
+    # shape; a step over the budget sizes its clusters from each batch (step_capturable)
+    capturable = True
 
     def __init__(
         self,
@@ -287,8 +289,7 @@ class AdaptiveSoftmaxHead(Head):
         # Head: the word itself if in the short-list, else its cluster's entry (or ignored).
         head_target = torch.where(group == 1, target, self.group_head_target[group])
         # a small step on CUDA: every classifier on every row, nothing read back
-        if dense_loss_fits(self.loss_options, hidden.device, hidden.size(0),
-                           self.vocab_size + self.num_clusters):  # fmt: skip
+        if self.step_capturable(hidden):
             return self._dense_loss(hidden, target, group, head_target, label_smoothing)
         # One sort groups the rows by cluster (ignored and short-list rows first), so each
         # tail cluster is a contiguous slice of one gather: one index_select (and one
@@ -340,6 +341,11 @@ class AdaptiveSoftmaxHead(Head):
         if weights is not None:
             return HeadOutput(loss, nll, loss.new_zeros(()))
         return self.output(nll, target, smoothing=smoothing, label_smoothing=label_smoothing)
+
+    def step_capturable(self, hidden: torch.Tensor) -> bool:
+        """Only a dense step (:func:`dense_loss_fits`): its shapes are the batch's alone."""
+        return dense_loss_fits(self.loss_options, hidden.device, hidden.size(0),
+                               self.vocab_size + self.num_clusters)  # fmt: skip
 
     def expect_targets(self, target: torch.Tensor) -> None:
         """The next forward's group sizes, counted here on the host from the batch's targets

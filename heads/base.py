@@ -156,9 +156,10 @@ class Head(nn.Module):
     runs its fused linear + log-sum-exp blocks (backend, chunk sizes); a task sets it from its
     ``loss_backend`` option. Not part of the state: it never changes the results' meaning.
 
-    ``capturable``: whether a training step is a function of its batch's shape alone (no host
-    reads, no sizes taken from the data), so that it can be captured as a CUDA graph
-    (``heads/graphs.py``); ``capture_blocker`` says why not.
+    ``capturable``: whether a training step can be a function of its batch's shape alone (no
+    host reads, no sizes taken from the data), so that it can be captured as a CUDA graph
+    (``heads/graphs.py``); ``capture_blocker`` says why not; :meth:`step_capturable` whether
+    a given step is.
     """
 
     capturable: ClassVar[bool] = False
@@ -214,6 +215,12 @@ class Head(nn.Module):
         are still on the host, before they are copied to the device and the step runs: a head
         may take from them now what its :meth:`forward` would otherwise read back from the
         device (a GPU sync). Default: nothing."""
+
+    def step_capturable(self, hidden: torch.Tensor) -> bool:
+        """Whether a training step on ``hidden`` (its shape, device and the loss options) is
+        a function of the batch's shape alone, so that a CUDA graph of it holds for every
+        batch of that shape. Default: ``capturable``."""
+        return self.capturable
 
     def training_log_prob(self, hidden: torch.Tensor) -> torch.Tensor:
         """The distribution the loss trains, ``[N, vocab_size]``; equals :meth:`log_prob`

@@ -13,13 +13,16 @@ How: :func:`torch.cuda.make_graphed_callables` on the head's training loss, ``(h
 still accumulates their gradients (and DDP's hooks still fire) outside the graphs. A head can
 be captured when its step is a function of its batch's shape alone: no host reads (the sync
 sentinels of ``tests/lightning_modules/test_host_sync.py`` prove it on the CPU for every head)
-and no sizes read from the data. The adaptive softmax (its clusters' sizes) and DS-Softmax
-(its experts') are not: :func:`check_capturable` refuses them.
+and no sizes read from the data. DS-Softmax (its experts' sizes) is not: :func:`check_capturable`
+refuses it. The adaptive softmax is where it runs every classifier on every row (a dense
+step: ``Head.step_capturable``); a step of a shape over that budget, whose clusters are sized
+from each batch, runs eagerly.
 
 What a user sees:
 
 - Graphs are kept for at most :data:`MAX_SHAPES` batch shapes (a language model's windows and
-  an epoch's shorter last one); any other shape runs eagerly (logged once). Each holds its
+  an epoch's shorter last one); any other shape, or one whose step the head says depends on
+  the batch, runs eagerly (logged once). Each holds its
   step's memory for good, as a private pool.
 - The first step of each shape runs the loss 3 times (warm-up) and captures it: runs seeded
   alike with and without graphs then draw different dropout masks.
@@ -138,8 +141,7 @@ class GraphedTrainingLoss:
         key = self._key(hidden, target, label_smoothing)
         graph = self._graphs.get(key)
         if graph is None:
-            if len(self._graphs) >= self.max_shapes:
-                self._note_eager(key)
+            if key in self._eager_shapes or not self._may_capture(key, hidden):
                 return self.head(hidden, target, label_smoothing=label_smoothing)
             graph = self._graphs[key] = self._capture(hidden, target, label_smoothing)
         loss, nll, aux = graph.graphed(hidden, target)
@@ -160,13 +162,22 @@ class GraphedTrainingLoss:
         now = tuple((p.data_ptr(), p.requires_grad) for p in self.head.parameters())
         if now != self._parameters:
             self._graphs.clear()
+            self._eager_shapes.clear()
             self._parameters = now
 
-    def _note_eager(self, key: tuple) -> None:
-        if key not in self._eager_shapes:
-            self._eager_shapes.add(key)
-            log.warning("cuda_graphs: %d batch shapes are captured already; hidden %s runs "
-                        "eagerly", self.max_shapes, tuple(key[0]))  # fmt: skip
+    def _may_capture(self, key: tuple, hidden: torch.Tensor) -> bool:
+        """Whether a new shape is captured: within :data:`MAX_SHAPES`, and a step the head
+        says is its shape's alone (``Head.step_capturable``); else it runs eagerly from now
+        on, said once."""
+        if len(self._graphs) >= self.max_shapes:
+            why = f"{self.max_shapes} batch shapes are captured already"
+        elif not self.head.step_capturable(hidden):
+            why = f"{type(self.head).__name__}'s step of this shape depends on the batch"
+        else:
+            return True
+        self._eager_shapes.add(key)
+        log.warning("cuda_graphs: %s; hidden %s runs eagerly", why, tuple(hidden.shape))
+        return False
 
     def _capture(self, hidden: torch.Tensor, target: torch.Tensor,
                  label_smoothing: float) -> _Graph:  # fmt: skip

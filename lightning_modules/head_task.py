@@ -97,9 +97,10 @@ class HeadTask(L.LightningModule):
     - ``cuda_graphs`` (every task's option): the head's training loss, forward and backward,
       captured as CUDA graphs once per batch shape and replayed (``heads/graphs.py``): a
       launch-bound step (PTB sizes) launches all its kernels at once. CUDA only (elsewhere the
-      head runs eagerly); heads whose sizes come from the batch (adaptive, DS) and the
-      external backends (cce, liger) refuse it in one line. The tasks call the head's loss
-      through :meth:`head_loss`.
+      head runs eagerly); DS-Softmax (its experts sized from the batch) and the external
+      backends (cce, liger) refuse it in one line; an adaptive softmax's steps are captured
+      where they are dense (every classifier on every row), else run eagerly. The tasks
+      call the head's loss through :meth:`head_loss`.
     - :meth:`check_finite_loss` in a step stops the run on a NaN or infinite loss without a
       host sync per step: the loss is checked on the device and read back at the logging
       interval, at the end of a training epoch and of each validation and test
@@ -145,7 +146,7 @@ class HeadTask(L.LightningModule):
         ``self.head`` is set)."""
         check_loss_choice(loss_backend)
         if cuda_graphs:
-            check_capturable(self.head)  # adaptive, DS: one line naming the option
+            check_capturable(self.head)  # DS: one line naming the option
             if loss_backend in EXTERNAL_PACKAGES:
                 raise ModelConfigError(_EXTERNAL_GRAPHS.format(loss_backend))
         # a plain object, not a submodule: the head's parameters stay registered once

@@ -75,7 +75,7 @@ class LanguageModel(HeadTask):
             optional packages), or a plan of the torch backend (eager, compiled, rows,
             plain, checkpoint); see ``HeadTask``.
         cuda_graphs: capture the head's training step as CUDA graphs, one per batch shape
-            (softmax, MoS, Mixtape; CUDA only: elsewhere it runs eagerly); see ``HeadTask``.
+            (not DS-Softmax; CUDA only: elsewhere it runs eagerly); see ``HeadTask``.
     """
 
     # the run's quality in TensorBoard's HPARAMS tab (hp_metric): its best validation perplexity

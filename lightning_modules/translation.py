@@ -55,7 +55,7 @@ class Translation(HeadTask):
         loss_backend: the head's fused-loss backend (auto, torch, cce, liger) or a plan of
             the torch backend (eager, compiled, rows, plain, checkpoint, fused); see ``HeadTask``.
         cuda_graphs: capture the head's training step as CUDA graphs, one per batch shape
-            (softmax, MoS, Mixtape; CUDA only: elsewhere it runs eagerly); see ``HeadTask``.
+            (not DS-Softmax; CUDA only: elsewhere it runs eagerly); see ``HeadTask``.
     """
 
     # the run's quality in TensorBoard's HPARAMS tab (hp_metric): its best validation BLEU

@@ -197,9 +197,10 @@ def test_compile_preset_trains_with_the_head_in_one_graph(cli_run):
     torch._dynamo.reset()
 
 
-def test_cuda_graphs_preset_trains_eagerly_on_a_cpu_and_refuses_adaptive(cli_run, caplog, capsys):
+def test_cuda_graphs_preset_trains_eagerly_on_a_cpu_and_refuses_ds(cli_run, caplog, capsys):
     """``--config configs/presets/cuda_graphs.yaml``: on a CPU the head runs eagerly (said
-    once); a head whose sizes come from the batch is refused in one line."""
+    once); a head whose sizes come from the batch (DS-Softmax's experts) is refused in one
+    line."""
     short = ["--config", "configs/presets/cuda_graphs.yaml", "--trainer.max_epochs", "1",
              "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "1",
              "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
@@ -208,9 +209,10 @@ def test_cuda_graphs_preset_trains_eagerly_on_a_cpu_and_refuses_adaptive(cli_run
     assert cli.model._graphed_loss is not None and cli.model._graphed_loss.captured == 0
     assert torch.isfinite(cli.trainer.callback_metrics["train/loss"])
     assert any("captured on CUDA only" in r.getMessage() for r in caplog.records)
-    assert cli_run("fit", *ON_PTB, *short, experiment="ptb_adaptive", console=True) == 2
+    ds = ["--model.head.class_path", "heads.DSSoftmaxHead"]
+    assert cli_run("fit", *ON_PTB, *short, *ds, experiment="ptb_softmax", console=True) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "AdaptiveSoftmaxHead" in err and "cuda_graphs false" in err
+    assert "DSSoftmaxHead" in err and "cuda_graphs false" in err
 
 
 GPU_SHORT_FIT = ["--trainer.accelerator", "gpu", "--trainer.devices", "1",
@@ -233,10 +235,11 @@ def test_gpu_fit_learns_under_each_precision(config, precision, cli_run):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["ptb_softmax", "ptb_mos", "ptb_mixtape"])
+@pytest.mark.parametrize("config", ["ptb_softmax", "ptb_mos", "ptb_mixtape", "ptb_adaptive"])
 def test_gpu_fit_learns_with_cuda_graphs(config, cli_run):
-    """The head's step captured (one shape for the windows, one for the epoch's last) and
-    replayed through a short bf16 fit, and the model learns."""
+    """The head's step captured (one shape for the windows, one for the epoch's last; the
+    adaptive softmax's PTB step is dense) and replayed through a short bf16 fit, and the
+    model learns."""
     cli = cli_run("fit", *ON_PTB, *GPU_SHORT_FIT, "--trainer.precision", "bf16-mixed",
                   "--config", "configs/presets/cuda_graphs.yaml", "--trainer.callbacks", "null",
                   experiment=config)  # fmt: skip

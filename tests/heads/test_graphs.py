@@ -214,16 +214,30 @@ def test_a_failed_capture_names_the_head_and_the_option(on_cpu):
         graphed(*_batch())
 
 
-@pytest.mark.parametrize(
-    "head",
-    [AdaptiveSoftmaxHead(D, V, cutoffs=[20]), DSSoftmaxHead(D, V, num_experts=2)],
-    ids=["adaptive", "ds"],
-)
-def test_heads_whose_sizes_come_from_the_batch_are_refused(head):
-    with pytest.raises(HeadConfigError, match=r"sizes are counted from each batch.*cuda_graphs"):
+def test_heads_whose_sizes_come_from_the_batch_are_refused():
+    head = DSSoftmaxHead(D, V, num_experts=2)
+    with pytest.raises(HeadConfigError, match=r"experts' sizes are counted from each batch"):
         check_capturable(head)
-    with pytest.raises(HeadConfigError):
+    with pytest.raises(HeadConfigError, match="cuda_graphs false"):
         GraphedTrainingLoss(head)
+
+
+def test_the_adaptive_softmax_is_captured_where_its_step_is_dense(on_cpu, monkeypatch, caplog):
+    """Every classifier on every row (within the saved budget, on the GPU plans' devices): a
+    step of its shape alone, captured; a larger one sizes its clusters from each batch and
+    runs eagerly, said once, with the same loss as the head's."""
+    monkeypatch.setattr("heads.kernels.chunks.GPU_PLAN_DEVICES", {"cuda", "cpu"})
+    head = AdaptiveSoftmaxHead(D, V, cutoffs=[20, 35]).double().train()
+    head.loss_options = LossOptions(saved_bytes=4 * 30 * (V + 2))  # dense up to 30 rows
+    grapher = Replayed()
+    graphed = GraphedTrainingLoss(head, max_shapes=8, grapher=grapher)
+    twin = copy.deepcopy(head)
+    for tokens in (24, 40, 24, 40):
+        hidden, target = _batch(tokens, seed=tokens)
+        out = graphed(hidden, target)
+        torch.testing.assert_close(out.loss, twin(hidden, target).loss)
+    assert grapher.captures == [(24, D)]
+    assert sum("depends on the batch" in r.getMessage() for r in caplog.records) == 1
 
 
 def _dispatched(head, hidden, target) -> list[tuple[str, list]]:
@@ -238,14 +252,15 @@ def _dispatched(head, hidden, target) -> list[tuple[str, list]]:
 
 
 @pytest.mark.parametrize("plan", ["auto", "rows"])
-@pytest.mark.parametrize("name", ["softmax", "mos", "mixtape", "adaptive"])
+@pytest.mark.parametrize("name", ["softmax", "mos", "mixtape", "adaptive", "adaptive_dense"])
 def test_a_capturable_heads_step_is_the_same_operators_on_the_same_shapes_for_any_batch(
     name, plan, monkeypatch
 ):
     """What a graph replays is what the step does for every batch of its shape: CUDA's plans
     (run here: compiled bodies through aot_eager) dispatch the same operators on the same
-    shapes for batches that differ in values, targets and ignored rows, for every head that
-    declares itself capturable; the adaptive softmax, sized by its clusters, does not."""
+    shapes for batches that differ in values, targets and ignored rows, for every step a head
+    declares capturable (``step_capturable``): the adaptive softmax's dense steps, within the
+    saved budget, and not its steps over it, sized by their clusters."""
     import torch._dynamo
 
     import heads.kernels.chunks as chunks
@@ -259,8 +274,10 @@ def test_a_capturable_heads_step_is_the_same_operators_on_the_same_shapes_for_an
         "mos": lambda: MoSHead(D, vocab, num_components=3, context_dropout=0.1),
         "mixtape": lambda: MixtapeHead(D, vocab, gate_noise=0.1, gate_dropout=0.1),
         "adaptive": lambda: AdaptiveSoftmaxHead(D, vocab, cutoffs=[20, 100]),
+        "adaptive_dense": lambda: AdaptiveSoftmaxHead(D, vocab, cutoffs=[20, 100]),
     }[name]().train()
-    head.loss_options = LossOptions(plan=plan, saved_bytes=0, rows=16)
+    dense = name == "adaptive_dense" and plan == "auto"  # within the budget: every row
+    head.loss_options = LossOptions(plan=plan, saved_bytes=1 << 20 if dense else 0, rows=16)
     steps = []
     try:
         for seed in range(3):  # the first compiles: the next two are compared
@@ -272,7 +289,9 @@ def test_a_capturable_heads_step_is_the_same_operators_on_the_same_shapes_for_an
             steps.append(_dispatched(head, hidden, target))
     finally:
         torch._dynamo.reset()
-    assert (steps[1] == steps[2]) == head.capturable
+    capturable = not name.startswith("adaptive") or dense
+    assert head.step_capturable(hidden) == capturable
+    assert (steps[1] == steps[2]) == capturable
 
 
 # -- on a GPU: the captures themselves ---------------------------------------------------

@@ -195,12 +195,12 @@ def test_configure_model_compiles_the_head_in_place_once():
 
 
 def test_cuda_graphs_refuse_heads_sized_by_the_batch_and_other_libraries_kernels():
-    from heads import AdaptiveSoftmaxHead
+    from heads import DSSoftmaxHead
     from heads.errors import HeadConfigError
     from lightning_modules.errors import ModelConfigError
 
-    with pytest.raises(HeadConfigError, match="AdaptiveSoftmaxHead.*cuda_graphs false"):
-        LanguageModel(LSTMBackbone(30, 8, 8), AdaptiveSoftmaxHead(8, 30, cutoffs=[10]),
+    with pytest.raises(HeadConfigError, match="DSSoftmaxHead.*cuda_graphs false"):
+        LanguageModel(LSTMBackbone(30, 8, 8), DSSoftmaxHead(8, 30, num_experts=2),
                       cuda_graphs=True)  # fmt: skip
     with pytest.raises(ModelConfigError, match="loss_backend cce .*cuda_graphs false"):
         LanguageModel(LSTMBackbone(30, 8, 8), SoftmaxHead(8, 30), loss_backend="cce",
