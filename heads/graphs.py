@@ -29,7 +29,9 @@ What a user sees:
 - Evaluation, ``no_grad`` steps and devices other than CUDA run eagerly, as do steps whose
   parameters were replaced (new storage: the graphs are captured again) or whose options
   changed (label smoothing, precision, loss plan: each is part of the shape's key).
-- The outputs are copies: a graph's own outputs are overwritten by its next replay.
+- The outputs are copies: a graph's own outputs are overwritten by its next replay. A step is
+  one forward then its backward, as the tasks run it: a second loss of the same shape before
+  the first one's backward would overwrite what that backward reads, and is refused.
 """
 
 from __future__ import annotations
@@ -81,12 +83,36 @@ class _TrainingLoss(nn.Module):
 
 
 class _Graph:
-    """One captured shape: its graphed loss and whether its aux loss is differentiable (a
-    graphed function's outputs all carry its backward; the head's may not)."""
+    """One captured shape: its graphed loss, whether its aux loss is differentiable (a
+    graphed function's outputs all carry its backward; the head's may not) and whether its
+    last replay's backward is still to run (``pending``: a replay before it would overwrite
+    what that backward reads, and give it the new batch's gradient)."""
 
     def __init__(self, graphed: Callable, aux_requires_grad: bool) -> None:
         self.graphed = graphed
         self.aux_requires_grad = aux_requires_grad
+        self.pending = False
+
+    def replay(self, hidden: torch.Tensor, target: torch.Tensor, head: Head) -> HeadOutput:
+        """The loss of this batch, as copies (the graph's outputs are its static buffers,
+        rewritten by its next replay)."""
+        if self.pending:
+            raise RuntimeError(
+                f"cuda_graphs: {type(head).__name__}'s training loss was computed again for a "
+                f"batch of this shape before the last one's backward ran; a graph holds one "
+                f"step at a time (forward, then its backward): set cuda_graphs false to "
+                f"compute several losses before a backward"
+            )
+        loss, nll, aux = self.graphed(hidden, target)
+        aux = aux.clone() if self.aux_requires_grad else aux.detach().clone()
+        loss = loss.clone()
+        if loss.requires_grad:
+            self.pending = True
+            loss.register_hook(self._backward_reached)
+        return HeadOutput(loss=loss, nll=nll.detach().clone(), aux_loss=aux)
+
+    def _backward_reached(self, grad: torch.Tensor) -> None:
+        self.pending = False
 
 
 def _capture_autocast(device_type: str) -> contextlib.AbstractContextManager:
@@ -144,10 +170,7 @@ class GraphedTrainingLoss:
             if key in self._eager_shapes or not self._may_capture(key, hidden):
                 return self.head(hidden, target, label_smoothing=label_smoothing)
             graph = self._graphs[key] = self._capture(hidden, target, label_smoothing)
-        loss, nll, aux = graph.graphed(hidden, target)
-        # copies: the graph's outputs are its static buffers, rewritten by its next replay
-        aux = aux.clone() if graph.aux_requires_grad else aux.detach().clone()
-        return HeadOutput(loss=loss.clone(), nll=nll.detach().clone(), aux_loss=aux)
+        return graph.replay(hidden, target, self.head)
 
     def _key(self, hidden: torch.Tensor, target: torch.Tensor, label_smoothing: float) -> tuple:
         device = hidden.device.type

@@ -78,6 +78,14 @@ def _batch(tokens: int = 24, seed: int = 0):
     return hidden, target
 
 
+def _step(graphed, hidden, target, **options):
+    """One training step's loss and its backward, as a task runs them."""
+    out = graphed(hidden, target, **options)
+    if out.loss.requires_grad:
+        out.loss.backward()
+    return out
+
+
 def _heads():
     return {
         "softmax": SoftmaxHead(D, V),
@@ -113,12 +121,29 @@ def test_the_graphed_step_gives_the_heads_loss_nll_and_gradients(on_cpu, name):
 def test_its_outputs_are_copies_that_the_next_step_leaves_alone(on_cpu):
     head = SoftmaxHead(D, V).double().train()
     graphed = GraphedTrainingLoss(head, grapher=Replayed())
-    first = graphed(*_batch(seed=0))
+    first = _step(graphed, *_batch(seed=0))
     kept = first.loss.detach().clone(), first.nll.clone()
-    second = graphed(*_batch(seed=1))
+    second = _step(graphed, *_batch(seed=1))
     assert not torch.equal(second.nll, kept[1])  # another batch: other values
     torch.testing.assert_close(first.loss.detach(), kept[0], rtol=0, atol=0)
     torch.testing.assert_close(first.nll, kept[1], rtol=0, atol=0)
+
+
+def test_a_second_loss_before_the_first_ones_backward_is_refused(on_cpu):
+    """A graph holds one step: a replay before the last one's backward would hand that
+    backward the new batch's saved values (a wrong gradient, silently)."""
+    head = SoftmaxHead(D, V).double().train()
+    graphed = GraphedTrainingLoss(head, grapher=Replayed())
+    graphed(*_batch(seed=0)).loss.backward()
+    first = graphed(*_batch(seed=1))  # its backward not run yet
+    with pytest.raises(RuntimeError, match="computed again .* before the last one's backward"):
+        graphed(*_batch(seed=2))
+    first.loss.backward()
+    graphed(*_batch(seed=3)).loss.backward()  # one at a time again
+    graphed(*_batch(10, seed=4))  # another shape: its own graph
+    hidden, target = _batch(seed=5)
+    graphed(hidden.detach(), target)  # nothing to differentiate: no backward to wait for
+    graphed(hidden.detach(), target)
 
 
 def test_each_shape_is_captured_once_and_shapes_past_the_limit_run_eagerly(on_cpu, caplog):
@@ -126,7 +151,7 @@ def test_each_shape_is_captured_once_and_shapes_past_the_limit_run_eagerly(on_cp
     grapher = Replayed()
     graphed = GraphedTrainingLoss(head, max_shapes=2, grapher=grapher)
     for tokens in (24, 24, 10, 24, 10, 7, 7):
-        out = graphed(*_batch(tokens))
+        out = _step(graphed, *_batch(tokens))
         assert out.nll.shape == (tokens,)
     assert grapher.captures == [(24, D), (10, D)]
     assert graphed.captured == 2
@@ -154,15 +179,15 @@ def test_options_and_precision_are_part_of_a_shapes_key(on_cpu):
     graphed = GraphedTrainingLoss(head, max_shapes=8, grapher=grapher)
     hidden, target = _batch()
     hidden = hidden.float().detach().requires_grad_(True)
-    graphed(hidden, target)
-    graphed(hidden, target, label_smoothing=0.1)
+    _step(graphed, hidden, target)
+    _step(graphed, hidden, target, label_smoothing=0.1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        graphed(hidden, target)
-    graphed(hidden, target, label_smoothing=0.1)  # seen: replayed
+        _step(graphed, hidden, target)
+    _step(graphed, hidden, target, label_smoothing=0.1)  # seen: replayed
     assert len(grapher.captures) == 3
     head.loss_options = LossOptions(plan="rows")
-    graphed(hidden, target)
-    graphed(hidden.detach(), target)  # no input gradient wanted
+    _step(graphed, hidden, target)
+    _step(graphed, hidden.detach(), target)  # no input gradient wanted
     assert len(grapher.captures) == 5
 
 
@@ -183,22 +208,22 @@ def test_replaced_parameters_are_captured_again(on_cpu):
     grapher = Replayed()
     graphed = GraphedTrainingLoss(head, grapher=grapher)
     batch = _batch()
-    graphed(*batch)
-    graphed(*batch)
+    _step(graphed, *batch)
+    _step(graphed, *batch)
     head.weight = torch.nn.Parameter(head.weight.detach().clone())  # new storage
-    out = graphed(*batch)
+    _step(graphed, *batch)
     assert len(grapher.captures) == 2
-    out.loss.backward()
     assert head.weight.grad is not None  # the new parameter's, not the old one's
     head.bias.requires_grad_(False)  # frozen: the graph's gradients change
-    graphed(*batch)
+    _step(graphed, *batch)
     assert len(grapher.captures) == 3
 
 
 def test_a_copy_keeps_no_graph_and_captures_for_its_own_head(on_cpu):
     head = SoftmaxHead(D, V).double().train()
     graphed = GraphedTrainingLoss(head, grapher=Replayed())
-    graphed(*_batch())
+    _step(graphed, *_batch())
+    head.zero_grad(set_to_none=True)
     copied_head, copied = copy.deepcopy((head, graphed))
     assert copied.captured == 0 and copied.head is copied_head
     copied(*_batch()).loss.backward()
@@ -234,7 +259,7 @@ def test_the_adaptive_softmax_is_captured_where_its_step_is_dense(on_cpu, monkey
     twin = copy.deepcopy(head)
     for tokens in (24, 40, 24, 40):
         hidden, target = _batch(tokens, seed=tokens)
-        out = graphed(hidden, target)
+        out = _step(graphed, hidden, target)
         torch.testing.assert_close(out.loss, twin(hidden, target).loss)
     assert grapher.captures == [(24, D)]
     assert sum("depends on the batch" in r.getMessage() for r in caplog.records) == 1
