@@ -20,7 +20,8 @@ training step), one subject at a time. After ``--warmup`` steps:
   ``outside_ops_ms`` (and ``outside_ops_share`` of the step's profiled host time): host time in
   no profiled event (Python, autograd's glue; approximate);
   on CUDA ``kernels`` (the kernels the device ran), ``launch_calls`` (the host's kernel-launch
-  API calls, a cross-check of ``kernels``), ``kernel_ms`` (their summed device time),
+  API calls, a cross-check of ``kernels``; a ``+graphs`` subject's replayed kernels are one
+  ``cudaGraphLaunch``, not counted there), ``kernel_ms`` (their summed device time),
   ``copies`` (memcpy and memset on the device) and ``device_ms`` (kernels and copies),
   ``syncs`` (calls in the step that block the host on the device: ``cudaStreamSynchronize``,
   ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, a blocking ``cudaMemcpy``, and their
