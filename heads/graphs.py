@@ -138,11 +138,13 @@ class GraphedTrainingLoss:
         self._graphs: dict[tuple, _Graph] = {}
         self._parameters: tuple = ()
         self._eager_shapes: set[tuple] = set()
+        self._reasons_said: set[str] = set()
 
     def __getstate__(self) -> dict:
         """Copied or pickled (a weight-averaging callback's deepcopy, a spawned process)
         without its graphs: the copy captures its own, for its own parameters."""
-        return {**self.__dict__, "_graphs": {}, "_parameters": (), "_eager_shapes": set()}
+        return {**self.__dict__, "_graphs": {}, "_parameters": (), "_eager_shapes": set(),
+                "_reasons_said": set()}  # fmt: skip
 
     @property
     def captured(self) -> int:
@@ -191,7 +193,7 @@ class GraphedTrainingLoss:
     def _may_capture(self, key: tuple, hidden: torch.Tensor) -> bool:
         """Whether a new shape is captured: within :data:`MAX_SHAPES`, and a step the head
         says is its shape's alone (``Head.step_capturable``); else it runs eagerly from now
-        on, said once."""
+        on, each reason said once."""
         if len(self._graphs) >= self.max_shapes:
             why = f"{self.max_shapes} batch shapes are captured already"
         elif not self.head.step_capturable(hidden):
@@ -199,7 +201,10 @@ class GraphedTrainingLoss:
         else:
             return True
         self._eager_shapes.add(key)
-        log.warning("cuda_graphs: %s; hidden %s runs eagerly", why, tuple(hidden.shape))
+        if why not in self._reasons_said:  # once a reason: varying shapes would say it a lot
+            self._reasons_said.add(why)
+            log.warning("cuda_graphs: %s; hidden %s and such shapes run eagerly", why,
+                        tuple(hidden.shape))  # fmt: skip
         return False
 
     def _capture(self, hidden: torch.Tensor, target: torch.Tensor,
