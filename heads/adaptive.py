@@ -289,7 +289,7 @@ class AdaptiveSoftmaxHead(Head):
         # Head: the word itself if in the short-list, else its cluster's entry (or ignored).
         head_target = torch.where(group == 1, target, self.group_head_target[group])
         # a small step on CUDA: every classifier on every row, nothing read back
-        if self.step_capturable(hidden):
+        if self._dense(hidden):
             return self._dense_loss(hidden, target, group, head_target, label_smoothing)
         # One sort groups the rows by cluster (ignored and short-list rows first), so each
         # tail cluster is a contiguous slice of one gather: one index_select (and one
@@ -342,10 +342,15 @@ class AdaptiveSoftmaxHead(Head):
             return HeadOutput(loss, nll, loss.new_zeros(()))
         return self.output(nll, target, smoothing=smoothing, label_smoothing=label_smoothing)
 
-    def step_capturable(self, hidden: torch.Tensor) -> bool:
-        """Only a dense step (:func:`dense_loss_fits`): its shapes are the batch's alone."""
+    def _dense(self, hidden: torch.Tensor) -> bool:
+        """Whether a step on ``hidden`` runs every classifier on every row
+        (:func:`dense_loss_fits`)."""
         return dense_loss_fits(self.loss_options, hidden.device, hidden.size(0),
                                self.vocab_size + self.num_clusters)  # fmt: skip
+
+    def step_capturable(self, hidden: torch.Tensor) -> bool:
+        """Only a dense step: its shapes are the batch's alone."""
+        return self._dense(hidden)
 
     def expect_targets(self, target: torch.Tensor) -> None:
         """The next forward's group sizes, counted here on the host from the batch's targets
