@@ -22,8 +22,8 @@ What a user sees:
 
 - Graphs are kept for at most :data:`MAX_SHAPES` batch shapes (a language model's windows and
   an epoch's shorter last one); any other shape, or one whose step the head says depends on
-  the batch, runs eagerly (logged once). Each holds its
-  step's memory for good, as a private pool.
+  the batch, runs eagerly (logged once). Each holds its step's memory for good, as a private
+  pool.
 - The first step of each shape runs the loss 3 times (warm-up) and captures it: runs seeded
   alike with and without graphs then draw different dropout masks.
 - Evaluation, ``no_grad`` steps and devices other than CUDA run eagerly, as do steps whose

@@ -148,12 +148,10 @@ def test_under_a_capture_the_eager_tiles_draw_noise_without_the_generators_state
     here): the loss and its gradients are the plain maths' with the noise drawn; the NLL
     output's gradient, which would replay the noise from that state, is refused by name."""
     import heads.kernels.mixtape_rows as mixtape_rows
-
-    def unreadable(device):
-        raise RuntimeError("a capture cannot read the generator's state")
+    from tests.heads.kernels.test_mixtape_frequent import _unreadable
 
     monkeypatch.setattr(mixtape_rows, "capturing", lambda device: True)
-    monkeypatch.setattr(mixtape_rows, "rng_state", unreadable)
+    monkeypatch.setattr(mixtape_rows, "rng_state", _unreadable)
     inputs, target = _case(n=9, k=4)
     n, k, s, std, tile = 9, 4, inputs["w_freq"].size(0), 0.7, 4
     torch.manual_seed(3)
