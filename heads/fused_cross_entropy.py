@@ -681,7 +681,7 @@ def fastest_backend(head: str, vocab_size: int, device: torch.device) -> str:
         return "torch"
     for largest, backend in MEASURED_FASTEST.get(head, []):
         if vocab_size <= largest:
-            if backend in PLANS or backend == FUSED:
+            if backend not in EXTERNAL_PACKAGES:  # torch itself, or one of its plans
                 return backend
             try:
                 external_loss_function(backend)

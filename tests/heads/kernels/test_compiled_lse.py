@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import heads.kernels.compiled_lse as compiled_lse
 from heads.fused_cross_entropy import (
     IGNORE_INDEX,
+    MEASURED_FASTEST,
     LossOptions,
     linear_cross_entropy,
     linear_lse,
@@ -292,6 +293,20 @@ def test_auto_backend_follows_the_measured_table_where_installed(monkeypatch):
 
     monkeypatch.setattr(fce, "external_loss_function", missing)
     assert fce.fastest_backend("MoSHead", 10_000, cuda) == "torch"
+
+
+@pytest.mark.parametrize("head", sorted(MEASURED_FASTEST))
+def test_every_choice_of_the_shipped_table_resolves_on_cuda(head):
+    """Each size the shipped table measured resolves to a choice the options take (the
+    adaptive softmax's ``torch`` at 10k once failed every CUDA fit of it: a KeyError, the
+    choice looked up among the external packages)."""
+    import heads.fused_cross_entropy as fce
+
+    for largest, choice in fce.MEASURED_FASTEST[head]:
+        got = fce.fastest_backend(head, largest, torch.device("cuda"))
+        assert got in (choice, "torch")  # an external package not installed: torch
+        fce.check_loss_choice(got)
+        fce.measured_options(fce.LossOptions(), got)
 
 
 def test_fused_is_the_rows_plan_with_the_fused_products(monkeypatch):
