@@ -8,15 +8,27 @@ the whole PTB LM's step (700 tokens) 5.7 ms on the host for 2.0 ms of kernels
 (profile_gpu_lm_ptb_step.json). A replayed graph launches all of a step's kernels at once: the
 host's share of the head's step becomes two copies in, one replay, three small copies out.
 
-How: :func:`torch.cuda.make_graphed_callables` on the head's training loss, ``(hidden, target)
--> (loss, nll, aux_loss)``, with the head's parameters as the graphs' inputs, so that autograd
-still accumulates their gradients (and DDP's hooks still fire) outside the graphs. A head can
-be captured when its step is a function of its batch's shape alone: no host reads (the sync
-sentinels of ``tests/lightning_modules/test_host_sync.py`` prove it on the CPU for every head)
-and no sizes read from the data. DS-Softmax (its experts' sizes) is not: :func:`check_capturable`
-refuses it. The adaptive softmax is where it runs every classifier on every row (a dense
-step: ``Head.step_capturable``); a step of a shape over that budget, whose clusters are sized
-from each batch, runs eagerly.
+How: the head's training loss, ``(hidden, target) -> (loss, nll, aux_loss)``, warmed up on a
+side stream, then its forward and its backward each captured as a graph (:func:`capture_cuda`),
+replayed through an autograd function (:class:`_Replay`) that takes the head's parameters as
+inputs, so that autograd still accumulates their gradients (and DDP's hooks still fire) outside
+the graphs. A head can be captured when its step is a function of its batch's shape alone: no
+host reads (the sync sentinels of ``tests/lightning_modules/test_host_sync.py`` prove it on the
+CPU for every head) and no sizes read from the data. DS-Softmax (its experts' sizes) is not:
+:func:`check_capturable` refuses it. The adaptive softmax is where it runs every classifier on
+every row (a dense step: ``Head.step_capturable``); a step of a shape over that budget, whose
+clusters are sized from each batch, runs eagerly.
+
+Why not :func:`torch.cuda.make_graphed_callables`, which does the same: on an H100 (2026-11-27)
+it failed every language model with tied embeddings. Its capture differentiates the head's own
+parameters, and a tied weight's gradient accumulator was made on the default stream by the
+step's embedding lookup, still alive: autograd made the default stream wait on the capturing
+one (``cudaErrorStreamCaptureImplicit``). This capture differentiates fresh leaves that share
+the parameters' storage (the same memory, so the graphs read the parameters as they are
+updated). And its backward hands autograd the graph's own gradient buffers, which a parameter
+with no gradient yet keeps as its ``.grad``: accumulating over two steps
+(``accumulate_grad_batches``) then read the second step's gradient twice and the first one's
+never. :class:`_Replay` copies such a gradient out before the next replay writes over it.
 
 What a user sees:
 
@@ -37,12 +49,11 @@ What a user sees:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import torch
-from torch import nn
 
 from heads.base import Head, HeadOutput
 from heads.errors import HeadConfigError
@@ -51,7 +62,7 @@ log = logging.getLogger(__name__)
 
 # batch shapes captured per head; further ones run eagerly
 MAX_SHAPES = 2
-# where steps are captured (the tests add "cpu" with a stand-in for make_graphed_callables)
+# where steps are captured (the tests add "cpu" with a stand-in for capture_cuda)
 GRAPH_DEVICES: set[str] = {"cuda"}
 
 
@@ -65,31 +76,105 @@ def check_capturable(head: Head) -> None:
         )
 
 
-class _TrainingLoss(nn.Module):
-    """The head's training loss as :func:`torch.cuda.make_graphed_callables` takes it: tensors
-    in, tensors out, the head's parameters its own. The NLL is detached: it feeds metrics,
-    and a graph's backward would otherwise run the NLL's own backward pass with zeros."""
+@dataclasses.dataclass(frozen=True)
+class CapturedStep:
+    """A function's forward and backward as graphs over fixed tensors: ``inputs`` (written
+    before a replay), ``outputs`` and ``grads`` (rewritten by each replay), ``grad_outputs``
+    (where the backward's incoming gradients go; None for an output with none)."""
 
-    def __init__(self, head: Head, label_smoothing: float) -> None:
-        super().__init__()
-        self.head = head
-        self.label_smoothing = label_smoothing
-        self.aux_requires_grad = False  # set as the capture runs the head
+    replay_forward: Callable[[], None]
+    replay_backward: Callable[[], None]
+    inputs: tuple[torch.Tensor, ...]
+    outputs: tuple[torch.Tensor, ...]
+    grad_outputs: tuple[torch.Tensor | None, ...]
+    grads: tuple[torch.Tensor | None, ...]  # per input: None where none flows (or none wanted)
 
-    def forward(self, hidden: torch.Tensor, target: torch.Tensor):
-        out = self.head(hidden, target, label_smoothing=self.label_smoothing)
-        self.aux_requires_grad = out.aux_loss.requires_grad
-        return out.loss, out.nll.detach(), out.aux_loss
+
+Grads = tuple[torch.Tensor | None, ...]
+
+
+def _differentiate(outputs: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...],
+                   grad_outputs: Grads) -> Grads:  # fmt: skip
+    """The gradients of ``outputs`` (those with a gradient) for each of ``inputs``: None for an
+    input that wants none or that they do not use."""
+    wanted = [i for i in inputs if i.requires_grad]
+    pairs = [(o, g) for o, g in zip(outputs, grad_outputs, strict=True) if g is not None]
+    found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                     allow_unused=True) if pairs and wanted else ())  # fmt: skip
+    return tuple(next(found, None) if i.requires_grad else None for i in inputs)
+
+
+def capture_cuda(function: Callable[..., tuple[torch.Tensor, ...]],
+                 inputs: tuple[torch.Tensor, ...], warmup: int = 3) -> CapturedStep:  # fmt: skip
+    """``function(*inputs)`` and its backward captured as two CUDA graphs sharing one private
+    memory pool, after ``warmup`` runs on a side stream (lazy initialisation, autotuning and
+    compilation stay out of the graphs), as :func:`torch.cuda.make_graphed_callables` does.
+    The capture is thread-local: a data loader's pinning thread or DDP's watchdog may use
+    CUDA meanwhile."""
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            outputs = function(*inputs)
+            ones = tuple(torch.ones_like(o) if o.requires_grad else None for o in outputs)
+            _differentiate(outputs, inputs, ones)
+        del outputs, ones
+    torch.cuda.synchronize()
+    forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(forward, capture_error_mode="thread_local"):
+        outputs = function(*inputs)
+    grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None for o in outputs)
+    with torch.cuda.graph(backward, pool=forward.pool(), capture_error_mode="thread_local"):
+        grads = _differentiate(outputs, inputs, grad_outputs)
+    return CapturedStep(forward.replay, backward.replay, inputs,
+                        tuple(o.detach() for o in outputs), grad_outputs, grads)  # fmt: skip
+
+
+class _Replay(torch.autograd.Function):
+    """One replay of a captured loss: ``(graph, hidden, *parameters) -> (loss, nll, aux)``,
+    copies of the graph's outputs; the backward replays the backward graph and hands out its
+    gradients. A parameter (or a leaf ``hidden``) whose ``.grad`` is still the graph's own
+    buffer, kept by autograd from the last backward, gets a copy of it first: the next replay
+    writes over that buffer."""
+
+    @staticmethod
+    def forward(ctx, graph: _Graph, hidden: torch.Tensor, *parameters: torch.Tensor):
+        step = graph.step
+        graph.release_gradients(parameters)
+        if hidden.data_ptr() != step.inputs[0].data_ptr():
+            step.inputs[0].copy_(hidden)
+        step.replay_forward()
+        loss, nll, aux = (o.clone() for o in step.outputs)
+        ctx.graph, ctx.hidden_keeps_grad = graph, hidden.is_leaf or hidden.retains_grad
+        ctx.mark_non_differentiable(nll, *(() if graph.aux_requires_grad else (aux,)))
+        return loss, nll, aux
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_loss: torch.Tensor, d_nll: torch.Tensor, d_aux: torch.Tensor):
+        graph = ctx.graph
+        step = graph.step
+        for static, grad in zip(step.grad_outputs, (d_loss, d_nll, d_aux), strict=True):
+            if static is not None:
+                static.copy_(grad)
+        step.replay_backward()
+        graph.pending = False
+        d_hidden, *d_parameters = (
+            None if g is None else g.detach() for g in step.grads[:1] + step.grads[2:]
+        )
+        if d_hidden is not None and ctx.hidden_keeps_grad:  # as .grad: not the graph's buffer
+            d_hidden = d_hidden.clone()
+        return None, d_hidden, *d_parameters
 
 
 class _Graph:
-    """One captured shape: its graphed loss, whether its aux loss is differentiable (a
-    graphed function's outputs all carry its backward; the head's may not) and whether its
-    last replay's backward is still to run (``pending``: a replay before it would overwrite
-    what that backward reads, and give it the new batch's gradient)."""
+    """One captured shape: its :class:`CapturedStep` over ``(hidden, target, *parameters)``,
+    whether its aux loss is differentiable (the head's may not be) and whether its last
+    replay's backward is still to run (``pending``: a replay before it would overwrite what
+    that backward reads, and give it the new batch's gradient)."""
 
-    def __init__(self, graphed: Callable, aux_requires_grad: bool) -> None:
-        self.graphed = graphed
+    def __init__(self, step: CapturedStep, aux_requires_grad: bool) -> None:
+        self.step = step
         self.aux_requires_grad = aux_requires_grad
         self.pending = False
 
@@ -103,16 +188,19 @@ class _Graph:
                 f"step at a time (forward, then its backward): set cuda_graphs false to "
                 f"compute several losses before a backward"
             )
-        loss, nll, aux = self.graphed(hidden, target)
-        aux = aux.clone() if self.aux_requires_grad else aux.detach().clone()
-        loss = loss.clone()
-        if loss.requires_grad:
-            self.pending = True
-            loss.register_hook(self._backward_reached)
-        return HeadOutput(loss=loss, nll=nll.detach().clone(), aux_loss=aux)
+        static_target = self.step.inputs[1]
+        if target.data_ptr() != static_target.data_ptr():
+            static_target.copy_(target)
+        loss, nll, aux = _Replay.apply(self, hidden, *head.parameters())
+        self.pending = loss.requires_grad
+        return HeadOutput(loss=loss, nll=nll, aux_loss=aux)
 
-    def _backward_reached(self, grad: torch.Tensor) -> None:
-        self.pending = False
+    def release_gradients(self, parameters: tuple[torch.Tensor, ...]) -> None:
+        """A copy for each parameter's ``.grad`` that is the graph's gradient buffer."""
+        for parameter, buffer in zip(parameters, self.step.grads[2:], strict=True):
+            grad = parameter.grad
+            if grad is not None and buffer is not None and grad.data_ptr() == buffer.data_ptr():
+                parameter.grad = grad.clone()
 
 
 def _capture_autocast(device_type: str) -> contextlib.AbstractContextManager:
@@ -126,15 +214,15 @@ def _capture_autocast(device_type: str) -> contextlib.AbstractContextManager:
 
 class GraphedTrainingLoss:
     """``head(hidden, target, label_smoothing=eps)`` in training, by CUDA graphs (module
-    docstring); called like the head. ``grapher``: what captures (the tests' stand-in; by
-    default :func:`torch.cuda.make_graphed_callables`)."""
+    docstring); called like the head. ``capture``: what captures (the tests' stand-in; by
+    default :func:`capture_cuda`)."""
 
     def __init__(self, head: Head, max_shapes: int = MAX_SHAPES,
-                 grapher: Callable[..., Any] | None = None) -> None:  # fmt: skip
+                 capture: Callable[..., CapturedStep] | None = None) -> None:  # fmt: skip
         check_capturable(head)
         self.head = head
         self.max_shapes = max_shapes
-        self.grapher = grapher
+        self.capture = capture
         self._graphs: dict[tuple, _Graph] = {}
         self._parameters: tuple = ()
         self._eager_shapes: set[tuple] = set()
@@ -209,14 +297,27 @@ class GraphedTrainingLoss:
 
     def _capture(self, hidden: torch.Tensor, target: torch.Tensor,
                  label_smoothing: float) -> _Graph:  # fmt: skip
-        """Warm up and capture the loss's forward and backward on copies of this batch (the
-        graphs' static inputs)."""
-        module = _TrainingLoss(self.head, label_smoothing)
-        sample = (hidden.detach().clone().requires_grad_(hidden.requires_grad), target.clone())
-        grapher = self.grapher or torch.cuda.make_graphed_callables
+        """Warm up and capture the loss's forward and backward on copies of this batch and
+        on fresh leaves sharing the parameters' storage (the graphs' static inputs)."""
+        names = [name for name, _ in self.head.named_parameters()]
+        head, aux_requires_grad = self.head, []
+
+        def training_loss(hidden: torch.Tensor, target: torch.Tensor, *parameters: torch.Tensor):
+            # the NLL detached: it feeds metrics, and the backward would otherwise run its own
+            # pass with zeros
+            swapped = dict(zip(names, parameters, strict=True))
+            options = {"label_smoothing": label_smoothing}
+            out = torch.func.functional_call(head, swapped, (hidden, target), options)
+            aux_requires_grad.append(out.aux_loss.requires_grad)
+            return out.loss, out.nll.detach(), out.aux_loss
+
+        leaves = tuple(p.detach().requires_grad_(p.requires_grad) for p in head.parameters())
+        inputs = (hidden.detach().clone().requires_grad_(hidden.requires_grad), target.clone(),
+                  *leaves)  # fmt: skip
+        capture = self.capture or capture_cuda
         try:
             with _capture_autocast(hidden.device.type):
-                graphed = grapher(module, sample, num_warmup_iters=3, allow_unused_input=True)
+                step = capture(training_loss, inputs, warmup=3)
         except Exception as error:  # noqa: BLE001 - named, with the option to turn off
             raise HeadConfigError(
                 f"cuda_graphs: capturing {type(self.head).__name__}'s training step failed "
@@ -224,4 +325,4 @@ class GraphedTrainingLoss:
             ) from error
         log.info("cuda_graphs: captured %s's training step for hidden %s",
                  type(self.head).__name__, tuple(hidden.shape))  # fmt: skip
-        return _Graph(graphed, module.aux_requires_grad)
+        return _Graph(step, aux_requires_grad[-1])

@@ -26,10 +26,10 @@ printf '%s\\n' "$line" >> "$RECORD"
 
 
 # pytest -m gpu as the tests part runs it: each outcome as it ends (a run cut short names its
-# failures), on 8 workers where pytest-xdist imports (the recorder answers every import), a
-# file's tests on one worker (its module fixtures built once)
+# failures), on 8 workers where pytest-xdist imports (the recorder answers every import), each
+# test to the next free worker, each under its own limit where pytest-timeout imports
 GPU_TESTS = ["-m", "pytest", "-m", "gpu", "-v", "-rfE", "-p", "no:cacheprovider",
-             "-n", "8", "--dist", "loadfile"]  # fmt: skip
+             "-n", "8", "--dist", "load", "--timeout", "200"]  # fmt: skip
 
 
 def _recorded(tmp_path, *parts: str) -> list[list[str]]:

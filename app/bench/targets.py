@@ -13,6 +13,9 @@ H100, so another card's run is named as such):
 - the adaptive softmax >= 1.5x as fast as PyTorch's ``AdaptiveLogSoftmaxWithLoss``;
 - a whole PTB LM step with Mixtape <= 1.15x one with softmax (the lmstep part).
 
+Where a run timed both heads' steps as CUDA graphs too (``+graphs``: a task's opt-in
+``cuda_graphs``), the Mixtape / softmax targets get a second row for them, beside the default's.
+
 "Our" head at a size is its fastest plan in the run (the default, ``@rows``, ``@fused``,
 ``@plain``, ``@compiled``: what ``auto`` runs once ``app.bench.fastest``'s table is pasted),
 never the field's kernels. Ratios are paired repeat by repeat
@@ -34,6 +37,8 @@ from app.bench.report import paired_row_ratio
 
 # a head's subjects that run our own code
 OUR_PLANS = ("", "@rows", "@fused", "@plain", "@compiled")
+# the same with the training step as CUDA graphs (a task's opt-in cuda_graphs)
+GRAPHED = "+graphs"
 MOS_COMPONENTS = 15
 
 
@@ -88,9 +93,10 @@ class Runs:
             return self.path, row
         return None
 
-    def ours(self, head: str, vocab: int):
-        """``(file, row)`` of the fastest of ``head``'s own plans at ``vocab``, or None."""
-        found = [x for plan in OUR_PLANS if (x := self.find(head + plan, vocab))]
+    def ours(self, head: str, vocab: int | None, scope: str = "head", modifier: str = ""):
+        """``(file, row)`` of the fastest of ``head``'s own plans at ``vocab`` (each with
+        ``modifier``: ``+graphs``), or None."""
+        found = [x for plan in OUR_PLANS if (x := self.find(head + plan + modifier, vocab, scope))]
         return min(found, key=lambda x: x[1]["time_per_token_us"], default=None)
 
     def fits_nothing(self, head: str, vocab: int) -> bool:
@@ -168,13 +174,26 @@ def evaluate(runs: Runs) -> list[Target]:
         targets.append(_ratio(runs.ours("mixtape", vocab), runs.ours("softmax", vocab),
                               f"Mixtape / softmax at {vocab // 1000}k (<= {bound})",
                               most=bound))  # fmt: skip
+        targets.extend(_graphed(runs, f"Mixtape / softmax at {vocab // 1000}k", bound, vocab))
     for vocab in runs.vocabularies("torch_adaptive"):
         targets.append(_ratio(runs.ours("adaptive", vocab), runs.find("torch_adaptive", vocab),
                               f"adaptive speed / PyTorch's at {vocab // 1000}k (>= 1.5)",
                               least=1.5, invert=True))  # fmt: skip
     targets.append(_ratio(runs.find("mixtape", scope="lm"), runs.find("softmax", scope="lm"),
                           "whole PTB LM step: Mixtape / softmax (<= 1.15)", most=1.15))  # fmt: skip
+    targets.extend(_graphed(runs, "whole PTB LM step: Mixtape / softmax", 1.15, scope="lm"))
     return targets
+
+
+def _graphed(runs: Runs, name: str, bound: float, vocab: int | None = None,
+             scope: str = "head") -> list[Target]:  # fmt: skip
+    """Mixtape / softmax with both heads' steps as CUDA graphs (``cuda_graphs``, opt-in: its
+    own target row, beside the default's), where the run timed both."""
+    mine = runs.ours("mixtape", vocab, scope, GRAPHED)
+    reference = runs.ours("softmax", vocab, scope, GRAPHED)
+    if mine is None or reference is None:
+        return []
+    return [_ratio(mine, reference, f"{name}, cuda_graphs on (<= {bound})", most=bound)]
 
 
 def main(argv: list[str] | None = None) -> list[Target]:

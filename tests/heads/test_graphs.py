@@ -1,8 +1,8 @@
 """heads/graphs.py: a head's training step as CUDA graphs.
 
-On the CPU, :func:`torch.cuda.make_graphed_callables` is stood in for by a function with its
-contract (``Replayed``): the loss run through the head, its outputs handed back as the same
-buffers every call, rewritten by the next one, as a graph's static outputs are. That checks
+On the CPU, ``capture_cuda`` is stood in for by a function with its contract (``Rerun``): the
+loss run again on the same input tensors at each replay, its outputs and gradients written into
+the same tensors every time, as a graph's static buffers are. That checks
 the runner itself: which calls capture, which run eagerly, that its outputs are copies, that
 a capture runs without autocast's cast cache. The captures themselves are the GPU tests'."""
 
@@ -22,46 +22,56 @@ from heads import (
     SoftmaxHead,
 )
 from heads.fused_cross_entropy import LossOptions
-from heads.graphs import GRAPH_DEVICES, GraphedTrainingLoss, check_capturable
+from heads.graphs import GRAPH_DEVICES, CapturedStep, GraphedTrainingLoss, check_capturable
 
 D, V = 16, 50
 
 
-class _StaticOutputs(torch.autograd.Function):
-    """The outputs copied into fixed buffers and handed back as them (gradients pass)."""
-
-    @staticmethod
-    def forward(ctx, buffers, *outputs):
-        for buffer, output in zip(buffers, outputs, strict=True):
-            buffer.copy_(output)
-        return tuple(buffer.detach() for buffer in buffers)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return (None, *grads)
-
-
-class Replayed:
-    """A stand-in for ``make_graphed_callables`` on a CPU: records each capture (and the
-    autocast cache's state then) and returns a callable whose outputs are fixed buffers."""
+class Rerun:
+    """A stand-in for ``capture_cuda`` on a CPU: records each capture (its static inputs, and
+    autocast's cache state then); a replay runs the function again on the same input tensors
+    and writes its results into the same output and gradient tensors, as a graph's replay
+    rewrites its buffers."""
 
     def __init__(self, fail: Exception | None = None) -> None:
         self.captures: list[tuple[int, ...]] = []
+        self.inputs: list[tuple[torch.Tensor, ...]] = []
         self.cache_enabled: list[bool] = []
         self.fail = fail
 
-    def __call__(self, module, sample, num_warmup_iters, allow_unused_input):
-        assert num_warmup_iters >= 1 and allow_unused_input
+    def __call__(self, function, inputs, warmup):
+        assert warmup >= 1
         if self.fail is not None:
             raise self.fail
-        self.captures.append(tuple(sample[0].shape))
+        self.captures.append(tuple(inputs[0].shape))
+        self.inputs.append(inputs)
         self.cache_enabled.append(torch.is_autocast_cache_enabled())
-        buffers = [output.detach().clone() for output in module(*sample)]
+        wanted = [i for i in inputs if i.requires_grad]
 
-        def graphed(hidden, target):
-            return _StaticOutputs.apply(buffers, *module(hidden, target))
+        def gradients(outputs, grad_outputs):
+            pairs = [(o, g) for o, g in zip(outputs, grad_outputs, strict=True) if g is not None]
+            found = iter(torch.autograd.grad([o for o, _ in pairs], wanted,
+                                             [g for _, g in pairs], allow_unused=True))  # fmt: skip
+            return [next(found) if i.requires_grad else None for i in inputs]
 
-        return graphed
+        first = function(*inputs)
+        outputs = tuple(o.detach().clone() for o in first)
+        grad_outputs = tuple(torch.ones_like(o) if o.requires_grad else None for o in first)
+        grads = tuple(None if g is None else g.clone() for g in gradients(first, grad_outputs))
+        live = []
+
+        def replay_forward():
+            with torch.enable_grad():  # (a replay runs inside an autograd function's forward)
+                live[:] = [function(*inputs)]
+            for static, output in zip(outputs, live[0], strict=True):
+                static.copy_(output.detach())
+
+        def replay_backward():
+            for static, grad in zip(grads, gradients(live.pop(), grad_outputs), strict=True):
+                if static is not None:
+                    static.copy_(grad)
+
+        return CapturedStep(replay_forward, replay_backward, inputs, outputs, grad_outputs, grads)
 
 
 @pytest.fixture
@@ -98,8 +108,8 @@ def _heads():
 def test_the_graphed_step_gives_the_heads_loss_nll_and_gradients(on_cpu, name):
     head = _heads()[name].double().train()
     twin = copy.deepcopy(head)
-    grapher = Replayed()
-    graphed = GraphedTrainingLoss(head, grapher=grapher)
+    capturer = Rerun()
+    graphed = GraphedTrainingLoss(head, capture=capturer)
     for seed in range(3):  # one capture, then replays of new batches
         hidden, target = _batch(seed=seed)
         twin_hidden = hidden.detach().clone().requires_grad_(True)
@@ -115,12 +125,69 @@ def test_the_graphed_step_gives_the_heads_loss_nll_and_gradients(on_cpu, name):
         torch.testing.assert_close(hidden.grad, twin_hidden.grad)
         for (key, p), q in zip(head.named_parameters(), twin.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, msg=key)
-    assert grapher.captures == [(24, D)]
+    assert capturer.captures == [(24, D)]
+
+
+class TiedLM(torch.nn.Module):
+    """A language model's tied embedding: the head's weight is also the embedding, looked up
+    before the head in the same step."""
+
+    def __init__(self, head) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(V, D)
+        self.head = head
+        self.head.weight = self.embedding.weight
+
+    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.embedding(ids)).flatten(0, 1)
+
+
+def test_a_tied_weight_gets_both_uses_gradients_through_fresh_leaves(on_cpu):
+    """The capture differentiates fresh leaves sharing the parameters' storage, not the
+    parameters: on CUDA a tied weight's own gradient accumulator, made on the default stream
+    by this step's lookup and still alive, made a capture fail (make_graphed_callables,
+    H100). The tied weight's gradient is both uses' sum, as eagerly."""
+    torch.manual_seed(0)
+    model = TiedLM(SoftmaxHead(D, V)).double().train()
+    twin = copy.deepcopy(model)
+    capturer = Rerun()
+    graphed = GraphedTrainingLoss(model.head, capture=capturer)
+    for seed in range(3):
+        ids = torch.randint(0, V, (4, 6), generator=torch.Generator().manual_seed(seed))
+        target = ids.roll(-1, dims=1).flatten()
+        _step(graphed, model.hidden(ids), target)
+        twin.head(twin.hidden(ids), target).loss.backward()
+        for (key, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, msg=key)
+            p.grad = q.grad = None
+    leaves = capturer.inputs[0][2:]
+    for leaf, parameter in zip(leaves, model.head.parameters(), strict=True):
+        assert leaf is not parameter and leaf.is_leaf
+        assert leaf.data_ptr() == parameter.data_ptr()  # the graphs read the live parameters
+
+
+@pytest.mark.parametrize("name", ["softmax", "mos", "mixtape"])
+def test_gradients_accumulated_over_steps_are_their_sum(on_cpu, name):
+    """``accumulate_grad_batches``: no zero_grad between steps. A parameter with no gradient
+    keeps the one its first backward hands it; were that the graph's own buffer, the next
+    replay would write over it (the second step's gradient counted twice, the first's
+    never)."""
+    head = _heads()[name].double().train()
+    twin = copy.deepcopy(head)
+    graphed = GraphedTrainingLoss(head, capture=Rerun())
+    for seed in range(3):
+        hidden, target = _batch(seed=seed)
+        out = graphed(hidden, target)
+        (out.loss + out.aux_loss).backward()
+        want = twin(hidden.detach(), target)
+        (want.loss + want.aux_loss).backward()
+    for (key, p), q in zip(head.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=key)
 
 
 def test_its_outputs_are_copies_that_the_next_step_leaves_alone(on_cpu):
     head = SoftmaxHead(D, V).double().train()
-    graphed = GraphedTrainingLoss(head, grapher=Replayed())
+    graphed = GraphedTrainingLoss(head, capture=Rerun())
     first = _step(graphed, *_batch(seed=0))
     kept = first.loss.detach().clone(), first.nll.clone()
     second = _step(graphed, *_batch(seed=1))
@@ -133,7 +200,7 @@ def test_a_second_loss_before_the_first_ones_backward_is_refused(on_cpu):
     """A graph holds one step: a replay before the last one's backward would hand that
     backward the new batch's saved values (a wrong gradient, silently)."""
     head = SoftmaxHead(D, V).double().train()
-    graphed = GraphedTrainingLoss(head, grapher=Replayed())
+    graphed = GraphedTrainingLoss(head, capture=Rerun())
     graphed(*_batch(seed=0)).loss.backward()
     first = graphed(*_batch(seed=1))  # its backward not run yet
     with pytest.raises(RuntimeError, match="computed again .* before the last one's backward"):
@@ -148,20 +215,20 @@ def test_a_second_loss_before_the_first_ones_backward_is_refused(on_cpu):
 
 def test_each_shape_is_captured_once_and_shapes_past_the_limit_run_eagerly(on_cpu, caplog):
     head = SoftmaxHead(D, V).double().train()
-    grapher = Replayed()
-    graphed = GraphedTrainingLoss(head, max_shapes=2, grapher=grapher)
+    capturer = Rerun()
+    graphed = GraphedTrainingLoss(head, max_shapes=2, capture=capturer)
     for tokens in (24, 24, 10, 24, 10, 7, 7, 5):
         out = _step(graphed, *_batch(tokens))
         assert out.nll.shape == (tokens,)
-    assert grapher.captures == [(24, D), (10, D)]
+    assert capturer.captures == [(24, D), (10, D)]
     assert graphed.captured == 2
     assert sum("run eagerly" in r.getMessage() for r in caplog.records) == 1  # said once
 
 
 def test_evaluation_no_grad_and_other_devices_run_the_head_itself(on_cpu, monkeypatch):
     head = SoftmaxHead(D, V).double()
-    grapher = Replayed()
-    graphed = GraphedTrainingLoss(head, grapher=grapher)
+    capturer = Rerun()
+    graphed = GraphedTrainingLoss(head, capture=capturer)
     hidden, target = _batch()
     head.eval()
     torch.testing.assert_close(graphed(hidden, target).loss, head(hidden, target).loss)
@@ -170,13 +237,13 @@ def test_evaluation_no_grad_and_other_devices_run_the_head_itself(on_cpu, monkey
         graphed(hidden, target)
     monkeypatch.setattr("heads.graphs.GRAPH_DEVICES", {"cuda"})  # a CPU step, as by default
     graphed(hidden, target)
-    assert grapher.captures == []
+    assert capturer.captures == []
 
 
 def test_options_and_precision_are_part_of_a_shapes_key(on_cpu):
     head = SoftmaxHead(D, V).train()
-    grapher = Replayed()
-    graphed = GraphedTrainingLoss(head, max_shapes=8, grapher=grapher)
+    capturer = Rerun()
+    graphed = GraphedTrainingLoss(head, max_shapes=8, capture=capturer)
     hidden, target = _batch()
     hidden = hidden.float().detach().requires_grad_(True)
     _step(graphed, hidden, target)
@@ -184,44 +251,44 @@ def test_options_and_precision_are_part_of_a_shapes_key(on_cpu):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _step(graphed, hidden, target)
     _step(graphed, hidden, target, label_smoothing=0.1)  # seen: replayed
-    assert len(grapher.captures) == 3
+    assert len(capturer.captures) == 3
     head.loss_options = LossOptions(plan="rows")
     _step(graphed, hidden, target)
     _step(graphed, hidden.detach(), target)  # no input gradient wanted
-    assert len(grapher.captures) == 5
+    assert len(capturer.captures) == 5
 
 
 def test_a_capture_runs_without_autocasts_cast_cache(on_cpu):
     head = SoftmaxHead(D, V).train()
-    grapher = Replayed()
-    graphed = GraphedTrainingLoss(head, grapher=grapher)
+    capturer = Rerun()
+    graphed = GraphedTrainingLoss(head, capture=capturer)
     hidden = torch.randn(12, D, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.is_autocast_cache_enabled()
         graphed(hidden, torch.randint(0, V, (12,)))
         assert torch.is_autocast_cache_enabled()  # the caller's setting, restored
-    assert grapher.cache_enabled == [False]
+    assert capturer.cache_enabled == [False]
 
 
 def test_replaced_parameters_are_captured_again(on_cpu):
     head = SoftmaxHead(D, V).double().train()
-    grapher = Replayed()
-    graphed = GraphedTrainingLoss(head, grapher=grapher)
+    capturer = Rerun()
+    graphed = GraphedTrainingLoss(head, capture=capturer)
     batch = _batch()
     _step(graphed, *batch)
     _step(graphed, *batch)
     head.weight = torch.nn.Parameter(head.weight.detach().clone())  # new storage
     _step(graphed, *batch)
-    assert len(grapher.captures) == 2
+    assert len(capturer.captures) == 2
     assert head.weight.grad is not None  # the new parameter's, not the old one's
     head.bias.requires_grad_(False)  # frozen: the graph's gradients change
     _step(graphed, *batch)
-    assert len(grapher.captures) == 3
+    assert len(capturer.captures) == 3
 
 
 def test_a_copy_keeps_no_graph_and_captures_for_its_own_head(on_cpu):
     head = SoftmaxHead(D, V).double().train()
-    graphed = GraphedTrainingLoss(head, grapher=Replayed())
+    graphed = GraphedTrainingLoss(head, capture=Rerun())
     _step(graphed, *_batch())
     head.zero_grad(set_to_none=True)
     copied_head, copied = copy.deepcopy((head, graphed))
@@ -233,7 +300,7 @@ def test_a_copy_keeps_no_graph_and_captures_for_its_own_head(on_cpu):
 
 def test_a_failed_capture_names_the_head_and_the_option(on_cpu):
     graphed = GraphedTrainingLoss(
-        MoSHead(D, V, num_components=2).train(), grapher=Replayed(RuntimeError("capture broke"))
+        MoSHead(D, V, num_components=2).train(), capture=Rerun(RuntimeError("capture broke"))
     )
     with pytest.raises(HeadConfigError, match=r"MoSHead.*capture broke.*cuda_graphs false"):
         graphed(*_batch())
@@ -254,14 +321,14 @@ def test_the_adaptive_softmax_is_captured_where_its_step_is_dense(on_cpu, monkey
     monkeypatch.setattr("heads.kernels.chunks.GPU_PLAN_DEVICES", {"cuda", "cpu"})
     head = AdaptiveSoftmaxHead(D, V, cutoffs=[20, 35]).double().train()
     head.loss_options = LossOptions(saved_bytes=4 * 30 * (V + 2))  # dense up to 30 rows
-    grapher = Replayed()
-    graphed = GraphedTrainingLoss(head, max_shapes=8, grapher=grapher)
+    capturer = Rerun()
+    graphed = GraphedTrainingLoss(head, max_shapes=8, capture=capturer)
     twin = copy.deepcopy(head)
     for tokens in (24, 40, 24, 40):
         hidden, target = _batch(tokens, seed=tokens)
         out = _step(graphed, hidden, target)
         torch.testing.assert_close(out.loss, twin(hidden, target).loss)
-    assert grapher.captures == [(24, D)]
+    assert capturer.captures == [(24, D)]
     assert sum("depends on the batch" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -372,4 +439,49 @@ def test_a_captured_step_trains_as_the_eager_one_on_cuda(name, precision):
             optimizer.zero_grad()
         for p, q in zip(head.parameters(), twin.parameters(), strict=True):
             torch.testing.assert_close(p, q, **tol)
+    assert graphed.captured == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["softmax_rows", "mixtape"])
+def test_a_tied_lstm_lm_accumulating_gradients_trains_as_the_eager_one_on_cuda(name):
+    """A language model's step as the tasks run it: an embedding tied to the head's weight and
+    looked up before the head (its gradient accumulator made on the default stream, alive
+    while the head's step is captured: make_graphed_callables failed there, H100), a cuDNN
+    LSTM, bf16 autocast, gradients accumulated over two batches before each SGD step. The
+    parameters stay the eager twin's."""
+    hidden_size, vocab = 64, 3000
+    torch.manual_seed(0)
+
+    class LM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = torch.nn.Embedding(vocab, hidden_size)
+            self.lstm = torch.nn.LSTM(hidden_size, hidden_size, batch_first=True)
+            self.head = _gpu_head(name, hidden_size, vocab)
+            self.head.weight = self.embedding.weight
+
+        def hidden(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.lstm(self.embedding(ids))[0].flatten(0, 1)
+
+    model = LM().cuda().train()
+    twin = copy.deepcopy(model)
+    graphed = GraphedTrainingLoss(model.head)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, twin)]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for step in range(6):
+        ids = torch.randint(0, vocab, (8, 33), device="cuda", generator=gen)
+        inputs, target = ids[:, :-1], ids[:, 1:].flatten()
+        for m, loss in ((model, graphed), (twin, twin.head)):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = loss(m.hidden(inputs), target)
+            (out.loss + out.aux_loss).backward()
+        if step % 2 == 1:  # two batches a step
+            for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-3)
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-3)
     assert graphed.captured == 1

@@ -211,17 +211,17 @@ def test_cuda_graphs_run_the_tasks_head_loss_and_auto_keeps_to_the_torch_backend
     """The task's steps call the head through its graphs (on the CPU: a stand-in capture);
     ``auto`` never resolves to another library's kernels when they are on."""
     from heads.graphs import GRAPH_DEVICES
-    from tests.heads.test_graphs import Replayed
+    from tests.heads.test_graphs import Rerun
 
     task = LanguageModel(LSTMBackbone(30, 8, 8), SoftmaxHead(8, 30), cuda_graphs=True)
     assert not any("_graphed" in name for name, _ in task.named_modules())  # no second copy
     monkeypatch.setattr("heads.graphs.GRAPH_DEVICES", GRAPH_DEVICES | {"cpu"})
-    grapher = task._graphed_loss.grapher = Replayed()
+    capturer = task._graphed_loss.capture = Rerun()
     hidden = torch.randn(6, 8, requires_grad=True)
     target = torch.randint(0, 30, (6,))
     out = task.head_loss(hidden, target)
     torch.testing.assert_close(out.loss, task.head(hidden, target).loss)
-    assert grapher.captures == [(6, 8)]
+    assert capturer.captures == [(6, 8)]
     monkeypatch.setattr("lightning_modules.head_task.fastest_backend", lambda *args: "cce")
     task.place_loss_backend(torch.device("cuda"))
     assert task.head.loss_options.backend == "torch"

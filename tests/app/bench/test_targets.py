@@ -74,6 +74,42 @@ def test_memory_and_lm_parts_and_another_card():
     assert (fit.figure, fit.met) == (0, False)  # not one batch fitted: measured, not missing
 
 
+def test_steps_as_cuda_graphs_get_their_own_rows_beside_the_defaults():
+    """``+graphs`` (a task's opt-in ``cuda_graphs``): Mixtape / softmax again with both steps
+    graphed, its own row; the default's row keeps the eager subjects; a run without both
+    graphed heads adds none."""
+    lm = [_row("softmax", 8.0, vocab=10_000, scope="lm"), _row("mixtape", 12.0, vocab=10_000,
+          scope="lm"), _row("softmax+graphs", 7.5, vocab=10_000, scope="lm"),
+          _row("mixtape+graphs", 7.8, vocab=10_000, scope="lm")]  # fmt: skip
+    heads = [_row("softmax@rows", 2.0, vocab=10_000), _row("mixtape@rows", 5.0, vocab=10_000),
+             _row("softmax@rows+graphs", 1.6, vocab=10_000),
+             _row("mixtape@rows+graphs", 4.4, vocab=10_000),
+             _row("mixtape+graphs", 3.5)]  # fmt: skip
+    targets = _by_name(collect({"lm.json": _report(lm), "heads.json": _report(heads)}))
+    eager = targets["whole PTB LM step: Mixtape / softmax (<= 1.15)"]
+    graphed = targets["whole PTB LM step: Mixtape / softmax, cuda_graphs on (<= 1.15)"]
+    assert eager.figure == pytest.approx(1.5) and not eager.met
+    assert graphed.figure == pytest.approx(7.8 / 7.5) and graphed.met
+    graphed_10k = targets["Mixtape / softmax at 10k, cuda_graphs on (<= 2.0)"]
+    assert graphed_10k.figure == pytest.approx(4.4 / 1.6)
+    assert targets["Mixtape / softmax at 10k (<= 2.0)"].figure == pytest.approx(2.5)
+    assert "Mixtape / softmax at 100k, cuda_graphs on (<= 1.5)" not in targets  # no softmax
+
+
+def test_the_shipped_h100_lm_step_with_and_without_graphs():
+    """The H100 run of 2026-11-27 (fifteenth session): the whole LM's step misses 1.15 eagerly
+    and meets it with both heads' steps graphed, each the median of paired repeat ratios."""
+    path = REPO / "docs/results/bench_gpu_lm_ptb_step.json"
+    rows = {row["head"]: row for row in json.loads(path.read_text())["results"]}
+    targets = _by_name(main([str(path)]))
+    for suffix, name, met in (("", "", False), ("+graphs", ", cuda_graphs on", True)):
+        pairs = zip(rows["mixtape" + suffix]["times_ms"], rows["softmax" + suffix]["times_ms"],
+                    strict=True)  # fmt: skip
+        target = targets[f"whole PTB LM step: Mixtape / softmax{name} (<= 1.15)"]
+        assert target.figure == pytest.approx(statistics.median(m / s for m, s in pairs))
+        assert target.met == met
+
+
 def test_the_shipped_h100_run(capsys):
     """The H100 run of 2026-11-27: softmax's share of the matmul from its rows plan (the
     inverse of the median paired time ratio: 6 repeats, so a mean of the middle two)."""
