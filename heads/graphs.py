@@ -88,6 +88,7 @@ class CapturedStep:
     outputs: tuple[torch.Tensor, ...]
     grad_outputs: tuple[torch.Tensor | None, ...]
     grads: tuple[torch.Tensor | None, ...]  # per input: None where none flows (or none wanted)
+    held_bytes: int = 0  # device memory kept for the replays: the pool, the static copies
 
 
 Grads = tuple[torch.Tensor | None, ...]
@@ -126,8 +127,15 @@ def capture_cuda(function: Callable[..., tuple[torch.Tensor, ...]],
     grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None for o in outputs)
     with torch.cuda.graph(backward, pool=forward.pool(), capture_error_mode="thread_local"):
         grads = _differentiate(outputs, inputs, grad_outputs)
+    # the pool's segments (as torch's own cudagraph trees find them) and the static copies
+    # made outside it (the parameters' leaves share the parameters' memory)
+    pool = forward.pool()
+    held = sum(
+        s["total_size"] for s in torch.cuda.memory_snapshot() if s["segment_pool_id"] == pool
+    )
+    held += sum(t.nbytes for t in (*inputs[:2], *grad_outputs) if t is not None)
     return CapturedStep(forward.replay, backward.replay, inputs,
-                        tuple(o.detach() for o in outputs), grad_outputs, grads)  # fmt: skip
+                        tuple(o.detach() for o in outputs), grad_outputs, grads, held)  # fmt: skip
 
 
 class _Replay(torch.autograd.Function):
@@ -238,6 +246,11 @@ class GraphedTrainingLoss:
     def captured(self) -> int:
         """How many shapes are captured now."""
         return len(self._graphs)
+
+    @property
+    def held_bytes(self) -> int:
+        """Device memory the captured shapes keep between steps (their pools and copies)."""
+        return sum(graph.step.held_bytes for graph in self._graphs.values())
 
     def applies(self, hidden: torch.Tensor) -> bool:
         """Whether this call is one graphs run: a training step with gradients, on a device

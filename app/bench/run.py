@@ -46,6 +46,7 @@ from app.bench.subjects import (
     WholeLM,
     build_head,
     eager_twin,
+    graphs_held_bytes,
     head_config,
     parse_head,
     parse_subject,
@@ -138,9 +139,9 @@ def largest_batch(case: Case, budget: int, limit: int) -> int:
     def fits(tokens: int) -> bool:
         start = time.perf_counter()
         probe = replace(case, tokens=tokens)
-        _, step = build_case(probe)
+        module, step = build_case(probe)
         step()  # warm: lazy initialisation and compilation are not the step's memory
-        peak = step_memory(step, probe)
+        peak = step_memory(step, probe) + graphs_held_bytes(module)
         # one line per probe: the search can take minutes on big vocabularies
         print(f"    {case.name}: {tokens} tokens, peak {peak / 2**20:.0f} MiB "
               f"({time.perf_counter() - start:.1f} s)", flush=True)  # fmt: skip
@@ -326,6 +327,8 @@ def _row(module, step, times: list[float] | None, args, case: Case) -> dict:
     median = None if times is None else statistics.median(times)
     # memory first, of the step as it was timed: the FLOP count runs it under a dispatch mode
     memory = None if args.memory == "skip" else step_memory(step, case) / 2**20
+    if memory is not None:  # +graphs: the graphs' memory, kept since their capture
+        memory += graphs_held_bytes(module) / 2**20
     flops = None if args.flops == "skip" else _flops(step, case)
     row = {
         "head": case.name, "vocab_size": case.vocab, "hidden_size": case.hidden,

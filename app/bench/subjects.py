@@ -245,6 +245,12 @@ class GraphedHead(nn.Module):
         return self.graphs(hidden, target)
 
 
+def graphs_held_bytes(module: nn.Module) -> int:
+    """Device memory the CUDA graphs of ``module``'s ``+graphs`` heads keep between steps:
+    allocated at the capture, before any step a benchmark measures, and never freed."""
+    return sum(m.graphs.held_bytes for m in module.modules() if isinstance(m, GraphedHead))
+
+
 def _build(name: str, hidden: int, vocab: int, options: BenchOptions) -> nn.Module:
     if name in FRAGMENTS:
         head = instantiate_head(head_config(name, options), hidden, vocab)

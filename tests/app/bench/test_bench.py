@@ -1,5 +1,7 @@
 import json
 
+import torch
+
 from app.bench.run import main, ratio
 
 
@@ -148,7 +150,7 @@ def test_same_memory_search_stops_at_the_limit_when_everything_fits(monkeypatch)
         return case.tokens * 1000
 
     monkeypatch.setattr(bench_run, "step_memory", memory)
-    monkeypatch.setattr(bench_run, "build_case", lambda case: (None, lambda: None))
+    monkeypatch.setattr(bench_run, "build_case", lambda case: (torch.nn.Module(), lambda: None))
     found = largest_batch(case, budget=70_000_000, limit=2**40)  # 10,000 sequences fit
     assert 70_000 * (1 - 1 / 64) <= found <= 70_000 and found % 7 == 0
     assert len(probes) <= 21  # exact: 15 doublings and 13 halvings
@@ -233,6 +235,35 @@ def test_compiled_subject_counts_its_eager_twins_flops(tmp_path):
     assert flops["mixtape@rows+graphs"] == flops["mixtape@rows"] > 0
     lm = main([*argv[:5], "--scope", "lm", *argv[5:-1], "lm"])
     assert {r["head"] for r in lm["results"]} >= {"mixtape@rows+graphs"}
+
+
+def test_a_graphed_subjects_memory_counts_what_its_graphs_keep(monkeypatch, tmp_path):
+    """+graphs: the memory its graphs keep (pools and copies, allocated at the capture, before
+    the measured step, and never freed) is part of its extra memory, in both scopes. Here
+    the captures are the CPU stand-in, each said to keep 512 MiB."""
+    import dataclasses
+
+    from app.bench.subjects import GraphedHead, WholeLM, graphs_held_bytes
+    from heads import SoftmaxHead
+    from heads.graphs import GRAPH_DEVICES
+    from tests.heads.test_graphs import Rerun
+
+    def keeping(function, inputs, warmup):
+        return dataclasses.replace(Rerun()(function, inputs, warmup), held_bytes=512 << 20)
+
+    monkeypatch.setattr("heads.graphs.GRAPH_DEVICES", GRAPH_DEVICES | {"cpu"})
+    monkeypatch.setattr("heads.graphs.capture_cuda", keeping)
+    lm = WholeLM(GraphedHead(SoftmaxHead(8, 40)), 8, 40)
+    assert graphs_held_bytes(lm) == 0  # nothing captured yet
+    tokens = torch.randint(0, 40, (2, 5))
+    lm(tokens, tokens).backward()
+    assert graphs_held_bytes(lm) == 512 << 20
+    argv = ["--heads", "softmax", "softmax+graphs", "--vocab-sizes", "300", "--hidden-sizes",
+            "16", "--batch-sizes", "32", "--repeats", "1", "--warmup", "1", "--flops", "skip",
+            "--out", str(tmp_path), "--name", "graphed"]  # fmt: skip
+    for scope in ("head", "lm"):
+        rows = {r["head"]: r for r in main([*argv, "--scope", scope])["results"]}
+        assert rows["softmax+graphs"]["extra_peak_mb"] >= 512 > rows["softmax"]["extra_peak_mb"]
 
 
 def test_a_device_or_backend_this_machine_lacks_is_one_line(capsys, tmp_path):
