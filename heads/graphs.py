@@ -139,18 +139,19 @@ def capture_cuda(function: Callable[..., tuple[torch.Tensor, ...]],
 
 
 class _Replay(torch.autograd.Function):
-    """One replay of a captured loss: ``(graph, hidden, *parameters) -> (loss, nll, aux)``,
-    copies of the graph's outputs; the backward replays the backward graph and hands out its
-    gradients. A parameter (or a leaf ``hidden``) whose ``.grad`` is still the graph's own
-    buffer, kept by autograd from the last backward, gets a copy of it first: the next replay
-    writes over that buffer."""
+    """One replay of a captured loss: ``(graph, hidden, target, *parameters) -> (loss, nll,
+    aux)``, copies of the graph's outputs; the backward replays the backward graph and hands
+    out its gradients. A parameter (or a leaf ``hidden``) whose ``.grad`` is still the graph's
+    own buffer, kept by autograd from the last backward, gets a copy of it first: the next
+    replay writes over that buffer."""
 
     @staticmethod
-    def forward(ctx, graph: _Graph, hidden: torch.Tensor, *parameters: torch.Tensor):
-        step = graph.step
+    def forward(ctx, graph: _Graph, *inputs: torch.Tensor):
+        step, (hidden, _, *parameters) = graph.step, inputs
         graph.release_gradients(parameters)
-        if hidden.data_ptr() != step.inputs[0].data_ptr():
-            step.inputs[0].copy_(hidden)
+        for static, given in zip(step.inputs[:2], inputs[:2], strict=True):
+            if given.data_ptr() != static.data_ptr():
+                static.copy_(given)
         step.replay_forward()
         loss, nll, aux = (o.clone() for o in step.outputs)
         ctx.graph, ctx.hidden_keeps_grad = graph, hidden.is_leaf or hidden.retains_grad
@@ -167,12 +168,10 @@ class _Replay(torch.autograd.Function):
                 static.copy_(grad)
         step.replay_backward()
         graph.pending = False
-        d_hidden, *d_parameters = (
-            None if g is None else g.detach() for g in step.grads[:1] + step.grads[2:]
-        )
+        d_hidden, d_target, *d_parameters = (None if g is None else g.detach() for g in step.grads)
         if d_hidden is not None and ctx.hidden_keeps_grad:  # as .grad: not the graph's buffer
             d_hidden = d_hidden.clone()
-        return None, d_hidden, *d_parameters
+        return None, d_hidden, d_target, *d_parameters
 
 
 class _Graph:
@@ -196,14 +195,11 @@ class _Graph:
                 f"step at a time (forward, then its backward): set cuda_graphs false to "
                 f"compute several losses before a backward"
             )
-        static_target = self.step.inputs[1]
-        if target.data_ptr() != static_target.data_ptr():
-            static_target.copy_(target)
-        loss, nll, aux = _Replay.apply(self, hidden, *head.parameters())
+        loss, nll, aux = _Replay.apply(self, hidden, target, *head.parameters())
         self.pending = loss.requires_grad
         return HeadOutput(loss=loss, nll=nll, aux_loss=aux)
 
-    def release_gradients(self, parameters: tuple[torch.Tensor, ...]) -> None:
+    def release_gradients(self, parameters: list[torch.Tensor]) -> None:
         """A copy for each parameter's ``.grad`` that is the graph's gradient buffer."""
         for parameter, buffer in zip(parameters, self.step.grads[2:], strict=True):
             grad = parameter.grad
