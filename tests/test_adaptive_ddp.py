@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tests.adaptive_ddp_fit import STEPS, main
+from tests.ddp_fit import STEPS, main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,7 +22,7 @@ def test_adaptive_under_ddp_with_a_cluster_missing_on_one_rank_matches_one_proce
     main(1, tmp_path / "single")  # in this process: the reference
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "tests.adaptive_ddp_fit", "2", str(tmp_path / "ddp")],
+        [sys.executable, "-m", "tests.ddp_fit", "2", str(tmp_path / "ddp")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

@@ -485,3 +485,33 @@ def test_a_tied_lstm_lm_accumulating_gradients_trains_as_the_eager_one_on_cuda(n
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-3)
     assert graphed.captured == 1
+
+
+def test_a_tied_lm_with_graphs_under_ddp_trains_as_one_eager_process(tmp_path):
+    """Two gloo processes, ``find_unused_parameters=False``, each replaying its head's steps
+    (the CPU stand-in capture) with the head's weight tied to the embedding: DDP's hooks see
+    every parameter's gradient through the replay, and both ranks end with the parameters one
+    eager process trains on both ranks' rows."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.ddp_fit import STEPS, main
+
+    main(1, tmp_path / "single", "softmax")  # in this process, eagerly: the reference
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.ddp_fit", "2", str(tmp_path / "ddp"), "softmax_graphs"],
+        cwd=repo, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    single = torch.load(tmp_path / "single" / "rank0.pt")
+    ranks = [torch.load(tmp_path / "ddp" / f"rank{r}.pt") for r in range(2)]
+    assert [rank["captured"] for rank in ranks] == [1, 1]  # replayed, not eager
+    assert single["steps"] == ranks[0]["steps"] == ranks[1]["steps"] == STEPS
+    for name, expected in single["state"].items():
+        for rank in ranks:
+            torch.testing.assert_close(rank["state"][name], expected, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip

@@ -1,9 +1,14 @@
-"""Test helper for ``tests/test_adaptive_ddp.py``: a tiny adaptive-softmax LM trained on one
-process, or on two CPU processes (gloo) with ``find_unused_parameters=False`` as in
-``configs/presets/ddp.yaml``, where rank 1's batches never touch the last tail cluster (and
-its second batch no tail cluster at all). Each rank saves its final parameters.
+"""Test helper for ``tests/test_adaptive_ddp.py`` and ``tests/heads/test_graphs.py``: a tiny
+LM trained on one process, or on two CPU processes (gloo) with ``find_unused_parameters=False``
+as in ``configs/presets/ddp.yaml``. Each rank saves its final parameters. Its heads:
 
-    python -m tests.adaptive_ddp_fit <devices> <folder>
+- ``adaptive``: rank 1's batches never touch the last tail cluster (and its second batch no
+  tail cluster at all);
+- ``softmax_graphs``: a softmax tied to the embedding, its steps through ``cuda_graphs``, on
+  the CPU by the tests' stand-in capture (``tests.heads.test_graphs.Rerun``);
+- ``softmax``: the same eagerly, the reference.
+
+    python -m tests.ddp_fit <devices> <folder> [<head>]
 
 Run as a module from the repository root: Lightning's DDP launcher re-executes this command
 line for rank 1.
@@ -20,7 +25,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
-from heads import AdaptiveSoftmaxHead
+from heads import AdaptiveSoftmaxHead, SoftmaxHead
 from lightning_modules import LanguageModel
 from lightning_modules.backbones import LSTMBackbone
 
@@ -59,12 +64,23 @@ def sgd(parameters):
     return torch.optim.SGD(parameters, lr=0.5)
 
 
-def main(devices: int, folder: Path) -> None:
+def main(devices: int, folder: Path, head: str = "adaptive") -> None:
     L.seed_everything(0)
     backbone = LSTMBackbone(VOCAB, embedding_size=D, hidden_size=D, input_dropout=0.0,
                             hidden_dropout=0.0, output_dropout=0.0)  # fmt: skip
-    head = AdaptiveSoftmaxHead(D, VOCAB, cutoffs=CUTOFFS, div_value=2.0)
-    model = LanguageModel(backbone, head, optimizer=sgd)
+    if head == "adaptive":
+        adaptive = AdaptiveSoftmaxHead(D, VOCAB, cutoffs=CUTOFFS, div_value=2.0)
+        model = LanguageModel(backbone, adaptive, optimizer=sgd)
+    else:
+        graphs = head == "softmax_graphs"
+        model = LanguageModel(backbone, SoftmaxHead(D, VOCAB), optimizer=sgd, tie_weights=True,
+                              cuda_graphs=graphs)  # fmt: skip
+        if graphs:  # captured on this CPU by the tests' stand-in
+            from heads import graphs as heads_graphs
+            from tests.heads.test_graphs import Rerun
+
+            heads_graphs.GRAPH_DEVICES.add("cpu")
+            model._graphed_loss.capture = Rerun()
     strategy = (
         DDPStrategy(
             find_unused_parameters=False,
@@ -82,9 +98,11 @@ def main(devices: int, folder: Path) -> None:
     trainer.fit(model, datamodule=RankData())
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
-    torch.save({"state": state, "steps": trainer.global_step},
+    graphed = getattr(model, "_graphed_loss", None)
+    torch.save({"state": state, "steps": trainer.global_step,
+                "captured": None if graphed is None else graphed.captured},
                folder / f"rank{trainer.global_rank}.pt")  # fmt: skip
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), Path(sys.argv[2]))
+    main(int(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:4])
