@@ -185,7 +185,8 @@ class _Graph:
         self.aux_requires_grad = aux_requires_grad
         self.pending = False
 
-    def replay(self, hidden: torch.Tensor, target: torch.Tensor, head: Head) -> HeadOutput:
+    def replay(self, hidden: torch.Tensor, target: torch.Tensor, head: Head,
+               parameters: tuple[torch.Tensor, ...]) -> HeadOutput:  # fmt: skip
         """The loss of this batch, as copies (the graph's outputs are its static buffers,
         rewritten by its next replay)."""
         if self.pending:
@@ -195,7 +196,7 @@ class _Graph:
                 f"step at a time (forward, then its backward): set cuda_graphs false to "
                 f"compute several losses before a backward"
             )
-        loss, nll, aux = _Replay.apply(self, hidden, target, *head.parameters())
+        loss, nll, aux = _Replay.apply(self, hidden, target, *parameters)
         self.pending = loss.requires_grad
         return HeadOutput(loss=loss, nll=nll, aux_loss=aux)
 
@@ -262,14 +263,15 @@ class GraphedTrainingLoss:
                  label_smoothing: float = 0.0) -> HeadOutput:  # fmt: skip
         if not self.applies(hidden):
             return self.head(hidden, target, label_smoothing=label_smoothing)
-        self._forget_replaced_parameters()
+        parameters = tuple(self.head.parameters())  # walked once a step: a host-bound path
+        self._forget_replaced_parameters(parameters)
         key = self._key(hidden, target, label_smoothing)
         graph = self._graphs.get(key)
         if graph is None:
             if key in self._eager_shapes or not self._may_capture(key, hidden):
                 return self.head(hidden, target, label_smoothing=label_smoothing)
             graph = self._graphs[key] = self._capture(hidden, target, label_smoothing)
-        return graph.replay(hidden, target, self.head)
+        return graph.replay(hidden, target, self.head, parameters)
 
     def _key(self, hidden: torch.Tensor, target: torch.Tensor, label_smoothing: float) -> tuple:
         device = hidden.device.type
@@ -278,10 +280,10 @@ class GraphedTrainingLoss:
                 tuple(target.shape), target.dtype, float(label_smoothing), autocast,
                 self.head.loss_options)  # fmt: skip
 
-    def _forget_replaced_parameters(self) -> None:
+    def _forget_replaced_parameters(self, parameters: tuple[torch.Tensor, ...]) -> None:
         """Drop every graph once a parameter's storage or trainability changed (a graph
         reads the storage it was captured with)."""
-        now = tuple((p.data_ptr(), p.requires_grad) for p in self.head.parameters())
+        now = tuple((p.data_ptr(), p.requires_grad) for p in parameters)
         if now != self._parameters:
             self._graphs.clear()
             self._eager_shapes.clear()
