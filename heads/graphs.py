@@ -122,11 +122,18 @@ def capture_cuda(function: Callable[..., tuple[torch.Tensor, ...]],
         del outputs, ones
     torch.cuda.synchronize()
     forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(forward, capture_error_mode="thread_local"):
-        outputs = function(*inputs)
-    grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None for o in outputs)
-    with torch.cuda.graph(backward, pool=forward.pool(), capture_error_mode="thread_local"):
-        grads = _differentiate(outputs, inputs, grad_outputs)
+    try:
+        with torch.cuda.graph(forward, capture_error_mode="thread_local"):
+            outputs = function(*inputs)
+        grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None for o in outputs)
+        with torch.cuda.graph(backward, pool=forward.pool(), capture_error_mode="thread_local"):
+            grads = _differentiate(outputs, inputs, grad_outputs)
+    except BaseException:
+        # the failed graphs go now, not with the traceback that holds this frame (a newer
+        # torch's graph gives its generator states back as it goes)
+        forward = backward = outputs = None
+        _release_generator(inputs[0].device)
+        raise
     # the pool's segments (as torch's own cudagraph trees find them) and the static copies
     # made outside it (the parameters' leaves share the parameters' memory)
     pool = forward.pool()
@@ -136,6 +143,20 @@ def capture_cuda(function: Callable[..., tuple[torch.Tensor, ...]],
     held += sum(t.nbytes for t in (*inputs[:2], *grad_outputs) if t is not None)
     return CapturedStep(forward.replay, backward.replay, inputs,
                         tuple(o.detach() for o in outputs), grad_outputs, grads, held)  # fmt: skip
+
+
+def _release_generator(device: torch.device) -> None:
+    """After a failed capture: the device's default random generator out of capture mode. A
+    capture whose end fails (torch 2.11, an H100) leaves it there, and every later random op
+    of the process (a dropout, the next test's) raised "Offset increment outside graph
+    capture encountered unexpectedly"; a clone of its state (its seed and offset) takes its
+    place, outside any capture."""
+    try:
+        torch.empty(1, device=device).uniform_()  # draws: raises while the generator is stuck
+    except RuntimeError:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        generator = torch.cuda.default_generators[index]
+        generator.graphsafe_set_state(generator.clone_state())
 
 
 class _Replay(torch.autograd.Function):
