@@ -10,6 +10,8 @@ needs their sizes on the host: counted there from the batch before it reaches th
 the task says so (:meth:`expect_targets`), else read back from the device (a GPU sync); on
 CUDA a step small enough for its logits to fit the saved budget (a PTB step) needs neither:
 every classifier runs on every row, its targets ignored outside it (``dense_loss_fits``).
+Plan ``rows`` there runs the whole loss as one function, its gradients computed in the
+forward (``heads/kernels/adaptive_rows.py``).
 
 ``cutoffs="auto"`` chooses the cut-offs by the paper's dynamic program (Eq. 8) on a cost model
 of the device the model trains on: at construction a fixed reference model (the same on every
@@ -49,6 +51,8 @@ from heads.fused_cross_entropy import (
     plain_loss_fits,
     plain_nll,
 )
+from heads.kernels.adaptive_rows import adaptive_rows_loss
+from heads.kernels.chunks import gpu_plans
 
 log = logging.getLogger(__name__)
 _REBUILD_SEED_OFFSET = 0xADA  # a stream apart from the backbone's first draws
@@ -291,6 +295,11 @@ class AdaptiveSoftmaxHead(Head):
         # a small step on CUDA: every classifier on every row, nothing read back
         if self._dense(hidden):
             return self._dense_loss(hidden, target, group, head_target, label_smoothing)
+        if self._whole_rows(hidden, label_smoothing):  # the whole loss in one function
+            order, sizes = sort_into_groups(group, self.num_clusters + 2, expected)
+            loss, nll = adaptive_rows_loss(hidden, target, group, head_target, order, sizes,
+                                           self.cutoffs, self.head, self.tail)  # fmt: skip
+            return HeadOutput(loss, nll, loss.new_zeros(()))
         # One sort groups the rows by cluster (ignored and short-list rows first), so each
         # tail cluster is a contiguous slice of one gather: one index_select (and one
         # scatter in its backward) for all tail clusters instead of one per cluster. The
@@ -341,6 +350,21 @@ class AdaptiveSoftmaxHead(Head):
         if weights is not None:
             return HeadOutput(loss, nll, loss.new_zeros(()))
         return self.output(nll, target, smoothing=smoothing, label_smoothing=label_smoothing)
+
+    def _whole_rows(self, hidden: torch.Tensor, label_smoothing: float) -> bool:
+        """Whether a step runs :func:`~heads.kernels.adaptive_rows.adaptive_rows_loss`: plan
+        ``rows`` of the torch backend on the GPU plans' devices (CUDA), a training step with
+        gradients, without label smoothing, outside ``torch.compile``'s tracing."""
+        options = self.loss_options
+        return (
+            options.plan == "rows"
+            and options.backend in ("auto", "torch")
+            and not options.fused_products
+            and gpu_plans(hidden.device)
+            and torch.is_grad_enabled()
+            and not label_smoothing
+            and not torch.compiler.is_compiling()
+        )
 
     def _dense(self, hidden: torch.Tensor) -> bool:
         """Whether a step on ``hidden`` runs every classifier on every row

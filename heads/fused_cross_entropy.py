@@ -122,8 +122,9 @@ class LossOptions:
         softmax, a mixture or Mixtape's rare block, with its gradient computed in the
         forward by row tiles over the whole vocabulary: three products instead of four,
         ``heads/kernels/rows_ce.py``; the heads' other blocks run as under ``auto``; on CUDA
-        a step, or an adaptive softmax's classifier, small enough to be launch-bound runs
-        plainly: :func:`plain_loss_fits`),
+        a step small enough to be launch-bound runs plainly: :func:`plain_loss_fits`; an
+        adaptive softmax's training step there is its whole loss as one function,
+        ``heads/kernels/adaptive_rows.py``),
         ``plain`` (an adaptive softmax's classifiers as one product and PyTorch's fused
         log-softmax and NLL: :func:`plain_nll`; the rest as under ``auto``), or ``auto``:
         compiled on CUDA, eager elsewhere (rows for a whole mean loss on a CPU:

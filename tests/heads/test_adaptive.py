@@ -139,12 +139,14 @@ def gpu_plans_here(monkeypatch):
     torch._dynamo.reset()
 
 
-def test_plan_rows_on_gpu_plans_runs_large_classifiers_by_rows_small_ones_plainly(
+def test_the_fused_products_on_gpu_plans_run_large_classifiers_by_rows_small_ones_plainly(
     gpu_plans_here, monkeypatch
 ):
-    """Plan ``rows`` on CUDA's plans: a classifier over more than ``ROWS_PLAIN_LOGITS`` logits
-    by the rows plan (its gradient in the forward), a smaller one plainly, in one step; its
-    loss, NLL and every gradient equal PyTorch's layer's in float64."""
+    """``loss_backend: fused`` (the rows plan's fused products) on CUDA's plans: a classifier
+    over more than ``ROWS_PLAIN_LOGITS`` logits by the rows plan (its gradient in the forward),
+    a smaller one plainly, in one step; its loss, NLL and every gradient equal PyTorch's
+    layer's in float64. (Plan ``rows`` itself runs the whole loss as one function:
+    ``tests/heads/kernels/test_adaptive_rows.py``.)"""
     monkeypatch.setattr(fce, "ROWS_PLAIN_LOGITS", 1200)
     ran = {"plain": [], "rows": []}
 
@@ -159,7 +161,7 @@ def test_plan_rows_on_gpu_plans_runs_large_classifiers_by_rows_small_ones_plainl
     spy("rows", adaptive.mean_cross_entropy)
     torch.manual_seed(0)
     ours = AdaptiveSoftmaxHead(16, 300, cutoffs=[20, 90], div_value=2.0).double()
-    ours.loss_options = LossOptions(plan="rows")
+    ours.loss_options = LossOptions(plan="rows", fused_products=True)
     ref = copy_into_torch(ours, 2.0)
     gen = torch.Generator().manual_seed(1)
     # 64 rows: the head classifier's 64 x 22 logits (1,408) and the second cluster's 8 x 210

@@ -296,6 +296,21 @@ def test_small_adaptive_steps_on_cudas_plans_read_nothing_back(task, tmp_path, m
     assert_no_sync(windows, 0)
 
 
+def test_the_adaptive_rows_plan_on_cudas_plans_reads_nothing_back(monkeypatch):
+    """Plan ``rows`` on CUDA's plans: the whole adaptive loss in one function
+    (``heads/kernels/adaptive_rows.py``), its cluster sizes counted on the host."""
+    from heads import adaptive
+
+    ran = []
+    whole = adaptive.adaptive_rows_loss
+    monkeypatch.setattr(adaptive, "adaptive_rows_loss", lambda *a: ran.append(1) or whole(*a))
+    monkeypatch.setattr(chunks, "GPU_PLAN_DEVICES", {"cuda", "cpu"})
+    make_head = HEADS["adaptive"][0]
+    windows = fit_language_model(lambda d, v: plain(make_head(d, v), "rows"), monkeypatch)
+    assert_no_sync(windows, 0)
+    assert ran
+
+
 def test_the_sentinel_sees_each_kind_of_read_back(monkeypatch):
     """Each pattern the step code must not use is recorded (and the allowed ones are not)."""
     sentinel = SyncSentinel()
