@@ -297,7 +297,7 @@ class AdaptiveSoftmaxHead(Head):
             return self._dense_loss(hidden, target, group, head_target, label_smoothing)
         if self._whole_rows(hidden, label_smoothing):  # the whole loss in one function
             order, sizes = sort_into_groups(group, self.num_clusters + 2, expected)
-            loss, nll = adaptive_rows_loss(hidden, target, group, head_target, order, sizes,
+            loss, nll = adaptive_rows_loss(hidden, target, head_target, order, sizes,
                                            self.cutoffs, self.head, self.tail)  # fmt: skip
             return HeadOutput(loss, nll, loss.new_zeros(()))
         # One sort groups the rows by cluster (ignored and short-list rows first), so each

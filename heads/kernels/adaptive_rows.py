@@ -1,18 +1,19 @@
 """The adaptive softmax's rows plan: its whole mean loss (Eq. 3 of Grave et al.: a row's NLL is
 the head classifier's over its word or its cluster's entry, plus its cluster's over its word)
-and every gradient in one forward, as few host operators as the maths allows (the maths and
-its other plans: ``heads/adaptive.py``).
+and every gradient in one forward (the maths and its other plans: ``heads/adaptive.py``).
 
-Why one function. On a GPU the adaptive softmax's step is launch-bound well past the sizes
-where a softmax is not: at V = 10k, 16,384 tokens, its products are ~30 GFLOP (a few hundredths
-of a millisecond on an H100), yet ours and PyTorch's layer took 3.8 ms a step there, each
-~340 host operators (docs/results/bench_gpu_heads_10k.json, profile_cpu_cuda_plans_*: the
-operators a step dispatches, counted on a CPU). Composed of per-classifier losses, autograd
-records each product, cast, gather and reduction and replays their backwards one by one;
-here each classifier is one product for its logits, one pass that turns them into their
-gradient in place (the Triton rows kernel on CUDA: ``heads/kernels/triton_rows.py``), and the
-products of its gradients, all queued in the forward; the backward scales the stored
-gradients by the loss's (one multi-tensor launch).
+Why one function. On a GPU the adaptive softmax's step is bound by the host well past the
+sizes where a softmax is not: at V = 10k, 16,384 tokens, its products are ~30 GFLOP (a few
+hundredths of a millisecond on an H100), yet ours and PyTorch's layer took 3.8 ms a step there
+(docs/results/bench_gpu_heads_10k.json). Composed of per-classifier losses (the rows plan's
+per classifier: 425 operators a step dispatched, PyTorch's layer 343, counted on a CPU:
+profile_cpu_cuda_plans_adaptive_rows_1k), autograd records each product, cast, gather and
+reduction and replays their backwards one by one; here each classifier is one product for its
+logits, one pass that turns them into their gradient in place (the Triton rows kernel on
+CUDA: ``heads/kernels/triton_rows.py``) and the products of its gradients, all queued in the
+forward (276 operators); the backward scales the stored gradients by the loss's (one
+multi-tensor launch). Memory: one classifier's logits at a time, in the products' dtype
+(PyTorch's layer keeps its log-probabilities in float32).
 
 Per classifier (head over every row; tail cluster i over its own rows, found by one sort):
 ``z = x W^T (+ b)``, ``lse``, ``z_t``, ``dz = w (softmax(z) - onehot(t))`` in the products'
@@ -39,7 +40,7 @@ def _classifier(x, weight, bias, target, scale, columns: int, dtype, acc, triton
     weight as the products take it (padded, in ``dtype``)."""
     v = weight.size(0)
     w = padded_weight(weight, columns, dtype) if triton else as_dtype(weight, dtype)
-    z = torch.mm(as_dtype(x, dtype), w.t())
+    z = torch.mm(x, w.t())  # (x in dtype)
     if triton:  # lse, z_t and dz over z in place, one kernel
         bias = None if bias is None else bias_to_width(as_dtype(bias, acc), columns)
         lse, picked, _ = row_statistics(z, bias, target, False, (scale, scale, None), acc, v)
@@ -75,12 +76,11 @@ class _Walk:
 
     def run(self, row_weight: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """``(nll [N], [dh, dW_head, db_head, dP_1, dW_1, ...])`` for weights ``row_weight``."""
-        h, acc, dtype = self.hidden, self.acc, self.dtype
-        head_w = self.head_weight
+        acc, dtype, head_w = self.acc, self.dtype, self.head_weight
+        hd = as_dtype(self.hidden, dtype)
         columns = self._columns(head_w.size(0))
-        nll, dz, w = _classifier(h, head_w, self.head_bias, self.head_target, row_weight,
+        nll, dz, w = _classifier(hd, head_w, self.head_bias, self.head_target, row_weight,
                                  columns, dtype, acc, self.triton)  # fmt: skip
-        hd = as_dtype(h, dtype)
         v = head_w.size(0)
         d_bias = None if self.head_bias is None else dz.sum(0, dtype=acc)[:v]
         grads = [as_dtype(torch.mm(dz, w), acc), as_dtype(torch.mm(dz.t(), hd)[:v], acc), d_bias]
@@ -111,14 +111,14 @@ class _Walk:
 class AdaptiveRowsLoss(torch.autograd.Function):
     """``(mean loss, nll [N])`` of the adaptive softmax (module docstring), its gradients
     computed in the forward. Inputs: ``hidden [N, d]``, ``target [N]`` (ids, negative:
-    ignored), each row's ``group`` (0 ignored, 1 short list, i + 1 tail cluster i) and head
-    target, the rows' sort by group and the groups' sizes, ``cutoffs`` (the clusters' first
+    ignored), each row's head target, the rows' sort by group (ignored rows, the short
+    list's, then each tail cluster's) and the groups' sizes, ``cutoffs`` (the clusters' first
     ids), then the parameters: the head's weight and bias (or None), and each tail cluster's
     projection and output weights."""
 
     @staticmethod
-    def forward(ctx, hidden, target, group, head_target, order, sizes, cutoffs, head_weight,
-                head_bias, *tail_weights):  # fmt: skip
+    def forward(ctx, hidden, target, head_target, order, sizes, cutoffs, head_weight, head_bias,
+                *tail_weights):  # fmt: skip
         ctx.set_materialize_grads(False)  # an undifferentiated NLL output gives None, not 0s
         tail = list(zip(tail_weights[::2], tail_weights[1::2], strict=True))
         walk = _Walk(hidden, target, head_target, order, sizes, (head_weight, head_bias), tail,
@@ -142,7 +142,7 @@ class AdaptiveRowsLoss(torch.autograd.Function):
             stored[2] = None
         params = [walk.hidden, walk.head_weight, walk.head_bias,
                   *[w for pair in walk.tail for w in pair]]  # fmt: skip
-        need = [ctx.needs_input_grad[0], *ctx.needs_input_grad[7:]]
+        need = [ctx.needs_input_grad[0], *ctx.needs_input_grad[6:]]
         factor = None if grad_loss is None else as_dtype(grad_loss, unit.dtype) * unit
         out = scaled_gradients(stored, need, factor)
         if grad_nll is not None:  # the NLL output is differentiated too: walk again, w = g
@@ -153,13 +153,13 @@ class AdaptiveRowsLoss(torch.autograd.Function):
                    for x, y, wanted in zip(out, extra, need, strict=True)]  # fmt: skip
         grads = [None if g is None or p is None else as_input(g, p)
                  for g, p in zip(out, params, strict=True)]  # fmt: skip
-        return grads[0], *([None] * 6), *grads[1:]
+        return grads[0], *([None] * 5), *grads[1:]
 
 
-def adaptive_rows_loss(hidden, target, group, head_target, order, sizes, cutoffs, head,
+def adaptive_rows_loss(hidden, target, head_target, order, sizes, cutoffs, head,
                        tail) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(mean loss, nll)`` of :class:`AdaptiveRowsLoss` for ``head`` (``nn.Linear``) and
     ``tail`` (an ``nn.ModuleList`` of ``Sequential(projection, output)``)."""
     weights = [w for cluster in tail for w in (cluster[0].weight, cluster[1].weight)]
-    return AdaptiveRowsLoss.apply(hidden, target, group, head_target, order, list(sizes),
+    return AdaptiveRowsLoss.apply(hidden, target, head_target, order, list(sizes),
                                   list(cutoffs), head.weight, head.bias, *weights)  # fmt: skip
