@@ -28,7 +28,7 @@ def copy_into_torch(ours: AdaptiveSoftmaxHead, div: float) -> torch.nn.AdaptiveL
     ref = torch.nn.AdaptiveLogSoftmaxWithLoss(
         ours.hidden_size, ours.vocab_size, ours.cutoffs[:-1], div_value=div,
         head_bias=ours.head.bias is not None,
-    ).to(ours.head.weight.dtype)  # fmt: skip
+    ).to(ours.head.weight)  # its dtype and device  # fmt: skip
     with torch.no_grad():
         ref.head.weight.copy_(ours.head.weight)
         if ours.head.bias is not None:
