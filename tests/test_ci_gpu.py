@@ -142,12 +142,14 @@ def test_quick_measures_every_target(tmp_path):
     (out / "bench_gpu_heads_100k.json").write_text("{}")  # what targets reads
     commands = [c for c in _recorded(tmp_path, "quick") if c[:1] == ["-m"]]
     assert not any(c[1] == "pytest" for c in commands)
-    assert [c[1] for c in commands] == ["app.bench"] * 3 + ["app.bench.fastest", "app.bench",
+    assert [c[1] for c in commands] == ["app.bench"] * 5 + ["app.bench.fastest", "app.bench",
                                                             "app.bench.targets"]  # fmt: skip
-    heads100, heads10, lmstep, memory = (bench_args(_on_cpu(c[2:]))
-                                         for c in (*commands[:3], commands[4]))  # fmt: skip
+    heads100, heads10, adaptive100, adaptive10, lmstep, memory = (
+        bench_args(_on_cpu(c[2:])) for c in (*commands[:5], commands[6]))  # fmt: skip
     assert (heads100.vocab_sizes, heads10.vocab_sizes) == ([100_000], [10_000])
-    assert heads100.repeats == heads10.repeats == 6 and lmstep.scope == "lm"
+    assert (adaptive100.vocab_sizes, adaptive10.vocab_sizes) == ([100_000], [10_000])
+    assert heads100.repeats == heads10.repeats == adaptive100.repeats == 6
+    assert lmstep.scope == "lm"
     assert memory.mode == "same-memory" and "mos" in memory.heads
     assert memory.memory_budget_mb == 12 * 1024 and memory.vocab_sizes == [100_000]
 
@@ -156,13 +158,15 @@ def test_quick_measures_every_target(tmp_path):
         return paired_row_ratio(mine, {"times_ms": [2.0] * repeats, "tokens": 1})[2]
 
     assert math.isnan(interval_top(5)) and interval_top(heads100.repeats) < 1
-    ours = {"softmax", "softmax@rows", "matmul", "mixtape@rows", "adaptive@plain",
-            "adaptive@rows", "adaptive@fused", "torch_adaptive"}  # fmt: skip
+    ours = {"softmax", "softmax@rows", "matmul", "mixtape@rows"}
     assert set(_subjects(commands[0])) == ours | {"mos@rows", "softmax@cce", "softmax@liger"}
     graphed = {"softmax@rows+graphs", "mixtape@rows+graphs"}  # 10k: launch-bound, replayed
     assert set(_subjects(commands[1])) == ours | graphed | {"softmax@cce", "softmax@liger"}
-    assert {"softmax+graphs", "mixtape+graphs"} <= set(_subjects(commands[2]))  # lmstep
-    assert [Path(f).name for f in commands[3][2:]] == ["bench_gpu_heads_100k.json",
+    # the adaptive softmax's eager plans in processes of their own: no compiled subject there
+    adaptive = {"adaptive@plain", "adaptive@rows", "adaptive@fused", "torch_adaptive"}
+    assert set(_subjects(commands[2])) == set(_subjects(commands[3])) == adaptive
+    assert {"softmax+graphs", "mixtape+graphs"} <= set(_subjects(commands[4]))  # lmstep
+    assert [Path(f).name for f in commands[5][2:]] == ["bench_gpu_heads_100k.json",
                                                        "bench_gpu_heads_10k.json"]  # fmt: skip
 
     def row(head, vocab, scope="head"):
@@ -171,9 +175,10 @@ def test_quick_measures_every_target(tmp_path):
                 "time_ms": 1.0, "times_ms": times, "time_per_token_us": 0.1,
                 "extra_peak_mb": 100.0}  # fmt: skip
 
+    runs = (heads100, heads10, adaptive100, adaptive10, lmstep)
     rows = [
         row(h, args.vocab_sizes[0], args.scope)
-        for args, command in zip((heads100, heads10, lmstep), commands, strict=False)
+        for args, command in zip(runs, commands, strict=False)
         for h in _subjects(command)
     ]
     rows.append({"head": "mos", "vocab_size": 100_000, "scope": "head", "mode": "same-memory",
@@ -211,6 +216,7 @@ def test_quick_runs_end_to_end_on_a_cpu(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     reports = ["bench_gpu_heads_100k.json", "bench_gpu_heads_10k.json",
+               "bench_gpu_adaptive_100k.json", "bench_gpu_adaptive_10k.json",
                "bench_gpu_lm_ptb_step.json", "bench_gpu_memory_12g.json"]  # fmt: skip
     for name in reports:  # the names the benches write, for the targets line recorded here
         (out / name).write_text("{}")

@@ -69,7 +69,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from app.bench.run import Case, add_subject_args, bench_options, first_step, make_targets
 from app.bench.subjects import FRAGMENTS, PRECISIONS, head_config, parse_head, parse_subject
-from app.bench.timing import check_device, sync
+from app.bench.timing import check_device, release_compile_workers, sync
 from app.machine import load_average
 from heads.errors import UserError
 from heads.kernels.chunks import GPU_PLAN_DEVICES
@@ -163,8 +163,10 @@ def summarize(events: list[Event], cuda: bool, top: int = 10) -> dict:
         raise ValueError(f"want one {HOST!r} marker in each {STEP!r} marker, got "
                          f"{len(hosts)} and {len(steps)}")  # fmt: skip
     counted, spent = [], []  # per step: the self time of each name
+    on_host_spent = []  # per step on CUDA: each host event's self time, beside the kernels'
     for host, step in zip(hosts, steps, strict=True):
         totals: dict[str, float] = defaultdict(float)
+        host_totals: dict[str, float] = defaultdict(float)
         on_host = [e for e in _within(events, host) if e.kind in ("cpu", "runtime")]
         aten = [e for e in on_host if e.kind == "cpu" and e.name.startswith("aten::")]
         host_us = host[1] - host[0]
@@ -188,26 +190,30 @@ def summarize(events: list[Event], cuda: bool, top: int = 10) -> dict:
             )
             for e in device:
                 totals[e.name] += e.duration
-        else:
-            for e in on_host:
-                totals[e.name] += e.self_us
+        for e in on_host:
+            host_totals[e.name] += e.self_us
         counted.append(row)
-        spent.append((sum(totals.values()) if cuda else host_us, totals))
-    # medians over the steps, robust to one step a busy machine stalled: each name's time per
-    # step, and its share of the median step's device time (CUDA) or host time (CPU)
+        spent.append((sum(totals.values()), totals) if cuda else (host_us, host_totals))
+        on_host_spent.append((host_us, host_totals))
+    summary = {"steps": counted, "top_of": "device" if cuda else "host",
+               "top": _ranked(spent, top)}  # fmt: skip
+    if cuda:  # which host calls a host-bound step spends its time in (H100, 2026-11-27: the
+        # adaptive softmax's 294 operators took 24 ms of host time after a compiled subject)
+        summary["top_host"] = _ranked(on_host_spent, top)
+    return summary
+
+
+def _ranked(spent: list[tuple[float, dict[str, float]]], top: int) -> list[dict]:
+    """The ``top`` names by their median time per step (robust to one step a busy machine
+    stalled) over ``spent`` (per step: its whole time and each name's), with their share of
+    the median step's whole."""
     whole = statistics.median(total for total, _ in spent)
     names = {name for _, totals in spent for name in totals}
     median = {name: statistics.median(totals.get(name, 0.0) for _, totals in spent)
               for name in names}  # fmt: skip
     ranked = sorted(median.items(), key=lambda item: (-item[1], item[0]))[:top]
-    return {
-        "steps": counted,
-        "top_of": "device" if cuda else "host",
-        "top": [
-            {"name": name[:500], "ms_per_step": us / 1e3, "share": us / whole if whole else 0.0}
-            for name, us in ranked
-        ],
-    }
+    return [{"name": name[:500], "ms_per_step": us / 1e3, "share": us / whole if whole else 0.0}
+            for name, us in ranked]  # fmt: skip
 
 
 def timed_steps(step: Callable[[], None], device: torch.device, count: int):
@@ -248,6 +254,7 @@ def profile_case(case: Case, args: argparse.Namespace, failed: dict[str, str]) -
     module, step = built
     for _ in range(args.warmup):
         step()
+    release_compile_workers()  # compiled: none of its workers beside the timed steps
     host, wall = timed_steps(step, case.device, args.steps)
     counts = profiled_steps(step, case.device, args.steps, args.top)
     steps = counts["steps"]
@@ -369,10 +376,11 @@ def short_name(name: str, width: int = 48) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
 
-def top_text(row: dict, count: int, width: int = 40) -> str:
-    """``name 41%, name 12%, ...``: the first ``count`` of a row's top entries."""
+def top_text(row: dict, count: int, width: int = 40, key: str = "top") -> str:
+    """``name 41%, name 12%, ...``: the first ``count`` of a row's ``key`` entries (``top``,
+    or on CUDA ``top_host``)."""
     return ", ".join(f"{short_name(t['name'], width)} {100 * t['share']:.0f}%"
-                     for t in row["top"][:count])  # fmt: skip
+                     for t in row[key][:count])  # fmt: skip
 
 
 def _cell(value, decimals: int = 0) -> str:
@@ -414,6 +422,10 @@ def print_table(report: dict, top: int = 5) -> None:
     print(f"top {which} (share):")
     for row in report["results"]:
         print(f"  {row['head']}: {top_text(row, top)}")
+    if any("top_host" in row for row in report["results"]):
+        print("top host events by self time (share of the step's host time):")
+        for row in report["results"]:
+            print(f"  {row['head']}: {top_text(row, top, key='top_host')}")
 
 
 def _positive(text: str) -> int:

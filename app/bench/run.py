@@ -52,8 +52,14 @@ from app.bench.subjects import (
     parse_subject,
     step_fn,
 )
-from app.bench.timing import CLOCKS, check_clock, check_device, time_once
-from app.machine import load_average
+from app.bench.timing import (
+    CLOCKS,
+    check_clock,
+    check_device,
+    release_compile_workers,
+    time_once,
+)
+from app.machine import host_use, host_use_between, load_average
 from heads.adaptive_cutoffs import zipf_probabilities
 from heads.errors import UserError
 from heads.fused_cross_entropy import BACKENDS
@@ -254,6 +260,8 @@ def _timed_rows(args, cases: dict[str, Case], failed: dict[str, str], save=None)
     for _ in range(args.warmup):
         for _, step in built.values():
             step()
+    release_compile_workers()  # every subject compiled: nothing of it beside the timed steps
+    before = host_use()
     times: dict[str, list[float]] = {name: [] for name in built}
     quick = argparse.Namespace(**{**vars(args), "flops": "skip", "memory": "skip"})
     for round_ in range(1, args.repeats + 1):  # interleaved: every head sees the same state
@@ -267,7 +275,10 @@ def _timed_rows(args, cases: dict[str, Case], failed: dict[str, str], save=None)
             save([_row(module, step, times[name], quick, cases[name])
                   for name, (module, step) in built.items()],
                  f"partial: {round_} of {args.repeats} repeats, no FLOPs or memory")  # fmt: skip
-    return [_row(module, step, times[name], args, cases[name])
+    # the host's work over the timed rounds: this process's CPU beside the wall clock, and any
+    # child process's (a busy one slows a host-bound step's launches)
+    host = host_use_between(before, host_use())
+    return [{**_row(module, step, times[name], args, cases[name]), "host_during_timing": host}
             for name, (module, step) in built.items()]  # fmt: skip
 
 

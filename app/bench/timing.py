@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -20,6 +21,18 @@ def sync(device: torch.device) -> None:
     """Wait for the device's queued work (CUDA runs asynchronously); a no-op elsewhere."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def release_compile_workers() -> None:
+    """Shut Inductor's compile worker processes down (where a subject compiled: its warm-up
+    ran), so that none runs beside the timed steps; a later compile starts them again. On an
+    H100 (2026-11-27) the adaptive softmax's eager, host-bound steps ran 5x slower on the host
+    in a process that had compiled another subject, PyTorch's layer (its host waiting on the
+    GPU anyway) unchanged: the timed rows record the host's other work
+    (``app.machine.host_use``)."""
+    module = sys.modules.get("torch._inductor.async_compile")
+    if module is not None and hasattr(module, "shutdown_compile_workers"):
+        module.shutdown_compile_workers()
 
 
 def time_once(

@@ -21,6 +21,11 @@ def test_benchmark_runs_and_writes_valid_json(tmp_path):
         assert row["time_ms"] > 0 and len(row["times_ms"]) == 2
         assert row["extra_peak_mb"] >= 0
         assert row["matmul_gflop"] > 0 and row["matmul_gflop_per_s"] > 0
+        # what the host did over the size's timed rounds: this process working, no compile
+        # worker beside it (none runs on a CPU; on a GPU they are shut down before timing)
+        host = row["host_during_timing"]
+        assert host["wall_s"] > 0 and 0 < host["process_cpu_s"]
+        assert host["children_cpu_s"] in (None, 0.0)
     # the bare matmul row does the softmax's products (the column plans add the bias gradient
     # as a product, the rows plan as a sum)
     assert 1 <= ratio(report, "softmax", "matmul", 600, key="matmul_gflop") < 1.1

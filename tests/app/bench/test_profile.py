@@ -145,6 +145,11 @@ def test_cuda_counts_from_a_trace():
     assert [t["name"] for t in top] == ["void gemm<128>(float const*, float*)", "reduce_kernel"]
     assert top[0]["ms_per_step"] == pytest.approx(0.022)  # the median of 20 and 24 us
     assert top[0]["share"] == pytest.approx(22 / 28)  # of the median step's 26 and 30 us
+    # and the host's calls by self time, beside the kernels (what a host-bound step waits on)
+    host = summary["top_host"]
+    assert [t["name"] for t in host] == ["cudaStreamSynchronize", "aten::mm"]
+    assert host[0]["ms_per_step"] == pytest.approx(0.010)
+    assert host[0]["share"] == pytest.approx(10 / 60)  # of the step's 60 us of host time
     with pytest.raises(ValueError, match="marker"):
         summarize(warm, cuda=True)
 

@@ -16,3 +16,21 @@ def test_steps_back_to_back_are_timed_together_and_averaged():
 def test_steps_per_repeat_is_an_option_of_the_benchmark():
     assert parse_args(["--steps-per-repeat", "3"]).steps_per_repeat == 3
     assert parse_args([]).steps_per_repeat == 1
+
+
+def test_compile_workers_are_shut_down_where_inductor_is_loaded(monkeypatch):
+    """Before the timed rounds: Inductor's worker pools shut down where its compile module is
+    loaded, nothing imported where it is not."""
+    import sys
+    import types
+
+    from app.bench.timing import release_compile_workers
+
+    calls = []
+    fake = types.SimpleNamespace(shutdown_compile_workers=lambda: calls.append(1))
+    monkeypatch.setitem(sys.modules, "torch._inductor.async_compile", fake)
+    release_compile_workers()
+    assert calls == [1]
+    monkeypatch.delitem(sys.modules, "torch._inductor.async_compile")
+    release_compile_workers()  # not loaded: nothing to shut, and nothing imported
+    assert "torch._inductor.async_compile" not in sys.modules
