@@ -667,8 +667,14 @@ EXTERNAL_PACKAGES = {"cce": "cut-cross-entropy==25.1.1", "liger": "liger-kernel=
 #   MoS-15   100k rows 182.7 (fused 442.6);  Mixtape 10k rows 6.56;  100k rows 25.38 (fused 70.7)
 #   adaptive 100k plain 7.71, rows 6.96, fused 7.17 (PyTorch's 8.55; fused / plain 0.92, 95% CI
 #   0.65-0.98 over 6 repeats: a candidate for auto, not yet confirmed by the full bench)
+# The adaptive softmax's rows plan as one function for its whole loss (heads/kernels/
+# adaptive_rows.py), H100, 2026-11-27 (docs/results/bench_gpu_adaptive_defaults_{10k,100k}.json:
+# `python -m app.bench.fastest` of them): 10k default 4.30 -> rows 2.92 (0.78x, 95% CI up to
+# 0.90; plain 3.36, PyTorch's 3.02); 100k default 25.7 -> rows 14.6 (0.51x, CI up to 0.95), both
+# host-bound there after the compiled default; in a process of their own
+# (bench_gpu_adaptive_100k.json) rows 3.45, plain 6.43, PyTorch's 8.54
 MEASURED_FASTEST: dict[str, list[tuple[int, str]]] = {
-    "AdaptiveSoftmaxHead": [(10_000, "torch"), (100_000, "plain")],
+    "AdaptiveSoftmaxHead": [(10_000, "rows"), (100_000, "rows")],
     "MixtapeHead": [(10_000, "rows"), (100_000, "rows")],
     "MoSHead": [(10_000, "rows"), (100_000, "rows")],
     "SoftmaxHead": [(10_000, "rows"), (100_000, "rows")],
