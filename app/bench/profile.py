@@ -162,8 +162,8 @@ def summarize(events: list[Event], cuda: bool, top: int = 10) -> dict:
     if not hosts or len(hosts) != len(steps):
         raise ValueError(f"want one {HOST!r} marker in each {STEP!r} marker, got "
                          f"{len(hosts)} and {len(steps)}")  # fmt: skip
-    counted, spent = [], []  # per step: the self time of each name
-    on_host_spent = []  # per step on CUDA: each host event's self time, beside the kernels'
+    # per step: (its whole time, each name's self time), on the host and on the device (CUDA)
+    counted, on_host_spent, on_device_spent = [], [], []
     for host, step in zip(hosts, steps, strict=True):
         totals: dict[str, float] = defaultdict(float)
         host_totals: dict[str, float] = defaultdict(float)
@@ -190,13 +190,13 @@ def summarize(events: list[Event], cuda: bool, top: int = 10) -> dict:
             )
             for e in device:
                 totals[e.name] += e.duration
+            on_device_spent.append((sum(totals.values()), totals))
         for e in on_host:
             host_totals[e.name] += e.self_us
         counted.append(row)
-        spent.append((sum(totals.values()), totals) if cuda else (host_us, host_totals))
         on_host_spent.append((host_us, host_totals))
     summary = {"steps": counted, "top_of": "device" if cuda else "host",
-               "top": _ranked(spent, top)}  # fmt: skip
+               "top": _ranked(on_device_spent if cuda else on_host_spent, top)}  # fmt: skip
     if cuda:  # which host calls a host-bound step spends its time in (H100, 2026-11-27: the
         # adaptive softmax's 294 operators took 24 ms of host time after a compiled subject)
         summary["top_host"] = _ranked(on_host_spent, top)
