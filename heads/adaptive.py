@@ -295,11 +295,6 @@ class AdaptiveSoftmaxHead(Head):
         # a small step on CUDA: every classifier on every row, nothing read back
         if self._dense(hidden):
             return self._dense_loss(hidden, target, group, head_target, label_smoothing)
-        if self._whole_rows(hidden, label_smoothing):  # the whole loss in one function
-            order, sizes = sort_into_groups(group, self.num_clusters + 2, expected)
-            loss, nll = adaptive_rows_loss(hidden, target, head_target, order, sizes,
-                                           self.cutoffs, self.head, self.tail)  # fmt: skip
-            return HeadOutput(loss, nll, loss.new_zeros(()))
         # One sort groups the rows by cluster (ignored and short-list rows first), so each
         # tail cluster is a contiguous slice of one gather: one index_select (and one
         # scatter in its backward) for all tail clusters instead of one per cluster. The
@@ -309,6 +304,10 @@ class AdaptiveSoftmaxHead(Head):
         # classifier's product then keeps the GPU busy while the tail clusters are launched
         # (taken after it, the GPU would idle from the read-back to the first tail kernel).
         order, sizes = sort_into_groups(group, self.num_clusters + 2, expected)  # ignored first
+        if self._whole_rows(hidden, label_smoothing):  # the whole loss in one function
+            loss, nll = adaptive_rows_loss(hidden, target, head_target, order, sizes,
+                                           self.cutoffs, self.head, self.tail)  # fmt: skip
+            return HeadOutput(loss, nll, loss.new_zeros(()))
         compiling = torch.compiler.is_compiling()
         # Where the rows plan may pay for some classifier (eagerly, without smoothing), each
         # classifier gives its part of the mean loss (token weights 1 / count over the whole
