@@ -11,7 +11,9 @@ the task says so (:meth:`expect_targets`), else read back from the device (a GPU
 CUDA a step small enough for its logits to fit the saved budget (a PTB step) needs neither:
 every classifier runs on every row, its targets ignored outside it (``dense_loss_fits``).
 Plan ``rows`` there runs the whole loss as one function, its gradients computed in the
-forward (``heads/kernels/adaptive_rows.py``).
+forward (``heads/kernels/adaptive_rows.py``); captured as a CUDA graph (``cuda_graphs``), it
+runs each tail cluster on a fixed number of row slots instead (:meth:`capture_key`), so that
+one graph serves every batch whose clusters fit them.
 
 ``cutoffs="auto"`` chooses the cut-offs by the paper's dynamic program (Eq. 8) on a cost model
 of the device the model trains on: at construction a fixed reference model (the same on every
@@ -21,6 +23,7 @@ and shared with every rank; a checkpoint's cut-offs are adopted when it is loade
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -37,6 +40,7 @@ from heads.base import (
     check_label_smoothing,
     float32_no_autocast,
     sort_into_groups,
+    sort_into_slots,
     upcast,
 )
 from heads.cross_entropy import IGNORE_INDEX
@@ -56,6 +60,10 @@ from heads.kernels.chunks import gpu_plans
 
 log = logging.getLogger(__name__)
 _REBUILD_SEED_OFFSET = 0xADA  # a stream apart from the backbone's first draws
+# a captured step's tail-cluster slots (``capture_key``): this much over the sizes seen, in
+# multiples of SLOT_ALIGN rows (a language model's batches vary by a few percent a cluster)
+SLOT_MARGIN = 0.125
+SLOT_ALIGN = 64
 
 _EXTRA_STATE = "_extra_state"
 
@@ -118,6 +126,8 @@ class AdaptiveSoftmaxHead(Head):
         self.cost_model = CostModel(**cost_model) if cost_model else None
         self.calibration_batch = calibration_batch
         self._expected: tuple[int, list[int]] | None = None  # (targets, sizes): expect_targets
+        # the slots of the step being captured now (captured_as)
+        self._capturing_slots: tuple[int, ...] | None = None
         self.token_counts = None if token_counts is None else list(token_counts)
         if self.auto:
             model = self.cost_model or reference_cost_model(hidden_size)
@@ -128,6 +138,8 @@ class AdaptiveSoftmaxHead(Head):
         """(Re)create the classifiers for ``cutoffs`` (ending in ``vocab_size``), on the device
         and dtype of ``like`` when given."""
         self.cutoffs = cutoffs
+        # a captured step's tail-cluster slots per batch size (capture_key), for these clusters
+        self._slots: dict[int, tuple[int, ...]] = {}
         self.shortlist_size = cutoffs[0]
         self.num_clusters = len(cutoffs) - 1
         factory = {} if like is None else {"device": like.device, "dtype": like.dtype}
@@ -303,9 +315,16 @@ class AdaptiveSoftmaxHead(Head):
         # queued: the host waits for the backbone and this sort only, and the head
         # classifier's product then keeps the GPU busy while the tail clusters are launched
         # (taken after it, the GPU would idle from the read-back to the first tail kernel).
+        slots = self._capturing_slots
+        if slots is not None:  # a step being captured: each tail cluster in its fixed slots
+            tail_rows, valid = sort_into_slots(group, self.num_clusters + 2, 2, slots)
+            loss, nll = adaptive_rows_loss(hidden, target, head_target, tail_rows, slots,
+                                           self.cutoffs, self.head, self.tail, valid)  # fmt: skip
+            return HeadOutput(loss, nll, loss.new_zeros(()))
         order, sizes = sort_into_groups(group, self.num_clusters + 2, expected)  # ignored first
         if self._whole_rows(hidden, label_smoothing):  # the whole loss in one function
-            loss, nll = adaptive_rows_loss(hidden, target, head_target, order, sizes,
+            loss, nll = adaptive_rows_loss(hidden, target, head_target,
+                                           order[sizes[0] + sizes[1] :], sizes[2:],
                                            self.cutoffs, self.head, self.tail)  # fmt: skip
             return HeadOutput(loss, nll, loss.new_zeros(()))
         compiling = torch.compiler.is_compiling()
@@ -372,8 +391,39 @@ class AdaptiveSoftmaxHead(Head):
                                self.vocab_size + self.num_clusters)  # fmt: skip
 
     def step_capturable(self, hidden: torch.Tensor) -> bool:
-        """Only a dense step: its shapes are the batch's alone."""
+        """A dense step: its shapes are the batch's alone (others may be captured in slots:
+        :meth:`capture_key`)."""
         return self._dense(hidden)
+
+    def capture_key(self, hidden: torch.Tensor, label_smoothing: float = 0.0) -> tuple | None:
+        """``()`` for a dense step; for a step of the whole-loss ``rows`` plan whose cluster
+        sizes were counted on the host (:meth:`expect_targets`), ``("slots", slots)``: each
+        tail cluster's fixed number of row slots, :data:`SLOT_MARGIN` over the largest size
+        seen for this batch size (kept while the batches fit, widened when one does not);
+        else None (the step reads its sizes from the batch: eager)."""
+        if self._dense(hidden):
+            return ()
+        rows = hidden.size(0)
+        expected = self._expected
+        if expected is None or expected[0] != rows or not self._whole_rows(hidden, label_smoothing):
+            return None
+        sizes = expected[1][2:]
+        slots = self._slots.get(rows, (0,) * len(sizes))
+        if any(size > slot for size, slot in zip(sizes, slots, strict=True)):
+            wider = (-(-int(size * (1 + SLOT_MARGIN)) // SLOT_ALIGN) * SLOT_ALIGN for size in sizes)
+            slots = tuple(min(rows, max(slot, w, SLOT_ALIGN))
+                          for slot, w in zip(slots, wider, strict=True))  # fmt: skip
+            self._slots[rows] = slots
+        return ("slots", slots)
+
+    @contextlib.contextmanager
+    def captured_as(self, key: tuple):
+        """Within: the forward builds the step :meth:`capture_key` named (its slots)."""
+        self._capturing_slots = key[1] if key else None
+        try:
+            yield
+        finally:
+            self._capturing_slots = None
 
     def expect_targets(self, target: torch.Tensor) -> None:
         """The next forward's group sizes, counted here on the host from the batch's targets

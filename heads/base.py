@@ -19,6 +19,7 @@ through the hooks below, which have defaults here; it never tests a head's type:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
@@ -125,6 +126,35 @@ def sort_into_groups(
     return order, sizes
 
 
+def sort_into_slots(
+    labels: torch.Tensor, num_groups: int, first: int, capacities: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groups ``first, first + 1, ...`` (``labels`` in ``[0, num_groups)``) as fixed-size
+    slots: ``(rows, valid)``, ``[sum(capacities)]`` each, group ``first + i``'s rows (in
+    order, as :func:`sort_into_groups` sorts them) in the ``capacities[i]`` slots after those
+    of the groups before it, ``valid`` false in the slots past its size (they hold some other
+    row: a caller zeroes their weight). Every shape is the capacities', none a group's size:
+    nothing is read back, and a CUDA graph of a step that uses them holds for every batch
+    whose groups fit. One that does not fails a device-side assert (at the next sync on a
+    GPU): never silently."""
+    order = torch.argsort(labels, stable=True)
+    counts = torch.zeros(num_groups, dtype=torch.long, device=labels.device)
+    counts = counts.scatter_add_(0, labels, torch.ones_like(labels))
+    starts = counts.cumsum(0) - counts
+    positions, valid, fits = [], [], []
+    for i, capacity in enumerate(capacities):
+        slot = torch.arange(capacity, device=labels.device)  # made on the device: no copy
+        positions.append(starts[first + i] + slot)
+        valid.append(slot < counts[first + i])
+        fits.append(counts[first + i] <= capacity)
+    if not capacities:
+        empty = torch.zeros(0, dtype=torch.long, device=labels.device)
+        return empty, empty.bool()
+    torch._assert_async(torch.stack(fits).all(), "a group outgrew its slots' capacity")
+    where = torch.cat(positions).clamp_max(max(labels.numel() - 1, 0))
+    return order.index_select(0, where), torch.cat(valid)
+
+
 def check_positive_int(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise HeadConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -159,7 +189,8 @@ class Head(nn.Module):
     ``capturable``: whether a training step can be a function of its batch's shape alone (no
     host reads, no sizes taken from the data), so that it can be captured as a CUDA graph
     (``heads/graphs.py``); ``capture_blocker`` says why not; :meth:`step_capturable` whether
-    a given step is.
+    a given step is, :meth:`capture_key` what else its graph is built for (and
+    :meth:`captured_as` builds it so).
     """
 
     capturable: ClassVar[bool] = False
@@ -221,6 +252,20 @@ class Head(nn.Module):
         a function of the batch's shape alone, so that a CUDA graph of it holds for every
         batch of that shape. Default: ``capturable``."""
         return self.capturable
+
+    def capture_key(self, hidden: torch.Tensor, label_smoothing: float = 0.0) -> tuple | None:
+        """What a CUDA graph of a training step on ``hidden`` is built for besides the batch's
+        shape, device and the loss options: ``None`` where this step cannot be captured, else
+        a key (default ``()``: nothing more). A head whose captured step has static sizes it
+        picks from the batch (the adaptive softmax's clusters' slots) names them here; a
+        batch they do not fit gets another key, so another graph. Default: ``()`` where
+        :meth:`step_capturable`."""
+        return () if self.step_capturable(hidden) else None
+
+    def captured_as(self, key: tuple) -> contextlib.AbstractContextManager:
+        """The context a step is warmed up and captured in, for :meth:`capture_key`'s
+        ``key``: within it the head builds the step that key names. Default: nothing."""
+        return contextlib.nullcontext()
 
     def training_log_prob(self, hidden: torch.Tensor) -> torch.Tensor:
         """The distribution the loss trains, ``[N, vocab_size]``; equals :meth:`log_prob`

@@ -16,8 +16,12 @@ the graphs. A head can be captured when its step is a function of its batch's sh
 host reads (the sync sentinels of ``tests/lightning_modules/test_host_sync.py`` prove it on the
 CPU for every head) and no sizes read from the data. DS-Softmax (its experts' sizes) is not:
 :func:`check_capturable` refuses it. The adaptive softmax is where it runs every classifier on
-every row (a dense step: ``Head.step_capturable``); a step of a shape over that budget, whose
-clusters are sized from each batch, runs eagerly.
+every row (a dense step: ``Head.step_capturable``), and over that budget where its clusters'
+sizes are counted on the host (the tasks do: ``Head.expect_targets``) and its plan is the
+whole-loss ``rows``: each tail cluster then runs on a fixed number of row slots, a margin over
+the sizes seen, which the head names as part of the graph's key (``Head.capture_key``); a
+batch whose cluster outgrows its slots gets wider ones, captured anew (the graph they replace
+dropped). Other steps over the budget run eagerly.
 
 Why not :func:`torch.cuda.make_graphed_callables`, which does the same: on an H100 (2026-11-27)
 it failed every language model with tied embeddings. Its capture differentiates the head's own
@@ -286,12 +290,14 @@ class GraphedTrainingLoss:
             return self.head(hidden, target, label_smoothing=label_smoothing)
         parameters = tuple(self.head.parameters())  # walked once a step: a host-bound path
         self._forget_replaced_parameters(parameters)
-        key = self._key(hidden, target, label_smoothing)
+        head_key = self.head.capture_key(hidden, label_smoothing)
+        key = (*self._key(hidden, target, label_smoothing), head_key)
         graph = self._graphs.get(key)
         if graph is None:
-            if key in self._eager_shapes or not self._may_capture(key, hidden):
+            if key in self._eager_shapes or not self._may_capture(key, hidden, head_key):
                 return self.head(hidden, target, label_smoothing=label_smoothing)
-            graph = self._graphs[key] = self._capture(hidden, target, label_smoothing)
+            graph = self._capture(hidden, target, label_smoothing, head_key)
+            self._graphs[key] = graph
         return graph.replay(hidden, target, self.head, parameters)
 
     def _key(self, hidden: torch.Tensor, target: torch.Tensor, label_smoothing: float) -> tuple:
@@ -310,16 +316,20 @@ class GraphedTrainingLoss:
             self._eager_shapes.clear()
             self._parameters = now
 
-    def _may_capture(self, key: tuple, hidden: torch.Tensor) -> bool:
-        """Whether a new shape is captured: within :data:`MAX_SHAPES`, and a step the head
-        says is its shape's alone (``Head.step_capturable``); else it runs eagerly from now
+    def _may_capture(self, key: tuple, hidden: torch.Tensor, head_key: tuple | None) -> bool:
+        """Whether a new shape is captured: a step the head can build for its shape
+        (``Head.capture_key`` not None) within :data:`MAX_SHAPES` (a graph the head's key
+        supersedes, built for this shape with other static sizes, is dropped first: its
+        memory held for a layout the head no longer builds); else it runs eagerly from now
         on, each reason said once."""
-        if len(self._graphs) >= self.max_shapes:
-            why = f"{self.max_shapes} batch shapes are captured already"
-        elif not self.head.step_capturable(hidden):
+        if head_key is None:
             why = f"{type(self.head).__name__}'s step of this shape depends on the batch"
         else:
-            return True
+            for old in [k for k in self._graphs if k[:-1] == key[:-1]]:
+                del self._graphs[old]
+            if len(self._graphs) < self.max_shapes:
+                return True
+            why = f"{self.max_shapes} batch shapes are captured already"
         self._eager_shapes.add(key)
         if why not in self._reasons_said:  # once a reason: varying shapes would say it a lot
             self._reasons_said.add(why)
@@ -327,10 +337,11 @@ class GraphedTrainingLoss:
                         tuple(hidden.shape))  # fmt: skip
         return False
 
-    def _capture(self, hidden: torch.Tensor, target: torch.Tensor,
-                 label_smoothing: float) -> _Graph:  # fmt: skip
+    def _capture(self, hidden: torch.Tensor, target: torch.Tensor, label_smoothing: float,
+                 head_key: tuple) -> _Graph:  # fmt: skip
         """Warm up and capture the loss's forward and backward on copies of this batch and
-        on fresh leaves sharing the parameters' storage (the graphs' static inputs)."""
+        on fresh leaves sharing the parameters' storage (the graphs' static inputs), the head
+        building the step its ``head_key`` names."""
         names = [name for name, _ in self.head.named_parameters()]
         head, aux_requires_grad = self.head, []
 
@@ -348,7 +359,7 @@ class GraphedTrainingLoss:
                   *leaves)  # fmt: skip
         capture = self.capture or capture_cuda
         try:
-            with _capture_autocast(hidden.device.type):
+            with _capture_autocast(hidden.device.type), self.head.captured_as(head_key):
                 step = capture(training_loss, inputs, warmup=3)
         except Exception as error:  # noqa: BLE001 - named, with the option to turn off
             raise HeadConfigError(

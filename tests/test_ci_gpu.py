@@ -163,7 +163,7 @@ def test_quick_measures_every_target(tmp_path):
     graphed = {"softmax@rows+graphs", "mixtape@rows+graphs"}  # 10k: launch-bound, replayed
     assert set(_subjects(commands[1])) == ours | graphed | {"softmax@cce", "softmax@liger"}
     # the adaptive softmax's eager plans in processes of their own: no compiled subject there
-    adaptive = {"adaptive@plain", "adaptive@rows", "torch_adaptive"}
+    adaptive = {"adaptive@plain", "adaptive@rows", "torch_adaptive", "adaptive@rows+graphs"}
     assert set(_subjects(commands[2])) == set(_subjects(commands[3])) == adaptive
     assert {"softmax+graphs", "mixtape+graphs"} <= set(_subjects(commands[4]))  # lmstep
     assert [Path(f).name for f in commands[5][2:]] == ["bench_gpu_heads_100k.json",

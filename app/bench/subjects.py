@@ -244,6 +244,10 @@ class GraphedHead(nn.Module):
     def forward(self, hidden: torch.Tensor, target: torch.Tensor):
         return self.graphs(hidden, target)
 
+    def expect_targets(self, target: torch.Tensor) -> None:
+        """Told to the head, as a task tells it (the adaptive softmax's graphs need it)."""
+        self.head.expect_targets(target)
+
 
 def graphs_held_bytes(module: nn.Module) -> int:
     """Device memory the CUDA graphs of ``module``'s ``+graphs`` heads keep between steps:

@@ -57,7 +57,8 @@ class _Walk:
     """The step's classifiers over one set of row weights: ``run`` gives the NLL per row and
     every gradient of ``sum_n w_n nll_n``."""
 
-    def __init__(self, hidden, target, head_target, order, sizes, head, tail, cutoffs) -> None:
+    def __init__(self, hidden, target, head_target, tail_rows, tail_sizes, tail_valid, head,
+                 tail, cutoffs) -> None:  # fmt: skip
         self.hidden, self.target, self.head_target = hidden, target, head_target
         self.head_weight, self.head_bias = head
         self.tail, self.cutoffs = tail, cutoffs
@@ -68,8 +69,7 @@ class _Walk:
         else:
             self.dtype = torch.promote_types(hidden.dtype, self.head_weight.dtype)
         self.triton = tile_body(hidden.device, self.dtype) == "triton"
-        self.tail_rows = order[sizes[0] + sizes[1] :]  # after the ignored and short-list rows
-        self.sizes = sizes[2:]
+        self.tail_rows, self.sizes, self.tail_valid = tail_rows, tail_sizes, tail_valid
 
     def _columns(self, v: int) -> int:
         return padded_columns(v) if self.triton else v
@@ -87,6 +87,9 @@ class _Walk:
         tail_h = hd.index_select(0, self.tail_rows)
         tail_t = self.target.index_select(0, self.tail_rows)
         tail_w = row_weight.index_select(0, self.tail_rows)
+        valid = self.tail_valid
+        if valid is not None:  # slots past a cluster's rows: no target, no weight
+            tail_t, tail_w = torch.where(valid, tail_t, -1), torch.where(valid, tail_w, 0.0)
         tail_dh = torch.empty_like(tail_h, dtype=acc)
         tail_nll, start = [], 0
         for i, ((project, out), size) in enumerate(zip(self.tail, self.sizes, strict=True)):
@@ -103,26 +106,31 @@ class _Walk:
             grads.append(as_dtype(torch.mm(dz.t(), projected)[: out.size(0)], acc))  # dW_i
             tail_dh[rows] = torch.mm(d_projected, project)
             start += size
-        grads[0] = grads[0].index_add_(0, self.tail_rows, tail_dh)
-        nll = as_dtype(nll, acc).index_add(0, self.tail_rows, as_dtype(torch.cat(tail_nll), acc))
+        grads[0] = grads[0].index_add_(0, self.tail_rows, tail_dh)  # (empty slots' rows: 0)
+        tail_nll = as_dtype(torch.cat(tail_nll), acc)
+        if valid is not None:
+            tail_nll = torch.where(valid, tail_nll, 0.0)
+        nll = as_dtype(nll, acc).index_add(0, self.tail_rows, tail_nll)
         return nll, grads
 
 
 class AdaptiveRowsLoss(torch.autograd.Function):
     """``(mean loss, nll [N])`` of the adaptive softmax (module docstring), its gradients
     computed in the forward. Inputs: ``hidden [N, d]``, ``target [N]`` (ids, negative:
-    ignored), each row's head target, the rows' sort by group (ignored rows, the short
-    list's, then each tail cluster's) and the groups' sizes, ``cutoffs`` (the clusters' first
-    ids), then the parameters: the head's weight and bias (or None), and each tail cluster's
-    projection and output weights."""
+    ignored), each row's head target, the tail clusters' rows (one after the other: each
+    cluster's ``tail_sizes[i]`` of them) and, where those are fixed slots
+    (``heads.base.sort_into_slots``), which slots hold one of the cluster's rows
+    (``tail_valid``; None: all), ``cutoffs`` (the clusters' first ids), then the parameters:
+    the head's weight and bias (or None), and each tail cluster's projection and output
+    weights."""
 
     @staticmethod
-    def forward(ctx, hidden, target, head_target, order, sizes, cutoffs, head_weight, head_bias,
-                *tail_weights):  # fmt: skip
+    def forward(ctx, hidden, target, head_target, tail_rows, tail_sizes, tail_valid, cutoffs,
+                head_weight, head_bias, *tail_weights):  # fmt: skip
         ctx.set_materialize_grads(False)  # an undifferentiated NLL output gives None, not 0s
         tail = list(zip(tail_weights[::2], tail_weights[1::2], strict=True))
-        walk = _Walk(hidden, target, head_target, order, sizes, (head_weight, head_bias), tail,
-                     cutoffs)  # fmt: skip
+        walk = _Walk(hidden, target, head_target, tail_rows, tail_sizes, tail_valid,
+                     (head_weight, head_bias), tail, cutoffs)  # fmt: skip
         keep = (target >= 0).to(walk.acc)
         unit = keep.sum().clamp_min(1).reciprocal()  # the mean's 1 / count, on the device
         with torch.autocast(hidden.device.type, enabled=False):
@@ -142,7 +150,7 @@ class AdaptiveRowsLoss(torch.autograd.Function):
             stored[2] = None
         params = [walk.hidden, walk.head_weight, walk.head_bias,
                   *[w for pair in walk.tail for w in pair]]  # fmt: skip
-        need = [ctx.needs_input_grad[0], *ctx.needs_input_grad[6:]]
+        need = [ctx.needs_input_grad[0], *ctx.needs_input_grad[7:]]
         factor = None if grad_loss is None else as_dtype(grad_loss, unit.dtype) * unit
         out = scaled_gradients(stored, need, factor)
         if grad_nll is not None:  # the NLL output is differentiated too: walk again, w = g
@@ -153,13 +161,14 @@ class AdaptiveRowsLoss(torch.autograd.Function):
                    for x, y, wanted in zip(out, extra, need, strict=True)]  # fmt: skip
         grads = [None if g is None or p is None else as_input(g, p)
                  for g, p in zip(out, params, strict=True)]  # fmt: skip
-        return grads[0], *([None] * 5), *grads[1:]
+        return grads[0], *([None] * 6), *grads[1:]
 
 
-def adaptive_rows_loss(hidden, target, head_target, order, sizes, cutoffs, head,
-                       tail) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def adaptive_rows_loss(hidden, target, head_target, tail_rows, tail_sizes, cutoffs, head, tail,
+                       tail_valid=None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(mean loss, nll)`` of :class:`AdaptiveRowsLoss` for ``head`` (``nn.Linear``) and
     ``tail`` (an ``nn.ModuleList`` of ``Sequential(projection, output)``)."""
     weights = [w for cluster in tail for w in (cluster[0].weight, cluster[1].weight)]
-    return AdaptiveRowsLoss.apply(hidden, target, head_target, order, list(sizes),
-                                  list(cutoffs), head.weight, head.bias, *weights)  # fmt: skip
+    return AdaptiveRowsLoss.apply(hidden, target, head_target, tail_rows, list(tail_sizes),
+                                  tail_valid, list(cutoffs), head.weight, head.bias,
+                                  *weights)  # fmt: skip

@@ -338,13 +338,80 @@ def test_the_adaptive_softmax_is_captured_where_its_step_is_dense(on_cpu, monkey
     assert sum("depends on the batch" in r.getMessage() for r in caplog.records) == 1
 
 
-def _dispatched(head, hidden, target) -> list[tuple[str, list]]:
+def _adaptive_over_budget(monkeypatch):
+    """An adaptive softmax whose steps are over the dense budget, by its whole-loss rows
+    plan (as on CUDA)."""
+    monkeypatch.setattr("heads.kernels.chunks.GPU_PLAN_DEVICES", {"cuda", "cpu"})
+    head = AdaptiveSoftmaxHead(D, V, cutoffs=[20, 35]).double().train()
+    head.loss_options = LossOptions(plan="rows", saved_bytes=0)
+    return head
+
+
+def _told(head, tokens: int, seed: int, first_cluster_only: bool = False):
+    """A batch whose targets the head was told on the host first, as the tasks tell it
+    (``first_cluster_only``: every kept target in the first tail cluster, [20, 35))."""
+    hidden, target = _batch(tokens, seed=seed)
+    if first_cluster_only:
+        target = torch.where(target >= 0, 20 + target % 15, target)
+    head.expect_targets(target)
+    return hidden, target
+
+
+def test_the_adaptive_softmax_over_the_budget_is_captured_in_slots(on_cpu, monkeypatch, caplog):
+    """Told its targets, a step over the dense budget is captured once with each tail
+    cluster in fixed slots, a margin over its rows: later batches whose clusters differ in
+    size but fit replay it, with the eager head's loss, NLL and gradients; one whose cluster
+    outgrows its slots is captured again with wider ones, the graph they replace dropped."""
+    monkeypatch.setattr("heads.adaptive.SLOT_ALIGN", 4)
+    head = _adaptive_over_budget(monkeypatch)
+    twin = copy.deepcopy(head)
+    capturer = Rerun()
+    graphed = GraphedTrainingLoss(head, capture=capturer)
+    keys = []
+    # the clusters' rows: (13, 17), (15, 10), then (45, 0) twice, then (17, 10)
+    for seed, one in [(0, False), (1, False), (2, True), (3, True), (4, False)]:
+        hidden, target = _told(head, 48, seed, one)
+        twin_hidden = hidden.detach().clone().requires_grad_(True)
+        keys.append(head.capture_key(hidden))
+        out = _step(graphed, hidden, target)
+        want = twin(twin_hidden, target)
+        want.loss.backward()
+        torch.testing.assert_close(out.loss, want.loss)
+        torch.testing.assert_close(out.nll, want.nll)
+        torch.testing.assert_close(hidden.grad, twin_hidden.grad)
+        for (name, p), q in zip(head.named_parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+            p.grad = q.grad = None
+    # 12.5% over the first batch's sizes, in fours; then the first cluster's widened (at
+    # most every row), the second's kept
+    assert keys == [("slots", (16, 20))] * 2 + [("slots", (48, 20))] * 3
+    assert capturer.captures == [(48, D), (48, D)] and graphed.captured == 1
+    assert not any("run eagerly" in r.getMessage() for r in caplog.records)
+
+
+def test_an_adaptive_step_not_told_its_targets_runs_eagerly(on_cpu, monkeypatch, caplog):
+    """Without the host's count the sizes come from the batch (a read-back): eager, said
+    once, the same loss as the head's."""
+    head = _adaptive_over_budget(monkeypatch)
+    capturer = Rerun()
+    graphed = GraphedTrainingLoss(head, capture=capturer)
+    twin = copy.deepcopy(head)
+    for seed in range(2):
+        hidden, target = _batch(48, seed=seed)
+        assert head.capture_key(hidden) is None
+        out = _step(graphed, hidden, target)
+        torch.testing.assert_close(out.loss, twin(hidden, target).loss)
+    assert capturer.captures == []
+    assert sum("depends on the batch" in r.getMessage() for r in caplog.records) == 1
+
+
+def _dispatched(head, hidden, target, label_smoothing=0.1) -> list[tuple[str, list]]:
     """The operators a training step (forward and backward) dispatches, in order, each with
     its inputs' shapes."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        out = head(hidden, target, label_smoothing=0.1)
+        out = head(hidden, target, label_smoothing=label_smoothing)
         (out.loss + out.aux_loss).backward()
     return [(e.name, e.input_shapes) for e in prof.events() if e.name.startswith("aten::")]
 
@@ -392,6 +459,29 @@ def test_a_capturable_heads_step_is_the_same_operators_on_the_same_shapes_for_an
     assert (steps[1] == steps[2]) == capturable
 
 
+def test_an_adaptive_step_in_slots_is_the_same_operators_for_any_batch_and_reads_nothing(
+    monkeypatch,
+):
+    """What a graph of the adaptive softmax in slots replays is what its step does for every
+    batch that fits them: the same operators on the same shapes for batches whose clusters
+    differ in size (one of them empty), and no host read-back (the sync sentinel of
+    ``tests/lightning_modules/test_host_sync.py``)."""
+    from tests.lightning_modules.test_host_sync import SyncSentinel
+
+    head = _adaptive_over_budget(monkeypatch)
+    sentinel = SyncSentinel()
+    steps = []
+    with head.captured_as(("slots", (48, 24))), sentinel.installed(monkeypatch):
+        for seed, one in [(0, False), (1, True), (2, False)]:
+            hidden, target = _told(head, 48, seed, one)
+            sentinel.active = True
+            steps.append(_dispatched(head, hidden, target, label_smoothing=0.0))
+            sentinel.active = False
+            head.zero_grad(set_to_none=True)  # each step's gradients made, not added to
+    assert steps[0] == steps[1] == steps[2]
+    assert sentinel.calls == []
+
+
 # -- on a GPU: the captures themselves ---------------------------------------------------
 
 
@@ -435,6 +525,50 @@ def test_a_captured_step_trains_as_the_eager_one_on_cuda(name, precision):
                 try:
                     out = run(h, target, label_smoothing=0.1)
                     (out.loss + out.aux_loss).backward()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            results.append((out.loss.detach(), out.nll, h.grad))
+        for got, want in zip(*results, strict=True):
+            torch.testing.assert_close(got, want, **tol)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        for p, q in zip(head.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(p, q, **tol)
+    assert graphed.captured == 1
+
+
+@pytest.mark.gpu
+def test_the_adaptive_softmax_in_slots_trains_as_the_eager_one_on_cuda():
+    """Over the dense budget, told its targets on the host: captured once in slots (the
+    Triton rows kernel, bf16 products), three SGD steps of new batches equal the eager
+    twin's, nothing read back during the replays."""
+    hidden_size, vocab, tokens = 64, 3000, 1024
+    torch.manual_seed(0)
+    head = AdaptiveSoftmaxHead(hidden_size, vocab, cutoffs=[300, 1000]).cuda().train()
+    head.loss_options = LossOptions(plan="rows", saved_bytes=0)
+    twin = copy.deepcopy(head)
+    graphed = GraphedTrainingLoss(head)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (head, twin)]
+    gen = torch.Generator().manual_seed(0)
+    tol = dict(rtol=2e-2, atol=2e-3)
+    for step in range(3):
+        # Zipf-like ids: each batch's clusters of another size
+        target = (torch.rand(tokens, generator=gen) ** 3 * vocab).long()
+        target[:5] = -100
+        hidden = torch.randn(tokens, hidden_size, generator=gen).cuda()
+        results = []
+        for run in (graphed, twin):
+            run_head = head if run is graphed else twin
+            run_head.expect_targets(target)
+            h, t = hidden.clone().requires_grad_(True), target.cuda()
+            torch.cuda.synchronize()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                if step > 0 and run is graphed:  # replays: no host sync
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    out = run(h, t)
+                    out.loss.backward()
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
             results.append((out.loss.detach(), out.nll, h.grad))

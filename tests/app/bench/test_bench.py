@@ -271,6 +271,30 @@ def test_a_graphed_subjects_memory_counts_what_its_graphs_keep(monkeypatch, tmp_
         assert rows["softmax+graphs"]["extra_peak_mb"] >= 512 > rows["softmax"]["extra_peak_mb"]
 
 
+def test_the_adaptive_softmaxs_graphed_subject_is_told_its_targets_and_captured(
+    monkeypatch, tmp_path
+):
+    """adaptive@rows+graphs: the benchmark's step tells the head its targets on the host, as a
+    task does, so that its step over the dense budget is captured (in slots) and replayed,
+    not run eagerly. Here on CUDA's plans on this CPU, the capture the CPU stand-in."""
+    from app.bench.subjects import GraphedHead
+    from heads.graphs import GRAPH_DEVICES
+    from tests.heads.test_graphs import Rerun
+
+    captures = Rerun()
+    monkeypatch.setattr("heads.graphs.GRAPH_DEVICES", GRAPH_DEVICES | {"cpu"})
+    monkeypatch.setattr("heads.graphs.capture_cuda", captures)
+    monkeypatch.setattr("heads.kernels.chunks.GPU_PLAN_DEVICES", {"cuda", "cpu"})
+    graphed = []
+    init = GraphedHead.__init__
+    monkeypatch.setattr(GraphedHead, "__init__",
+                        lambda self, head: graphed.append(self) or init(self, head))  # fmt: skip
+    main(["--heads", "adaptive@rows+graphs", "--vocab-sizes", "300", "--hidden-sizes", "16",
+          "--batch-sizes", "64", "--saved-mb", "0", "--repeats", "1", "--warmup", "1",
+          "--memory", "skip", "--flops", "skip", "--out", str(tmp_path)])  # fmt: skip
+    assert captures.captures and all(g.graphs.captured == 1 for g in graphed)
+
+
 def test_a_device_or_backend_this_machine_lacks_is_one_line(capsys, tmp_path):
     """No traceback for what the user asked and the machine has not got."""
     import pytest

@@ -96,6 +96,18 @@ def test_steps_as_cuda_graphs_get_their_own_rows_beside_the_defaults():
     assert "Mixtape / softmax at 100k, cuda_graphs on (<= 1.5)" not in targets  # no softmax
 
 
+def test_the_adaptive_softmax_graphed_gets_its_own_row_against_pytorchs_eager_layer():
+    rows = [_row("adaptive@rows", 2.9, vocab=10_000), _row("adaptive@rows+graphs", 1.2,
+            vocab=10_000), _row("torch_adaptive", 3.0, vocab=10_000),
+            _row("adaptive@plain", 6.0), _row("torch_adaptive", 8.0)]  # fmt: skip
+    targets = _by_name(collect({"run.json": _report(rows)}))
+    eager = targets["adaptive speed / PyTorch's at 10k (>= 1.5)"]
+    graphed = targets["adaptive speed / PyTorch's at 10k, cuda_graphs on (>= 1.5)"]
+    assert eager.figure == pytest.approx(3.0 / 2.9) and not eager.met  # not the graphed row
+    assert graphed.figure == pytest.approx(3.0 / 1.2) and graphed.met
+    assert "adaptive speed / PyTorch's at 100k, cuda_graphs on (>= 1.5)" not in targets
+
+
 def test_the_shipped_h100_lm_step_with_and_without_graphs():
     """The H100 run of 2026-11-27 (fifteenth session): the whole LM's step misses 1.15 eagerly
     and meets it with both heads' steps graphed, each the median of paired repeat ratios."""

@@ -112,6 +112,35 @@ def test_the_nll_output_differentiated_too(body):
         torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("slots", [(64, 64), (16, 40), (50, 0), (48, 3)])
+def test_fixed_slots_give_the_same_loss_and_gradients(body, slots):
+    """A captured step's layout (``captured_as``): each tail cluster on a fixed number of
+    slots, the ones past its rows holding other rows (of the next cluster, or clamped to the
+    last row), with no weight: loss, NLL and every gradient as PyTorch's layer's, the NLL's
+    own gradient too."""
+    head = _head(head_bias=True)
+    # rows in the clusters: 15 and 39; with ids below the second cluster's, 48 and none
+    high = V if slots[1] > 3 else CUTOFFS[1]
+    hidden, target = _batch(high=high)
+    with head.captured_as(("slots", slots)):
+        out = head(hidden, target)
+    ref, nll, loss = _reference(head, hidden, target)
+    torch.testing.assert_close(out.nll, nll)
+    torch.testing.assert_close(out.loss, loss)
+    g = torch.linspace(-1, 2, hidden.size(0), dtype=torch.float64)
+    ours, theirs = [hidden, *head.parameters()], [hidden, *ref.parameters()]
+    want = _grads(loss + (g * nll).sum(), theirs)
+    for got, expected in zip(_grads(out.loss + (g * out.nll).sum(), ours), want, strict=True):
+        torch.testing.assert_close(got, expected)
+
+
+def test_slots_too_few_for_a_cluster_fail_the_step(cuda_plans):
+    head = _head()
+    hidden, target = _batch()
+    with head.captured_as(("slots", (4, 64))), pytest.raises(RuntimeError, match="outgrew"):
+        head(hidden, target)
+
+
 @pytest.mark.parametrize("rows", [1, 5])
 def test_one_row_and_every_row_ignored(body, rows):
     head = _head()
