@@ -350,7 +350,8 @@ class GraphedTrainingLoss:
             # pass with zeros
             swapped = dict(zip(names, parameters, strict=True))
             options = {"label_smoothing": label_smoothing}
-            out = torch.func.functional_call(head, swapped, (hidden, target), options)
+            with head.captured_as(head_key):  # the step the head's key names
+                out = torch.func.functional_call(head, swapped, (hidden, target), options)
             aux_requires_grad.append(out.aux_loss.requires_grad)
             return out.loss, out.nll.detach(), out.aux_loss
 
@@ -359,7 +360,7 @@ class GraphedTrainingLoss:
                   *leaves)  # fmt: skip
         capture = self.capture or capture_cuda
         try:
-            with _capture_autocast(hidden.device.type), self.head.captured_as(head_key):
+            with _capture_autocast(hidden.device.type):
                 step = capture(training_loss, inputs, warmup=3)
         except Exception as error:  # noqa: BLE001 - named, with the option to turn off
             raise HeadConfigError(

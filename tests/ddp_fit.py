@@ -6,7 +6,10 @@ as in ``configs/presets/ddp.yaml``. Each rank saves its final parameters. Its he
   tail cluster at all);
 - ``softmax_graphs``: a softmax tied to the embedding, its steps through ``cuda_graphs``, on
   the CPU by the tests' stand-in capture (``tests.heads.test_graphs.Rerun``);
-- ``softmax``: the same eagerly, the reference.
+- ``softmax``: the same eagerly, the reference;
+- ``adaptive_graphs``: ``adaptive`` by CUDA's whole-loss rows plan (run on the CPU), over the
+  dense budget, its steps through ``cuda_graphs`` in slots (the task tells it the targets),
+  captured by the stand-in.
 
     python -m tests.ddp_fit <devices> <folder> [<head>]
 
@@ -26,6 +29,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 from heads import AdaptiveSoftmaxHead, SoftmaxHead
+from heads.fused_cross_entropy import LossOptions
 from lightning_modules import LanguageModel
 from lightning_modules.backbones import LSTMBackbone
 
@@ -68,19 +72,27 @@ def main(devices: int, folder: Path, head: str = "adaptive") -> None:
     L.seed_everything(0)
     backbone = LSTMBackbone(VOCAB, embedding_size=D, hidden_size=D, input_dropout=0.0,
                             hidden_dropout=0.0, output_dropout=0.0)  # fmt: skip
-    if head == "adaptive":
+    if head.startswith("adaptive"):
         adaptive = AdaptiveSoftmaxHead(D, VOCAB, cutoffs=CUTOFFS, div_value=2.0)
-        model = LanguageModel(backbone, adaptive, optimizer=sgd)
+        graphs = head == "adaptive_graphs"
+        if graphs:  # CUDA's plans on this CPU, over the dense budget: the rows plan in slots
+            from heads.kernels import chunks
+
+            chunks.GPU_PLAN_DEVICES.add("cpu")
+            adaptive.loss_options = LossOptions(saved_bytes=0)
+        model = LanguageModel(backbone, adaptive, optimizer=sgd,
+                              loss_backend="rows" if graphs else "auto",
+                              cuda_graphs=graphs)  # fmt: skip
     else:
         graphs = head == "softmax_graphs"
         model = LanguageModel(backbone, SoftmaxHead(D, VOCAB), optimizer=sgd, tie_weights=True,
                               cuda_graphs=graphs)  # fmt: skip
-        if graphs:  # captured on this CPU by the tests' stand-in
-            from heads import graphs as heads_graphs
-            from tests.heads.test_graphs import Rerun
+    if graphs:  # captured on this CPU by the tests' stand-in
+        from heads import graphs as heads_graphs
+        from tests.heads.test_graphs import Rerun
 
-            heads_graphs.GRAPH_DEVICES.add("cpu")
-            model._graphed_loss.capture = Rerun()
+        heads_graphs.GRAPH_DEVICES.add("cpu")
+        model._graphed_loss.capture = Rerun()
     strategy = (
         DDPStrategy(
             find_unused_parameters=False,

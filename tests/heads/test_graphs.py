@@ -644,11 +644,13 @@ def test_a_failed_capture_leaves_the_processs_random_numbers_usable_on_cuda():
     assert 0.4 < (kept > 0).float().mean().item() < 0.6
 
 
-def test_a_tied_lm_with_graphs_under_ddp_trains_as_one_eager_process(tmp_path):
+@pytest.mark.parametrize("head", ["softmax", "adaptive"])
+def test_a_lm_with_graphs_under_ddp_trains_as_one_eager_process(tmp_path, head):
     """Two gloo processes, ``find_unused_parameters=False``, each replaying its head's steps
-    (the CPU stand-in capture) with the head's weight tied to the embedding: DDP's hooks see
-    every parameter's gradient through the replay, and both ranks end with the parameters one
-    eager process trains on both ranks' rows."""
+    (the CPU stand-in capture): DDP's hooks see every parameter's gradient through the
+    replay, and both ranks end with the parameters one eager process trains on both ranks'
+    rows. Softmax with its weight tied to the embedding; the adaptive softmax in slots, told
+    its targets by the task, one rank's batches missing a cluster (``tests/ddp_fit.py``)."""
     import os
     import subprocess
     import sys
@@ -656,10 +658,10 @@ def test_a_tied_lm_with_graphs_under_ddp_trains_as_one_eager_process(tmp_path):
 
     from tests.ddp_fit import STEPS, main
 
-    main(1, tmp_path / "single", "softmax")  # in this process, eagerly: the reference
+    main(1, tmp_path / "single", head)  # in this process, eagerly: the reference
     repo = Path(__file__).resolve().parents[2]
     done = subprocess.run(
-        [sys.executable, "-m", "tests.ddp_fit", "2", str(tmp_path / "ddp"), "softmax_graphs"],
+        [sys.executable, "-m", "tests.ddp_fit", "2", str(tmp_path / "ddp"), f"{head}_graphs"],
         cwd=repo, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
         timeout=300,
     )  # fmt: skip
