@@ -137,6 +137,9 @@ def sort_into_slots(
     nothing is read back, and a CUDA graph of a step that uses them holds for every batch
     whose groups fit. One that does not fails a device-side assert (at the next sync on a
     GPU): never silently."""
+    if not capacities:
+        empty = torch.zeros(0, dtype=torch.long, device=labels.device)
+        return empty, empty.bool()
     order = torch.argsort(labels, stable=True)
     counts = torch.zeros(num_groups, dtype=torch.long, device=labels.device)
     counts = counts.scatter_add_(0, labels, torch.ones_like(labels))
@@ -147,9 +150,6 @@ def sort_into_slots(
         positions.append(starts[first + i] + slot)
         valid.append(slot < counts[first + i])
         fits.append(counts[first + i] <= capacity)
-    if not capacities:
-        empty = torch.zeros(0, dtype=torch.long, device=labels.device)
-        return empty, empty.bool()
     torch._assert_async(torch.stack(fits).all(), "a group outgrew its slots' capacity")
     where = torch.cat(positions).clamp_max(max(labels.numel() - 1, 0))
     return order.index_select(0, where), torch.cat(valid)

@@ -99,7 +99,9 @@ class HeadTask(L.LightningModule):
       launch-bound step (PTB sizes) launches all its kernels at once. CUDA only (elsewhere the
       head runs eagerly); DS-Softmax (its experts sized from the batch) and the external
       backends (cce, liger) refuse it in one line; an adaptive softmax's steps are captured
-      where they are dense (every classifier on every row), else run eagerly. The tasks
+      where they are dense (every classifier on every row) and, over that budget, by the
+      whole-loss rows plan with each tail cluster in fixed row slots (the clusters counted on
+      the host in ``on_before_batch_transfer``); with label smoothing they run eagerly. The tasks
       call the head's loss through :meth:`head_loss`.
     - :meth:`check_finite_loss` in a step stops the run on a NaN or infinite loss without a
       host sync per step: the loss is checked on the device and read back at the logging
