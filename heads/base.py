@@ -94,6 +94,14 @@ def output_bias(vocab_size: int, zipf_bias_init: bool) -> nn.Parameter:
     return nn.Parameter(start)
 
 
+def _sorted_with_counts(labels: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row indices stably sorted by ``labels`` and each group's count, on the device (a
+    fixed-length count: no data-dependent shape)."""
+    order = torch.argsort(labels, stable=True)
+    counts = torch.zeros(num_groups, dtype=torch.long, device=labels.device)
+    return order, counts.scatter_add_(0, labels, torch.ones_like(labels))
+
+
 def sort_into_groups(
     labels: torch.Tensor, num_groups: int, sizes: list[int] | None = None
 ) -> tuple[torch.Tensor, list[int]]:
@@ -109,9 +117,7 @@ def sort_into_groups(
     device: :meth:`Head.expect_targets`) nothing is read back: the device's count is checked
     against them by a device-side assert instead, which fails the step (at its next sync on a
     GPU), never silently, should they be another batch's."""
-    order = torch.argsort(labels, stable=True)
-    counts = torch.zeros(num_groups, dtype=torch.long, device=labels.device)
-    counts = counts.scatter_add_(0, labels, torch.ones_like(labels))
+    order, counts = _sorted_with_counts(labels, num_groups)
     if sizes is not None:
         given = torch.tensor(sizes)
         if labels.is_cuda:  # pinned: the copy is queued, the host does not wait for it
@@ -140,9 +146,7 @@ def sort_into_slots(
     if not capacities:
         empty = torch.zeros(0, dtype=torch.long, device=labels.device)
         return empty, empty.bool()
-    order = torch.argsort(labels, stable=True)
-    counts = torch.zeros(num_groups, dtype=torch.long, device=labels.device)
-    counts = counts.scatter_add_(0, labels, torch.ones_like(labels))
+    order, counts = _sorted_with_counts(labels, num_groups)
     starts = counts.cumsum(0) - counts
     positions, valid, fits = [], [], []
     for i, capacity in enumerate(capacities):
