@@ -404,10 +404,10 @@ class AdaptiveSoftmaxHead(Head):
         if self._dense(hidden):
             return ()
         rows = hidden.size(0)
-        expected = self._expected
-        if expected is None or expected[0] != rows or not self._whole_rows(hidden, label_smoothing):
+        expected = self._expected_for(rows)
+        if expected is None or not self._whole_rows(hidden, label_smoothing):
             return None
-        sizes = expected[1][2:]
+        sizes = expected[2:]
         slots = self._slots.get(rows, (0,) * len(sizes))
         if any(size > slot for size, slot in zip(sizes, slots, strict=True)):
             wider = (-(-int(size * (1 + SLOT_MARGIN)) // SLOT_ALIGN) * SLOT_ALIGN for size in sizes)
@@ -441,8 +441,15 @@ class AdaptiveSoftmaxHead(Head):
         ``torch.compile``, where the read-back is a captured data-dependent size)."""
         if torch.compiler.is_compiling():
             return None
-        expected, self._expected = self._expected, None
-        return expected[1] if expected is not None and expected[0] == target.numel() else None
+        sizes = self._expected_for(target.numel())
+        self._expected = None
+        return sizes
+
+    def _expected_for(self, targets: int) -> list[int] | None:
+        """The group sizes :meth:`expect_targets` counted, if counted for ``targets`` targets
+        (kept: :meth:`capture_key` reads them too), else None."""
+        expected = self._expected
+        return expected[1] if expected is not None and expected[0] == targets else None
 
     def _dense_loss(self, hidden: torch.Tensor, target: torch.Tensor, group: torch.Tensor,
                     head_target: torch.Tensor, label_smoothing: float) -> HeadOutput:  # fmt: skip
