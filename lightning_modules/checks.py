@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from heads import Head
-from heads.errors import CheckpointMismatchError
+from heads.errors import CheckpointMismatchError, HeadConfigError
 from lightning_modules.errors import ModelConfigError, NonFiniteLossError
 
 HEAD_KEY = "head_class"
@@ -71,6 +71,15 @@ def check_hidden_sizes(head: Head, backbone_output_size: int | None) -> None:
             f"({backbone_output_size}): build the head with hidden_size={backbone_output_size} "
             f"(the CLI links it from the backbone)"
         )
+
+
+def tie_head(head: Head, embedding_weight: torch.nn.Parameter) -> None:
+    """Tie the head's output embeddings to the backbone's input embedding (``tie_weights``),
+    a head that cannot be tied so named with the option that unties it."""
+    try:
+        head.tie_output_embedding(embedding_weight)
+    except HeadConfigError as error:
+        raise ModelConfigError(f"{error}; set model.tie_weights false to train it untied") from None
 
 
 def head_class_name(head: Head) -> str:

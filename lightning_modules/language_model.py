@@ -13,6 +13,7 @@ from datamodules.resumable import ResumableLoader
 from heads import Head
 from lightning_modules.backbones import LMBackbone
 from lightning_modules.checkpoint_file import check_checkpoint_file
+from lightning_modules.checks import tie_head
 from lightning_modules.errors import ModelConfigError
 from lightning_modules.head_task import NO_READ_BACK, HeadTask
 from lightning_modules.optimization import step_schedulers_skipped_by_resume
@@ -99,7 +100,7 @@ class LanguageModel(HeadTask):
     ) -> None:
         super().__init__(backbone, head, optimizer, scheduler, compile, loss_backend, cuda_graphs)
         if tie_weights:
-            head.tie_output_embedding(backbone.embedding.weight)
+            tie_head(head, backbone.embedding.weight)
         _check_predict_options(predict_top_k, generate_tokens, temperature)
         # Only structural options go to hparams: LightningCLI re-applies a checkpoint's hparams
         # over the command line, which must stay free to change the predict options. (Modules

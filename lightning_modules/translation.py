@@ -16,6 +16,7 @@ from torchmetrics import MeanMetric
 
 from heads import IGNORE_INDEX, Head
 from lightning_modules.backbones.seq2seq import Seq2SeqTransformer
+from lightning_modules.checks import tie_head
 from lightning_modules.decoding import DecodeConfig, beam_search, greedy_decode
 from lightning_modules.errors import ModelConfigError
 from lightning_modules.head_task import NO_READ_BACK, HeadTask
@@ -90,7 +91,7 @@ class Translation(HeadTask):
                 f"model.decode.bleu_every_n_epochs must be >= 1, got {decode.bleu_every_n_epochs}"
             )
         if tie_weights:
-            head.tie_output_embedding(backbone.embedding.weight)
+            tie_head(head, backbone.embedding.weight)
         # Only structural options go to hparams (see LanguageModel): decoding options must
         # stay free to change on the command line when testing a checkpoint.
         self.save_hyperparameters(

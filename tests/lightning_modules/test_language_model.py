@@ -6,9 +6,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from datamodules.bptt import BPTTBatches
-from heads import SoftmaxHead
+from heads import AdaptiveSoftmaxHead, SoftmaxHead
 from lightning_modules import LanguageModel
 from lightning_modules.backbones import LSTMBackbone
+from lightning_modules.errors import ModelConfigError
 
 VOCAB = 40
 
@@ -56,6 +57,15 @@ def test_tying_and_size_checks():
     assert model.head.weight is model.backbone.embedding.weight
     with pytest.raises(ValueError, match="must equal the backbone's output size"):
         LanguageModel(LSTMBackbone(VOCAB, hidden_size=8), SoftmaxHead(9, VOCAB))
+
+
+def test_a_head_that_cannot_be_tied_names_the_option_that_unties_it():
+    backbone = LSTMBackbone(VOCAB, embedding_size=8, hidden_size=8)
+    head = AdaptiveSoftmaxHead(8, VOCAB, cutoffs=[5])
+    with pytest.raises(ModelConfigError, match="AdaptiveSoftmaxHead does not support weight "
+                       "tying; set model.tie_weights false"):  # fmt: skip
+        LanguageModel(backbone, head, tie_weights=True)
+    assert LanguageModel(backbone, head, tie_weights=False).head is head
 
 
 def test_non_finite_loss_stops_with_the_head_named():
