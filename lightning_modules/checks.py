@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from heads import Head
-from heads.errors import CheckpointMismatchError, HeadConfigError
+from heads.errors import CheckpointMismatchError
 from lightning_modules.errors import ModelConfigError, NonFiniteLossError
 
 HEAD_KEY = "head_class"
@@ -74,12 +74,13 @@ def check_hidden_sizes(head: Head, backbone_output_size: int | None) -> None:
 
 
 def tie_head(head: Head, embedding_weight: torch.nn.Parameter) -> None:
-    """Tie the head's output embeddings to the backbone's input embedding (``tie_weights``),
-    a head that cannot be tied so named with the option that unties it."""
-    try:
-        head.tie_output_embedding(embedding_weight)
-    except HeadConfigError as error:
-        raise ModelConfigError(f"{error}; set model.tie_weights false to train it untied") from None
+    """Tie the head's output embeddings to the backbone's input embedding (``tie_weights``);
+    a head that has none to tie is named with the option that unties it."""
+    if type(head).tie_output_embedding is Head.tie_output_embedding:
+        raise ModelConfigError(
+            f"{type(head).__name__} does not support weight tying: set model.tie_weights false"
+        )
+    head.tie_output_embedding(embedding_weight)
 
 
 def head_class_name(head: Head) -> str:

@@ -7,16 +7,17 @@ from typing import Any
 
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric, SumMetric
 
 from datamodules.resumable import ResumableLoader
 from heads import Head
 from lightning_modules.backbones import LMBackbone
-from lightning_modules.checkpoint_file import check_checkpoint_file
-from lightning_modules.checks import tie_head
+from lightning_modules.checks import HEAD_KEY, tie_head
 from lightning_modules.errors import ModelConfigError
 from lightning_modules.head_task import NO_READ_BACK, HeadTask
 from lightning_modules.optimization import step_schedulers_skipped_by_resume
+from lightning_modules.pretrained import Pretrained, read_pretrained
 
 STAGES = ("train", "val", "test")
 TRAIN_STATE_KEY = "language_model_train_state"
@@ -109,6 +110,7 @@ class LanguageModel(HeadTask):
         self.predict_top_k = predict_top_k
         self.generate_tokens = generate_tokens
         self.temperature = temperature
+        self._pretrained: Pretrained | None = None
         if pretrained_checkpoint is not None:
             self.load_pretrained(pretrained_checkpoint)
         if freeze_backbone:
@@ -139,6 +141,9 @@ class LanguageModel(HeadTask):
             return self.head(hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)).loss
 
     def setup(self, stage: str) -> None:
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer else None
+        if self._pretrained is not None and datamodule is not None:
+            self._pretrained.check_data(datamodule)
         super().setup(stage)
         if stage == "fit":
             # set before the summary (on_fit_start); moved to the device with the batch
@@ -299,16 +304,15 @@ class LanguageModel(HeadTask):
 
     # -- checkpoints -------------------------------------------------------------------
     def load_pretrained(self, path: str) -> None:
-        """Backbone (and head, see ``pretrained_checkpoint``) weights from a checkpoint."""
-        check_checkpoint_file(path, "pretrained_checkpoint")
-        state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
-        parts: dict[str, dict[str, torch.Tensor]] = {"backbone": {}, "head": {}}
-        for key, value in state.items():
-            part, _, name = key.partition(".")
-            if part in parts:
-                parts[part][name] = value
-        self.backbone.load_state_dict(parts["backbone"])
-        self.head.load_pretrained(parts["head"])
+        """Backbone (and head, see ``pretrained_checkpoint``) weights from a checkpoint; the
+        data module's vocabulary is checked against the checkpoint's at :meth:`setup`."""
+        self._pretrained = read_pretrained(path)
+        self._pretrained.load_into(self.backbone, "backbone")
+        if not self.head.load_pretrained(self._pretrained.parts.get("head", {})):
+            rank_zero_info(
+                f"{type(self.head).__name__} starts untrained: the pretrained checkpoint's "
+                f"head ({self._pretrained.entries.get(HEAD_KEY)}) does not fit it"
+            )
 
     def _train_metrics(self) -> dict[str, Any]:
         """The metrics that accumulate over a training epoch (train perplexity)."""

@@ -165,7 +165,7 @@ def test_missing_pretrained_checkpoint(cli_run, corpus, capsys):
     code = cli_run("fit", *tiny_lm(corpus), "--model.init_args.pretrained_checkpoint",
                    "/no/such.ckpt", console=True)  # fmt: skip
     assert error_line(capsys, code) == (
-        "error: pretrained_checkpoint '/no/such.ckpt' does not exist or is not a file"
+        "error: model.pretrained_checkpoint '/no/such.ckpt' does not exist or is not a file"
     )
 
 

@@ -63,7 +63,7 @@ def test_a_head_that_cannot_be_tied_names_the_option_that_unties_it():
     backbone = LSTMBackbone(VOCAB, embedding_size=8, hidden_size=8)
     head = AdaptiveSoftmaxHead(8, VOCAB, cutoffs=[5])
     with pytest.raises(ModelConfigError, match="AdaptiveSoftmaxHead does not support weight "
-                       "tying; set model.tie_weights false"):  # fmt: skip
+                       "tying: set model.tie_weights false"):  # fmt: skip
         LanguageModel(backbone, head, tie_weights=True)
     assert LanguageModel(backbone, head, tie_weights=False).head is head
 

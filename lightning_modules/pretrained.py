@@ -1,0 +1,74 @@
+"""A pretrained checkpoint (``model.pretrained_checkpoint``) read once: its weights by part, and
+the data it was trained on, checked against this run twice, each mismatch named in one line:
+the model's shapes when the weights load (``__init__``: another vocabulary size or other
+sizes), and the data module's vocabulary itself at ``setup``, once it is built (two corpora
+capped at the same size have equal shapes and other words). The data module then takes the
+checkpoint's vocabulary state too (a Hybrid-LightRNN table re-learnt in the pretraining run),
+as ``fit --ckpt_path`` does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from datamodules.errors import VocabularyMismatchError
+from lightning_modules.checkpoint_file import check_checkpoint_file
+from lightning_modules.errors import ModelConfigError
+
+OPTION = "model.pretrained_checkpoint"
+# a checkpoint's entries that are not what it was trained on
+_NOT_DATA = ("state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks")
+
+
+@dataclass
+class Pretrained:
+    """``parts``: the weights under each top-level module name (``backbone``, ``head``);
+    ``entries``: the checkpoint's other entries (the data module's state under its class
+    name, its hyperparameters under ``datamodule_hyper_parameters``)."""
+
+    path: str
+    parts: dict[str, dict[str, torch.Tensor]]
+    entries: dict[str, Any]
+
+    def data(self) -> str:
+        """What the checkpoint was trained on, for messages."""
+        hp = self.entries.get("datamodule_hyper_parameters") or {}
+        where = f"hub={hp['hub']!r}" if hp.get("hub") else f"path={hp.get('path')!r}"
+        return f"{where} (data.vocab {hp.get('vocab')!r})" if hp else "data it does not record"
+
+    def load_into(self, module: torch.nn.Module, part: str) -> None:
+        """Load ``part``'s weights into ``module``; a shape or name mismatch in one line."""
+        try:
+            module.load_state_dict(self.parts.get(part, {}))
+        except RuntimeError as error:  # torch lists every mismatch: the first says enough
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+            first = next((line for line in lines[1:] if "size mismatch" in line), lines[-1])
+            raise ModelConfigError(
+                f"{OPTION} {self.path!r} does not fit this model's {part}: {first} It was "
+                f"trained on {self.data()}: give this run the same data options and sizes"
+            ) from None
+
+    def check_data(self, datamodule: Any) -> None:
+        """The data module's vocabulary against the checkpoint's (and its state loaded into
+        the data module), where the checkpoint holds a state for this data module's class."""
+        state = self.entries.get(type(datamodule).__qualname__)
+        if state is None or not hasattr(datamodule, "load_state_dict"):
+            return
+        try:
+            datamodule.load_state_dict(state)
+        except VocabularyMismatchError as error:
+            raise VocabularyMismatchError(f"{OPTION} {self.path!r}: {error}") from None
+
+
+def read_pretrained(path: str) -> Pretrained:
+    """The checkpoint at ``path`` (checked as a file first), split as :class:`Pretrained`."""
+    check_checkpoint_file(path, OPTION)
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in checkpoint["state_dict"].items():
+        part, _, name = key.partition(".")
+        parts.setdefault(part, {})[name] = value
+    entries = {k: v for k, v in checkpoint.items() if k not in _NOT_DATA}
+    return Pretrained(path, parts, entries)

@@ -1,0 +1,119 @@
+"""A pretrained checkpoint against the run that starts from it: sizes when the weights load,
+the vocabulary itself at setup, each mismatch one line naming the option."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from datamodules import LanguageModelingDataModule
+from datamodules.errors import VocabularyMismatchError
+from heads import MoSHead, SoftmaxHead
+from lightning_modules import LanguageModel
+from lightning_modules.backbones import LSTMBackbone
+from lightning_modules.errors import ModelConfigError
+from tests.datamodules.test_cache import write_corpus
+
+
+def data(folder) -> LanguageModelingDataModule:
+    return LanguageModelingDataModule(path=str(folder), batch_size=2, bptt=3)
+
+
+def language_model(vocab_size: int, head=None, **options) -> LanguageModel:
+    torch.manual_seed(0)
+    backbone = LSTMBackbone(vocab_size, embedding_size=8, hidden_size=8)
+    return LanguageModel(backbone, head or SoftmaxHead(8, vocab_size), **options)
+
+
+def save_trained(tmp_path, datamodule) -> tuple[str, LanguageModel]:
+    """A checkpoint as fit writes one: weights, head class, the data module's state and
+    hyperparameters."""
+    trained = language_model(datamodule.vocab_size)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(1.0)  # not the fresh model's weights
+    checkpoint = {
+        "state_dict": trained.state_dict(),
+        "head_class": "heads.softmax.SoftmaxHead",
+        "datamodule_hyper_parameters": dict(datamodule.hparams),
+        type(datamodule).__qualname__: datamodule.state_dict(),
+    }
+    path = tmp_path / "trained.ckpt"
+    torch.save(checkpoint, path)
+    return str(path), trained
+
+
+def set_up(model: LanguageModel, datamodule) -> None:
+    model._trainer = SimpleNamespace(datamodule=datamodule)
+    model._pretrained.check_data(datamodule)
+
+
+def test_the_same_data_starts_from_the_trained_weights(tmp_path):
+    corpus = data(write_corpus(tmp_path / "a"))
+    path, trained = save_trained(tmp_path, corpus)
+    model = language_model(corpus.vocab_size, pretrained_checkpoint=path)
+    for name, value in trained.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value)
+    set_up(model, data(tmp_path / "a"))  # its vocabulary: accepted
+
+
+def test_another_vocabulary_size_is_one_line_naming_the_data_it_was_trained_on(tmp_path):
+    corpus = data(write_corpus(tmp_path / "a"))
+    path, _ = save_trained(tmp_path, corpus)
+    with pytest.raises(ModelConfigError) as raised:
+        language_model(corpus.vocab_size + 1, pretrained_checkpoint=path)
+    message = str(raised.value)
+    assert message.startswith(f"model.pretrained_checkpoint {path!r} does not fit this model's "
+                              f"backbone: size mismatch for embedding.weight")  # fmt: skip
+    assert f"trained on path={str(tmp_path / 'a')!r} (data.vocab 'word')" in message
+    assert "\n" not in message
+
+
+def test_another_vocabulary_of_the_same_size_is_refused_at_setup(tmp_path):
+    corpus = data(write_corpus(tmp_path / "a"))
+    path, _ = save_trained(tmp_path, corpus)
+    other = data(write_corpus(tmp_path / "b", train="x y z\ny z\nz\n", valid="x z\n", test="y\n"))
+    assert other.vocab_size == corpus.vocab_size  # the weights load: shapes cannot tell
+    model = language_model(other.vocab_size, pretrained_checkpoint=path)
+    with pytest.raises(VocabularyMismatchError, match=f"^model.pretrained_checkpoint {path!r}: "
+                       "the checkpoint was trained with another vocabulary"):  # fmt: skip
+        set_up(model, other)
+    model._trainer = SimpleNamespace(datamodule=other)
+    with pytest.raises(VocabularyMismatchError):  # the task's own setup runs the check
+        model.setup("validate")
+
+
+class Recorder:
+    """A data module's stand-in, under the class name the checkpoint keeps the state by."""
+
+    def __init__(self) -> None:
+        self.loaded = []
+
+    def load_state_dict(self, state) -> None:
+        self.loaded.append(state)
+
+
+Recorder.__qualname__ = LanguageModelingDataModule.__qualname__
+
+
+def test_the_data_module_takes_the_checkpoints_state(tmp_path):
+    """As ``fit --ckpt_path`` restores it (a re-learnt Hybrid-LightRNN table)."""
+    corpus = data(write_corpus(tmp_path / "a"))
+    path, _ = save_trained(tmp_path, corpus)
+    recorder = Recorder()
+    model = language_model(corpus.vocab_size, pretrained_checkpoint=path)
+    set_up(model, recorder)
+    assert recorder.loaded == [corpus.state_dict()]
+
+
+def test_a_head_that_cannot_start_from_the_trained_one_is_said_to_start_untrained(tmp_path, caplog):
+    corpus = data(write_corpus(tmp_path / "a"))
+    path, trained = save_trained(tmp_path, corpus)
+    head = MoSHead(8, corpus.vocab_size, num_components=2)
+    fresh = {k: v.clone() for k, v in head.state_dict().items()}
+    with caplog.at_level("INFO"):
+        model = language_model(corpus.vocab_size, head=head, pretrained_checkpoint=path)
+    assert "MoSHead starts untrained: the pretrained checkpoint's head " in caplog.text
+    for name, value in fresh.items():
+        torch.testing.assert_close(model.head.state_dict()[name], value)
+    torch.testing.assert_close(model.backbone.embedding.weight, trained.backbone.embedding.weight)
