@@ -88,6 +88,13 @@ DEFAULT_SAVED_BYTES = 128 << 20
 # saved budget alone. Not yet timed on a GPU: adaptive@rows against adaptive@plain with
 # --saved-mb 0 (every classifier by rows) at V = 10k would place it.
 ROWS_PLAIN_LOGITS = 1 << 24
+# On a CPU an adaptive softmax's classifier of at most this many logits (rows x columns) runs
+# as plain maths under ``auto``: there the hand-written loop's fixed cost per classifier
+# outweighs its saved traffic. Measured on 2 cores (bench_cpu_adaptive_small_plain_*): the
+# classifiers of V = 2,000, d = 64, 256 tokens (26k-41k logits) ran plainly in 1.1 ms against
+# 1.9 by the loop, PyTorch's layer 0.9; level at V = 10k, d = 200 and 512 (0.3M-1.5M); at
+# V = 33k, d = 512, 4,096 tokens (4.6M-9.3M) the loop's 338 ms against 445 plainly.
+CPU_PLAIN_LOGITS = 1 << 21
 # the rows plan's tiles (row_tile)
 _ROWS_MIN_CPU = 512
 _ROWS_MAX_CPU_BYTES = 256 << 20
@@ -499,9 +506,11 @@ def plain_loss_fits(
     tokens (one CPU thread: the launch-bound proxy) dispatched 257 operators in 0.81 ms of
     host time by the eager plan, 98 in 0.35 ms plainly, PyTorch's own layer 108 in 0.31 ms
     (docs/results/profile_cpu_launch_bound_1k.json); on an H100 ours measured 0.45x as fast as
-    PyTorch's at V = 10k. Not ``auto`` on a CPU, where the hand-written plan is faster once
-    the products count: V = 33k, d = 512, 4,096 tokens, 141 ms against 190 plainly and
-    PyTorch's 179 (docs/results/bench_cpu_adaptive_plain_d512.json).
+    PyTorch's at V = 10k. On a CPU under ``auto`` only an adaptive softmax's ``classifier``
+    of at most :data:`CPU_PLAIN_LOGITS` logits (within the budget too): the hand-written plan
+    is faster once the products count (V = 33k, d = 512, 4,096 tokens, 141 ms against 190
+    plainly and PyTorch's 179: docs/results/bench_cpu_adaptive_plain_d512.json), and a
+    single softmax pays the loop's fixed cost once.
 
     ``classifier``: an adaptive softmax's ``rows`` is only ever asked for (its ``auto`` on
     CUDA is ``torch`` or ``plain``: MEASURED_FASTEST), so a large classifier takes the rows
@@ -512,12 +521,16 @@ def plain_loss_fits(
         return False
     if options.plan == "plain":
         return True
-    if options.plan not in ("auto", "rows") or not gpu_plans(device):
+    fits = 4 * rows * columns <= options.saved_bytes
+    if not gpu_plans(device):  # a CPU: a small classifier's fixed cost is the hand-written loop's
+        small = classifier and rows * columns <= CPU_PLAIN_LOGITS
+        return options.plan == "auto" and small and fits
+    if options.plan not in ("auto", "rows"):
         return False
     if options.plan == "rows" and classifier and rows * columns > ROWS_PLAIN_LOGITS:
         return False
     # rows: the measured choice for large steps (MEASURED_FASTEST); a small one is plainer
-    return 4 * rows * columns <= options.saved_bytes
+    return fits
 
 
 def dense_loss_fits(options: LossOptions, device: torch.device, rows: int, columns: int) -> bool:

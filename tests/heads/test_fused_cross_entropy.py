@@ -10,6 +10,7 @@ import heads.fused_cross_entropy as fce
 import heads.kernels.chunks as chunks
 from heads.errors import HeadConfigError, UserError
 from heads.fused_cross_entropy import (
+    CPU_PLAIN_LOGITS,
     IGNORE_INDEX,
     ROWS_PLAIN_LOGITS,
     LossOptions,
@@ -446,6 +447,23 @@ def test_plain_runs_on_cuda_where_the_logits_fit_the_saved_budget():
         assert not plain_loss_fits(options, cuda, 1, 1)
 
 
+def test_on_a_cpu_only_a_small_classifier_runs_plainly():
+    """A CPU under ``auto``: an adaptive softmax's classifier (``classifier=True``) of at most
+    ``CPU_PLAIN_LOGITS`` logits within the saved budget runs plainly (the hand-written loop's
+    fixed cost outweighs it); a larger one, a single softmax's loss, an explicit plan, or no
+    budget keep the hand-written plan."""
+    cpu = torch.device("cpu")
+    rows, columns = 1024, CPU_PLAIN_LOGITS // 1024
+    ample = LossOptions(saved_bytes=64 * CPU_PLAIN_LOGITS)
+    assert plain_loss_fits(ample, cpu, rows, columns, classifier=True)
+    assert not plain_loss_fits(ample, cpu, rows + 1, columns, classifier=True)
+    assert not plain_loss_fits(ample, cpu, rows, columns)  # a softmax: the loop
+    for plan in ("eager", "rows", "compiled"):
+        options = LossOptions(plan=plan, saved_bytes=64 * CPU_PLAIN_LOGITS)
+        assert not plain_loss_fits(options, cpu, 1, 1, classifier=True)
+    assert not plain_loss_fits(LossOptions(saved_bytes=4 * 99 * 50), cpu, 100, 50, classifier=True)
+
+
 def test_plan_rows_runs_a_large_classifier_by_rows_and_a_small_one_plainly():
     """An adaptive softmax's classifier (``classifier=True``) under ``rows`` on CUDA: plainly up
     to ``ROWS_PLAIN_LOGITS`` logits (launch-bound) within the saved budget, by the rows plan
@@ -456,7 +474,7 @@ def test_plan_rows_runs_a_large_classifier_by_rows_and_a_small_one_plainly():
     ample = LossOptions(plan="rows", saved_bytes=64 * ROWS_PLAIN_LOGITS)
     assert plain_loss_fits(ample, cuda, rows, columns, classifier=True)
     assert not plain_loss_fits(ample, cuda, rows + 1, columns, classifier=True)
-    assert not plain_loss_fits(ample, cpu, rows, columns, classifier=True)  # CPU: no GPU plans
+    assert not plain_loss_fits(ample, cpu, rows, columns, classifier=True)  # CPU: no rows rule
     assert plain_loss_fits(ample, cuda, rows + 1, columns)  # a softmax's rows: the budget
     # the budget still bounds the plain classifier's memory
     tight = LossOptions(plan="rows", saved_bytes=4 * 100 * 50)
