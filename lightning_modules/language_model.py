@@ -306,9 +306,9 @@ class LanguageModel(HeadTask):
     def load_pretrained(self, path: str) -> None:
         """Backbone (and head, see ``pretrained_checkpoint``) weights from a checkpoint; the
         data module's vocabulary is checked against the checkpoint's at :meth:`setup`."""
-        self._pretrained = read_pretrained(path)
-        self._pretrained.load_into(self.backbone, "backbone")
-        if not self.head.load_pretrained(self._pretrained.parts.get("head", {})):
+        parts, self._pretrained = read_pretrained(path)  # the weights let go once loaded
+        self._pretrained.load_into(self.backbone, "backbone", parts.get("backbone", {}))
+        if not self.head.load_pretrained(parts.get("head", {})):
             rank_zero_info(
                 f"{type(self.head).__name__} starts untrained: the pretrained checkpoint's "
                 f"head ({self._pretrained.entries.get(HEAD_KEY)}) does not fit it"

@@ -18,18 +18,21 @@ from lightning_modules.checkpoint_file import check_checkpoint_file
 from lightning_modules.errors import ModelConfigError
 
 OPTION = "model.pretrained_checkpoint"
-# a checkpoint's entries that are not what it was trained on
-_NOT_DATA = ("state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks")
+# a checkpoint's entries that are not what it was trained on (the last: LanguageModel's
+# recurrent state, TRAIN_STATE_KEY)
+_NOT_DATA = ("state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks",
+             "language_model_train_state")  # fmt: skip
+# the longest mismatch quoted (torch lists every missing key on one line)
+_LONGEST = 300
 
 
 @dataclass
 class Pretrained:
-    """``parts``: the weights under each top-level module name (``backbone``, ``head``);
-    ``entries``: the checkpoint's other entries (the data module's state under its class
-    name, its hyperparameters under ``datamodule_hyper_parameters``)."""
+    """What a pretrained checkpoint was trained on, kept past its weights: ``entries``, the
+    checkpoint's entries but its weights and training state (the data module's state under
+    its class name, its hyperparameters under ``datamodule_hyper_parameters``)."""
 
     path: str
-    parts: dict[str, dict[str, torch.Tensor]]
     entries: dict[str, Any]
 
     def data(self) -> str:
@@ -38,13 +41,15 @@ class Pretrained:
         where = f"hub={hp['hub']!r}" if hp.get("hub") else f"path={hp.get('path')!r}"
         return f"{where} (data.vocab {hp.get('vocab')!r})" if hp else "data it does not record"
 
-    def load_into(self, module: torch.nn.Module, part: str) -> None:
-        """Load ``part``'s weights into ``module``; a shape or name mismatch in one line."""
+    def load_into(self, module: torch.nn.Module, part: str, state: dict[str, torch.Tensor]) -> None:
+        """Load ``part``'s weights ``state`` into ``module``; a mismatch in one line."""
         try:
-            module.load_state_dict(self.parts.get(part, {}))
-        except RuntimeError as error:  # torch lists every mismatch: the first says enough
+            module.load_state_dict(state)
+        except RuntimeError as error:  # torch lists every mismatch, a line each: one says enough
             lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-            first = next((line for line in lines[1:] if "size mismatch" in line), lines[-1])
+            sizes = [line for line in lines[1:] if line.startswith("size mismatch")]
+            first = (sizes or lines[1:] or lines)[0]
+            first = first if len(first) <= _LONGEST else first[: _LONGEST - 3] + "..."
             raise ModelConfigError(
                 f"{OPTION} {self.path!r} does not fit this model's {part}: {first} It was "
                 f"trained on {self.data()}: give this run the same data options and sizes"
@@ -62,8 +67,9 @@ class Pretrained:
             raise VocabularyMismatchError(f"{OPTION} {self.path!r}: {error}") from None
 
 
-def read_pretrained(path: str) -> Pretrained:
-    """The checkpoint at ``path`` (checked as a file first), split as :class:`Pretrained`."""
+def read_pretrained(path: str) -> tuple[dict[str, dict[str, torch.Tensor]], Pretrained]:
+    """The checkpoint at ``path`` (checked as a file first): its weights under each top-level
+    module name (``backbone``, ``head``), to load and let go, and what it was trained on."""
     check_checkpoint_file(path, OPTION)
     checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     parts: dict[str, dict[str, torch.Tensor]] = {}
@@ -71,4 +77,4 @@ def read_pretrained(path: str) -> Pretrained:
         part, _, name = key.partition(".")
         parts.setdefault(part, {})[name] = value
     entries = {k: v for k, v in checkpoint.items() if k not in _NOT_DATA}
-    return Pretrained(path, parts, entries)
+    return parts, Pretrained(path, entries)

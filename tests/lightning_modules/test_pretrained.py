@@ -12,6 +12,7 @@ from heads import MoSHead, SoftmaxHead
 from lightning_modules import LanguageModel
 from lightning_modules.backbones import LSTMBackbone
 from lightning_modules.errors import ModelConfigError
+from lightning_modules.language_model import TRAIN_STATE_KEY
 from tests.datamodules.test_cache import write_corpus
 
 
@@ -37,6 +38,7 @@ def save_trained(tmp_path, datamodule) -> tuple[str, LanguageModel]:
         "head_class": "heads.softmax.SoftmaxHead",
         "datamodule_hyper_parameters": dict(datamodule.hparams),
         type(datamodule).__qualname__: datamodule.state_dict(),
+        TRAIN_STATE_KEY: {"state": [torch.zeros(2, 8)]},
     }
     path = tmp_path / "trained.ckpt"
     torch.save(checkpoint, path)
@@ -55,6 +57,19 @@ def test_the_same_data_starts_from_the_trained_weights(tmp_path):
     for name, value in trained.state_dict().items():
         torch.testing.assert_close(model.state_dict()[name], value)
     set_up(model, data(tmp_path / "a"))  # its vocabulary: accepted
+    kept = model._pretrained.entries  # what it was trained on, not its weights or state
+    assert "state_dict" not in kept and TRAIN_STATE_KEY not in kept
+
+
+def test_another_backbone_is_one_line_naming_a_missing_weight(tmp_path):
+    corpus = data(write_corpus(tmp_path / "a"))
+    path, _ = save_trained(tmp_path, corpus)
+    backbone = LSTMBackbone(corpus.vocab_size, embedding_size=8, hidden_size=8, num_layers=3)
+    with pytest.raises(ModelConfigError) as raised:
+        LanguageModel(backbone, SoftmaxHead(8, corpus.vocab_size), pretrained_checkpoint=path)
+    message = str(raised.value)
+    assert "does not fit this model's backbone: Missing key(s) in state_dict" in message
+    assert "\n" not in message and len(message) < 600
 
 
 def test_another_vocabulary_size_is_one_line_naming_the_data_it_was_trained_on(tmp_path):
