@@ -83,6 +83,16 @@ def tie_head(head: Head, embedding_weight: torch.nn.Parameter) -> None:
     head.tie_output_embedding(embedding_weight)
 
 
+def restore_data_state(datamodule: Any, checkpoint: dict[str, Any]) -> None:
+    """The data module's state (its vocabulary, which it checks against the data's) from a
+    checkpoint that holds one for its class; taken out of the checkpoint, so that Lightning,
+    which restores data modules after the weights, does not restore it a second time."""
+    key = type(datamodule).__qualname__
+    if datamodule is not None and key in checkpoint:
+        datamodule.load_state_dict(checkpoint[key])
+        del checkpoint[key]
+
+
 def head_class_name(head: Head) -> str:
     return f"{type(head).__module__}.{type(head).__qualname__}"
 

@@ -33,6 +33,7 @@ from lightning_modules.checks import (
     check_checkpoint_head,
     check_hidden_sizes,
     head_class_name,
+    restore_data_state,
 )
 from lightning_modules.errors import ModelConfigError
 from lightning_modules.optimization import configure_optimizers
@@ -307,11 +308,7 @@ class HeadTask(L.LightningModule):
         checkpoint[HEAD_KEY] = head_class_name(self.head)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Lightning restores the data module after the weights; its vocabulary must be checked
-        # first, so that a mismatch is reported as such rather than as a shape error. Taking the
-        # entry out of the checkpoint keeps Lightning from restoring it a second time.
+        # the vocabulary checked before the weights: a mismatch reported as such, not as a shape
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer else None
-        key = type(datamodule).__qualname__
-        if datamodule is not None and key in checkpoint:
-            datamodule.load_state_dict(checkpoint.pop(key))
+        restore_data_state(datamodule, checkpoint)
         check_checkpoint_head(checkpoint, self.head)

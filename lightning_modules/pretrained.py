@@ -15,6 +15,7 @@ import torch
 
 from datamodules.errors import VocabularyMismatchError
 from lightning_modules.checkpoint_file import check_checkpoint_file
+from lightning_modules.checks import restore_data_state
 from lightning_modules.errors import ModelConfigError
 
 OPTION = "model.pretrained_checkpoint"
@@ -58,11 +59,8 @@ class Pretrained:
     def check_data(self, datamodule: Any) -> None:
         """The data module's vocabulary against the checkpoint's (and its state loaded into
         the data module), where the checkpoint holds a state for this data module's class."""
-        state = self.entries.get(type(datamodule).__qualname__)
-        if state is None or not hasattr(datamodule, "load_state_dict"):
-            return
         try:
-            datamodule.load_state_dict(state)
+            restore_data_state(datamodule, self.entries)  # once: the data module keeps it
         except VocabularyMismatchError as error:
             raise VocabularyMismatchError(f"{OPTION} {self.path!r}: {error}") from None
 
