@@ -118,7 +118,12 @@ class HybridLightRNNVocab:
         seed: int = 0,
     ) -> HybridLightRNNVocab:
         """The table over a word vocabulary, sized by :meth:`table_shape`."""
-        rare = max(len(words) - num_frequent, 1)
+        if isinstance(num_frequent, int) and num_frequent >= len(words):
+            raise ValueError(
+                f"num_frequent (K = {num_frequent}) leaves no word for the table: the corpus "
+                f"has {len(words)} words; set K below {len(words)}, or use the word vocabulary"
+            )
+        rare = len(words) - num_frequent if isinstance(num_frequent, int) else 1
         rows, cols = cls.table_shape(rare, rows, cols)
         return cls(words, num_frequent, rows, cols, cls.initial_cells(rare, rows, cols, init, seed))
 

@@ -182,6 +182,15 @@ def test_lightrnn_options_that_cannot_work_are_one_clear_error(tmp_path):
     message = r"data.vocab=hybrid_lightrnn \(data.lightrnn_\*\): <eos> is word 8 .*num_frequent"
     with pytest.raises(DataConfigError, match=message):
         _ = data.vocab_size
+    # a corpus of fewer words than the frequent ones (a PTB config over one's own corpus)
+    data = LanguageModelingDataModule(path=str(tmp_path), vocab="hybrid_lightrnn",
+                                      lightrnn_frequent=2800)  # fmt: skip
+    message = (
+        r"data.vocab=hybrid_lightrnn \(data.lightrnn_\*\): num_frequent \(K = 2800\) "
+        r"leaves no word for the table: the corpus has 10 words; set K below 10"
+    )
+    with pytest.raises(DataConfigError, match=message):
+        _ = data.vocab_size
 
 
 def test_lightrnn_table_too_small_for_the_corpus_grows_to_fit(tmp_path, caplog):
