@@ -141,9 +141,8 @@ class LanguageModel(HeadTask):
             return self.head(hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)).loss
 
     def setup(self, stage: str) -> None:
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer else None
-        if self._pretrained is not None and datamodule is not None:
-            self._pretrained.check_data(datamodule)
+        if self._pretrained is not None and self._trainer is not None:
+            self._pretrained.check_data(self._trainer.datamodule)  # none: nothing to check
         super().setup(stage)
         if stage == "fit":
             # set before the summary (on_fit_start); moved to the device with the batch
