@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +59,26 @@ def release_process_group() -> None:
     exception"), turning a clean exit status into -6 (pytorch/pytorch#190489)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+class _DropAdvertisement(logging.Filter):
+    """Drops Lightning's "💡 Tip" lines: advertisements for its paid services, not about the
+    run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip")
+
+
+def quiet_lightning() -> None:
+    """Silence two Lightning lines that say nothing about the run: its tips (an
+    advertisement at every fit), and the model summary's warning that a mixed precision is
+    "not supported", where the 32 bits it then counts are the parameters' own (mixed
+    precision keeps them in float32)."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropAdvertisement) for f in logger.filters):
+            logger.addFilter(_DropAdvertisement())
+    warnings.filterwarnings("ignore", r"Precision \S+-mixed is not supported by the model summary")
 
 
 def show_data_log() -> None:

@@ -39,6 +39,8 @@ class IntervalMetrics:
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         metrics = super().get_metrics(trainer, pl_module)
+        if isinstance(metrics.get("v_num"), int):  # the run's folder, not "0.000" (Rich)
+            metrics["v_num"] = str(metrics["v_num"])
         if self._read:  # a read-back each
             for name in self.shown:
                 value = trainer.callback_metrics.get(name)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import socket
+import warnings
 
 import pytest
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from app.cli.console import exit_status
+from app.cli.console import exit_status, quiet_lightning
 from heads.errors import UserError
 
 
@@ -37,3 +40,20 @@ def test_exit_destroys_the_gloo_group(fails: bool) -> None:
 def test_exit_without_a_group_is_untouched() -> None:
     assert exit_status(lambda: 3) == 3
     assert not dist.is_initialized()
+
+
+def test_lightning_s_advertisement_and_mixed_precision_summary_warning_are_quiet(caplog):
+    quiet_lightning()
+    quiet_lightning()  # idempotent: one filter
+    assert len(logging.getLogger("lightning.pytorch.utilities.rank_zero").filters) == 1
+    with caplog.at_level(logging.INFO):
+        rank_zero_info("💡 Tip: For seamless cloud logging, try installing ...")
+        rank_zero_info("GPU available: False, used: False")
+    assert [r.getMessage() for r in caplog.records] == ["GPU available: False, used: False"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_lightning()  # its filter on top of "always"
+        for precision in ("bf16-mixed", "16-mixed", "transformer-engine"):
+            message = f"Precision {precision} is not supported by the model summary. ..."
+            warnings.warn(message, stacklevel=1)
+    assert [str(w.message)[:30] for w in caught] == ["Precision transformer-engine i"]

@@ -7,6 +7,7 @@ from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from torch.utils.data import DataLoader
 
 from app.callbacks.training.progress import (
+    IntervalMetrics,
     IntervalRichProgressBar,
     IntervalTQDMProgressBar,
     interval_progress_bar,
@@ -104,3 +105,18 @@ def test_the_cli_shows_it_unless_given_another_bar_or_none(ptb_path):
     lightnings = "lightning.pytorch.callbacks.TQDMProgressBar"
     given = build(["configs/lm/ptb.yaml"], [*args, "--trainer.callbacks+", lightnings])
     assert type(given.trainer.progress_bar_callback) is TQDMProgressBar
+
+
+def test_the_run_folder_s_version_shows_as_a_number_not_a_float():
+    """Rich formats every non-string metric with ``.3f``: the run's ``version_0`` showed as
+    ``v_num: 0.000``."""
+
+    class Standard:  # what Lightning's get_metrics builds on: the logger's version
+        def get_metrics(self, trainer, pl_module):
+            return {"v_num": 3}
+
+    class Bar(IntervalMetrics, Standard):
+        pass
+
+    trainer = type("Trainer", (), {"callback_metrics": {}})()
+    assert Bar().get_metrics(trainer, None) == {"v_num": "3"}
