@@ -115,6 +115,38 @@ class Translation(HeadTask):
         self._decode_seconds = 0.0
 
     # -- loss --------------------------------------------------------------------------
+    def forward(
+        self,
+        source: torch.Tensor,
+        source_padding: torch.Tensor,
+        target_input: torch.Tensor,
+        target_output: torch.Tensor,
+    ) -> torch.Tensor:
+        """The mean NLL of a batch's references: what Lightning's model summary runs on
+        ``example_input_array`` to count each module's FLOPs. Eager even where ``compile`` is
+        on (see ``LanguageModel.forward``)."""
+        with torch.compiler.set_stance("force_eager"):
+            hidden = self.backbone(source, source_padding, target_input)
+            hidden = hidden.reshape(-1, hidden.size(-1))
+            return self.head(hidden, target_output.reshape(-1)).loss
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if stage == "fit":  # set before the summary (on_fit_start)
+            self.example_input_array = self._first_training_batch()
+
+    def _first_training_batch(self) -> tuple[torch.Tensor, ...] | None:
+        """This rank's first training batch as the forward's arguments, or None without a
+        translation data module: a real batch's sentence lengths, so the FLOPs are a step's."""
+        data = getattr(self._trainer, "datamodule", None) if self._trainer else None
+        if not hasattr(data, "encoded"):
+            return None
+        batch = next(iter(data.train_dataloader()), None)
+        if batch is None:
+            return None
+        keys = ("source", "source_padding", "target_input", "target_output")
+        return tuple(batch[key] for key in keys)
+
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean NLL of the reference tokens, training loss with smoothing and aux loss)."""
         hidden = self.backbone(batch["source"], batch["source_padding"], batch["target_input"])

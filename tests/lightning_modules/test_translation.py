@@ -117,6 +117,26 @@ def test_validation_bleu_and_test_translations_file(data, tmp_path):
     )
 
 
+def test_model_summary_counts_the_flops_of_a_training_batch(data, tmp_path):
+    """The summary's FLOPs column from ``example_input_array`` (this rank's first training
+    batch, built by ``setup("fit")``): the head's product over every target position, not the
+    zeros a translation run's summary showed."""
+    from lightning.pytorch.utilities.model_summary import ModelSummary
+
+    model = make(data)
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(model, datamodule=data)
+    source, padding, target_input, target_output = model.example_input_array
+    assert source.shape == padding.shape and target_input.shape == target_output.shape
+    summary = ModelSummary(model, max_depth=1)
+    flops = dict(zip(summary.layer_names, (sum(c.values()) for c in summary.flop_counts.values()),
+                     strict=True))  # fmt: skip
+    assert flops["head"] == 2 * target_output.numel() * D * data.vocab_size
+    assert flops["backbone"] > 0 and summary.total_flops == flops["backbone"] + flops["head"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("head_class", [SoftmaxHead, MixtapeHead])
 def test_a_tiny_model_learns_to_translate_the_toy_corpus(data, tmp_path, head_class):
