@@ -274,8 +274,10 @@ class Translation(HeadTask):
         )
         self.log(f"{stage}/bleu", score.score, prog_bar=True)
         if self.trainer.is_global_zero:
+            when = "sanity check: " if self.trainer.sanity_checking else ""  # not logged
             rank_zero_info(
-                f"{stage} BLEU {score.score:.2f} on {len(indices)} lines ({bleu.get_signature()})"
+                f"{when}{stage} BLEU {score.score:.2f} on {len(indices)} lines "
+                f"({bleu.get_signature()})"
             )
             self._log_samples(stage, split, indices, hypotheses, references)
         return hypotheses

@@ -137,6 +137,21 @@ def test_model_summary_counts_the_flops_of_a_training_batch(data, tmp_path):
     assert flops["backbone"] > 0 and summary.total_flops == flops["backbone"] + flops["head"]
 
 
+def test_the_sanity_check_s_bleu_line_says_so(data, tmp_path, caplog):
+    """Lightning's sanity check decodes and scores too but logs nothing: its BLEU line is
+    marked, so that a fit's first printed BLEU is not mistaken for the first epoch's."""
+    model = make(data, decode=DecodeConfig(val_beam_size=1))
+    trainer = L.Trainer(max_epochs=1, limit_train_batches=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=1,
+                        default_root_dir=tmp_path)  # fmt: skip
+    with caplog.at_level("INFO"):
+        trainer.fit(model, datamodule=data)
+    lines = [r.getMessage() for r in caplog.records if "BLEU" in r.getMessage()]
+    assert [line.split(" on ")[0].rsplit(" ", 1)[0] for line in lines] == [
+        "sanity check: val BLEU", "val BLEU"]  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("head_class", [SoftmaxHead, MixtapeHead])
 def test_a_tiny_model_learns_to_translate_the_toy_corpus(data, tmp_path, head_class):
