@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import warnings
 
-from app.cli.console import exit_status, quiet_lightning, show_data_log
+from app.cli.console import exit_status, quiet_lightning, show_app_log
 from app.cli.lightning_cli import AppCLI, make_cli
 
 
@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> AppCLI:
     warnings.filterwarnings("ignore", ".*infer the batch indices.*")
     warnings.filterwarnings("ignore", ".*LeafSpec.*is deprecated.*")
     quiet_lightning()
-    show_data_log()  # data cache hits and misses
+    show_app_log()  # data cache hits and misses, the heads' decisions
     return make_cli(sys.argv[1:] if argv is None else argv)
 
 

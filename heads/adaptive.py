@@ -131,7 +131,9 @@ class AdaptiveSoftmaxHead(Head):
         self.token_counts = None if token_counts is None else list(token_counts)
         if self.auto:
             model = self.cost_model or reference_cost_model(hidden_size)
-            cutoffs = self._choose_cutoffs(model, self._probabilities(self.token_counts))
+            cutoffs = self._choose_cutoffs(
+                model, self._probabilities(self.token_counts), level=logging.DEBUG
+            )  # provisional: setup decides
         self._build(self._check_cutoffs(list(cutoffs), vocab_size))
 
     def _build(self, cutoffs: list[int], like: torch.Tensor | None = None) -> None:
@@ -199,9 +201,11 @@ class AdaptiveSoftmaxHead(Head):
         probs = np.asarray(counts, dtype=np.float64) + 1e-12
         return probs / probs.sum()
 
-    def _choose_cutoffs(self, model: CostModel, probs: np.ndarray) -> list[int]:
+    def _choose_cutoffs(self, model: CostModel, probs: np.ndarray,
+                        level: int = logging.INFO) -> list[int]:  # fmt: skip
         """Eq. 8's least-cost cut-offs for the wanted number of clusters, or for fewer where
-        the vocabulary or the reduced tail dimensions leave no room for that many."""
+        the vocabulary or the reduced tail dimensions leave no room for that many; logged at
+        ``level``."""
         feasible = [
             j
             for j in range(
@@ -228,7 +232,8 @@ class AdaptiveSoftmaxHead(Head):
         batch = float(self.calibration_batch)
         options = [optimal_cutoffs(probs, j, model, batch) for j in feasible]
         cuts, cost = min(options, key=lambda option: option[1])
-        log.info("adaptive softmax cut-offs %s (modelled %.3f ms/step, %s)", cuts, cost, model)
+        log.log(level, "adaptive softmax cut-offs %s (modelled %.3f ms/step, %s)", cuts, cost,
+                model)  # fmt: skip
         return cuts
 
     def setup(self, context: HeadSetup) -> None:

@@ -81,13 +81,19 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", r"Precision \S+-mixed is not supported by the model summary")
 
 
-def show_data_log() -> None:
-    """Print the data layer's INFO lines on stderr (whether a prepared corpus came from the
-    cache or was built, and how long it took), as Lightning does for its own logger: a handler
-    of our own only when the root logger has none, so a user's logging setup (or pytest's)
-    gets the lines instead."""
-    logger = logging.getLogger("datamodules")
-    logger.setLevel(logging.INFO)
-    if not logging.getLogger().hasHandlers() and not logger.handlers:
-        logger.addHandler(logging.StreamHandler())
-        logger.propagate = False
+# the layers whose INFO lines a run prints: the data's cache hits and builds, the heads'
+# decisions (the adaptive softmax's cut-offs and cost model, CUDA graphs captured, the DS C
+# kernel's fallback), the tasks' (what compile leaves eager)
+APP_LOGGERS = ("datamodules", "heads", "lightning_modules")
+
+
+def show_app_log() -> None:
+    """Print the application's INFO lines (:data:`APP_LOGGERS`) on stderr, as Lightning does
+    for its own logger: a handler of our own only when the root logger has none, so a user's
+    logging setup (or pytest's) gets the lines instead."""
+    for name in APP_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO)
+        if not logging.getLogger().hasHandlers() and not logger.handlers:
+            logger.addHandler(logging.StreamHandler())
+            logger.propagate = False

@@ -1,3 +1,5 @@
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -459,8 +461,9 @@ def test_a_rebuilt_head_starts_from_the_seed_not_the_global_stream():
     torch.testing.assert_close(torch.rand(3), after_a)
 
 
-def test_setup_times_the_given_device_once_and_uses_the_datas_counts(monkeypatch):
+def test_setup_times_the_given_device_once_and_uses_the_datas_counts(monkeypatch, caplog):
     timed = []
+    caplog.set_level(logging.INFO, logger="heads")
 
     def fake_calibrate(hidden_size, device, *args, **kwargs):
         timed.append((hidden_size, torch.device(device)))
@@ -469,9 +472,12 @@ def test_setup_times_the_given_device_once_and_uses_the_datas_counts(monkeypatch
     monkeypatch.setattr(adaptive, "calibrate", fake_calibrate)
     head = AdaptiveSoftmaxHead(64, 1000, cutoffs="auto", num_clusters=1, calibration_batch=4096)
     counts = np.array([1000] * 50 + [1] * 950)
+    provisional = [r.getMessage() for r in caplog.records]  # not said: setup decides
     head.setup(HeadSetup(device=torch.device("cpu"), token_counts=counts))
     assert timed == [(64, torch.device("cpu"))]
     assert head.cutoffs[0] == 50
+    said = [r.getMessage() for r in caplog.records if "cut-offs" in r.getMessage()]
+    assert provisional == [] and len(said) == 1 and str(head.cutoffs) in said[0]
 
 
 def test_given_cutoffs_ignore_setup():

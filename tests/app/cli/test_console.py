@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from app.cli.console import exit_status, quiet_lightning
+from app.cli.console import APP_LOGGERS, exit_status, quiet_lightning, show_app_log
 from heads.errors import UserError
 
 
@@ -57,3 +57,19 @@ def test_lightning_s_advertisement_and_mixed_precision_summary_warning_are_quiet
             message = f"Precision {precision} is not supported by the model summary. ..."
             warnings.warn(message, stacklevel=1)
     assert [str(w.message)[:30] for w in caught] == ["Precision transformer-engine i"]
+
+
+def test_the_heads_and_tasks_decisions_are_printed_like_the_data_s(monkeypatch):
+    """The CLI prints the INFO lines of every layer below it (the adaptive softmax's cut-offs
+    were logged but never shown): a handler of its own where the root logger has none."""
+    for name in APP_LOGGERS:  # as a fresh process: no handler, propagating
+        logger = logging.getLogger(name)
+        monkeypatch.setattr(logger, "handlers", [])
+        monkeypatch.setattr(logger, "propagate", True)
+        monkeypatch.setattr(logger, "level", logging.NOTSET)
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # pytest's capture removed
+    show_app_log()
+    for name in ("datamodules.cache", "heads.adaptive", "lightning_modules.head_task"):
+        logger = logging.getLogger(name)
+        assert logger.isEnabledFor(logging.INFO) and not logger.isEnabledFor(logging.DEBUG)
+        assert any(isinstance(h, logging.StreamHandler) for h in logger.parent.handlers)
