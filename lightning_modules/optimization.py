@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
+from lightning_modules.errors import ModelConfigError
+
 
 class InverseSquareRootLR(torch.optim.lr_scheduler.LRScheduler):
     """The Transformer's schedule (Vaswani et al. 2017, Eq. 3, in fairseq's form): the learning
@@ -21,7 +23,7 @@ class InverseSquareRootLR(torch.optim.lr_scheduler.LRScheduler):
         self, optimizer: torch.optim.Optimizer, warmup_steps: int = 4000, last_epoch: int = -1
     ) -> None:
         if warmup_steps < 1:
-            raise ValueError(f"warmup_steps must be >= 1, got {warmup_steps}")
+            raise ModelConfigError(f"model.scheduler.warmup_steps must be >= 1, got {warmup_steps}")
         self.warmup_steps = warmup_steps
         super().__init__(optimizer, last_epoch)
 

@@ -229,6 +229,15 @@ COMMAND_LINE = [
        "AdaptiveSoftmaxHead cutoffs must be increasing positive integers below the vocabulary "
        f"size 18, got {cutoffs}")
       for name, cutoffs in (("decreasing", "[8, 4]"), ("beyond_vocabulary", "[5, 386]"))],
+    # the backbone's and the callbacks' options
+    ("zero_layers", ["fit", "--model.init_args.backbone.init_args.num_layers", "0"],
+     "model.backbone.num_layers must be at least 1, got 0"),
+    ("dropout_one", ["fit", "--model.init_args.backbone.init_args.input_dropout", "1"],
+     "model.backbone.input_dropout must be in [0, 1), got 1.0"),
+    ("lightrnn_solver_typo", ["fit", "--trainer.callbacks",
+                              "app.callbacks.LightRNNTableReassignment",
+                              "--trainer.callbacks.init_args.solver", "sinkhorn"],
+     "LightRNNTableReassignment solver must be 'auto', 'exact' or 'separable', got 'sinkhorn'"),
     ("zero_temperature", ["fit", "--model.init_args.temperature", "0"],
      "model.temperature must be positive, got 0.0"),
     ("missing_checkpoint", ["test", "--ckpt_path", "/no/such.ckpt"],

@@ -121,9 +121,15 @@ class LightRNNTableReassignment(L.Callback):
         log_rows: int = 10,
     ) -> None:
         if every_n_epochs < 1 or batch_size < 1:
-            raise ValueError("every_n_epochs and batch_size must be positive")
+            raise DataConfigError(
+                f"LightRNNTableReassignment every_n_epochs and batch_size must be positive, got "
+                f"{every_n_epochs} and {batch_size}"
+            )
         if solver not in ("auto", "exact", "separable"):
-            raise ValueError(f"solver must be 'auto', 'exact' or 'separable', got {solver!r}")
+            raise DataConfigError(
+                f"LightRNNTableReassignment solver must be 'auto', 'exact' or 'separable', got "
+                f"{solver!r}"
+            )
         self.every_n_epochs = every_n_epochs
         self.max_batches = max_batches
         self.batch_size = batch_size

@@ -19,10 +19,9 @@ DROPOUT_KINDS = ("locked", "standard")
 class LockedDropout(nn.Module):
     """Variational dropout: one mask per sequence, shared over time (Gal & Ghahramani)."""
 
-    def __init__(self, p: float) -> None:
+    def __init__(self, p: float, name: str = "dropout") -> None:
         super().__init__()
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {p}")
+        _check_dropout(p, name)
         self.p = p
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, T, D]
@@ -32,13 +31,18 @@ class LockedDropout(nn.Module):
         return x * mask
 
 
-def make_dropout(kind: str, p: float) -> nn.Module:
-    """``locked``: one mask per sequence (:class:`LockedDropout`); ``standard``: a new mask
-    for every element, so every time step (``nn.Dropout``, Zaremba et al. 2014)."""
-    if kind == "locked":
-        return LockedDropout(p)
+def _check_dropout(p: float, name: str) -> None:
     if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout must be in [0, 1), got {p}")
+        raise ModelConfigError(f"model.backbone.{name} must be in [0, 1), got {p}")
+
+
+def make_dropout(kind: str, p: float, name: str = "dropout") -> nn.Module:
+    """``locked``: one mask per sequence (:class:`LockedDropout`); ``standard``: a new mask
+    for every element, so every time step (``nn.Dropout``, Zaremba et al. 2014). ``name``:
+    the backbone's option that gave ``p`` (for the error a bad one raises)."""
+    if kind == "locked":
+        return LockedDropout(p, name)
+    _check_dropout(p, name)
     return nn.Dropout(p)
 
 
@@ -80,7 +84,9 @@ class LSTMBackbone(LMBackbone):
     ) -> None:
         super().__init__()
         if num_layers < 1:
-            raise ValueError(f"num_layers must be at least 1, got {num_layers}")
+            raise ModelConfigError(
+                f"model.backbone.num_layers must be at least 1, got {num_layers}"
+            )
         if dropout_kind not in DROPOUT_KINDS:
             raise ModelConfigError(
                 f"backbone dropout_kind must be one of {', '.join(DROPOUT_KINDS)}, "
@@ -91,9 +97,9 @@ class LSTMBackbone(LMBackbone):
         nn.init.uniform_(self.embedding.weight, -0.1, 0.1)
         sizes = [embedding_size] + [hidden_size] * (num_layers - 1) + [self.output_size]
         self.layers = nn.ModuleList(self._layer(sizes[i], sizes[i + 1]) for i in range(num_layers))
-        self.input_dropout = make_dropout(dropout_kind, input_dropout)
-        self.hidden_dropout = make_dropout(dropout_kind, hidden_dropout)
-        self.output_dropout = make_dropout(dropout_kind, output_dropout)
+        self.input_dropout = make_dropout(dropout_kind, input_dropout, "input_dropout")
+        self.hidden_dropout = make_dropout(dropout_kind, hidden_dropout, "hidden_dropout")
+        self.output_dropout = make_dropout(dropout_kind, output_dropout, "output_dropout")
 
     def _layer(self, input_size: int, hidden_size: int) -> nn.Module:
         """One recurrent layer, called as ``layer(x, state) -> (x, state)``."""

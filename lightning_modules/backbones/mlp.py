@@ -36,7 +36,10 @@ class MLPBackbone(nn.Module):
     ) -> None:
         super().__init__()
         if min(input_size, hidden_size, num_layers) <= 0:
-            raise ValueError("input_size, hidden_size and num_layers must be positive")
+            raise ModelConfigError(
+                f"model.backbone input_size, hidden_size and num_layers must be positive, got "
+                f"{input_size}, {hidden_size}, {num_layers}"
+            )
         self.input_size = input_size
         self.output_size = hidden_size
         layers: list[nn.Module] = []

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from lightning_modules.backbones.base import LMBackbone
+from lightning_modules.errors import ModelConfigError
 
 
 class NGramBackbone(LMBackbone):
@@ -46,7 +47,10 @@ class NGramBackbone(LMBackbone):
     ) -> None:
         super().__init__()
         if min(vocab_size, output_size, order) < 1 or hidden_layers < 0:
-            raise ValueError("vocab_size, output_size and order must be positive")
+            raise ModelConfigError(
+                f"model.backbone vocab_size, output_size and order must be positive and "
+                f"hidden_layers >= 0, got {vocab_size}, {output_size}, {order}, {hidden_layers}"
+            )
         embedding_size = output_size if embedding_size is None else embedding_size
         self.order, self.output_size = order, output_size
         self.embedding = nn.Embedding(vocab_size, embedding_size)

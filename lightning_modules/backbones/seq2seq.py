@@ -9,6 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_modules.backbones.base import too_long
+from lightning_modules.errors import ModelConfigError
+
 
 def sinusoidal_positions(length: int, size: int) -> torch.Tensor:
     """The fixed sine/cosine position encodings of Vaswani et al. (2017), ``[length, size]``."""
@@ -61,11 +64,16 @@ class Seq2SeqTransformer(nn.Module):
     ) -> None:
         super().__init__()
         if model_size % num_heads:
-            raise ValueError(f"model_size {model_size} must be divisible by num_heads {num_heads}")
+            raise ModelConfigError(
+                f"model.backbone.model_size ({model_size}) must be divisible by "
+                f"model.backbone.num_heads ({num_heads})"
+            )
         if model_size % 2:
-            raise ValueError(f"model_size must be even (sine/cosine pairs), got {model_size}")
+            raise ModelConfigError(
+                f"model.backbone.model_size must be even (sine/cosine pairs), got {model_size}"
+            )
         if share_embeddings and src_vocab_size != vocab_size:
-            raise ValueError(
+            raise ModelConfigError(
                 f"share_embeddings needs one vocabulary for both sides, got source "
                 f"{src_vocab_size} and target {vocab_size} tokens: set data.joint_vocab true"
             )
@@ -108,7 +116,7 @@ class Seq2SeqTransformer(nn.Module):
     def _embed(self, table: nn.Embedding, tokens: torch.Tensor) -> torch.Tensor:
         length = tokens.size(1)
         if length > self.max_length:
-            raise ValueError(f"sequence of {length} tokens exceeds max_length {self.max_length}")
+            raise too_long(length, self.max_length)
         return self.dropout(table(tokens) * self.scale + self.positions[:length])
 
     def encode(self, source: torch.Tensor, source_padding: torch.Tensor) -> torch.Tensor:
@@ -150,9 +158,7 @@ class Seq2SeqTransformer(nn.Module):
         """
         position = target_input.size(1) - 1
         if position >= self.max_length:
-            raise ValueError(
-                f"sequence of {position + 1} tokens exceeds max_length {self.max_length}"
-            )
+            raise too_long(position + 1, self.max_length)
         last = target_input[:, -1:]
         x = self.dropout(self.embedding(last) * self.scale + self.positions[position])
         new_cache = []

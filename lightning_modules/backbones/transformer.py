@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_modules.backbones.base import LMBackbone
+from lightning_modules.backbones.base import LMBackbone, too_long
+from lightning_modules.errors import ModelConfigError
 
 
 class TransformerBackbone(LMBackbone):
@@ -34,8 +35,9 @@ class TransformerBackbone(LMBackbone):
     ) -> None:
         super().__init__()
         if embedding_size % num_heads:
-            raise ValueError(
-                f"embedding_size {embedding_size} must be divisible by num_heads {num_heads}"
+            raise ModelConfigError(
+                f"model.backbone.embedding_size ({embedding_size}) must be divisible by "
+                f"model.backbone.num_heads ({num_heads})"
             )
         self.output_size = embedding_size
         self.max_length = max_length
@@ -57,7 +59,7 @@ class TransformerBackbone(LMBackbone):
     def forward(self, tokens: torch.Tensor, state: None = None) -> tuple[torch.Tensor, None]:
         length = tokens.size(1)
         if length > self.max_length:
-            raise ValueError(f"sequence of {length} tokens exceeds max_length {self.max_length}")
+            raise too_long(length, self.max_length)
         positions = torch.arange(length, device=tokens.device)
         x = self.dropout(self.embedding(tokens) * self.scale + self.position(positions))
         mask = nn.Transformer.generate_square_subsequent_mask(length, device=tokens.device)

@@ -3,6 +3,7 @@ import torch
 
 from lightning_modules.backbones import Seq2SeqTransformer
 from lightning_modules.backbones.seq2seq import sinusoidal_positions
+from lightning_modules.errors import ModelConfigError
 
 SRC_V, TGT_V, D = 23, 17, 16
 
@@ -30,7 +31,7 @@ def test_shapes_and_positions():
     table = sinusoidal_positions(10, 8)
     assert torch.allclose(table[3, 0], torch.tensor(3.0).sin())
     assert torch.allclose(table[3, 1], torch.tensor(3.0).cos())
-    with pytest.raises(ValueError, match="exceeds max_length 4"):
+    with pytest.raises(ModelConfigError, match=r"exceeds model.backbone.max_length \(4\): raise"):
         Seq2SeqTransformer(SRC_V, TGT_V, model_size=D, num_heads=2, max_length=4)(
             source, padding, target
         )
@@ -89,3 +90,14 @@ def test_incremental_decoding_equals_the_full_decoder():
         last, cache = model.decode_step(target[:, : t + 1], memory, padding, cache)
         torch.testing.assert_close(last, full[:, t], rtol=1e-5, atol=1e-5)
         assert [c.size(1) for c in cache] == [t + 1] * 2
+
+
+def test_sizes_that_cannot_work_are_one_line_naming_the_options():
+    with pytest.raises(
+        ModelConfigError,
+        match=r"^model.backbone.model_size \(30\) must be "
+        r"divisible by model.backbone.num_heads \(4\)$",
+    ):
+        Seq2SeqTransformer(SRC_V, TGT_V, model_size=30, num_heads=4)
+    with pytest.raises(ModelConfigError, match="model_size must be even"):
+        Seq2SeqTransformer(SRC_V, TGT_V, model_size=9, num_heads=3)
