@@ -34,7 +34,7 @@ from datamodules.text_source import (
     tokenizers_progress,
 )
 from datamodules.vocab import VOCABS, BPEVocab, Vocab, WordVocab, vocab_from_state, vocab_over
-from datamodules.vocab.bpe import StreamEncoder, warn_if_smaller_bpe, written_unk
+from datamodules.vocab.bpe import StreamEncoder, warn_if_other_bpe_size, written_unk
 from datamodules.vocab.word import UNK, count_words
 from heads.errors import UserError
 
@@ -248,7 +248,7 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
                 tokenizer.get_vocab_size(),
                 time.perf_counter() - start,
             )
-            warn_if_smaller_bpe(tokenizer.get_vocab_size(), hp.bpe_vocab_size, log)
+            warn_if_other_bpe_size(tokenizer.get_vocab_size(), hp.bpe_vocab_size, log)
             counts = np.zeros(tokenizer.get_vocab_size(), dtype=np.int64)
             encoder = StreamEncoder(tokenizer)
             written = 0  # <unk> written in the text

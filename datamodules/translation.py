@@ -54,7 +54,7 @@ from datamodules.text_source import (
     tokenizers_progress,
 )
 from datamodules.vocab import EOS, BPEVocab, WordVocab, vocab_from_state
-from datamodules.vocab.bpe import StreamEncoder, warn_if_smaller_bpe
+from datamodules.vocab.bpe import StreamEncoder, warn_if_other_bpe_size
 from datamodules.vocab.word import count_words
 from heads import IGNORE_INDEX
 from heads.errors import UserError
@@ -509,7 +509,7 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         tokenizer = BPEVocab.train_tokenizer(
             batches, hp.bpe_vocab_size, show_progress=tokenizers_progress()
         )
-        warn_if_smaller_bpe(tokenizer.get_vocab_size(), hp.bpe_vocab_size, log)
+        warn_if_other_bpe_size(tokenizer.get_vocab_size(), hp.bpe_vocab_size, log)
         counts = np.zeros(tokenizer.get_vocab_size(), dtype=np.int64)
         eos = tokenizer.token_to_id(EOS)
         encoder = StreamEncoder(tokenizer)

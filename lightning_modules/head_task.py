@@ -78,6 +78,17 @@ _EXTERNAL_GRAPHS = (
 CompileOption = bool | dict[str, Any]
 
 
+def _checked_compile_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``model.compile``'s keyword arguments, checked by ``torch.compile`` on a stand-in
+    module (it compiles lazily, so nothing is compiled): a typo in a mode, a backend or a
+    keyword is one line now, not a traceback when the model is set up."""
+    try:
+        torch.compile(torch.nn.Identity(), **options)
+    except Exception as error:  # noqa: BLE001 - torch raises RuntimeError, TypeError, its own
+        raise ModelConfigError(f"model.compile {options!r}: {error}") from error
+    return dict(options)
+
+
 class HeadTask(L.LightningModule):
     """Base of the task modules: ``self.backbone``, ``self.head`` and the optimizer factories.
 
@@ -155,7 +166,7 @@ class HeadTask(L.LightningModule):
         # a plain object, not a submodule: the head's parameters stay registered once
         self._graphed_loss = GraphedTrainingLoss(self.head) if cuda_graphs else None
         if isinstance(compile, dict):
-            self.compile_options = dict(compile)
+            self.compile_options = _checked_compile_options(compile)
         elif compile is True:
             self.compile_options = {}
         elif compile is False or compile is None:

@@ -238,6 +238,8 @@ COMMAND_LINE = [
                               "app.callbacks.LightRNNTableReassignment",
                               "--trainer.callbacks.init_args.solver", "sinkhorn"],
      "LightRNNTableReassignment solver must be 'auto', 'exact' or 'separable', got 'sinkhorn'"),
+    ("compile_mode_typo", ["fit", "--model.init_args.compile", "{mode: max-autotun}"],
+     "model.compile {'mode': 'max-autotun'}: Unrecognized mode=max-autotun, should be one of"),
     ("zero_temperature", ["fit", "--model.init_args.temperature", "0"],
      "model.temperature must be positive, got 0.0"),
     ("missing_checkpoint", ["test", "--ckpt_path", "/no/such.ckpt"],
@@ -412,6 +414,23 @@ def test_a_bpe_smaller_than_asked_is_a_warning(cli_run, corpus, tmp_path, caplog
     )
     trained = [r.getMessage() for r in caplog.records if "BPE of" in r.getMessage()]
     assert trained and "50000" not in trained[0]
+
+
+def test_a_bpe_larger_than_asked_is_a_warning(cli_run, corpus, tmp_path, caplog):
+    """Fewer tokens than the training text's characters: every character stays a piece."""
+    caplog.set_level(logging.INFO, logger="datamodules")
+    code = cli_run("fit", *tiny_lm(corpus), "--data.init_args.vocab", "bpe",
+                   "--data.init_args.bpe_vocab_size", "5", "--data.init_args.cache_dir",
+                   str(tmp_path), "--trainer.max_steps", "1", console=True)  # fmt: skip
+    assert code == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    found = re.fullmatch(
+        r"data.bpe_vocab_size asked 5 tokens but the training text's characters and the special "
+        r"tokens alone are (\d+): the BPE vocabulary has \1 \(no merge learnt\)",
+        warnings[0],
+    )  # the 16 letters, <unk>, <eos> and the word-start mark
+    assert found and int(found.group(1)) > len(set("".join(WORDS)))
 
 
 def test_a_prompt_of_unknown_words_is_a_warning(cli_run, corpus, caplog):

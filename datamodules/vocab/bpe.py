@@ -294,9 +294,18 @@ class BPEVocab(CachedIdsVocab):
         return json.dumps(self.state_dict())
 
 
-def warn_if_smaller_bpe(size: int, asked: int, log: logging.Logger) -> None:
-    """A warning line when the training text supports fewer pieces than ``bpe_vocab_size``
-    asked (every word type already one piece): the vocabulary is smaller than configured."""
+def warn_if_other_bpe_size(size: int, asked: int, log: logging.Logger) -> None:
+    """A warning line when the BPE's vocabulary is not the ``bpe_vocab_size`` asked: smaller
+    where the training text supports fewer pieces (every word type already one piece), larger
+    where its characters alone (each a piece, with the special tokens) are more."""
+    if size > asked:
+        log.warning(
+            "data.bpe_vocab_size asked %d tokens but the training text's characters and the "
+            "special tokens alone are %d: the BPE vocabulary has %d (no merge learnt)",
+            asked,
+            size,
+            size,
+        )
     if size < asked:
         log.warning(
             "data.bpe_vocab_size asked %d tokens but the training text gives only %d (every word "
