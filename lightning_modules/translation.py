@@ -131,6 +131,15 @@ class Translation(HeadTask):
             return self.head(hidden, target_output.reshape(-1)).loss
 
     def setup(self, stage: str) -> None:
+        data = getattr(self._trainer, "datamodule", None) if self._trainer else None
+        joint = getattr(getattr(data, "hparams", None), "joint_vocab", None)
+        if getattr(self.backbone, "share_embeddings", False) and joint is False:
+            # equal sizes pass the backbone's own check: capped vocabularies often are
+            raise ModelConfigError(
+                "model.backbone.share_embeddings needs one vocabulary for both sides, but the "
+                "data gives a source and a target vocabulary of their own (the same size, "
+                "other words): set data.joint_vocab true"
+            )
         super().setup(stage)
         if stage == "fit":  # set before the summary (on_fit_start)
             self.example_input_array = self._first_training_batch()

@@ -79,6 +79,7 @@ class Seq2SeqTransformer(nn.Module):
             )
         self.output_size = model_size
         self.max_length = max_length
+        self.share_embeddings = share_embeddings
         self.embedding = nn.Embedding(vocab_size, model_size)  # target side: tie with the head
         self.source_embedding = (
             self.embedding if share_embeddings else nn.Embedding(src_vocab_size, model_size)

@@ -152,6 +152,28 @@ def test_the_sanity_check_s_bleu_line_says_so(data, tmp_path, caplog):
         "sanity check: val BLEU", "val BLEU"]  # fmt: skip
 
 
+@pytest.mark.parametrize("joint", [False, True])
+def test_shared_embeddings_need_a_joint_vocabulary(tmp_path, joint):
+    """Two vocabularies of one size pass the backbone's size check (capped ones often have
+    it): the task refuses to share their embeddings unless the data's vocabulary is joint."""
+    path = write_corpus(tmp_path, {"train": TINY, "val": TINY[:5], "test_2016_flickr": TINY[:4]})
+    data = TranslationDataModule(path=path, max_tokens=12, joint_vocab=joint)
+    size = max(data.src_vocab_size, data.vocab_size) if not joint else data.vocab_size
+    backbone = Seq2SeqTransformer(size, size, model_size=D, num_heads=2, encoder_layers=1,
+                                  decoder_layers=1, feedforward_size=32,
+                                  share_embeddings=True)  # fmt: skip
+    model = Translation(backbone, SoftmaxHead(D, size))
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, default_root_dir=tmp_path)  # fmt: skip
+    if joint:
+        trainer.fit(model, datamodule=data)
+        assert backbone.source_embedding is backbone.embedding and trainer.global_step == 1
+    else:
+        with pytest.raises(ModelConfigError, match="set data.joint_vocab true$"):
+            trainer.fit(model, datamodule=data)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("head_class", [SoftmaxHead, MixtapeHead])
 def test_a_tiny_model_learns_to_translate_the_toy_corpus(data, tmp_path, head_class):
