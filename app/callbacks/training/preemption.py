@@ -14,9 +14,12 @@ requeue).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -28,7 +31,23 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_SIGNAL_LOG = "lightning.pytorch.trainer.connectors.signal_connector"
 FILENAME = "last.ckpt"
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str, text: str) -> Iterator[None]:
+    """Drop the records of ``logger_name`` that contain ``text`` meanwhile."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return text not in record.getMessage()
+
+    logger = logging.getLogger(logger_name)
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 class PreemptionCheckpoint(Callback):
@@ -57,7 +76,9 @@ class PreemptionCheckpoint(Callback):
         previous = self._previous.get(signum)
         if signum == signal.SIGTERM and callable(previous):
             previous(signum, frame)  # Lightning's: sets trainer.received_sigterm
-        else:
+            return
+        rank_zero_info("SIGINT: saving a checkpoint after this batch (Ctrl+C again: stop now)")
+        with _quiet(_SIGNAL_LOG, "Received SIGTERM"):  # its notifier names every signal so
             self._trainer._signal_connector._sigterm_notifier_fn(signum, frame)
 
     def on_exception(
@@ -77,7 +98,7 @@ class PreemptionCheckpoint(Callback):
         path = self.checkpoint_path(trainer)
         # written beside, then renamed: a kill during the save leaves the old last.ckpt whole
         partial = path.with_name(f".{path.name}.partial")
-        trainer.save_checkpoint(partial)
+        trainer.save_checkpoint(partial, weights_only=False)  # said, not left to a log line
         if trainer.is_global_zero:
             os.replace(partial, path)
             print(

@@ -72,6 +72,11 @@ def test_a_signal_mid_epoch_saves_a_checkpoint_that_resumes_exactly(
         f"<same options> --ckpt_path {checkpoint}`"
     ]
     assert "Traceback" not in stopped.stderr
+    # the signal named as it is (Lightning's notifier calls every signal SIGTERM), and no
+    # line about a default the callback sets
+    assert "Received SIGTERM: 2" not in stopped.stderr and "weights_only" not in stopped.stderr
+    said = "SIGINT: saving a checkpoint after this batch (Ctrl+C again: stop now)"
+    assert (said in stopped.stderr) == (name == "SIGINT")
     saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
     assert saved["global_step"] == SIGNAL_AT + 1  # the batch under way was finished first
     assert not list(checkpoint.parent.glob(".*partial"))
