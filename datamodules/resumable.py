@@ -21,11 +21,14 @@ from torch.utils.data import DataLoader, Dataset
 
 
 class ResumableLoader(DataLoader):
-    """``DataLoader(dataset, batch_size=None)`` (the dataset yields whole batches) that
-    remembers how many batches of the current epoch were trained on.
+    """A ``DataLoader`` that remembers how many batches of the current epoch were trained on:
+    ``ResumableLoader(dataset)`` for a dataset that yields whole batches (``batch_size=None``),
+    or with a ``batch_sampler`` and ``collate_fn`` (translation's token buckets).
 
-    The dataset must give the same batches in the same order when iterated again within an
-    epoch (BPTT windows do; shuffled datasets must seed their order by epoch).
+    The batches must come in the same order when iterated again within an epoch (BPTT windows
+    do; a shuffled order must be seeded by the epoch, as the token buckets' is). Batches
+    before the resumed position are skipped after they are made (a collate each: cheap beside
+    a training step).
 
     Attributes:
         batches_served: batches yielded in the current epoch (including a read-ahead).
@@ -33,8 +36,10 @@ class ResumableLoader(DataLoader):
             was resumed from a mid-epoch checkpoint).
     """
 
-    def __init__(self, dataset: Dataset) -> None:
-        super().__init__(dataset, batch_size=None)
+    def __init__(self, dataset: Dataset, **loader: Any) -> None:
+        if "batch_sampler" not in loader:
+            loader.setdefault("batch_size", None)
+        super().__init__(dataset, **loader)
         self.batches_served = 0
         self.resumed_from = 0
         self._consumed: int | None = None

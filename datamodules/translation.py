@@ -39,6 +39,7 @@ from datamodules.errors import (
     ParallelDataError,
     VocabularyMismatchError,
 )
+from datamodules.resumable import ResumableLoader
 from datamodules.text_source import (
     CORPORA,
     HubColumns,
@@ -651,7 +652,9 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
             order.set_epoch(trainer.current_epoch)
         sampler = TokenBucketBatchSampler(order, max_tokens, rank=rank, world_size=world)
         pad = bos = self.bos_id
-        return DataLoader(
+        # training: a mid-epoch checkpoint saves the position, `fit --ckpt_path` continues there
+        loader = ResumableLoader if shuffle else DataLoader
+        return loader(
             pairs,
             batch_sampler=sampler,
             collate_fn=lambda items: collate_pairs(items, pad_id=pad, bos_id=bos),

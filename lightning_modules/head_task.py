@@ -35,6 +35,13 @@ from lightning_modules.checks import (
     head_class_name,
     restore_data_state,
 )
+from lightning_modules.epoch_resume import (
+    mark_position,
+    read_epoch_state,
+    restore_metrics,
+    resumable_loader,
+    save_epoch_state,
+)
 from lightning_modules.errors import ModelConfigError
 from lightning_modules.optimization import configure_optimizers
 
@@ -152,6 +159,7 @@ class HeadTask(L.LightningModule):
         # validations ended in fit, and that count at the plateau scheduler's last step
         self._validations = self._plateau_validations = 0
         self._finite_loss = FiniteLossCheck()
+        self._resumed_epoch: dict | None = None  # read_epoch_state's, until the first batch
 
     def configure_training(
         self, compile: CompileOption, loss_backend: str, cuda_graphs: bool = False
@@ -315,11 +323,42 @@ class HeadTask(L.LightningModule):
             return
         super().lr_scheduler_step(scheduler, metric)
 
+    # -- a training epoch resumed mid-way (lightning_modules/epoch_resume.py) ---------------
+    def train_metrics(self) -> dict[str, Any]:
+        """The metrics that accumulate over a training epoch (its train perplexity): saved
+        with a mid-epoch checkpoint, given back when it resumes."""
+        return {}
+
+    def epoch_state(self) -> Any:
+        """What else a training epoch carries from batch to batch (a recurrent language
+        model's state), saved with a mid-epoch checkpoint; None for nothing."""
+        return None
+
+    def continue_epoch_state(self, state: Any) -> None:
+        """Take back the :meth:`epoch_state` of the checkpoint this run resumes mid-epoch."""
+
+    def on_train_epoch_start(self) -> None:
+        # (Lightning does not call this when it resumes in the middle of an epoch)
+        self._resumed_epoch = None
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        loader = resumable_loader(self._trainer)
+        if loader is None:
+            return
+        saved, self._resumed_epoch = self._resumed_epoch, None
+        if saved is not None and 0 < loader.resumed_from == batch_idx:
+            restore_metrics(self.train_metrics(), saved["metrics"], self.device)
+            self.continue_epoch_state(saved["state"])
+        mark_position(self.trainer, loader, batch_idx)
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[HEAD_KEY] = head_class_name(self.head)
+        if resumable_loader(self._trainer) is not None:
+            save_epoch_state(self, checkpoint, self.train_metrics(), self.epoch_state())
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # the vocabulary checked before the weights: a mismatch reported as such, not as a shape
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer else None
         restore_data_state(datamodule, checkpoint)
         check_checkpoint_head(checkpoint, self.head)
+        self._resumed_epoch = read_epoch_state(checkpoint, self._trainer)

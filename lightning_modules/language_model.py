@@ -10,26 +10,16 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric, SumMetric
 
-from datamodules.resumable import ResumableLoader
 from heads import Head
 from lightning_modules.backbones import LMBackbone
 from lightning_modules.checks import HEAD_KEY, tie_head
+from lightning_modules.epoch_resume import map_tensors
 from lightning_modules.errors import ModelConfigError
 from lightning_modules.head_task import NO_READ_BACK, HeadTask
 from lightning_modules.optimization import step_schedulers_skipped_by_resume
 from lightning_modules.pretrained import Pretrained, read_pretrained
 
 STAGES = ("train", "val", "test")
-TRAIN_STATE_KEY = "language_model_train_state"
-
-
-def _map_tensors(state: Any, fn: Any) -> Any:
-    """Apply ``fn`` to every tensor of a recurrent state (tensors in lists and tuples)."""
-    if isinstance(state, torch.Tensor):
-        return fn(state)
-    return type(state)(_map_tensors(s, fn) for s in state)
-
-
 NOT_HPARAMS = [
     "backbone", "head", "optimizer", "scheduler", "predict_top_k", "generate_tokens",
     "temperature", "pretrained_checkpoint", "compile", "loss_backend", "cuda_graphs",
@@ -128,7 +118,6 @@ class LanguageModel(HeadTask):
             }
         )
         self._word_starts: torch.Tensor | None = None
-        self._resumed_train_state: Any = None
 
     # -- steps -------------------------------------------------------------------------
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -229,27 +218,8 @@ class LanguageModel(HeadTask):
         self.log(f"{stage}/ppl", mean_nll.exp(), prog_bar=True, sync_dist=False)
 
     def on_train_epoch_start(self) -> None:
-        # (Lightning does not call this when it resumes in the middle of an epoch)
+        super().on_train_epoch_start()
         self._state.pop("train", None)
-        self._resumed_train_state = None
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        loader = self.trainer.train_dataloader
-        if not isinstance(loader, ResumableLoader):
-            return
-        # Resumed mid-epoch: continue the recurrent state of the checkpoint (saved with the
-        # data position), so the next windows see the same context as without the stop.
-        saved, self._resumed_train_state = self._resumed_train_state, None
-        if saved is not None and 0 < loader.resumed_from == batch_idx:
-            self._state["train"] = _map_tensors(saved["state"], lambda t: t.to(self.device))
-            for name, metric in self._train_metrics().items():
-                for key, value in saved["metrics"].get(name, {}).items():
-                    setattr(metric, key, value.to(self.device))
-                metric._update_count = max(metric._update_count, 1)  # holds values: no warning
-        # the data position a checkpoint saves: this batch is being trained on; after the
-        # epoch's last batch the next pass starts from the beginning
-        done = batch_idx + 1
-        loader.mark_consumed(0 if done >= self.trainer.num_training_batches else done)
 
     def on_validation_epoch_start(self) -> None:
         self._state.pop("val", None)
@@ -313,48 +283,17 @@ class LanguageModel(HeadTask):
                 f"head ({self._pretrained.entries.get(HEAD_KEY)}) does not fit it"
             )
 
-    def _train_metrics(self) -> dict[str, Any]:
-        """The metrics that accumulate over a training epoch (train perplexity)."""
+    def train_metrics(self) -> dict[str, Any]:
         return {
             "train_nll": self.metrics["train_nll"],
             **{f"word_{k}": m for k, m in self.word_metrics.items() if k.startswith("train_")},
         }
 
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_save_checkpoint(checkpoint)
-        # What a mid-epoch resume needs beyond the weights: the recurrent state carried
-        # between training windows and the epoch's running train-perplexity sums.
-        state = self._state.get("train")
-        if state is None:
-            return
-        metrics = {
-            name: {key: value.detach().clone() for key, value in metric.metric_state.items()}
-            for name, metric in self._train_metrics().items()
-        }
-        world_size = self.trainer.world_size
-        if world_size > 1:  # each rank carries its own streams: keep every rank's
-            state, metrics = self.all_gather((state, metrics))
-        checkpoint[TRAIN_STATE_KEY] = {
-            "world_size": world_size,
-            "state": _map_tensors(state, lambda t: t.detach().cpu()),
-            "metrics": {
-                name: {key: value.cpu() for key, value in values.items()}
-                for name, values in metrics.items()
-            },
-        }
+    def epoch_state(self) -> Any:
+        # the recurrent state carried between training windows
+        return self._state.get("train")
 
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_load_checkpoint(checkpoint)  # the vocabulary and the head, checked
-        trainer = self._trainer
-        saved = checkpoint.get(TRAIN_STATE_KEY)
-        if saved is not None and trainer is not None and saved["world_size"] == trainer.world_size:
-            if saved["world_size"] > 1:
-                rank = trainer.global_rank
-                saved = {
-                    "state": _map_tensors(saved["state"], lambda t: t[rank]),
-                    "metrics": {
-                        name: {key: value[rank] for key, value in values.items()}
-                        for name, values in saved["metrics"].items()
-                    },
-                }
-            self._resumed_train_state = saved
+    def continue_epoch_state(self, state: Any) -> None:
+        # the next windows see the same context as without the stop
+        if state is not None:
+            self._state["train"] = map_tensors(state, lambda t: t.to(self.device))

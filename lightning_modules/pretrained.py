@@ -16,13 +16,14 @@ import torch
 from datamodules.errors import VocabularyMismatchError
 from lightning_modules.checkpoint_file import check_checkpoint_file
 from lightning_modules.checks import restore_data_state
+from lightning_modules.epoch_resume import TRAIN_STATE_KEY
 from lightning_modules.errors import ModelConfigError
 
 OPTION = "model.pretrained_checkpoint"
-# a checkpoint's entries that are not what it was trained on (the last: LanguageModel's
-# recurrent state, TRAIN_STATE_KEY)
+# a checkpoint's entries that are not what it was trained on (the last two: a training
+# epoch's sums and recurrent state, epoch_resume.TRAIN_STATE_KEY, and its earlier name)
 _NOT_DATA = ("state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks",
-             "language_model_train_state")  # fmt: skip
+             TRAIN_STATE_KEY, "language_model_train_state")  # fmt: skip
 # the longest mismatch quoted (torch lists every missing key on one line)
 _LONGEST = 300
 

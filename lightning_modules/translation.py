@@ -181,6 +181,9 @@ class Translation(HeadTask):
             self.log("train/nll", nll)
         return loss
 
+    def train_metrics(self) -> dict[str, Any]:
+        return {"train_nll": self.metrics["train_nll"]}
+
     def batch_targets(self, batch: Any) -> torch.Tensor | None:
         return batch.get("target_output") if isinstance(batch, dict) else None
 

@@ -154,7 +154,7 @@ def test_resume_under_ddp_continues_each_ranks_streams(tmp_path, ptb_path):
                 callbacks=[every, fail])  # fmt: skip
     ckpt = tmp_path / "ckpt" / "step=8.ckpt"
     saved = torch.load(ckpt, map_location="cpu", weights_only=False)
-    assert saved["language_model_train_state"]["world_size"] == 2
+    assert saved["train_epoch_state"]["world_size"] == 2
     resumed = ddp_fit(tmp_path / "resumed", ptb_path, "ptb_softmax", *common,
                       "--ckpt_path", str(ckpt), devices=2)  # fmt: skip
     assert resumed["step"] == whole["step"]

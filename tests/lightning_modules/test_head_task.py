@@ -56,7 +56,7 @@ class FakeData:
 
 def test_loading_restores_the_data_once_and_checks_the_head_first():
     task, data = model(), FakeData()
-    task._trainer = SimpleNamespace(datamodule=data)
+    task._trainer = SimpleNamespace(datamodule=data, state=SimpleNamespace(fn="validate"))
     checkpoint = {"state_dict": task.state_dict(), "FakeData": {"vocab": "v"}}
     task.on_save_checkpoint(checkpoint)
     task.on_load_checkpoint(checkpoint)

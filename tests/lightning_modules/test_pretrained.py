@@ -11,8 +11,8 @@ from datamodules.errors import VocabularyMismatchError
 from heads import MoSHead, SoftmaxHead
 from lightning_modules import LanguageModel
 from lightning_modules.backbones import LSTMBackbone
+from lightning_modules.epoch_resume import TRAIN_STATE_KEY
 from lightning_modules.errors import ModelConfigError
-from lightning_modules.language_model import TRAIN_STATE_KEY
 from tests.datamodules.test_cache import write_corpus
 
 

@@ -174,6 +174,40 @@ def test_shared_embeddings_need_a_joint_vocabulary(tmp_path, joint):
             trainer.fit(model, datamodule=data)
 
 
+def test_a_mid_epoch_checkpoint_resumes_exactly(tmp_path):
+    """``fit --ckpt_path`` of a checkpoint written mid-epoch continues at the next batch of
+    the same shuffled order (the token buckets' position is saved), with the epoch's train
+    NLL sums given back: the run ends with the uninterrupted run's weights and epoch NLL
+    (Lightning warned "your dataloader is not resumable" and replayed the epoch's start)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    path = write_corpus(tmp_path, {"train": TINY, "val": TINY[:5], "test_2016_flickr": TINY[:4]})
+
+    def fit(name: str, ckpt_path: str | None = None) -> tuple[Translation, L.Trainer]:
+        data = TranslationDataModule(path=path, max_tokens=8)  # 6 batches an epoch
+        model = make(data)
+        every = ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=8, save_top_k=-1,
+                                filename="{step}")  # fmt: skip
+        trainer = L.Trainer(max_epochs=2, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, num_sanity_val_steps=0,
+                            limit_val_batches=0, callbacks=[every],
+                            default_root_dir=tmp_path)  # fmt: skip
+        trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+        return model, trainer
+
+    whole, whole_trainer = fit("whole")
+    middle = tmp_path / "whole" / "step=8.ckpt"  # the 2nd batch of the second epoch
+    assert torch.load(middle, weights_only=False)["loops"]["fit_loop"]["epoch_progress"][
+        "current"]["completed"] == 1  # fmt: skip
+    resumed, resumed_trainer = fit("resumed", str(middle))
+    assert resumed_trainer.global_step == whole_trainer.global_step == 12
+    for (name, value), other in zip(whole.state_dict().items(), resumed.state_dict().values(),
+                                    strict=True):  # fmt: skip
+        torch.testing.assert_close(other, value, rtol=0, atol=0, msg=name)
+    epoch_nll = [t.callback_metrics["train/nll_epoch"] for t in (whole_trainer, resumed_trainer)]
+    torch.testing.assert_close(epoch_nll[1], epoch_nll[0], rtol=0, atol=0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("head_class", [SoftmaxHead, MixtapeHead])
 def test_a_tiny_model_learns_to_translate_the_toy_corpus(data, tmp_path, head_class):
