@@ -399,38 +399,31 @@ def test_more_ds_experts_than_classes_is_refused(cli_run, corpus, capsys):
     )
 
 
-def test_a_bpe_smaller_than_asked_is_a_warning(cli_run, corpus, tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="datamodules")
-    code = cli_run("fit", *tiny_lm(corpus), "--data.init_args.vocab", "bpe",
-                   "--data.init_args.bpe_vocab_size", "50000", "--data.init_args.cache_dir",
-                   str(tmp_path), "--trainer.max_steps", "1", console=True)  # fmt: skip
-    assert code == 0
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1
-    assert re.fullmatch(
-        r"data.bpe_vocab_size asked 50000 tokens but the training text gives only (\d+) \(every "
-        r"word is one piece by then\): the BPE vocabulary has \1",
-        warnings[0].getMessage(),
-    )
-    trained = [r.getMessage() for r in caplog.records if "BPE of" in r.getMessage()]
-    assert trained and "50000" not in trained[0]
+BPE_OTHER_SIZE = {  # asked: the warning, the size it gives as its group 1
+    "50000": r"data.bpe_vocab_size asked 50000 tokens but the training text gives only (\d+) "
+             r"\(every word is one piece by then\): the BPE vocabulary has \1",
+    "5": r"data.bpe_vocab_size asked 5 tokens but the training text's characters and the "
+         r"special tokens alone are (\d+): the BPE vocabulary has \1 \(no merge learnt\)",
+}  # fmt: skip
 
 
-def test_a_bpe_larger_than_asked_is_a_warning(cli_run, corpus, tmp_path, caplog):
-    """Fewer tokens than the training text's characters: every character stays a piece."""
+@pytest.mark.parametrize("asked", BPE_OTHER_SIZE)
+def test_a_bpe_of_another_size_than_asked_is_a_warning(cli_run, corpus, tmp_path, caplog, asked):
+    """Smaller: every word type is one piece already; larger: every character stays a piece
+    (the 16 letters, <unk>, <eos> and the word-start mark)."""
     caplog.set_level(logging.INFO, logger="datamodules")
     code = cli_run("fit", *tiny_lm(corpus), "--data.init_args.vocab", "bpe",
-                   "--data.init_args.bpe_vocab_size", "5", "--data.init_args.cache_dir",
+                   "--data.init_args.bpe_vocab_size", asked, "--data.init_args.cache_dir",
                    str(tmp_path), "--trainer.max_steps", "1", console=True)  # fmt: skip
     assert code == 0
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
-    found = re.fullmatch(
-        r"data.bpe_vocab_size asked 5 tokens but the training text's characters and the special "
-        r"tokens alone are (\d+): the BPE vocabulary has \1 \(no merge learnt\)",
-        warnings[0],
-    )  # the 16 letters, <unk>, <eos> and the word-start mark
-    assert found and int(found.group(1)) > len(set("".join(WORDS)))
+    found = re.fullmatch(BPE_OTHER_SIZE[asked], warnings[0])
+    assert found
+    trained = [r.getMessage() for r in caplog.records if "BPE of" in r.getMessage()]
+    assert trained and trained[0].startswith(f"BPE of {found.group(1)} tokens trained")
+    if asked == "5":
+        assert int(found.group(1)) > len(set("".join(WORDS)))
 
 
 def test_a_prompt_of_unknown_words_is_a_warning(cli_run, corpus, caplog):
