@@ -12,12 +12,16 @@ from torchmetrics import MeanMetric
 from app.callbacks.ds.optim import find_ds_head
 from heads.errors import HeadConfigError
 
+# what a DS run's progress bar shows after each validation: how far the structure has come
+ON_THE_BAR = ("ds/speedup", "ds/num_experts")
+
 
 class DSMonitor(Callback):
     """After each validation epoch logs ``ds/speedup`` (``|V| / (sum_k |v_k| u_k + K)``),
-    ``ds/num_experts``, ``ds/rows`` (``sum_k |v_k|``), ``ds/mean_expert_size``,
-    ``ds/max_utilisation``, and to TensorBoard the histograms of ``u_k`` and ``|v_k|`` and the
-    expert x class membership image (classes binned to ``heatmap_columns`` when V is larger).
+    ``ds/num_experts`` (both on the progress bar), ``ds/rows`` (``sum_k |v_k|``),
+    ``ds/mean_expert_size``, ``ds/max_utilisation``, and to TensorBoard the histograms of
+    ``u_k`` and ``|v_k|`` and the expert x class membership image (classes binned to
+    ``heatmap_columns`` when V is larger).
 
     ``u_k`` is counted with a forward hook on the head over the validation tokens that are not
     ignored, summed over DDP ranks.
@@ -56,8 +60,8 @@ class DSMonitor(Callback):
             "ds/mean_expert_size": float(sizes.mean()),
             "ds/max_utilisation": float(utilisation.max()),
         }
-        for key, value in stats.items():
-            pl_module.log(key, value, sync_dist=False)
+        for key, value in stats.items():  # host numbers: the bar reads nothing back
+            pl_module.log(key, value, sync_dist=False, prog_bar=key in ON_THE_BAR)
         experiment = getattr(trainer.logger, "experiment", None)
         if trainer.is_global_zero and hasattr(experiment, "add_image"):
             step = trainer.global_step

@@ -21,6 +21,7 @@ def test_monitor_logs_speedup_and_heatmap(tmp_path):
     # no pruning: every expert holds all 4 classes, so the speed-up is V / (V + K) = 0.5
     assert float(metrics["ds/speedup"]) == pytest.approx(4 / (4 + 4))
     assert float(metrics["ds/num_experts"]) == 4
+    assert {"ds/speedup", "ds/num_experts"} <= set(t.progress_bar_metrics)  # a DS run's console
     assert monitor.heatmap(model.head).shape == (4, 3)
     assert list(tmp_path.rglob("events.out.tfevents*"))
 
