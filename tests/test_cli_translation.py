@@ -80,7 +80,7 @@ def test_predict_translates_given_sentences(trained, cli_run, tmp_path):
             "--model.init_args.decode.max_length_b", "3",
             "--trainer.callbacks+=app.callbacks.PredictionWriter",
             f"--trainer.callbacks.output_file={out}", experiment="multi30k_mixtape")  # fmt: skip
-    (rows,) = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]  # a sentence a line
     assert [r["source"] for r in rows] == sentences
     assert all(isinstance(r["translation"], str) for r in rows)
 
