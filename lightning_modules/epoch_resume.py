@@ -16,6 +16,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning_utilities.core.apply_func import apply_to_collection
 from torchmetrics import Metric
 
 from datamodules.resumable import ResumableLoader
@@ -23,15 +24,6 @@ from datamodules.resumable import ResumableLoader
 TRAIN_STATE_KEY = "train_epoch_state"
 # the same entry as the language model wrote it before translation resumed mid-epoch too
 _EARLIER_KEYS = ("language_model_train_state",)
-
-
-def map_tensors(state: Any, fn: Any) -> Any:
-    """``fn`` applied to every tensor of ``state`` (tensors in lists and tuples; None kept)."""
-    if state is None:
-        return None
-    if isinstance(state, torch.Tensor):
-        return fn(state)
-    return type(state)(map_tensors(s, fn) for s in state)
 
 
 def resumable_loader(trainer: L.Trainer | None) -> ResumableLoader | None:
@@ -55,7 +47,7 @@ def save_epoch_state(module: L.LightningModule, checkpoint: dict[str, Any],
         state, sums = module.all_gather((state, sums))
     checkpoint[TRAIN_STATE_KEY] = {
         "world_size": world_size,
-        "state": map_tensors(state, lambda t: t.detach().cpu()),
+        "state": apply_to_collection(state, torch.Tensor, lambda t: t.detach().cpu()),
         "metrics": {name: {k: v.cpu() for k, v in values.items()} for name, values in sums.items()},
     }
 
@@ -63,16 +55,15 @@ def save_epoch_state(module: L.LightningModule, checkpoint: dict[str, Any],
 def read_epoch_state(checkpoint: dict[str, Any], trainer: L.Trainer | None) -> dict | None:
     """This rank's ``{"state", "metrics"}`` from a checkpoint written by as many processes as
     this run has, else None (another world size starts the epoch's sums afresh)."""
-    saved = checkpoint.get(TRAIN_STATE_KEY)
-    for key in _EARLIER_KEYS:
-        saved = saved if saved is not None else checkpoint.get(key)
+    saved = next((checkpoint[k] for k in (TRAIN_STATE_KEY, *_EARLIER_KEYS) if k in checkpoint),
+                 None)  # fmt: skip
     if saved is None or trainer is None or saved["world_size"] != trainer.world_size:
         return None
     if saved["world_size"] == 1:
         return saved
     rank = trainer.global_rank
     return {
-        "state": map_tensors(saved["state"], lambda t: t[rank]),
+        "state": apply_to_collection(saved["state"], torch.Tensor, lambda t: t[rank]),
         "metrics": {
             name: {key: value[rank] for key, value in values.items()}
             for name, values in saved["metrics"].items()

@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 import torch
+from lightning.fabric.utilities import move_data_to_device
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric, SumMetric
@@ -13,7 +14,6 @@ from torchmetrics import MeanMetric, SumMetric
 from heads import Head
 from lightning_modules.backbones import LMBackbone
 from lightning_modules.checks import HEAD_KEY, tie_head
-from lightning_modules.epoch_resume import map_tensors
 from lightning_modules.errors import ModelConfigError
 from lightning_modules.head_task import NO_READ_BACK, HeadTask
 from lightning_modules.optimization import step_schedulers_skipped_by_resume
@@ -296,4 +296,4 @@ class LanguageModel(HeadTask):
     def continue_epoch_state(self, state: Any) -> None:
         # the next windows see the same context as without the stop
         if state is not None:
-            self._state["train"] = map_tensors(state, lambda t: t.to(self.device))
+            self._state["train"] = move_data_to_device(state, self.device)
