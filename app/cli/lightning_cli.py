@@ -120,7 +120,10 @@ class AppCLI(LightningCLI):
         if _default_progress_bar(config.trainer, extra):  # no device sync per batch for it
             ours.append(interval_progress_bar())
         self.trainer_defaults = {**self.trainer_defaults, "callbacks": [*extra, *ours]}
-        if self.subcommand not in (None, "fit"):  # the run folder's config.yaml is the fit's
+        if self.subcommand not in (None, "fit") and config.trainer.get("logger") in (False, []):
+            # no logger, no run folder: the config would land in the working folder
+            self.save_config_callback = None
+        elif self.subcommand not in (None, "fit"):  # the run folder's config.yaml is the fit's
             self.save_config_kwargs = {
                 **self.save_config_kwargs,
                 "config_filename": f"{self.subcommand}_config.yaml",

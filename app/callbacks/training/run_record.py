@@ -88,7 +88,11 @@ class RunRecord(L.Callback):
         self._checkpoint_step = model_step(checkpoint)
 
     def _log_model_step(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._checkpoint_step is not None and trainer.state.fn != TrainerFn.FITTING:
+        if (
+            self._checkpoint_step is not None
+            and trainer.state.fn != TrainerFn.FITTING
+            and trainer.loggers  # (no logger: nothing to place on an axis)
+        ):
             # a logged "step" is the x-axis of the figures logged with it (Lightning's rule)
             pl_module.log("step", float(self._checkpoint_step), logger=True, prog_bar=False)
 

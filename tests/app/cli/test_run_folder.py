@@ -154,3 +154,17 @@ def test_a_checkpoint_from_elsewhere_gets_an_eval_folder(fitted_and_tested, ptb_
     assert not [w for w in caught if "dirpath has changed" in str(w.message)]
     logged = scalars(eval_logs / "ptb" / "eval-model")
     assert [s for s, _ in logged["val/ppl"]] == [23]
+
+
+def test_an_evaluation_without_a_logger_leaves_the_working_folder_as_it_was(
+    fitted_and_tested, ptb_path, tmp_path, monkeypatch
+):
+    _, _, logs, _ = fitted_and_tested
+    config = str(Path(__file__).parents[3] / "configs/lm/ptb.yaml")
+    monkeypatch.chdir(tmp_path)  # Lightning's log_dir without a logger: the working folder
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # e.g. self.log(..., logger=True) unheard
+        main(["validate", *[config if a == "configs/lm/ptb.yaml" else a for a in TINY],
+              "--data.init_args.path", ptb_path, "--trainer.logger", "false",
+              "--ckpt_path", str(logs / "ptb/version_0/checkpoints/last.ckpt")])  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
