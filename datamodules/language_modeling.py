@@ -33,7 +33,15 @@ from datamodules.text_source import (
     text_source,
     tokenizers_progress,
 )
-from datamodules.vocab import VOCABS, BPEVocab, Vocab, WordVocab, vocab_from_state, vocab_over
+from datamodules.vocab import (
+    VOCABS,
+    BPEVocab,
+    HybridLightRNNVocab,
+    Vocab,
+    WordVocab,
+    vocab_from_state,
+    vocab_over,
+)
 from datamodules.vocab.bpe import StreamEncoder, warn_if_other_bpe_size, written_unk
 from datamodules.vocab.word import UNK, count_words
 from heads.errors import UserError
@@ -42,6 +50,16 @@ log = logging.getLogger(__name__)
 
 # Above this share of a split's tokens, the unknown-word line is a warning.
 UNKNOWN_WARN_SHARE = 0.01
+
+
+def _codes(vocab: Vocab) -> str:
+    """What a Hybrid-LightRNN vocabulary's ids stand for ("" for other vocabularies)."""
+    if not isinstance(vocab, HybridLightRNNVocab):
+        return ""
+    return (
+        f" for {len(vocab.words):,} words ({vocab.num_frequent:,} frequent words and the "
+        f"{vocab.rows} rows and {vocab.cols} columns of the rare words' table)"
+    )
 
 
 class _UnknownCounter:
@@ -224,11 +242,14 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
             what = f"the {self._level} vocabulary of {self.source.label!r}"
             cache.ensure(lambda: cache.has("vocab.json"), self._build_vocab, what)
             base = vocab_from_state(cache.read_json("vocab.json"))
-            return vocab_over(base, hp.vocab, hp)
+            vocab = vocab_over(base, hp.vocab, hp)
         except UserError:
             raise
         except ValueError as exc:  # sizes that cannot work: one line naming the options
             raise DataConfigError(f"data.vocab={hp.vocab} ({options[hp.vocab]}): {exc}") from exc
+        if process_rank() in (None, 0):  # the size the head and embeddings are built for
+            log.info("vocabulary (%s): %s ids%s", hp.vocab, f"{len(vocab):,}", _codes(vocab))
+        return vocab
 
     def _build_vocab(self) -> None:
         """Count the training split once (word), or train the BPE on it and encode it once

@@ -404,7 +404,10 @@ def local_or_hub(
     ``hub`` names one; a data module reads the hub dataset when there is one."""
     if hub is not None and path is not None:
         raise DataConfigError(
-            f"data.path ({path!r}) and data.hub ({hub!r}) are both set; set one of them"
+            f"data.path ({path!r}) and data.hub ({hub!r}) are both set; set one of them "
+            "(local files: add --data.hub null"
+            + (" --data.name null" if name is not None else "")
+            + ")"
         )
     if hub is None and (name is not None or revision is not None):
         raise DataConfigError("data.name and data.revision need data.hub (a hub dataset name)")

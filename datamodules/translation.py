@@ -30,6 +30,7 @@ from datamodules.cache import (
     CacheEntry,
     SourceIdentities,
     cache_root,
+    process_rank,
     splits_to_prepare,
     vocab_options,
 )
@@ -470,6 +471,13 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
             source = vocab_from_state(states["source"])
             target = source if hp.joint_vocab else vocab_from_state(states["target"])
             self._vocabs = (source, target)
+            if process_rank() in (None, 0):  # the sizes the model is built for
+                sizes = (
+                    f"joint {len(source):,}"
+                    if hp.joint_vocab
+                    else f"source {len(source):,}, target {len(target):,}"
+                )
+                log.info("vocabularies (%s): %s ids", hp.vocab, sizes)
         return self._vocabs
 
     def _train_batches(self, side: str, desc: str, lines: dict[str, int]) -> Iterator[list[str]]:

@@ -194,6 +194,7 @@ def test_lightrnn_options_that_cannot_work_are_one_clear_error(tmp_path):
 
 
 def test_lightrnn_table_too_small_for_the_corpus_grows_to_fit(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="datamodules")
     for split in ("train", "valid", "test"):
         (tmp_path / f"c.{split}.txt").write_text("a b\nc d\ne f\ng h\n")
     data = LanguageModelingDataModule(
@@ -202,6 +203,10 @@ def test_lightrnn_table_too_small_for_the_corpus_grows_to_fit(tmp_path, caplog):
     )  # fmt: skip
     vocab = data.vocab  # <eos> and a frequent; b..h and <unk> rare: 8 words, 4 cells
     assert (vocab.rows, vocab.cols) == (3, 3) and "using 3 x 3" in caplog.text
+    assert (
+        "vocabulary (hybrid_lightrnn): 8 ids for 10 words (2 frequent words and the 3 rows and "
+        "3 columns of the rare words' table)" in caplog.text
+    )
     lines = [[*pair, "<eos>"] for pair in ("ab", "cd", "ef", "gh")]
     assert vocab.decode(data.split_tokens("test").tolist()) == sum(lines, [])
 
@@ -289,6 +294,9 @@ def test_scaled_down_wikitext_cache_is_used_and_correct(wikitext_like, tmp_path,
         assert np.array_equal(first.split_tokens(split).numpy(), expected)
         assert np.array_equal(second.split_tokens(split).numpy(), expected)
     messages = [r.getMessage() for r in caplog.records if "became <unk>" not in r.getMessage()]
+    sizes = [m for m in messages if m.startswith("vocabulary")]
+    assert sizes == [f"vocabulary (word): {len(itos):,} ids"]  # what the head is built for
+    messages = [m for m in messages if m not in sizes]
     assert len(messages) == 4 and all("data cache hit" in m for m in messages)
 
 

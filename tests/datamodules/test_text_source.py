@@ -195,8 +195,13 @@ def test_path_and_hub_are_one_or_the_other(tmp_path):
     assert local_or_hub(None, shipped, None, None, None, None) == (shipped, None)
     folder, hub = local_or_hub(None, shipped, "a/b", "c", "v2", {"train": "t"})
     assert hub == HubDataset("a/b", "c", "v2", {"train": "t"})
-    with pytest.raises(DataConfigError, match="are both set; set one of them"):
+    with pytest.raises(
+        DataConfigError, match=r"set one of them \(local files: add --data.hub null\)"
+    ):
         local_or_hub(str(tmp_path), shipped, "a/b", None, None, None)
+    # a config that names the hub's configuration too (configs/data/wikitext103.yaml)
+    with pytest.raises(DataConfigError, match="--data.hub null --data.name null"):
+        local_or_hub(str(tmp_path), shipped, "a/b", "c", None, None)
     with pytest.raises(DataConfigError, match="need data.hub"):
         local_or_hub(None, shipped, None, "wikitext-2-v1", None, None)
 

@@ -169,11 +169,17 @@ def test_empty_lines_policy(tmp_path):
     assert data.references("valid")[-1] == ""
 
 
-def test_joint_vocabulary_and_checkpoint_state(tmp_path):
+def test_joint_vocabulary_and_checkpoint_state(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="datamodules")
     data = tiny(tmp_path, joint_vocab=True)
     assert data.source_vocab is data.target_vocab
     # ein Hund eine Katze zwei Hunde . + a dog cat two dogs (. shared) + <eos> + <unk>
     assert data.vocab_size == data.src_vocab_size == 14
+    assert "vocabularies (word): joint 14 ids" in caplog.text  # what the model is built for
+    caplog.clear()
+    (tmp_path / "apart").mkdir()
+    assert tiny(tmp_path / "apart").vocab_size == 8  # a dog cat two dogs . <eos> <unk>
+    assert "vocabularies (word): source 9, target 8 ids" in caplog.text
     state = data.state_dict()
     tiny(tmp_path, joint_vocab=True).load_state_dict(state)  # same data: accepted
     with pytest.raises(VocabularyMismatchError, match="another source vocabulary"):
