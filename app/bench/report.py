@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import NamedTuple
 
@@ -100,14 +101,15 @@ def print_table(report: dict) -> None:
         rel, low, high, gflop, rate, memory = row_figures(rows, row)
         print(f"{row['head']:<22}{row['vocab_size']:>8}{row['hidden_size']:>6}{row['tokens']:>8}"
               f"{_number(row['time_ms'], 11, 2)}{_number(row['time_per_token_us'], 10, 3)}"
-              f"{rel:>11.2f}{interval_text(low, high):>14}{gflop:>9.1f}{rate:>10.0f}"
-              f"{memory:>11.1f}")  # fmt: skip
+              f"{_number(rel, 11, 2)}{interval_text(low, high):>14}{_number(gflop, 9, 1)}"
+              f"{_number(rate, 10, 0)}{_number(memory, 11, 1)}")  # fmt: skip
     for line in peer_speedups(rows):
         print(line.replace("`", ""))
 
 
 def _number(value: float | None, width: int, decimals: int) -> str:
-    return f"{'-':>{width}}" if value is None else f"{value:>{width}.{decimals}f}"
+    missing = value is None or math.isnan(value)  # (not measured, or no row to compare with)
+    return f"{'-':>{width}}" if missing else f"{value:>{width}.{decimals}f}"
 
 
 def save_plot(report: dict, path: Path) -> None:

@@ -126,7 +126,7 @@ def parse_subject(name: str) -> Subject:
     if not known or len(set(modifiers)) < len(modifiers):
         raise ValueError(
             f"unknown subject {name!r}: a head ({', '.join(HEADS)}) with an optional "
-            f"@backend ({', '.join(BACKENDS)}), +compile and +graphs, or a peer "
+            f"@backend ({', '.join(BACKENDS + PLAN_SUBJECTS)}), +compile and +graphs, or a peer "
             f"({', '.join(PEERS)})"
         )
     if backend and (head not in HEADS or backend not in BACKENDS + PLAN_SUBJECTS):

@@ -4,7 +4,13 @@ import numpy as np
 import pytest
 from scipy.stats import binom
 
-from app.bench.report import interval_text, paired_row_ratio, peer_speedups, row_figures
+from app.bench.report import (
+    interval_text,
+    paired_row_ratio,
+    peer_speedups,
+    print_table,
+    row_figures,
+)
 
 
 def _row(head, times, tokens=100, vocab=1000, hidden=8):
@@ -61,3 +67,13 @@ def test_peer_speedups_name_our_heads_against_the_fields():
     assert len(lines) == 2  # no torch_adaptive at d=16; Mixtape has no peer
     assert lines[0].startswith("`adaptive` against `torch_adaptive` (V=1000, d=8): 1.20x")
     assert "`adaptive+compile` against `torch_adaptive` (V=1000, d=8): 1.50x" in lines[1]
+
+
+def test_the_table_shows_a_dash_where_nothing_was_measured(capsys):
+    rows = [_row("softmax", [1.0] * 3), _row("mixtape", [2.0] * 3)]  # no matmul row, no memory
+    for row in rows:
+        row.update(matmul_gflop=0.1, extra_peak_mb=None)
+    print_table({"results": rows})
+    table = capsys.readouterr().out
+    assert "nan" not in table
+    assert table.splitlines()[-1].split()[-3:] == ["0.1", "-", "-"]  # GFLOP, % matmul, MiB
