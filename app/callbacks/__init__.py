@@ -6,6 +6,7 @@ from app.callbacks.ds.monitor import DSMonitor, TopKAccuracy
 from app.callbacks.ds.pruning import DSPruning
 from app.callbacks.ds.target_classes import DSTargetClasses
 from app.callbacks.lightrnn import LightRNNTableReassignment
+from app.callbacks.training.checkpoint import ModelCheckpoint
 from app.callbacks.training.epoch_timer import EpochTimer
 from app.callbacks.training.nt_asgd import NTASGD
 from app.callbacks.training.optimum import DataOptimum
@@ -23,6 +24,7 @@ __all__ = [
     "EpochTimer",
     "LightRNNTableReassignment",
     "Mitosis",
+    "ModelCheckpoint",
     "NTASGD",
     "PredictionWriter",
     "PreemptionCheckpoint",
