@@ -126,6 +126,16 @@ def test_one_line_swaps_the_head_and_bf16_mixed_trains(head_class, cli_run):
         assert torch.isfinite(cli.trainer.callback_metrics[key]), key
 
 
+def test_a_fit_without_a_logger_keeps_the_shipped_callbacks_that_need_none(cli_run):
+    cli = cli_run("fit", *ON_PTB, "--trainer.logger", "false", "--trainer.max_steps", "2",
+                  "--trainer.limit_val_batches", "1", "--data.init_args.batch_size", "4",
+                  experiment="ptb_softmax")  # fmt: skip
+    kept = {type(callback).__name__ for callback in cli.trainer.callbacks}
+    assert "LearningRateMonitor" not in kept  # Lightning refuses it without a logger
+    assert {"ModelCheckpoint", "TokenThroughputMonitor", "EpochTimer"} <= kept
+    assert cli.trainer.global_step == 2
+
+
 def test_unknown_head_class_is_reported(cli_run):
     with pytest.raises(CommandLineError, match="no class 'NoSuchHead' in module 'heads'"):
         cli_run("fit", *ON_PTB, "--model.head.class_path", "heads.NoSuchHead",

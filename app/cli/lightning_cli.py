@@ -61,6 +61,25 @@ def _default_progress_bar(trainer: Namespace, defaults: list) -> bool:
     return True
 
 
+# callbacks that only write to a logger, and that Lightning refuses to run without one
+_LOGGING_ONLY = ("LearningRateMonitor",)
+
+
+def _drop_logging_only_callbacks(trainer: Namespace) -> None:
+    """``--trainer.logger false`` with the shipped callbacks: the learning-rate monitor has
+    nowhere to write (Lightning stops the run over it), so it goes, in place."""
+    given = trainer.get("callbacks")
+    if isinstance(given, list):
+        trainer.callbacks = [
+            callback
+            for callback in given
+            if not (
+                isinstance(callback, Namespace)
+                and str(callback.get("class_path", "")).rpartition(".")[2] in _LOGGING_ONLY
+            )
+        ]
+
+
 class AppCLI(LightningCLI):
     """LightningCLI over any LightningModule and LightningDataModule of the app."""
 
@@ -110,6 +129,8 @@ class AppCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self._subcommand_config()
         configure_loggers(config.trainer, self.subcommand, config.get("ckpt_path"))
+        if config.trainer.get("logger") in (False, []):
+            _drop_logging_only_callbacks(config.trainer)
         # every run records its hyper-parameters and best validation figure (HPARAMS); every
         # fit saves a resumable checkpoint when it is preempted or interrupted
         extra = self.trainer_defaults.get("callbacks") or []
