@@ -25,7 +25,7 @@ from app.callbacks.training.preemption import PreemptionCheckpoint
 from app.callbacks.training.progress import interval_progress_bar
 from app.callbacks.training.run_record import RunRecord
 from app.cli.errors import OneLineErrorParser, check_config_files, check_linked_options, warn_line
-from app.cli.run_folder import configure_loggers, run_hparams
+from app.cli.run_folder import configure_loggers, run_checkpoint, run_hparams
 from lightning_modules.backbones.base import configured_output_size
 from lightning_modules.checkpoint_file import check_checkpoint_file
 
@@ -93,6 +93,10 @@ class AppCLI(LightningCLI):
         # missing or broken file is named first, in one line, instead of PyTorch's traceback
         subcommand = self.config.get("subcommand")
         ckpt = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt in ("last", "best"):  # the newest run's (app/cli/run_folder.py)
+            # (Lightning's "Restoring states from the checkpoint path at ..." names the file)
+            ckpt = str(run_checkpoint(ckpt, self.config[subcommand].trainer))
+            self.config[subcommand].ckpt_path = ckpt
         if isinstance(ckpt, str) and ckpt not in _CKPT_ALIASES and not _remote(ckpt):
             check_checkpoint_file(ckpt, "ckpt_path")
         super()._parse_ckpt_path()

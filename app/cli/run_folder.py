@@ -5,6 +5,9 @@ before they are built, and the hyper-parameters that tell runs apart.
   (``<save_dir>/<name>/<version>/checkpoints/x.ckpt``) log into that run's folder; a
   checkpoint from elsewhere gets the folder ``eval-<checkpoint name>``. Loggers whose
   ``version`` is set keep it.
+- ``--ckpt_path last`` / ``best`` name the newest run's ``last.ckpt`` / best checkpoint in the
+  logger's folder (Lightning's own meaning, this process's earlier ``fit``, has nothing to
+  find from the command line: ``last`` evaluated an untrained model with a warning).
 - TensorBoard writes every ``FLUSH_SECS`` (its own default, 120 s, leaves a fresh run blank
   for two minutes) and logs no placeholder ``hp_metric`` (``app.callbacks.RunRecord`` logs
   the real one).
@@ -14,10 +17,14 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from pathlib import Path
 from typing import Any
 
+import torch
 from jsonargparse import Namespace
+
+from lightning_modules.errors import CheckpointPathError
 
 FLUSH_SECS = 20
 _SUMMARY_WRITER_FLUSH_SECS = 120  # torch's SummaryWriter default, which the config then holds
@@ -64,6 +71,51 @@ def configure_loggers(trainer: Namespace, subcommand: str | None, ckpt: Any) -> 
         args.version = run.name
         if index == 0 and loggers[0].init_args is args:  # the one ModelCheckpoint follows
             args.save_dir, args.name = str(run.parent.parent), run.parent.name
+
+
+def _version_number(run: Path) -> int:
+    match = re.fullmatch(r"version_(\d+)", run.name)
+    return int(match.group(1)) if match else -1
+
+
+def run_checkpoint(alias: str, trainer: Namespace) -> Path:
+    """The checkpoint ``--ckpt_path last|best`` means: in the first logger's folder
+    (``<save_dir>/<name>``), the run of its ``version`` if set, else the newest
+    ``version_N`` that has a ``checkpoints/last.ckpt``; ``best`` is the best checkpoint that
+    run's ``ModelCheckpoint`` kept (as recorded in its ``last.ckpt``)."""
+    loggers = _logger_configs(trainer)
+    if not loggers:
+        raise CheckpointPathError(
+            f"ckpt_path {alias!r} is looked up in the logger's run folders, and this run has no "
+            f"logger: give the checkpoint file, e.g. --ckpt_path logs/ptb/version_0/checkpoints/"
+            f"last.ckpt"
+        )
+    args = loggers[0].init_args
+    folder = Path(args.get("save_dir") or ".") / str(args.get("name") or "lightning_logs")
+    version = args.get("version")
+    if version is not None:
+        runs = [folder / (version if isinstance(version, str) else f"version_{version}")]
+    else:
+        runs = sorted(folder.glob("version_*"), key=_version_number, reverse=True)
+    runs = [run for run in runs if (run / "checkpoints" / "last.ckpt").is_file()]
+    if not runs:
+        raise CheckpointPathError(
+            f"ckpt_path {alias!r}: no run in {folder} has checkpoints/last.ckpt; fit first, or "
+            f"give the checkpoint file"
+        )
+    last = runs[0] / "checkpoints" / "last.ckpt"
+    if alias == "last":
+        return last
+    # mmap: only the callbacks' state is read, not the weights
+    state = torch.load(last, map_location="cpu", weights_only=False, mmap=True)
+    for key, value in (state.get("callbacks") or {}).items():
+        best = value.get("best_model_path") if key.startswith("ModelCheckpoint") else None
+        if best and Path(best).is_file():
+            return Path(best)
+    raise CheckpointPathError(
+        f"ckpt_path 'best': the run {runs[0]} recorded no best checkpoint (no validation yet?); "
+        f"use --ckpt_path last or give the checkpoint file"
+    )
 
 
 # -- hyper-parameters -------------------------------------------------------------------------

@@ -2,16 +2,19 @@
 give one run folder, one meaning per tag on the training step axis, and HPARAMS that compare
 runs (issue 36)."""
 
+import shutil
 import warnings
 from pathlib import Path
 
 import pytest
 import yaml
+from jsonargparse import Namespace
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from app.cli.run_folder import FLUSH_SECS, checkpoint_run_dir
+from app.cli.run_folder import FLUSH_SECS, checkpoint_run_dir, run_checkpoint
 from cli import main
+from lightning_modules.errors import CheckpointPathError
 
 pytestmark = pytest.mark.usefixtures("cli_argv")
 
@@ -168,3 +171,40 @@ def test_an_evaluation_without_a_logger_leaves_the_working_folder_as_it_was(
               "--data.init_args.path", ptb_path, "--trainer.logger", "false",
               "--ckpt_path", str(logs / "ptb/version_0/checkpoints/last.ckpt")])  # fmt: skip
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_ckpt_path_last_and_best_name_the_newest_runs_checkpoints(
+    fitted_and_tested, ptb_path, tmp_path
+):
+    _, _, logs, _ = fitted_and_tested
+    run = logs / "ptb" / "version_0"
+    common = [*TINY, "--data.init_args.path", ptb_path,
+              "--trainer.logger.init_args.save_dir", str(logs)]  # fmt: skip
+    cli = main(["validate", *common, "--ckpt_path", "last"])
+    assert cli.trainer.ckpt_path == str(run / "checkpoints" / "last.ckpt")
+    assert Path(cli.trainer.log_dir) == run  # evaluated into the run's own folder
+    best = main(["validate", *common, "--ckpt_path", "best"]).trainer.ckpt_path
+    assert Path(best).parent == run / "checkpoints" and Path(best).name != "last.ckpt"
+    # in a copy of the logs: a newer run without checkpoints is passed over, one with them taken
+    copied = tmp_path / "ptb" / "version_0" / "checkpoints"
+    shutil.copytree(run / "checkpoints", copied)
+    (tmp_path / "ptb" / "version_7").mkdir()
+    trainer = Namespace(logger=Namespace(
+        class_path="lightning.pytorch.loggers.TensorBoardLogger",
+        init_args=Namespace(save_dir=str(tmp_path), name="ptb", version=None)))  # fmt: skip
+    assert run_checkpoint("last", trainer) == copied / "last.ckpt"
+    newer = tmp_path / "ptb" / "version_10" / "checkpoints"
+    shutil.copytree(copied, newer)
+    assert run_checkpoint("last", trainer) == newer / "last.ckpt"  # 10 after 7 and 0
+    trainer.logger.init_args.version = 0  # a logger's version, when set, is the run
+    assert run_checkpoint("last", trainer) == copied / "last.ckpt"
+
+
+def test_ckpt_path_last_without_a_run_is_one_line(tmp_path):
+    trainer = Namespace(logger=Namespace(
+        class_path="lightning.pytorch.loggers.TensorBoardLogger",
+        init_args=Namespace(save_dir=str(tmp_path), name="ptb", version=None)))  # fmt: skip
+    with pytest.raises(CheckpointPathError, match="no run in .*ptb has checkpoints/last.ckpt"):
+        run_checkpoint("last", trainer)
+    with pytest.raises(CheckpointPathError, match="this run has no logger"):
+        run_checkpoint("best", Namespace(logger=False))
