@@ -295,7 +295,8 @@ COMMAND_LINE = [
     ("zero_top_k", ["predict", "--model.init_args.predict_top_k", "0"],
      "model.predict_top_k must be at least 1, got 0"),
     ("best_without_fit", ["test", "--ckpt_path", "best"],
-     'ckpt_path: .test(ckpt_path="best") is set but ModelCheckpoint is not configured.'),
+     "ckpt_path 'best' is looked up in the logger's run folders, and this run has no logger: "
+     "give the checkpoint file"),
     ("empty_checkpoint", ["test", "--ckpt_path", f"{BROKEN}/empty.ckpt"],
      f"ckpt_path '{BROKEN}/empty.ckpt' is empty (0 bytes), not a checkpoint"),
     ("yaml_as_checkpoint", ["validate", "--ckpt_path", f"{BROKEN}/config.ckpt"],
