@@ -41,6 +41,9 @@ class IntervalMetrics:
         metrics = super().get_metrics(trainer, pl_module)
         if isinstance(metrics.get("v_num"), int):  # the run's folder, not "0.000" (Rich)
             metrics["v_num"] = str(metrics["v_num"])
+        for name, value in metrics.items():  # counts (`*/num_*`: ds/num_experts) as "4"
+            if name.rpartition("/")[2].startswith("num_") and isinstance(value, float):
+                metrics[name] = str(round(value)) if value.is_integer() else value
         if self._read:  # a read-back each
             for name in self.shown:
                 value = trainer.callback_metrics.get(name)

@@ -120,3 +120,18 @@ def test_the_run_folder_s_version_shows_as_a_number_not_a_float():
 
     trainer = type("Trainer", (), {"callback_metrics": {}})()
     assert Bar().get_metrics(trainer, None) == {"v_num": "3"}
+
+
+def test_counts_show_as_whole_numbers():
+    """``ds/num_experts: 4.000`` read as a measurement; the other figures keep Rich's format."""
+
+    class Standard:  # Lightning's progress-bar metrics: Python floats
+        def get_metrics(self, trainer, pl_module):
+            return {"ds/num_experts": 4.0, "ds/speedup": 3.0, "val/ppl": 120.5}
+
+    class Bar(IntervalMetrics, Standard):
+        pass
+
+    trainer = type("Trainer", (), {"callback_metrics": {}})()
+    shown = Bar().get_metrics(trainer, None)
+    assert shown == {"ds/num_experts": "4", "ds/speedup": 3.0, "val/ppl": 120.5}
