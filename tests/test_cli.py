@@ -7,6 +7,7 @@ import torch
 
 from app.cli.errors import CommandLineError
 from app.cli.lightning_cli import build
+from cli import main
 from datamodules import LanguageModelingDataModule
 from datamodules.errors import VocabularyMismatchError
 from datamodules.text_source import TextFiles
@@ -278,3 +279,12 @@ def test_gpu_ds_recipe_with_mitosis_under_16_mixed(tmp_path, cli_run):
     metrics = cli.trainer.callback_metrics
     for key in ("train/loss", "val/loss", "val/acc_top1"):
         assert torch.isfinite(metrics[key]), key
+
+
+def test_help_says_what_the_app_is_and_where_its_configs_are(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(["--help"])
+    assert stopped.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "swappable output layers (heads)" in text and "configs/heads" in text
+    assert "Lightning Trainer command line tool" not in text

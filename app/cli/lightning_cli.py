@@ -29,6 +29,12 @@ from app.cli.run_folder import configure_loggers, run_checkpoint, run_hparams
 from lightning_modules.backbones.base import configured_output_size
 from lightning_modules.checkpoint_file import check_checkpoint_file
 
+DESCRIPTION = (
+    "Language models and translation with swappable output layers (heads). A run is a setting "
+    "from configs/lm, configs/mt or configs/ds, a head from configs/heads in one option, and "
+    "presets from configs/presets, e.g. `python cli.py fit --config configs/lm/ptb.yaml "
+    "--model.head configs/heads/mixtape.yaml`; README.md lists them all."
+)
 # Lightning's own checkpoint names, not paths
 _CKPT_ALIASES = ("last", "best", "hpc")
 
@@ -86,6 +92,7 @@ class AppCLI(LightningCLI):
     def init_parser(self, **kwargs: Any):
         # no prefix matching: a misspelt --trainer.max_epoch must not silently mean max_epochs
         kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("description", DESCRIPTION)
         return super().init_parser(**kwargs)
 
     def _parse_ckpt_path(self) -> None:
