@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import warnings
 from collections.abc import Callable
@@ -34,12 +35,27 @@ def error_line(exc: BaseException) -> str | None:
     return None
 
 
+# what a Ctrl+C outside the training loop leaves (the data cache writes each part atomically)
+INTERRUPTED = (
+    "stopped before or after training; the data cache keeps the parts it finished, the next "
+    "run prepares the rest"
+)
+
+
 def exit_status(run: Callable[[], Any]) -> int:
     """The exit status of an entry point: ``run()``'s own when it returns an int, else 0; a user
-    error becomes one ``error:`` line on stderr (printed by one process under DDP) and status 2;
+    error becomes one ``error:`` line on stderr (printed by one process under DDP) and status 2,
+    a Ctrl+C outside the training loop one ``interrupted`` line and status 130 (128 + SIGINT);
     anything else propagates with its traceback, as everything does with ``$TRACEBACK_ENV``."""
     try:
         status = run()
+    except KeyboardInterrupt:  # Ctrl+C before or after the trainer's loop (its own: a checkpoint)
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        if rank_zero_only.rank == 0:
+            # (on a line of its own: a progress bar may hold the current one)
+            print(f"\ninterrupted (Ctrl+C): {INTERRUPTED}", file=sys.stderr)
+        return 128 + signal.SIGINT
     except Exception as exc:
         line = error_line(exc)
         if line is None or os.environ.get(TRACEBACK_ENV):

@@ -10,7 +10,14 @@ import pytest
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from app.cli.console import APP_LOGGERS, exit_status, quiet_lightning, show_app_log
+from app.cli.console import (
+    APP_LOGGERS,
+    INTERRUPTED,
+    TRACEBACK_ENV,
+    exit_status,
+    quiet_lightning,
+    show_app_log,
+)
 from heads.errors import UserError
 
 
@@ -40,6 +47,21 @@ def test_exit_destroys_the_gloo_group(fails: bool) -> None:
 def test_exit_without_a_group_is_untouched() -> None:
     assert exit_status(lambda: 3) == 3
     assert not dist.is_initialized()
+
+
+def test_ctrl_c_outside_the_training_loop_is_one_line_and_status_130(capsys, monkeypatch):
+    """E.g. while a large corpus is being prepared (the training loop has its own: a checkpoint)."""
+    monkeypatch.delenv(TRACEBACK_ENV, raising=False)
+
+    def preparing() -> int:
+        raise KeyboardInterrupt
+
+    assert exit_status(preparing) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"interrupted (Ctrl+C): {INTERRUPTED}"]
+    monkeypatch.setenv(TRACEBACK_ENV, "1")  # the traceback, on request
+    with pytest.raises(KeyboardInterrupt):
+        exit_status(preparing)
 
 
 def test_lightning_s_advertisement_and_mixed_precision_summary_warning_are_quiet(caplog):
