@@ -36,13 +36,13 @@ from datamodules.text_source import (
 from datamodules.vocab import (
     VOCABS,
     BPEVocab,
-    HybridLightRNNVocab,
     Vocab,
     WordVocab,
     vocab_from_state,
     vocab_over,
 )
 from datamodules.vocab.bpe import StreamEncoder, warn_if_other_bpe_size, written_unk
+from datamodules.vocab.hybrid_lightrnn import codes_text
 from datamodules.vocab.word import UNK, count_words
 from heads.errors import UserError
 
@@ -50,16 +50,6 @@ log = logging.getLogger(__name__)
 
 # Above this share of a split's tokens, the unknown-word line is a warning.
 UNKNOWN_WARN_SHARE = 0.01
-
-
-def _codes(vocab: Vocab) -> str:
-    """What a Hybrid-LightRNN vocabulary's ids stand for ("" for other vocabularies)."""
-    if not isinstance(vocab, HybridLightRNNVocab):
-        return ""
-    return (
-        f" for {len(vocab.words):,} words ({vocab.num_frequent:,} frequent words and the "
-        f"{vocab.rows} rows and {vocab.cols} columns of the rare words' table)"
-    )
 
 
 class _UnknownCounter:
@@ -248,7 +238,7 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         except ValueError as exc:  # sizes that cannot work: one line naming the options
             raise DataConfigError(f"data.vocab={hp.vocab} ({options[hp.vocab]}): {exc}") from exc
         if process_rank() in (None, 0):  # the size the head and embeddings are built for
-            log.info("vocabulary (%s): %s ids%s", hp.vocab, f"{len(vocab):,}", _codes(vocab))
+            log.info("vocabulary (%s): %s ids%s", hp.vocab, f"{len(vocab):,}", codes_text(vocab))
         return vocab
 
     def _build_vocab(self) -> None:

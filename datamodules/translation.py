@@ -55,8 +55,16 @@ from datamodules.text_source import (
     split_files_option,
     tokenizers_progress,
 )
-from datamodules.vocab import EOS, BPEVocab, WordVocab, vocab_from_state
+from datamodules.vocab import (
+    EOS,
+    BPEVocab,
+    HybridLightRNNVocab,
+    WordVocab,
+    vocab_from_state,
+    vocab_over,
+)
 from datamodules.vocab.bpe import StreamEncoder, warn_if_other_bpe_size
+from datamodules.vocab.hybrid_lightrnn import codes_text
 from datamodules.vocab.word import count_words
 from heads import IGNORE_INDEX
 from heads.errors import UserError
@@ -306,7 +314,18 @@ def collate_pairs(items: list[dict[str, Any]], pad_id: int, bos_id: int) -> dict
     }
 
 
-Vocab = WordVocab | BPEVocab
+Vocab = WordVocab | BPEVocab | HybridLightRNNVocab
+
+
+def line_codes(
+    vocab: HybridLightRNNVocab, word_ids: np.ndarray, offsets: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Lines of word ids (flat, with line ``offsets``) as Hybrid-LightRNN code lines: one code
+    per frequent word, two per rare word (int32, in memory: the codes follow the table)."""
+    codes = vocab.encode_word_ids(torch.from_numpy(np.asarray(word_ids))).numpy()
+    per_word = 1 + (np.asarray(word_ids) >= vocab.num_frequent)  # a line is never empty (<eos>)
+    ends = np.cumsum(per_word)[np.asarray(offsets[1:]) - 1] if len(offsets) > 1 else []
+    return codes, np.concatenate([[0], ends]).astype(np.int64)
 
 
 class TranslationDataModule(SourceIdentities, L.LightningDataModule):
@@ -326,7 +345,12 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
             or a local copy in the hub's layout.
         name, revision, hub_splits: the hub dataset's configuration, revision (branch, tag or
             commit) and our split -> its split name (default train/validation/test).
-        vocab: ``word`` (whitespace tokens) or ``bpe`` (HuggingFace ``tokenizers`` BPE).
+        vocab: ``word`` (whitespace tokens), ``bpe`` (HuggingFace ``tokenizers`` BPE) or
+            ``hybrid_lightrnn``: source words, target Hybrid-LightRNN codes (K frequent target
+            words with a code each, the others two: a cell of a rows x cols table; the
+            decoder reads and the head predicts codes, BLEU is on the decoded words). The
+            table stays as initialised (``LightRNNTableReassignment`` re-learns it in the LM
+            task only).
         joint_vocab: one vocabulary for both sides (needed to share embeddings).
         max_vocab_size: word vocabularies: keep this many most frequent tokens per side.
         bpe_vocab_size: BPE vocabularies: merges + alphabet + specials, per vocabulary.
@@ -336,6 +360,8 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
             are dropped.
         seed: shuffling seed of the training batches.
         predict_sentences: source sentences that ``predict`` translates.
+        lightrnn_frequent, lightrnn_rows, lightrnn_cols, lightrnn_init, lightrnn_seed: the
+            target's Hybrid-LightRNN codes, as in ``LanguageModelingDataModule``.
         cache_dir: folder of prepared corpora (default ``data/`` below
             ``$OUTPUT_HEADS_CACHE`` or ``~/.cache/output-heads``).
     """
@@ -350,7 +376,7 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         name: str | None = None,
         revision: str | None = None,
         hub_splits: dict[str, str] | None = None,
-        vocab: Literal["word", "bpe"] = "word",
+        vocab: Literal["word", "bpe", "hybrid_lightrnn"] = "word",
         joint_vocab: bool = False,
         max_vocab_size: int | None = None,
         bpe_vocab_size: int = 8000,
@@ -359,6 +385,11 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         max_length: int = 128,
         seed: int = 0,
         predict_sentences: list[str] | None = None,
+        lightrnn_frequent: int = 1000,
+        lightrnn_rows: int | None = None,
+        lightrnn_cols: int | None = None,
+        lightrnn_init: Literal["frequency", "random"] = "frequency",
+        lightrnn_seed: int = 0,
         cache_dir: str | None = None,
     ) -> None:
         super().__init__()
@@ -370,8 +401,15 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         ):
             if not isinstance(value, int) or value <= 0:
                 raise DataConfigError(f"data.{option} must be a positive integer, got {value!r}")
-        if vocab not in ("word", "bpe"):
-            raise DataConfigError(f"data.vocab must be 'word' or 'bpe', got {vocab!r}")
+        if vocab not in ("word", "bpe", "hybrid_lightrnn"):
+            raise DataConfigError(
+                f"data.vocab must be 'word', 'bpe' or 'hybrid_lightrnn', got {vocab!r}"
+            )
+        if vocab == "hybrid_lightrnn" and joint_vocab:
+            raise DataConfigError(
+                "data.joint_vocab needs one vocabulary for both sides, and hybrid_lightrnn codes "
+                "the target side only: set data.joint_vocab false (or data.vocab word or bpe)"
+            )
         if source_lang == target_lang:
             raise DataConfigError(f"source and target language are both {source_lang!r}")
         self._folder, self._hub = local_or_hub(
@@ -382,6 +420,7 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         self._cache: CacheEntry | None = None
         self._identity: dict[str, Any] = {}
         self._vocabs: tuple[Vocab, Vocab] | None = None
+        self._word_vocabs: tuple[Vocab, Vocab] | None = None  # what the token files hold
         self._parts: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._encoded: dict[str, EncodedPairs] = {}
         self._lines: dict[str, list[str]] = {}
@@ -420,15 +459,21 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         return self._source
 
     @property
+    def _level(self) -> str:
+        """The vocabulary the cached token files are written in: a Hybrid-LightRNN target is
+        coded from word ids when read (its codes follow the table, the files do not)."""
+        return "word" if self.hparams.vocab == "hybrid_lightrnn" else self.hparams.vocab
+
+    @property
     def cache(self) -> CacheEntry:
         """This corpus's cache entry: keyed by the training files and the vocabulary options."""
         if self._cache is None:
             hp = self.hparams
-            options = vocab_options(hp.vocab, hp.bpe_vocab_size, hp.max_vocab_size)
+            options = vocab_options(self._level, hp.bpe_vocab_size, hp.max_vocab_size)
             options["joint"] = hp.joint_vocab
             train = {side: self._identity_of(f"train.{side}") for side in SIDES}
             material = {"task": "mt", "train": train, "vocab": options}
-            label = f"{self.source.label}-{hp.vocab}"
+            label = f"{self.source.label}-{self._level}"
             self._cache = CacheEntry(cache_root(hp.cache_dir), label, material)
         return self._cache
 
@@ -460,16 +505,19 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
             hp = self.hparams
             try:
                 cache = self.cache
-                what = f"the {hp.vocab} vocabularies of {self.source.label!r}"
+                what = f"the {self._level} vocabularies of {self.source.label!r}"
                 cache.ensure(lambda: cache.has("vocabs.json"), self._build_vocabs, what)
                 states = cache.read_json("vocabs.json")
+                source = vocab_from_state(states["source"])
+                target = source if hp.joint_vocab else vocab_from_state(states["target"])
+                self._word_vocabs = (source, target)
+                target = vocab_over(target, hp.vocab, hp)  # (words and BPE: itself)
             except UserError:
                 raise
             except ValueError as exc:
-                option = "data.bpe_vocab_size" if hp.vocab == "bpe" else "data.max_vocab_size"
+                option = {"bpe": "data.bpe_vocab_size", "hybrid_lightrnn": "data.lightrnn_*"}
+                option = option.get(hp.vocab, "data.max_vocab_size")
                 raise DataConfigError(f"data.vocab={hp.vocab} ({option}): {exc}") from exc
-            source = vocab_from_state(states["source"])
-            target = source if hp.joint_vocab else vocab_from_state(states["target"])
             self._vocabs = (source, target)
             if process_rank() in (None, 0):  # the sizes the model is built for
                 sizes = (
@@ -477,7 +525,8 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
                     if hp.joint_vocab
                     else f"source {len(source):,}, target {len(target):,}"
                 )
-                log.info("vocabularies (%s): %s ids", hp.vocab, sizes)
+                codes = codes_text(target)
+                log.info("vocabularies (%s): %s ids%s", hp.vocab, sizes, codes)
         return self._vocabs
 
     def _train_batches(self, side: str, desc: str, lines: dict[str, int]) -> Iterator[list[str]]:
@@ -500,7 +549,7 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         groups = [SIDES] if hp.joint_vocab else [(side,) for side in SIDES]
         built: dict[str, Vocab] = {}
         for sides in groups:
-            if hp.vocab == "word":
+            if self._level == "word":
                 batches = (
                     b for side in sides for b in self._train_batches(side, "counting", lines)
                 )
@@ -565,6 +614,8 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         may use, e.g. adaptive ``cutoffs: auto`` ranks classes by it. A target vocabulary of its
         own holds exactly these counts; a joint one counts the source side too, so the training
         target ids are counted then."""
+        if isinstance(self.target_vocab, HybridLightRNNVocab):
+            return self.target_vocab.class_counts()  # each code's words' counts
         if not self.hparams.joint_vocab:
             return np.asarray(self.target_vocab.counts, dtype=np.int64)
         ids, _ = self._part("train", SIDES[1])
@@ -597,7 +648,8 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         """One side of a split: its ids (int32, memory-mapped) and line offsets."""
         part = f"{split}.{side}"
         if part not in self._parts:
-            vocab, cache = self.vocabs[SIDES.index(side)], self.cache
+            _ = self.vocabs
+            vocab, cache = self._word_vocabs[SIDES.index(side)], self.cache
             identity = self._identity_of(part)
 
             def done() -> bool:
@@ -613,7 +665,11 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
                     yield ids, vocab.line_lengths(batch, ids)
 
             cache.ensure(done, lambda: cache.write_ids(part, chunks(), source=identity), part)
-            self._parts[part] = (cache.ids(part), cache.offsets(part))
+            ids, offsets = cache.ids(part), cache.offsets(part)
+            coder = self.vocabs[SIDES.index(side)]
+            if isinstance(coder, HybridLightRNNVocab):
+                ids, offsets = line_codes(coder, ids, offsets)
+            self._parts[part] = (ids, offsets)
         return self._parts[part]
 
     def encoded(self, split: str) -> EncodedPairs:

@@ -109,6 +109,39 @@ def test_configs_swap_the_head_and_bf16_mixed_trains_and_searches(head_class, cl
         assert torch.isfinite(torch.as_tensor(cli.trainer.callback_metrics[key])), key
 
 
+def test_hybrid_lightrnn_target_codes_train_test_and_translate(cli_run, tmp_path):
+    """The decoder and the head work in codes (K frequent words one each, the others two);
+    BLEU and the translations are words, decoded from the codes."""
+    codes = ["--data.init_args.vocab", "hybrid_lightrnn",
+             "--data.init_args.lightrnn_frequent", "500"]  # fmt: skip
+    logs = tmp_path / "logs"
+    fit = cli_run("fit", *ON_MULTI30K, *codes, "--trainer.max_epochs", "1",
+                  "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2",
+                  "--trainer.num_sanity_val_steps", "0",
+                  "--model.init_args.decode.max_length_b", "3",
+                  "--trainer.logger.init_args.save_dir", str(logs),
+                  experiment="multi30k_softmax")  # fmt: skip
+    vocab = fit.datamodule.target_vocab
+    assert type(vocab).__name__ == "HybridLightRNNVocab" and len(vocab.words) == 2000
+    assert fit.model.head.vocab_size == len(vocab) == 500 + vocab.rows + vocab.cols < 2000
+    assert torch.isfinite(torch.as_tensor(fit.trainer.callback_metrics["val/bleu"]))
+    out = tmp_path / "hyp.txt"
+    ckpt = str(next(logs.rglob("last.ckpt")))
+    test = cli_run("test", *ON_MULTI30K, *codes, "--ckpt_path", ckpt, "--trainer.logger", "false",
+                   "--trainer.limit_test_batches", "1",
+                   "--model.init_args.decode.max_length_b", "3",
+                   "--model.init_args.translations_file", str(out),
+                   experiment="multi30k_softmax")  # fmt: skip
+    lines = out.read_text().splitlines()
+    assert lines and all("<row" not in line and "<col" not in line for line in lines)
+    words = set(vocab.words.itos)
+    assert all(word in words for line in lines for word in line.split())
+    decoded = sorted(i for b in list(test.datamodule.test_dataloader())[:1] for i in b["index"])
+    references = test.datamodule.references("test")
+    expected = sacrebleu.corpus_bleu(lines, [[references[int(i)] for i in decoded]]).score
+    assert float(test.trainer.callback_metrics["test/bleu"]) == pytest.approx(expected, abs=1e-3)
+
+
 def test_misaligned_files_are_one_clear_line(cli_run, tmp_path, capsys):
     path = write_corpus(tmp_path, {"train": TINY, "val": TINY, "test_2016_flickr": TINY})
     (tmp_path / "train.en").write_text("x\n")

@@ -139,6 +139,11 @@ class LightRNNTableReassignment(L.Callback):
         self.last_cells: torch.Tensor | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if hasattr(trainer.datamodule, "target_vocab"):  # (Eq. 6's cost is the LM's)
+            raise DataConfigError(
+                "LightRNNTableReassignment re-learns the table of a language model only; a "
+                "translation's Hybrid-LightRNN target keeps its initial table: drop the callback"
+            )
         vocab = getattr(trainer.datamodule, "vocab", None)
         if not isinstance(vocab, HybridLightRNNVocab):
             raise DataConfigError(

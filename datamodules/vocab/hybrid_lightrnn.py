@@ -383,3 +383,13 @@ class HybridLightRNNVocab:
             words = [self.words.itos[w] for w in table[r].tolist() if w >= 0][:max_words]
             lines.append(f"row {r}: " + " ".join(words))
         return "\n".join(lines)
+
+
+def codes_text(vocab: object) -> str:
+    """What a Hybrid-LightRNN vocabulary's ids stand for, for a log line ("" for others)."""
+    if not isinstance(vocab, HybridLightRNNVocab):
+        return ""
+    return (
+        f" for {len(vocab.words):,} words ({vocab.num_frequent:,} frequent words and the "
+        f"{vocab.rows} rows and {vocab.cols} columns of the rare words' table)"
+    )

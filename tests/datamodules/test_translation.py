@@ -203,10 +203,37 @@ def test_bpe_vocabularies(tmp_path):
         tiny(tmp_path, joint_vocab=True).load_state_dict(data.state_dict())
 
 
+def test_hybrid_lightrnn_codes_the_target_side(tmp_path):
+    words = tiny(tmp_path)
+    data = tiny(tmp_path, vocab="hybrid_lightrnn", lightrnn_frequent=3)
+    codes = data.target_vocab
+    assert type(codes).__name__ == "HybridLightRNNVocab" and codes.words == words.target_vocab
+    assert data.source_vocab == words.source_vocab  # the source side stays words
+    assert data.vocab_size == len(codes) == 3 + codes.rows + codes.cols
+    assert data.bos_id == codes.eos_id == words.bos_id  # <eos>: a frequent word's own code
+    pairs = data.encoded("train")
+    rare = 0
+    for i, (source, target) in enumerate(TINY):
+        assert pairs[i]["source_ids"].tolist() == words.source_vocab.encode_line(source)
+        assert pairs[i]["target_ids"].tolist() == codes.encode_line(target)
+        assert data.detokenize(pairs[i]["target_ids"].tolist()[:-1]) == target
+        rare += len(codes.encode_line(target)) - len(target.split()) - 1
+    assert rare > 0  # some words are written as two codes
+    assert data.token_counts.tolist() == codes.class_counts().tolist()
+    # a checkpoint's codes: the same accepted, others refused
+    tiny(tmp_path, vocab="hybrid_lightrnn", lightrnn_frequent=3).load_state_dict(data.state_dict())
+    with pytest.raises(VocabularyMismatchError, match="another target vocabulary"):
+        tiny(tmp_path, vocab="hybrid_lightrnn", lightrnn_frequent=4).load_state_dict(
+            data.state_dict()
+        )
+    with pytest.raises(DataConfigError, match="hybrid_lightrnn codes the target side only"):
+        TranslationDataModule(vocab="hybrid_lightrnn", joint_vocab=True)
+
+
 def test_option_errors(tmp_path):
     with pytest.raises(DataConfigError, match="data.max_tokens must be a positive integer"):
         TranslationDataModule(max_tokens=0)
-    with pytest.raises(DataConfigError, match="data.vocab must be 'word' or 'bpe'"):
+    with pytest.raises(DataConfigError, match="data.vocab must be 'word', 'bpe' or 'hybrid_"):
         TranslationDataModule(vocab="chars")
     with pytest.raises(DataConfigError, match=r"data.max_tokens \(2\) must hold the longest"):
         tiny(tmp_path, max_tokens=2).train_dataloader()

@@ -197,6 +197,13 @@ def test_needs_a_lightrnn_vocabulary(corpus):
         trainer(1, callbacks=[LightRNNTableReassignment()]).fit(model, data)
 
 
+def test_a_translation_s_table_is_not_re_learnt_and_the_line_says_so():
+    translation = type("Data", (), {"target_vocab": None})()  # what the callback looks at
+    fake = type("Trainer", (), {"datamodule": translation})()
+    with pytest.raises(ValueError, match="re-learns the table of a language model only"):
+        LightRNNTableReassignment().setup(fake, None, "fit")
+
+
 @pytest.mark.slow
 def test_cli_fit_then_test_restores_the_learnt_table(ptb_path, tmp_path, monkeypatch):
     """End to end through cli.py with the shipped config (small sizes, a few batches)."""
