@@ -605,6 +605,13 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         return len(self.source_vocab)
 
     @property
+    def word_start_mask(self) -> torch.Tensor | None:
+        """``[vocab_size]`` bool, True for the target ids that begin a word (Hybrid-LightRNN
+        codes), so that the model reports word-level perplexity; None for word and BPE
+        targets."""
+        return getattr(self.target_vocab, "word_start_mask", None)
+
+    @property
     def bos_id(self) -> int:
         return self.target_vocab.eos_id
 

@@ -9,7 +9,7 @@ import torch
 from lightning.fabric.utilities import move_data_to_device
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
-from torchmetrics import MeanMetric, SumMetric
+from torchmetrics import MeanMetric
 
 from heads import Head
 from lightning_modules.backbones import LMBackbone
@@ -18,6 +18,12 @@ from lightning_modules.errors import ModelConfigError
 from lightning_modules.head_task import NO_READ_BACK, HeadTask
 from lightning_modules.optimization import step_schedulers_skipped_by_resume
 from lightning_modules.pretrained import Pretrained, read_pretrained
+from lightning_modules.word_perplexity import (
+    update_word_sums,
+    word_perplexity,
+    word_starts,
+    word_sums,
+)
 
 STAGES = ("train", "val", "test")
 NOT_HPARAMS = [
@@ -109,14 +115,7 @@ class LanguageModel(HeadTask):
         self.metrics = torch.nn.ModuleDict(
             {stage: MeanMetric(**NO_READ_BACK) for stage in ("train_nll", "val_nll", "test_nll")}
         )
-        # summed separately: a window may hold code NLLs but no word start
-        self.word_metrics = torch.nn.ModuleDict(
-            {
-                f"{stage}_{part}": SumMetric(**NO_READ_BACK)
-                for stage in STAGES
-                for part in ("nll", "words")
-            }
-        )
+        self.word_metrics = word_sums(STAGES)  # over codes (lightning_modules/word_perplexity.py)
         self._word_starts: torch.Tensor | None = None
 
     # -- steps -------------------------------------------------------------------------
@@ -192,23 +191,15 @@ class LanguageModel(HeadTask):
 
     def _update_word_nll(self, stage: str, nll: torch.Tensor, targets: torch.Tensor) -> None:
         if self._word_starts is None:
-            datamodule = getattr(self._trainer, "datamodule", None) if self._trainer else None
-            mask = getattr(datamodule, "word_start_mask", None)
-            if mask is None:
+            self._word_starts = word_starts(self._trainer, self.device)
+            if self._word_starts is None:
                 return
-            self._word_starts = mask.to(self.device)
-        valid = targets != -100
-        words = (self._word_starts[targets.clamp(min=0)] & valid).sum()
-        self.word_metrics[f"{stage}_nll"].update(nll.sum())
-        self.word_metrics[f"{stage}_words"].update(words)
+        update_word_sums(self.word_metrics, stage, self._word_starts, nll, targets)
 
     def _log_split_perplexity(self, stage: str) -> None:
         if self._word_starts is not None:
-            nll, words = (self.word_metrics[f"{stage}_{part}"] for part in ("nll", "words"))
-            word_nll = nll.compute() / words.compute().clamp(min=1)
-            nll.reset()
-            words.reset()
-            self.log(f"{stage}/word_ppl", word_nll.exp(), prog_bar=True, sync_dist=False)
+            ppl = word_perplexity(self.word_metrics, stage)
+            self.log(f"{stage}/word_ppl", ppl, prog_bar=True, sync_dist=False)
         metric = self.metrics[f"{stage}_nll"]
         mean_nll = metric.compute()
         metric.reset()

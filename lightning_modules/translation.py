@@ -20,6 +20,12 @@ from lightning_modules.checks import tie_head
 from lightning_modules.decoding import DecodeConfig, beam_search, greedy_decode
 from lightning_modules.errors import ModelConfigError
 from lightning_modules.head_task import NO_READ_BACK, HeadTask
+from lightning_modules.word_perplexity import (
+    update_word_sums,
+    word_perplexity,
+    word_starts,
+    word_sums,
+)
 
 STAGES = ("train", "val", "test")
 DEFAULT_DECODE = DecodeConfig()
@@ -111,6 +117,9 @@ class Translation(HeadTask):
         self.decode = decode
         self.translations_file = translations_file
         self.metrics = torch.nn.ModuleDict({f"{s}_nll": MeanMetric(**NO_READ_BACK) for s in STAGES})
+        # over Hybrid-LightRNN codes: also the word perplexity of the references
+        self.word_metrics = word_sums(("val", "test"))
+        self._word_starts: torch.Tensor | None = None
         self._translations: dict[int, list[int]] = {}
         self._decode_seconds = 0.0
 
@@ -158,6 +167,13 @@ class Translation(HeadTask):
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean NLL of the reference tokens, training loss with smoothing and aux loss)."""
+        mean_nll, loss, _ = self._losses(batch)
+        return mean_nll, loss
+
+    def _losses(
+        self, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`loss`'s pair and the NLL of each target token ``[N]``."""
         hidden = self.backbone(batch["source"], batch["source_padding"], batch["target_input"])
         hidden = hidden.reshape(-1, hidden.size(-1))
         target = batch["target_output"].reshape(-1)
@@ -167,13 +183,21 @@ class Translation(HeadTask):
             mean_nll = output.loss
         else:
             mean_nll = output.nll.sum() / (target != IGNORE_INDEX).sum().clamp_min(1)
-        return mean_nll, output.loss + output.aux_loss
+        return mean_nll, output.loss + output.aux_loss, output.nll
 
     def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
-        nll, loss = self.loss(batch)
+        nll, loss, token_nll = self._losses(batch)
         self.check_finite_loss(loss, stage)
         tokens = (batch["target_output"] != IGNORE_INDEX).sum()
         self.metrics[f"{stage}_nll"].update(nll.detach(), weight=tokens)
+        if stage != "train":
+            if self._word_starts is None:
+                self._word_starts = word_starts(self._trainer, self.device)
+            if self._word_starts is not None:
+                targets = batch["target_output"].reshape(-1)
+                update_word_sums(
+                    self.word_metrics, stage, self._word_starts, token_nll.detach(), targets
+                )
         if stage == "train":
             # not prog_bar: Lightning reads those back after every batch (a GPU sync); the
             # app's progress bar shows it at the logging interval (interval_progress_bar)
@@ -259,6 +283,8 @@ class Translation(HeadTask):
         loss_tag = "train/nll_epoch" if stage == "train" else f"{stage}/loss"
         self.log(loss_tag, mean_nll, prog_bar=stage != "train")
         self.log(f"{stage}/ppl", mean_nll.exp(), prog_bar=stage != "train")
+        if stage != "train" and self._word_starts is not None:  # codes: per word too
+            self.log(f"{stage}/word_ppl", word_perplexity(self.word_metrics, stage))
 
     def _gathered_translations(self) -> dict[int, list[int]]:
         translations, self._translations = self._translations, {}

@@ -1,6 +1,7 @@
 """Translation end to end through cli.py: fit a few steps on Multi30k, test writes translations."""
 
 import json
+import math
 
 import pytest
 import sacrebleu
@@ -140,6 +141,15 @@ def test_hybrid_lightrnn_target_codes_train_test_and_translate(cli_run, tmp_path
     references = test.datamodule.references("test")
     expected = sacrebleu.corpus_bleu(lines, [[references[int(i)] for i in decoded]]).score
     assert float(test.trainer.callback_metrics["test/bleu"]) == pytest.approx(expected, abs=1e-3)
+    # per word: the codes' summed NLL over the words of the references (rows and frequent
+    # codes start one), counted here plainly from the batch
+    targets = next(iter(test.datamodule.test_dataloader()))["target_output"].flatten()
+    targets = targets[targets != -100].tolist()
+    words = sum(1 for t in targets if t < vocab.num_frequent + vocab.rows)
+    metrics = test.trainer.callback_metrics
+    expected = float(metrics["test/loss"]) * len(targets) / words
+    assert math.log(float(metrics["test/word_ppl"])) == pytest.approx(expected, rel=1e-4)
+    assert len(targets) > words  # some words took two codes
 
 
 def test_misaligned_files_are_one_clear_line(cli_run, tmp_path, capsys):
