@@ -655,7 +655,8 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         """One side of a split: its ids (int32, memory-mapped) and line offsets."""
         part = f"{split}.{side}"
         if part not in self._parts:
-            _ = self.vocabs
+            # the words the token files hold, and the ids the model reads (codes or the same)
+            coder = self.vocabs[SIDES.index(side)]
             vocab, cache = self._word_vocabs[SIDES.index(side)], self.cache
             identity = self._identity_of(part)
 
@@ -673,7 +674,6 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
 
             cache.ensure(done, lambda: cache.write_ids(part, chunks(), source=identity), part)
             ids, offsets = cache.ids(part), cache.offsets(part)
-            coder = self.vocabs[SIDES.index(side)]
             if isinstance(coder, HybridLightRNNVocab):
                 ids, offsets = line_codes(coder, ids, offsets)
             self._parts[part] = (ids, offsets)

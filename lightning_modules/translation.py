@@ -190,19 +190,17 @@ class Translation(HeadTask):
         self.check_finite_loss(loss, stage)
         tokens = (batch["target_output"] != IGNORE_INDEX).sum()
         self.metrics[f"{stage}_nll"].update(nll.detach(), weight=tokens)
-        if stage != "train":
-            if self._word_starts is None:
-                self._word_starts = word_starts(self._trainer, self.device)
-            if self._word_starts is not None:
-                targets = batch["target_output"].reshape(-1)
-                update_word_sums(
-                    self.word_metrics, stage, self._word_starts, token_nll.detach(), targets
-                )
         if stage == "train":
             # not prog_bar: Lightning reads those back after every batch (a GPU sync); the
             # app's progress bar shows it at the logging interval (interval_progress_bar)
             self.log("train/loss", loss)
             self.log("train/nll", nll)
+            return loss
+        if self._word_starts is None:
+            self._word_starts = word_starts(self._trainer, self.device)
+        if self._word_starts is not None:  # targets are codes: the words' sums too
+            targets, token_nll = batch["target_output"].reshape(-1), token_nll.detach()
+            update_word_sums(self.word_metrics, stage, self._word_starts, token_nll, targets)
         return loss
 
     def train_metrics(self) -> dict[str, Any]:

@@ -140,7 +140,8 @@ class AppCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self._subcommand_config()
         configure_loggers(config.trainer, self.subcommand, config.get("ckpt_path"))
-        if config.trainer.get("logger") in (False, []):
+        no_logger = config.trainer.get("logger") in (False, [])
+        if no_logger:
             _drop_logging_only_callbacks(config.trainer)
         # every run records its hyper-parameters and best validation figure (HPARAMS); every
         # fit saves a resumable checkpoint when it is preempted or interrupted
@@ -152,7 +153,7 @@ class AppCLI(LightningCLI):
         if _default_progress_bar(config.trainer, extra):  # no device sync per batch for it
             ours.append(interval_progress_bar())
         self.trainer_defaults = {**self.trainer_defaults, "callbacks": [*extra, *ours]}
-        if self.subcommand not in (None, "fit") and config.trainer.get("logger") in (False, []):
+        if self.subcommand not in (None, "fit") and no_logger:
             # no logger, no run folder: the config would land in the working folder
             self.save_config_callback = None
         elif self.subcommand not in (None, "fit"):  # the run folder's config.yaml is the fit's
