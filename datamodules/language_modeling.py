@@ -33,14 +33,7 @@ from datamodules.text_source import (
     text_source,
     tokenizers_progress,
 )
-from datamodules.vocab import (
-    VOCABS,
-    BPEVocab,
-    Vocab,
-    WordVocab,
-    vocab_from_state,
-    vocab_over,
-)
+from datamodules.vocab import VOCABS, BPEVocab, Vocab, WordVocab, vocab_from_state, vocab_over
 from datamodules.vocab.bpe import StreamEncoder, warn_if_other_bpe_size, written_unk
 from datamodules.vocab.hybrid_lightrnn import codes_text
 from datamodules.vocab.word import UNK, count_words

@@ -322,8 +322,9 @@ def line_codes(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Lines of word ids (flat, with line ``offsets``) as Hybrid-LightRNN code lines: one code
     per frequent word, two per rare word (int32, in memory: the codes follow the table)."""
-    codes = vocab.encode_word_ids(torch.from_numpy(np.asarray(word_ids))).numpy()
-    per_word = 1 + (np.asarray(word_ids) >= vocab.num_frequent)  # a line is never empty (<eos>)
+    word_ids = np.asarray(word_ids)
+    codes = vocab.encode_word_ids(torch.from_numpy(word_ids)).numpy()
+    per_word = 1 + (word_ids >= vocab.num_frequent)  # a line is never empty (<eos>)
     ends = np.cumsum(per_word)[np.asarray(offsets[1:]) - 1] if len(offsets) > 1 else []
     return codes, np.concatenate([[0], ends]).astype(np.int64)
 

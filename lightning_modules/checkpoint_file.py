@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import zipfile
 from pathlib import Path
+from typing import Any
 
 from lightning_modules.errors import CheckpointPathError
 
@@ -23,3 +24,12 @@ def check_checkpoint_file(path: str, option: str) -> None:
             f"{option} {path!r} is not a checkpoint written by fit (not a PyTorch archive, or "
             f"a truncated one)"
         )
+
+
+def best_checkpoint_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    """The state a ``ModelCheckpoint`` saved in ``checkpoint`` (the first one that recorded a
+    best checkpoint: ``best_model_path``, ``best_model_score``, ``monitor``), or None."""
+    for key, value in (checkpoint.get("callbacks") or {}).items():
+        if key.startswith("ModelCheckpoint") and value.get("best_model_path"):
+            return value
+    return None

@@ -12,9 +12,8 @@ from typing import Any
 import torch
 from torchmetrics import SumMetric
 
+from heads import IGNORE_INDEX
 from lightning_modules.head_task import NO_READ_BACK
-
-IGNORED = -100
 
 
 def word_sums(stages: Iterable[str]) -> torch.nn.ModuleDict:
@@ -40,7 +39,7 @@ def update_word_sums(
     targets: torch.Tensor,
 ) -> None:
     """Add a batch's per-token ``nll`` ``[N]`` and the words its ``targets`` ``[N]`` start."""
-    valid = targets != IGNORED
+    valid = targets != IGNORE_INDEX
     sums[f"{stage}_nll"].update(nll.sum())
     sums[f"{stage}_words"].update((starts[targets.clamp(min=0)] & valid).sum())
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from jsonargparse import Namespace
 
+from lightning_modules.checkpoint_file import best_checkpoint_state
 from lightning_modules.errors import CheckpointPathError
 
 FLUSH_SECS = 20
@@ -107,11 +108,11 @@ def run_checkpoint(alias: str, trainer: Namespace) -> Path:
     if alias == "last":
         return last
     # mmap: only the callbacks' state is read, not the weights
-    state = torch.load(last, map_location="cpu", weights_only=False, mmap=True)
-    for key, value in (state.get("callbacks") or {}).items():
-        best = value.get("best_model_path") if key.startswith("ModelCheckpoint") else None
-        if best and Path(best).is_file():
-            return Path(best)
+    state = best_checkpoint_state(
+        torch.load(last, map_location="cpu", weights_only=False, mmap=True)
+    )
+    if state is not None and Path(state["best_model_path"]).is_file():
+        return Path(state["best_model_path"])
     raise CheckpointPathError(
         f"ckpt_path 'best': the run {runs[0]} recorded no best checkpoint (no validation yet?); "
         f"use --ckpt_path last or give the checkpoint file"

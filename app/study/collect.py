@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from lightning_modules.checkpoint_file import best_checkpoint_state
+
 EPOCH_TIME = "time/train_epoch_s"
 
 
@@ -91,13 +93,12 @@ def checkpoint_summary(last_checkpoint: Path) -> dict[str, Any]:
     state = checkpoint.get("state_dict", {})
     unique = {t.data_ptr(): t.numel() for t in state.values() if isinstance(t, torch.Tensor)}
     summary["parameters"] = int(sum(unique.values()))
-    for key, value in checkpoint.get("callbacks", {}).items():
-        if key.startswith("ModelCheckpoint") and value.get("best_model_path"):
-            score = value.get("best_model_score")
-            summary.update(
-                best_checkpoint=value["best_model_path"],
-                best_score=None if score is None else float(score),
-                monitor=value.get("monitor"),
-            )
-            break
+    best = best_checkpoint_state(checkpoint)
+    if best is not None:
+        score = best.get("best_model_score")
+        summary.update(
+            best_checkpoint=best["best_model_path"],
+            best_score=None if score is None else float(score),
+            monitor=best.get("monitor"),
+        )
     return summary
