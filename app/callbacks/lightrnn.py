@@ -20,11 +20,12 @@ def word_of_each_code(vocab: HybridLightRNNVocab, codes: torch.Tensor) -> torch.
     """For a valid code stream, the word id each code belongs to (both codes of a rare word
     carry its id)."""
     K, d1, d2 = vocab.num_frequent, vocab.rows, vocab.cols
-    words = codes.clone()  # a frequent code is its word id
-    rows = ((codes >= K) & (codes < K + d1)).nonzero().squeeze(1)
+    slots = vocab.layout_of_code[codes.long()]
+    words = slots.to(codes.dtype)  # a frequent word's slot is its word id
+    rows = ((slots >= K) & (slots < K + d1)).nonzero().squeeze(1)
     if len(rows) and rows[-1] + 1 >= len(codes):
         raise ValueError("the code stream ends inside a rare word")
-    cells = (codes[rows] - K) * d2 + codes[rows + 1] - K - d1
+    cells = (slots[rows] - K) * d2 + slots[rows + 1] - K - d1
     rare = vocab.word_at[cells].to(codes.dtype)
     words[rows] = rare
     words[rows + 1] = rare
@@ -52,6 +53,7 @@ def eq6_costs(
     """
     K, d1, d2 = vocab.num_frequent, vocab.rows, vocab.cols
     device = model.device
+    layout_of_code = vocab.layout_of_code.to(device)
     row_cost = torch.zeros(vocab.num_rare, d1, dtype=torch.float64, device=device)
     col_cost = torch.zeros(vocab.num_rare, d2, dtype=torch.float64, device=device)
     words = word_of_each_code(vocab, codes)
@@ -72,11 +74,13 @@ def eq6_costs(
             hidden, state = model.backbone(inputs.to(device), state)
             state = LMBackbone.detach_state(state)
             hidden = hidden.reshape(-1, hidden.size(-1))
-            targets, target_words = targets.reshape(-1).to(device), target_words.reshape(-1)
+            target_words = target_words.reshape(-1)
+            slots = layout_of_code[targets.reshape(-1).to(device).long()]
             for cost, first, size in ((row_cost, K, d1), (col_cost, K + d1, d2)):
-                where = (targets >= first) & (targets < first + size)
+                where = (slots >= first) & (slots < first + size)
                 if where.any():
-                    log_probs = log_prob(hidden[where])[:, first : first + size]
+                    codes_of_kind = vocab.layout_codes[first : first + size].to(device)
+                    log_probs = log_prob(hidden[where])[:, codes_of_kind]
                     rare = target_words[where.cpu()].to(device) - K
                     cost.index_add_(0, rare, -log_probs.double())
     finally:
@@ -195,9 +199,6 @@ class LightRNNTableReassignment(L.Callback):
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 # two trailing spaces: line breaks in TensorBoard's markdown
-                new = HybridLightRNNVocab(
-                    vocab.words, vocab.num_frequent, vocab.rows, vocab.cols, new_cells
-                )
-                text = new.table_text(self.log_rows).replace("\n", "  \n")
+                text = vocab.with_cells(new_cells).table_text(self.log_rows).replace("\n", "  \n")
                 logger.experiment.add_text("lightrnn/table", text, trainer.global_step)
         return self.last

@@ -9,11 +9,20 @@ The encoding table of the paper (section "Increasing the Capacity for Frequent W
 a dense d1 x d2 table: every other word owns one cell (r, c) and is written as the two codes
 (row r, column c). The off-diagonal blocks are the invalid code pairs; they decode to
 ``<unk>``. Rows and columns get distinct codes, so the output layer has
-``K + d1 + d2`` classes:
+``K + d1 + d2`` classes, in this *layout*:
 
-    codes 0 .. K-1               the K most frequent words, by decreasing frequency
-    codes K .. K+d1-1            the rows of L (first code of a rare word)
-    codes K+d1 .. K+d1+d2-1      the columns of L (second code of a rare word)
+    slots 0 .. K-1               the K most frequent words, by decreasing frequency
+    slots K .. K+d1-1            the rows of L (first code of a rare word)
+    slots K+d1 .. K+d1+d2-1      the columns of L (second code of a rare word)
+
+The code ids (the classes a head sees) are the slots ranked by decreasing training count, as
+every vocabulary's ids are (DESIGN.md, "Vocabularies"): a row or column code stands for many
+rare words, so it is far more frequent than most frequent words (on PTB with K = 2,800 and an
+85 x 85 table, all 170 of them rank among the 300 most frequent codes). Heads rely on that
+order: Mixtape's own gates go to the lowest ids, adaptive softmax's head cluster holds them,
+and output biases start at a Zipf prior over them. The ranking is counted under the initial
+table and then fixed for the run (``layout_codes``): a class id never moves under a training
+head, even when re-assigning the table changes the rows' and columns' counts.
 
 The table (which cell each rare word owns) is re-learnt during training by
 :mod:`datamodules.vocab.table_assignment`: a new table is scheduled (:meth:`schedule_cells`) and
@@ -48,6 +57,8 @@ class HybridLightRNNVocab:
         rows, cols: d1 x d2, the size of the shared table; ``K + d1 * d2 >= len(words)``.
         cells: for each rare word ``K + i``, its cell ``r * cols + c`` (default: frequency
             order, row by row).
+        layout_codes: the code id of each slot (see the module docstring); default: the slots
+            ranked by decreasing training count under ``cells`` (ties keep the layout order).
     """
 
     def __init__(
@@ -57,6 +68,7 @@ class HybridLightRNNVocab:
         rows: int,
         cols: int,
         cells: Sequence[int] | torch.Tensor | None = None,
+        layout_codes: Sequence[int] | torch.Tensor | None = None,
     ) -> None:
         for name, value in (("num_frequent", num_frequent), ("rows", rows), ("cols", cols)):
             if not isinstance(value, int) or value < 1:
@@ -79,16 +91,32 @@ class HybridLightRNNVocab:
         self.rows = rows
         self.cols = cols
         self.num_rare = max(len(words) - num_frequent, 0)
-        self.eos_id = words.eos_id  # a frequent word: its code id is its word id
         self.unk_id = words.unk_id  # a word id: what invalid code sequences decode to
-        self.itos = (
-            words.itos[:num_frequent]
-            + [f"<row{r}>" for r in range(rows)]
-            + [f"<col{c}>" for c in range(cols)]
-        )
         self.version = 0  # bumped by every new table: the code streams change
         self.scheduled_cells: torch.Tensor | None = None
-        self.set_cells(torch.arange(self.num_rare) if cells is None else cells)
+        cells = self._checked_cells(torch.arange(self.num_rare) if cells is None else cells)
+        if layout_codes is None:
+            layout_codes = _rank_by_count(self._slot_counts(cells))
+        self._set_layout(layout_codes)
+        self.set_cells(cells)
+
+    def _set_layout(self, layout_codes: Sequence[int] | torch.Tensor) -> None:
+        """Install the code id of each slot (a permutation of the codes)."""
+        codes = torch.as_tensor(layout_codes, dtype=torch.long).flatten().clone()
+        if not torch.equal(codes.sort().values, torch.arange(len(self))):
+            raise ValueError(f"layout_codes must be a permutation of the {len(self)} codes")
+        self.layout_codes = codes
+        self.layout_of_code = torch.empty_like(codes)
+        self.layout_of_code[codes] = torch.arange(len(codes))
+        self._layout_list = self.layout_of_code.tolist()  # decoding reads it code by code
+        self.eos_id = int(codes[self.words.eos_id])  # <eos> is frequent: slot = its word id
+        K = self.num_frequent
+        names = (
+            (self.words.itos[:K] + [f"<unused{i}>" for i in range(len(self.words), K)])
+            + [f"<row{r}>" for r in range(self.rows)]
+            + [f"<col{c}>" for c in range(self.cols)]
+        )
+        self.itos = [names[slot] for slot in self._layout_list]
 
     # -- construction --------------------------------------------------------------------
     @classmethod
@@ -165,6 +193,22 @@ class HybridLightRNNVocab:
 
     def set_cells(self, cells: Sequence[int] | torch.Tensor) -> None:
         """Install a new table (cell of each rare word); it must be injective."""
+        self.cells = cells = self._checked_cells(cells)
+        size = self.rows * self.cols
+        # cell -> word id (-1: unused cell, decodes to <unk>)
+        self.word_at = torch.full((size,), -1, dtype=torch.long)
+        self.word_at[cells] = torch.arange(self.num_rare) + self.num_frequent
+        # word id -> its codes; second code -1 for frequent words
+        K, n = self.num_frequent, len(self.words)
+        slots = torch.full((n, 2), -1, dtype=torch.long)
+        slots[: min(K, n), 0] = torch.arange(min(K, n))
+        slots[K:, 0] = K + cells // self.cols
+        slots[K:, 1] = K + self.rows + cells % self.cols
+        self.word_codes = torch.where(slots >= 0, self.layout_codes[slots.clamp(min=0)], -1)
+        self.version += 1
+
+    def _checked_cells(self, cells: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """``cells`` as a new int64 tensor, checked to be an injective table."""
         cells = torch.as_tensor(cells, dtype=torch.long).flatten().clone()
         if cells.numel() != self.num_rare:
             raise ValueError(f"expected a cell for each of {self.num_rare} rare words")
@@ -173,26 +217,21 @@ class HybridLightRNNVocab:
             raise ValueError(f"cells must lie in [0, {size})")
         if torch.unique(cells).numel() != cells.numel():
             raise ValueError("two words share a table cell: the table must be a bijection")
-        self.cells = cells
-        # cell -> word id (-1: unused cell, decodes to <unk>)
-        self.word_at = torch.full((size,), -1, dtype=torch.long)
-        self.word_at[cells] = torch.arange(self.num_rare) + self.num_frequent
-        # word id -> its codes; second code -1 for frequent words
-        K, n = self.num_frequent, len(self.words)
-        codes = torch.full((n, 2), -1, dtype=torch.long)
-        codes[: min(K, n), 0] = torch.arange(min(K, n))
-        codes[K:, 0] = K + cells // self.cols
-        codes[K:, 1] = K + self.rows + cells % self.cols
-        self.word_codes = codes
-        self.version += 1
+        return cells
 
     def schedule_cells(self, cells: Sequence[int] | torch.Tensor) -> None:
         """Install a re-assigned table when the next training pass starts
         (:meth:`begin_training_pass`). Until then the vocabulary keeps the table the current
         weights were trained with, so a checkpoint saved in between tests with that table and
         resumes with the new one. The cells are checked now (a bijection into the table)."""
-        HybridLightRNNVocab(self.words, self.num_frequent, self.rows, self.cols, cells)
+        self.with_cells(cells)
         self.scheduled_cells = torch.as_tensor(cells, dtype=torch.long).clone()
+
+    def with_cells(self, cells: Sequence[int] | torch.Tensor) -> HybridLightRNNVocab:
+        """This vocabulary (same code ids) over another table."""
+        return HybridLightRNNVocab(
+            self.words, self.num_frequent, self.rows, self.cols, cells, self.layout_codes
+        )
 
     def begin_training_pass(self) -> None:
         """A training pass starts: the scheduled table, if any, is installed."""
@@ -214,13 +253,33 @@ class HybridLightRNNVocab:
         """``[num_codes]`` bool: codes that begin a word (frequent codes and rows), so the
         number of words in a stretch of codes is the number of these."""
         mask = torch.ones(len(self), dtype=torch.bool)
-        mask[self.num_frequent + self.rows :] = False
+        mask[self.col_codes] = False
         return mask
+
+    @property
+    def row_codes(self) -> torch.Tensor:
+        """``[rows]``: the code id of each row of the table."""
+        return self.layout_codes[self.num_frequent : self.num_frequent + self.rows]
+
+    @property
+    def col_codes(self) -> torch.Tensor:
+        """``[cols]``: the code id of each column of the table."""
+        return self.layout_codes[self.num_frequent + self.rows :]
 
     @property
     def base(self) -> WordVocab:
         """The vocabulary of the cached ids: the words."""
         return self.words
+
+    def _slot_counts(self, cells: torch.Tensor) -> torch.Tensor:
+        """Training count of every slot (layout order) under the table ``cells``."""
+        counts = torch.as_tensor(self.words.counts, dtype=torch.long)
+        K, rare = self.num_frequent, counts[self.num_frequent :]
+        frequent = torch.zeros(K, dtype=torch.long)  # (a K past the words leaves codes unused)
+        frequent[: min(K, len(counts))] = counts[:K]
+        rows = torch.zeros(self.rows, dtype=torch.long).index_add_(0, cells // self.cols, rare)
+        cols = torch.zeros(self.cols, dtype=torch.long).index_add_(0, cells % self.cols, rare)
+        return torch.cat((frequent, rows, cols))
 
     def class_counts(self) -> np.ndarray:
         """Training count of every code (``[num_codes]``, int64): a code counts every word it
@@ -291,21 +350,22 @@ class HybridLightRNNVocab:
             code = int(code)
             if not 0 <= code < len(self):
                 raise ValueError(f"code {code} is outside [0, {len(self)})")
-            if code >= K + R:  # a column
+            slot = self._layout_list[code]
+            if slot >= K + R:  # a column
                 if pending_row is None:
                     out.append(self.unk_id)
                 else:
-                    word = int(self.word_at[pending_row * self.cols + code - K - R])
+                    word = int(self.word_at[pending_row * self.cols + slot - K - R])
                     out.append(word if word >= 0 else self.unk_id)
                 pending_row = None
                 continue
             if pending_row is not None:  # row without its column
                 out.append(self.unk_id)
                 pending_row = None
-            if code >= K:
-                pending_row = code - K
+            if slot >= K:
+                pending_row = slot - K
             else:
-                out.append(code)
+                out.append(slot)  # a frequent word's slot is its word id
         if pending_row is not None:
             out.append(self.unk_id)
         return out
@@ -333,7 +393,8 @@ class HybridLightRNNVocab:
         return isinstance(saved, HybridLightRNNVocab) and saved.same_structure(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue with a checkpoint's table (and the table it had scheduled)."""
+        """Continue with a checkpoint's code ids, table (and the table it had scheduled)."""
+        self._set_layout(_saved_layout(state))
         self.set_cells(state["cells"])
         scheduled = state.get("scheduled_cells")
         self.scheduled_cells = None if scheduled is None else torch.tensor(scheduled)
@@ -343,11 +404,13 @@ class HybridLightRNNVocab:
             isinstance(other, HybridLightRNNVocab)
             and self.same_structure(other)
             and torch.equal(self.cells, other.cells)
+            and torch.equal(self.layout_codes, other.layout_codes)
         )
 
     def fingerprint(self) -> str:
         text = f"{self.words.fingerprint()} {self.num_frequent} {self.rows} {self.cols} "
         text += ",".join(map(str, self.cells.tolist()))
+        text += " " + ",".join(map(str, self.layout_codes.tolist()))
         return hashlib.sha1(text.encode()).hexdigest()[:12]
 
     def state_dict(self) -> dict:
@@ -358,6 +421,7 @@ class HybridLightRNNVocab:
             "rows": self.rows,
             "cols": self.cols,
             "cells": self.cells.tolist(),
+            "layout_codes": self.layout_codes.tolist(),
         }
         if self.scheduled_cells is not None:
             state["scheduled_cells"] = self.scheduled_cells.tolist()
@@ -373,6 +437,7 @@ class HybridLightRNNVocab:
             state["rows"],
             state["cols"],
             state["cells"],
+            _saved_layout(state),
         )
 
     def table_text(self, max_rows: int = 10, max_words: int = 12) -> str:
@@ -393,3 +458,20 @@ def codes_text(vocab: object) -> str:
         f" for {len(vocab.words):,} words ({vocab.num_frequent:,} frequent words and the "
         f"{vocab.rows} rows and {vocab.cols} columns of the rare words' table)"
     )
+
+
+def _rank_by_count(counts: torch.Tensor) -> torch.Tensor:
+    """Code id of each slot: its rank by decreasing count (a stable sort: ties keep the
+    layout order)."""
+    order = torch.sort(counts, descending=True, stable=True).indices
+    ranks = torch.empty_like(order)
+    ranks[order] = torch.arange(len(order))
+    return ranks
+
+
+def _saved_layout(state: dict) -> list[int]:
+    """A saved vocabulary's code ids; checkpoints from before codes were ranked by count
+    (no ``layout_codes``) used the layout itself."""
+    if "layout_codes" in state:
+        return state["layout_codes"]
+    return list(range(state["num_frequent"] + state["rows"] + state["cols"]))
