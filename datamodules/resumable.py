@@ -14,7 +14,7 @@ position saved is that count, not the read-ahead.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
@@ -30,16 +30,24 @@ class ResumableLoader(DataLoader):
     before the resumed position are skipped after they are made (a collate each: cheap beside
     a training step).
 
+    Args:
+        before_pass: called when an epoch's iterator starts, before any batch is made (and
+            before worker processes copy the dataset): the data module installs state scheduled
+            for the next pass there (a re-learnt Hybrid-LightRNN table).
+
     Attributes:
         batches_served: batches yielded in the current epoch (including a read-ahead).
         resumed_from: batches skipped at the start of the current epoch (0 unless this epoch
             was resumed from a mid-epoch checkpoint).
     """
 
-    def __init__(self, dataset: Dataset, **loader: Any) -> None:
+    def __init__(
+        self, dataset: Dataset, before_pass: Callable[[], None] | None = None, **loader: Any
+    ) -> None:
         if "batch_sampler" not in loader:
             loader.setdefault("batch_size", None)
         super().__init__(dataset, **loader)
+        self.before_pass = before_pass
         self.batches_served = 0
         self.resumed_from = 0
         self._consumed: int | None = None
@@ -50,6 +58,8 @@ class ResumableLoader(DataLoader):
         self.batches_served = 0
         self.resumed_from = skip
         self._consumed = None
+        if self.before_pass is not None:
+            self.before_pass()
         for index, batch in enumerate(super().__iter__()):
             if index < skip:
                 continue  # already trained on before the checkpoint (a window is a small copy)

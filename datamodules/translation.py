@@ -349,9 +349,9 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         vocab: ``word`` (whitespace tokens), ``bpe`` (HuggingFace ``tokenizers`` BPE) or
             ``hybrid_lightrnn``: source words, target Hybrid-LightRNN codes (K frequent target
             words with a code each, the others two: a cell of a rows x cols table; the
-            decoder reads and the head predicts codes, BLEU is on the decoded words). The
-            table stays as initialised (``LightRNNTableReassignment`` re-learns it in the LM
-            task only).
+            decoder reads and the head predicts codes, BLEU is on the decoded words).
+            ``LightRNNTableReassignment`` re-learns the table between epochs; the target codes
+            follow the installed table.
         joint_vocab: one vocabulary for both sides (needed to share embeddings).
         max_vocab_size: word vocabularies: keep this many most frequent tokens per side.
         bpe_vocab_size: BPE vocabularies: merges + alphabet + specials, per vocabulary.
@@ -424,6 +424,10 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         self._word_vocabs: tuple[Vocab, Vocab] | None = None  # what the token files hold
         self._parts: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._encoded: dict[str, EncodedPairs] = {}
+        # Hybrid-LightRNN target: the word lines behind each coded part, and the table version
+        # the codes were made with (they follow a re-learnt or restored table)
+        self._target_words: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._table_version: int | None = None
         self._lines: dict[str, list[str]] = {}
         self._splits: DatasetDict | None = None
 
@@ -441,7 +445,7 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         # pickled (ddp_spawn, DataLoader workers under spawn): the token files are mapped again
         # where it is unpickled, not copied into the pickle
         state = self.__dict__.copy()
-        state["_parts"], state["_encoded"] = {}, {}
+        state["_parts"], state["_encoded"], state["_target_words"] = {}, {}, {}
         return state
 
     # -- source and cache ----------------------------------------------------------------
@@ -655,6 +659,7 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
     def _part(self, split: str, side: str) -> tuple[np.ndarray, np.ndarray]:
         """One side of a split: its ids (int32, memory-mapped) and line offsets."""
         part = f"{split}.{side}"
+        self._follow_the_table()
         if part not in self._parts:
             # the words the token files hold, and the ids the model reads (codes or the same)
             coder = self.vocabs[SIDES.index(side)]
@@ -676,13 +681,40 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
             cache.ensure(done, lambda: cache.write_ids(part, chunks(), source=identity), part)
             ids, offsets = cache.ids(part), cache.offsets(part)
             if isinstance(coder, HybridLightRNNVocab):
+                self._target_words[part] = (ids, offsets)
                 ids, offsets = line_codes(coder, ids, offsets)
+                self._table_version = coder.version
             self._parts[part] = (ids, offsets)
         return self._parts[part]
+
+    def _follow_the_table(self) -> None:
+        """Code the target lines read so far again if the Hybrid-LightRNN table changed (re-learnt
+        by ``LightRNNTableReassignment``, or restored from a checkpoint), also in the datasets
+        the loaders hold. A word keeps its number of codes, so lengths and batches stay."""
+        if not self._target_words:
+            return
+        vocab = self.target_vocab
+        if vocab.version == self._table_version:
+            return
+        for part, (ids, offsets) in self._target_words.items():
+            codes, _ = line_codes(vocab, ids, offsets)
+            self._parts[part] = (codes, self._parts[part][1])
+            split = part.rsplit(".", 1)[0]
+            if split in self._encoded:
+                self._encoded[split].target = codes
+        self._table_version = vocab.version
+
+    def _begin_training_pass(self) -> None:
+        """A training epoch starts: a table the vocabulary scheduled is installed now, and the
+        target codes follow it (the language model's streams do the same)."""
+        if isinstance(self.target_vocab, HybridLightRNNVocab):
+            self.target_vocab.begin_training_pass()
+            self._follow_the_table()
 
     def encoded(self, split: str) -> EncodedPairs:
         """The split's pairs (training pairs with an empty side or longer than
         ``max_length`` left out)."""
+        self._follow_the_table()
         if split not in self._encoded:
             (source, source_offsets), (target, target_offsets) = (
                 self._part(split, side) for side in SIDES
@@ -710,7 +742,9 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
             )
         return self._encoded[split]
 
-    def _loader(self, split: str, max_tokens: int, shuffle: bool) -> DataLoader:
+    def _loader(
+        self, split: str, max_tokens: int, shuffle: bool, resumable: bool = False
+    ) -> DataLoader:
         pairs = self.encoded(split)
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
@@ -724,15 +758,22 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
             order.set_epoch(trainer.current_epoch)
         sampler = TokenBucketBatchSampler(order, max_tokens, rank=rank, world_size=world)
         pad = bos = self.bos_id
-        # training: a mid-epoch checkpoint saves the position, `fit --ckpt_path` continues there
-        loader = ResumableLoader if shuffle else DataLoader
-        return loader(
-            pairs,
-            batch_sampler=sampler,
-            collate_fn=lambda items: collate_pairs(items, pad_id=pad, bos_id=bos),
-        )
+        collate = lambda items: collate_pairs(items, pad_id=pad, bos_id=bos)  # noqa: E731
+        if resumable:
+            return ResumableLoader(
+                pairs, before_pass=self._begin_training_pass, batch_sampler=sampler,
+                collate_fn=collate,
+            )  # fmt: skip
+        return DataLoader(pairs, batch_sampler=sampler, collate_fn=collate)
 
     def train_dataloader(self) -> DataLoader:
+        # a mid-epoch checkpoint saves the position, `fit --ckpt_path` continues there
+        return self._loader("train", self.hparams.max_tokens, shuffle=True, resumable=True)
+
+    def table_scoring_dataloader(self) -> DataLoader:
+        """This rank's training pairs in the current epoch's shuffled token buckets, with no
+        resume position: what ``LightRNNTableReassignment`` scores (Eq. 6) after an epoch (a
+        ``max_batches`` sample is then a random one, not the shortest sentences)."""
         return self._loader("train", self.hparams.max_tokens, shuffle=True)
 
     def val_dataloader(self) -> DataLoader:
@@ -767,7 +808,11 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for side, ours in (("source", self.source_vocab), ("target", self.target_vocab)):
             saved = vocab_from_state(state_dict[f"{side}_vocab"])
-            if type(saved) is not type(ours) or saved.itos != ours.itos:
+            if isinstance(ours, HybridLightRNNVocab):  # same words and table shape
+                accepted = ours.accepts(saved)
+            else:
+                accepted = type(saved) is type(ours) and saved.itos == ours.itos
+            if not accepted:
                 raise VocabularyMismatchError(
                     f"the checkpoint was trained with another {side} vocabulary "
                     f"({type(saved).__name__}, {len(saved)} tokens, fingerprint "
@@ -776,3 +821,5 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
                     f"{ours.fingerprint()}); point data.path at the corpus the checkpoint was "
                     f"trained on and use the same data.vocab options"
                 )
+            if isinstance(ours, HybridLightRNNVocab):  # its code ids and (learnt) table
+                ours.load_state_dict(state_dict[f"{side}_vocab"])

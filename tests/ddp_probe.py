@@ -16,7 +16,8 @@ class DumpRankState(L.Callback):
         self.folder = Path(folder)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        vocab = getattr(trainer.datamodule, "vocab", None)
+        data = trainer.datamodule  # a translation's coded vocabulary is its target side
+        vocab = getattr(data, "target_vocab", None) or getattr(data, "vocab", None)
         state = {
             "head": {
                 k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v

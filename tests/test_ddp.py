@@ -279,6 +279,25 @@ def test_translation_under_ddp_trains_and_reduces_validation_over_ranks(tmp_path
 
 
 @pytest.mark.slow
+def test_translation_table_reassignment_under_ddp_keeps_the_ranks_identical(tmp_path):
+    # Each rank scores its own token buckets of the epoch's order; the summed Eq. 6 costs give
+    # both ranks the same problem, so they install the same target table.
+    reassign = [{"class_path": "app.callbacks.LightRNNTableReassignment",
+                 "init_args": {"max_batches": 4, "solver": "separable"}}]  # fmt: skip
+    probe = {"class_path": "tests.ddp_probe.DumpRankState",
+             "init_args": {"folder": str(tmp_path / "ddp")}}  # fmt: skip
+    args = ["fit", *MT_TINY, "--data.init_args.vocab", "hybrid_lightrnn",
+            "--data.init_args.lightrnn_frequent", "300", "--trainer.max_epochs", "2",
+            "--trainer.limit_train_batches", "3", "--trainer.enable_checkpointing", "false",
+            "--model.init_args.decode.val_beam_size", "0"]  # fmt: skip
+    run_cli(tmp_path / "ddp", args, 2, [*reassign, probe])
+    state = assert_ranks_agree(tmp_path / "ddp")
+    metrics = last_metrics(tmp_path / "ddp")
+    assert metrics["lightrnn/moved"] > 0 and metrics["lightrnn/seen"] > 0
+    assert not torch.equal(state["cells"], torch.arange(len(state["cells"])))  # re-learnt
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("vocab", ["word", "bpe"])
 def test_rank_0_prepares_the_data_and_rank_1_reads_the_cache(tmp_path, vocab):
     """A 2-process fit on an empty cache: rank 0 builds the vocabulary while the CLI builds

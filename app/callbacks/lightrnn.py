@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import lightning as L
@@ -13,6 +14,7 @@ from datamodules.bptt import BPTTBatches
 from datamodules.errors import DataConfigError
 from datamodules.vocab.hybrid_lightrnn import HybridLightRNNVocab
 from datamodules.vocab.table_assignment import reassign
+from heads import IGNORE_INDEX
 from lightning_modules.backbones import LMBackbone
 
 
@@ -32,7 +34,49 @@ def word_of_each_code(vocab: HybridLightRNNVocab, codes: torch.Tensor) -> torch.
     return words
 
 
-@torch.no_grad()
+class _Eq6Costs:
+    """The sums of the separable Eq. 6 cost, ``R [num_rare, d1]`` and ``Cc [num_rare, d2]``
+    (float64, on the model's device), added to batch by batch while the model is scored as it
+    is (eval mode: no dropout; no gradients)."""
+
+    def __init__(self, model: L.LightningModule, vocab: HybridLightRNNVocab) -> None:
+        self.model, self.vocab, self.device = model, vocab, model.device
+        self.row = torch.zeros(vocab.num_rare, vocab.rows, dtype=torch.float64, device=self.device)
+        self.col = torch.zeros(vocab.num_rare, vocab.cols, dtype=torch.float64, device=self.device)
+        self.layout_of_code = vocab.layout_of_code.to(self.device)
+        K, d1 = vocab.num_frequent, vocab.rows
+        self.kinds = [  # (sums, the slots of the code kind, their code ids)
+            (self.row, K, K + d1, vocab.row_codes.to(self.device)),
+            (self.col, K + d1, len(vocab), vocab.col_codes.to(self.device)),
+        ]
+        # The distribution the loss trains (``Head.training_log_prob``): for DS-Softmax, finite
+        # where its sparse inference ``log_prob`` is -inf outside the selected expert.
+        self.log_prob = model.head.training_log_prob
+
+    def add(self, hidden: torch.Tensor, targets: torch.Tensor, words: torch.Tensor) -> None:
+        """``hidden [n, d]`` predicts the codes ``targets [n]``; ``words [n]``: the word each
+        target code belongs to. Adds ``-log P(row r | context)`` for every row r at each rare
+        word's first code, and the columns' at its second."""
+        slots = self.layout_of_code[targets.to(self.device).long()]
+        words = words.to(self.device)
+        for sums, first, stop, codes in self.kinds:
+            where = (slots >= first) & (slots < stop)
+            if where.any():
+                log_probs = self.log_prob(hidden[where])[:, codes]
+                sums.index_add_(0, words[where] - self.vocab.num_frequent, -log_probs.double())
+
+    def __enter__(self) -> _Eq6Costs:
+        self.was_training = self.model.training
+        self.model.eval()
+        self.no_grad = torch.no_grad()
+        self.no_grad.__enter__()
+        return self
+
+    def __exit__(self, *error: object) -> None:
+        self.no_grad.__exit__(*error)
+        self.model.train(self.was_training)
+
+
 def eq6_costs(
     model: L.LightningModule,
     vocab: HybridLightRNNVocab,
@@ -51,47 +95,50 @@ def eq6_costs(
     paper's two independence approximations), so ``C[i, (r, c)] = R[i, r] + Cc[i, c]``.
     ``model`` must have ``backbone`` and ``head`` (``LanguageModel``).
     """
-    K, d1, d2 = vocab.num_frequent, vocab.rows, vocab.cols
-    device = model.device
-    layout_of_code = vocab.layout_of_code.to(device)
-    row_cost = torch.zeros(vocab.num_rare, d1, dtype=torch.float64, device=device)
-    col_cost = torch.zeros(vocab.num_rare, d2, dtype=torch.float64, device=device)
     words = word_of_each_code(vocab, codes)
     code_batches = BPTTBatches(codes, batch_size, bptt, rank, world_size)
     word_batches = BPTTBatches(words, batch_size, bptt, rank, world_size)
-    # The distribution the loss trains (``Head.training_log_prob``): for DS-Softmax, finite where
-    # its sparse inference ``log_prob`` is -inf outside the selected expert (no feasible cost).
-    log_prob = model.head.training_log_prob
-    was_training = model.training
-    model.eval()  # no dropout: the costs of the model as it is
     state = None
-    try:
+    with _Eq6Costs(model, vocab) as costs:
         for step, ((inputs, targets), (_, target_words)) in enumerate(
             zip(code_batches, word_batches, strict=True)
         ):
             if max_batches is not None and step >= max_batches:
                 break
-            hidden, state = model.backbone(inputs.to(device), state)
+            hidden, state = model.backbone(inputs.to(costs.device), state)
             state = LMBackbone.detach_state(state)
             hidden = hidden.reshape(-1, hidden.size(-1))
-            target_words = target_words.reshape(-1)
-            slots = layout_of_code[targets.reshape(-1).to(device).long()]
-            for cost, first, size in ((row_cost, K, d1), (col_cost, K + d1, d2)):
-                where = (slots >= first) & (slots < first + size)
-                if where.any():
-                    codes_of_kind = vocab.layout_codes[first : first + size].to(device)
-                    log_probs = log_prob(hidden[where])[:, codes_of_kind]
-                    rare = target_words[where.cpu()].to(device) - K
-                    cost.index_add_(0, rare, -log_probs.double())
-    finally:
-        model.train(was_training)
-    return row_cost, col_cost
+            costs.add(hidden, targets.reshape(-1), target_words.reshape(-1))
+    return costs.row, costs.col
+
+
+def eq6_costs_translation(
+    model: L.LightningModule,
+    vocab: HybridLightRNNVocab,
+    batches: Iterable[dict[str, torch.Tensor]],
+    max_batches: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`eq6_costs` for a translation model over a Hybrid-LightRNN target: the context of
+    a reference's code is the source sentence and the reference before it (teacher forcing,
+    as in training), ``batches`` the data module's translation batches."""
+    with _Eq6Costs(model, vocab) as costs:
+        for step, batch in enumerate(batches):
+            if max_batches is not None and step >= max_batches:
+                break
+            targets = batch["target_output"]
+            kept = targets != IGNORE_INDEX
+            codes = targets[kept]  # each reference's codes, whole lines one after the other
+            keys = ("source", "source_padding", "target_input")
+            hidden = model.backbone(*(batch[key].to(costs.device) for key in keys))
+            costs.add(hidden[kept.to(costs.device)], codes, word_of_each_code(vocab, codes))
+    return costs.row, costs.col
 
 
 class LightRNNTableReassignment(L.Callback):
     """Every ``every_n_epochs`` training epochs, re-assigns the rare words to the cells of the
     Hybrid-LightRNN table by the optimal-transport objective (Eq. 3) with the Eq. 6 cost of
-    the current model, keeping a bijection.
+    the current model, keeping a bijection. A language model's table, or a translation's
+    target table: there a code's context is the source sentence and the reference before it.
 
     Runs at the end of a training epoch (after its validation) and schedules the new table:
     the data module installs it when the next training epoch starts, so that epoch trains
@@ -110,8 +157,10 @@ class LightRNNTableReassignment(L.Callback):
     Args:
         every_n_epochs: re-assign after epochs n, 2n, ...
         max_batches: score only the first windows of the training stream (a sample), None
-            for all of it. Words absent from the sample keep their cells.
-        batch_size: parallel streams while scoring (larger is faster, same costs).
+            for all of it; in translation, the first batches of the epoch's shuffled order.
+            Words absent from the sample keep their cells.
+        batch_size: parallel streams while scoring (larger is faster, same costs); translation
+            scores in its training batches (``data.max_tokens``).
         solver: ``auto`` (exact for small tables), ``exact`` or ``separable``.
         log_rows: table rows shown in TensorBoard.
     """
@@ -143,16 +192,12 @@ class LightRNNTableReassignment(L.Callback):
         self.last_cells: torch.Tensor | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if hasattr(trainer.datamodule, "target_vocab"):  # (Eq. 6's cost is the LM's)
-            raise DataConfigError(
-                "LightRNNTableReassignment re-learns the table of a language model only; a "
-                "translation's Hybrid-LightRNN target keeps its initial table: drop the callback"
-            )
-        vocab = getattr(trainer.datamodule, "vocab", None)
+        vocab = _coded_vocab(trainer.datamodule)
         if not isinstance(vocab, HybridLightRNNVocab):
             raise DataConfigError(
                 "LightRNNTableReassignment needs data.vocab=hybrid_lightrnn "
-                f"(the data module's vocabulary is {type(vocab).__name__})"
+                f"(the data module's {'target ' * _translates(trainer.datamodule)}vocabulary is "
+                f"{type(vocab).__name__})"
             )
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -165,18 +210,24 @@ class LightRNNTableReassignment(L.Callback):
     def reassign_now(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         start = time.perf_counter()
         data = trainer.datamodule
-        vocab: HybridLightRNNVocab = data.vocab
+        vocab: HybridLightRNNVocab = _coded_vocab(data)
         with trainer.precision_plugin.forward_context():
-            row_cost, col_cost = eq6_costs(
-                pl_module,
-                vocab,
-                data.split_tokens("train"),
-                self.batch_size,
-                data.hparams.bptt,
-                self.max_batches,
-                trainer.global_rank,
-                trainer.world_size,
-            )
+            if _translates(data):
+                batches = data.table_scoring_dataloader()
+                row_cost, col_cost = eq6_costs_translation(
+                    pl_module, vocab, batches, self.max_batches
+                )
+            else:
+                row_cost, col_cost = eq6_costs(
+                    pl_module,
+                    vocab,
+                    data.split_tokens("train"),
+                    self.batch_size,
+                    data.hparams.bptt,
+                    self.max_batches,
+                    trainer.global_rank,
+                    trainer.world_size,
+                )
         # every rank scored its own streams; all solve the same summed problem identically
         row_cost = trainer.strategy.reduce(row_cost, reduce_op="sum")
         col_cost = trainer.strategy.reduce(col_cost, reduce_op="sum")
@@ -202,3 +253,13 @@ class LightRNNTableReassignment(L.Callback):
                 text = vocab.with_cells(new_cells).table_text(self.log_rows).replace("\n", "  \n")
                 logger.experiment.add_text("lightrnn/table", text, trainer.global_step)
         return self.last
+
+
+def _translates(data: object) -> bool:
+    """Whether the data module is a translation's (its target side is the coded one)."""
+    return hasattr(data, "target_vocab")
+
+
+def _coded_vocab(data: object) -> object:
+    """The vocabulary whose table is re-learnt: a language model's, a translation's target."""
+    return getattr(data, "target_vocab" if _translates(data) else "vocab", None)

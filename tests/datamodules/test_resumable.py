@@ -43,3 +43,19 @@ def test_the_position_saved_is_the_batch_being_trained_not_the_read_ahead():
     first = next(iter(resumed))[0]
     assert resumed.resumed_from == 1
     assert torch.equal(first, _windows(ResumableLoader(dataset))[1])
+
+
+def test_the_pass_hook_runs_before_each_epoch_s_first_batch_is_made():
+    """Where a data module installs what it scheduled for the next pass (a re-learnt table):
+    the epoch's batches, also those of worker processes, must be made after it."""
+    data = torch.zeros(40)
+
+    def install() -> None:
+        data.add_(1)  # the "new table": every item made after this sees it
+
+    loader = ResumableLoader(
+        torch.utils.data.TensorDataset(data), before_pass=install, batch_size=10
+    )
+    assert loader.before_pass is install
+    assert [float(batch[0][0]) for batch in loader] == [1.0] * 4
+    assert [float(batch[0][0]) for batch in loader] == [2.0] * 4

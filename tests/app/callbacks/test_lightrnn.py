@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from app.callbacks import LightRNNTableReassignment
-from app.callbacks.lightrnn import eq6_costs, word_of_each_code
-from datamodules import LanguageModelingDataModule
+from app.callbacks.lightrnn import eq6_costs, eq6_costs_translation, word_of_each_code
+from datamodules import LanguageModelingDataModule, TranslationDataModule
 from datamodules.bptt import BPTTBatches
 from datamodules.vocab.hybrid_lightrnn import HybridLightRNNVocab
 from datamodules.vocab.table_assignment import objective
 from heads import SoftmaxHead
-from lightning_modules import LanguageModel
-from lightning_modules.backbones import LSTMBackbone
+from lightning_modules import LanguageModel, Translation
+from lightning_modules.backbones import LSTMBackbone, Seq2SeqTransformer
 
 K, ROWS, COLS = 6, 6, 6
 
@@ -199,11 +199,101 @@ def test_needs_a_lightrnn_vocabulary(corpus):
         trainer(1, callbacks=[LightRNNTableReassignment()]).fit(model, data)
 
 
-def test_a_translation_s_table_is_not_re_learnt_and_the_line_says_so():
-    translation = type("Data", (), {"target_vocab": None})()  # what the callback looks at
-    fake = type("Trainer", (), {"datamodule": translation})()
-    with pytest.raises(ValueError, match="re-learns the table of a language model only"):
-        LightRNNTableReassignment().setup(fake, None, "fit")
+@pytest.fixture(scope="module")
+def parallel(tmp_path_factory) -> str:
+    """Word-for-word pairs over 30 target words (word i appears more often for small i)."""
+    rng = random.Random(1)
+    folder = tmp_path_factory.mktemp("pairs")
+    for prefix, lines in (("train", 120), ("val", 12), ("test_2016_flickr", 12)):
+        pairs = []
+        for _ in range(lines):
+            words = [min(int(rng.expovariate(0.12)), 29) for _ in range(rng.randint(3, 8))]
+            pairs.append((" ".join(f"s{w}" for w in words), " ".join(f"w{w}" for w in words)))
+        (folder / f"{prefix}.de").write_text("".join(f"{s}\n" for s, _ in pairs))
+        (folder / f"{prefix}.en").write_text("".join(f"{t}\n" for _, t in pairs))
+    return str(folder)
+
+
+def make_translation(path: str, **data_options):
+    options = dict(vocab="hybrid_lightrnn", lightrnn_frequent=K, lightrnn_rows=ROWS,
+                   lightrnn_cols=COLS, lightrnn_init="random", max_tokens=200)  # fmt: skip
+    data = TranslationDataModule(path=path, **(options | data_options))
+    torch.manual_seed(0)
+    backbone = Seq2SeqTransformer(data.src_vocab_size, data.vocab_size, model_size=16,
+                                  num_heads=2, encoder_layers=1, decoder_layers=1,
+                                  feedforward_size=32, dropout=0.0)  # fmt: skip
+    model = Translation(backbone, SoftmaxHead(16, data.vocab_size),
+                        optimizer=lambda p: torch.optim.Adam(p, 1e-2))  # fmt: skip
+    return data, model
+
+
+def test_translation_eq6_costs_match_a_plain_reference(parallel):
+    """The translation cost: each reference scored alone, code by code, from the full
+    log-probabilities with the source and the reference before it as context."""
+    data, model = make_translation(parallel)
+    vocab = data.target_vocab
+    row, col = eq6_costs_translation(model, vocab, data.table_scoring_dataloader())
+    ref_row, ref_col = np.zeros((vocab.num_rare, ROWS)), np.zeros((vocab.num_rare, COLS))
+    row_of = {int(code): r for r, code in enumerate(vocab.row_codes)}
+    col_of = {int(code): c for c, code in enumerate(vocab.col_codes)}
+    pairs = data.encoded("train")
+    model.eval()
+    for i in range(len(pairs)):
+        source, target = (torch.as_tensor(pairs[i][key], dtype=torch.long)
+                          for key in ("source_ids", "target_ids"))  # fmt: skip
+        target_input = torch.cat((torch.tensor([data.bos_id]), target[:-1]))
+        with torch.no_grad():
+            hidden = model.backbone(source[None], torch.zeros(1, len(source), dtype=torch.bool),
+                                    target_input[None])[0]  # fmt: skip
+            log_probs = model.head.log_prob(hidden)
+        seq = target.tolist()
+        for k, code in enumerate(seq):  # log_probs[k] predicts seq[k]
+            if code in row_of:
+                word = int(vocab.table()[row_of[code], col_of[seq[k + 1]]])
+                ref_row[word - K] -= log_probs[k][vocab.row_codes].numpy()
+            elif code in col_of:
+                word = int(vocab.table()[row_of[seq[k - 1]], col_of[code]])
+                ref_col[word - K] -= log_probs[k][vocab.col_codes].numpy()
+    assert ref_row.any() and ref_col.any()
+    np.testing.assert_allclose(row.numpy(), ref_row, rtol=1e-5)
+    np.testing.assert_allclose(col.numpy(), ref_col, rtol=1e-5)
+
+
+def test_a_translation_s_target_table_is_re_learnt_and_its_codes_follow(parallel, tmp_path):
+    data, model = make_translation(parallel)
+    callback = LightRNNTableReassignment(every_n_epochs=1)
+    initial = data.target_vocab.cells.clone()
+    every_epoch = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_top_k=-1)
+    trainer(3, callbacks=[callback, every_epoch], enable_checkpointing=True,
+            num_sanity_val_steps=0).fit(model, data)  # fmt: skip
+    vocab = data.target_vocab
+    assert callback.last["lightrnn/objective_after"] <= callback.last["lightrnn/objective_before"]
+    assert callback.last["lightrnn/moved"] > 0 and not torch.equal(vocab.cells, initial)
+    assert torch.equal(vocab.cells, callback.last_cells)  # installed for the last epoch
+    # every split's codes, also in the datasets the loaders hold, follow the installed table
+    for split in ("train", "valid"):
+        pairs = data.encoded(split)
+        for i in range(len(pairs)):
+            words = data.target_vocab.words.encode_line(data.references(split)[int(pairs.index[i])])
+            assert pairs[i]["target_ids"].tolist() == vocab.encode_word_ids(
+                torch.tensor(words)).tolist()  # fmt: skip
+    # a fresh data module restores the table from a checkpoint, and its codes follow it
+    (second,) = tmp_path.glob("epoch=1-*.ckpt")
+    data2, model2 = make_translation(parallel)
+    assert torch.equal(data2.target_vocab.cells, initial)
+    data2.encoded("valid")  # coded with the initial table before the checkpoint is read
+    trainer(3).validate(model2, data2, ckpt_path=second, verbose=False)
+    saved = torch.load(second, weights_only=False)["TranslationDataModule"]["target_vocab"]
+    assert data2.target_vocab.cells.tolist() == saved["cells"]
+    first = data2.encoded("valid")[0]
+    line = data2.references("valid")[int(data2.encoded("valid").index[0])]
+    assert first["target_ids"].tolist() == data2.target_vocab.encode_line(line)
+
+
+def test_a_translation_over_words_is_refused_in_one_line(parallel):
+    data, model = make_translation(parallel, vocab="word")
+    with pytest.raises(ValueError, match="needs data.vocab=hybrid_lightrnn .*target vocabulary"):
+        trainer(1, callbacks=[LightRNNTableReassignment()]).fit(model, data)
 
 
 @pytest.mark.slow
