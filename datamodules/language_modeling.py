@@ -428,10 +428,12 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
                 "--data.predict_prompts '[\"the company said\"]'"
             )
         items = []
+        words = getattr(self.vocab, "words", self.vocab)  # (Hybrid-LightRNN: codes of words)
+        unk = getattr(words, "unk_id", None)
         for prompt in prompts:
             ids = self.vocab.encode_line(prompt, add_eos=False)
-            unk = getattr(self.vocab, "unk_id", None)
-            if ids and unk is not None and all(i == unk for i in ids):
+            word_ids = words.encode_line(prompt, add_eos=False)
+            if word_ids and unk is not None and all(i == unk for i in word_ids):
                 log.warning("prompt %r: no word of it is in the vocabulary (all <unk>)", prompt)
             items.append({"prompt": prompt, "ids": torch.tensor(ids or [self.vocab.eos_id])})
         return DataLoader(items, batch_size=None)

@@ -427,10 +427,13 @@ def test_a_bpe_of_another_size_than_asked_is_a_warning(cli_run, corpus, tmp_path
         assert int(found.group(1)) > len(set("".join(WORDS)))
 
 
-def test_a_prompt_of_unknown_words_is_a_warning(cli_run, corpus, caplog):
+@pytest.mark.parametrize("vocab", ["word", "hybrid_lightrnn"])
+def test_a_prompt_of_unknown_words_is_a_warning(cli_run, corpus, caplog, vocab):
+    """Over Hybrid-LightRNN codes too, where <unk> is a word that has one or two codes."""
     caplog.set_level(logging.INFO, logger="datamodules")
     code = cli_run("predict", *tiny_lm(corpus), "--data.init_args.predict_prompts",
-                   '["zebra quokka", "the cat"]', console=True)  # fmt: skip
+                   '["zebra quokka", "the cat"]', "--data.init_args.vocab", vocab,
+                   "--data.init_args.lightrnn_frequent", "3", console=True)  # fmt: skip
     assert code == 0
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == ["prompt 'zebra quokka': no word of it is in the vocabulary (all <unk>)"]
