@@ -14,6 +14,7 @@ is translated from ``<eos>`` alone).
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 from collections.abc import Iterator, Sequence
@@ -758,7 +759,7 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
             order.set_epoch(trainer.current_epoch)
         sampler = TokenBucketBatchSampler(order, max_tokens, rank=rank, world_size=world)
         pad = bos = self.bos_id
-        collate = lambda items: collate_pairs(items, pad_id=pad, bos_id=bos)  # noqa: E731
+        collate = functools.partial(collate_pairs, pad_id=pad, bos_id=bos)
         if resumable:
             return ResumableLoader(
                 pairs, before_pass=self._begin_training_pass, batch_sampler=sampler,

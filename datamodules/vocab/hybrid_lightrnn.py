@@ -224,8 +224,7 @@ class HybridLightRNNVocab:
         (:meth:`begin_training_pass`). Until then the vocabulary keeps the table the current
         weights were trained with, so a checkpoint saved in between tests with that table and
         resumes with the new one. The cells are checked now (a bijection into the table)."""
-        self.with_cells(cells)
-        self.scheduled_cells = torch.as_tensor(cells, dtype=torch.long).clone()
+        self.scheduled_cells = self._checked_cells(cells)
 
     def with_cells(self, cells: Sequence[int] | torch.Tensor) -> HybridLightRNNVocab:
         """This vocabulary (same code ids) over another table."""
