@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import lightning as L
@@ -34,13 +35,24 @@ def word_of_each_code(vocab: HybridLightRNNVocab, codes: torch.Tensor) -> torch.
     return words
 
 
+@contextlib.contextmanager
+def _as_it_is(model: L.LightningModule) -> Iterator[None]:
+    """Eval mode (no dropout) and no gradients: the costs of the model as it is."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
 class _Eq6Costs:
     """The sums of the separable Eq. 6 cost, ``R [num_rare, d1]`` and ``Cc [num_rare, d2]``
-    (float64, on the model's device), added to batch by batch while the model is scored as it
-    is (eval mode: no dropout; no gradients)."""
+    (float64, on the model's device), added to batch by batch."""
 
     def __init__(self, model: L.LightningModule, vocab: HybridLightRNNVocab) -> None:
-        self.model, self.vocab, self.device = model, vocab, model.device
+        self.vocab, self.device = vocab, model.device
         self.row = torch.zeros(vocab.num_rare, vocab.rows, dtype=torch.float64, device=self.device)
         self.col = torch.zeros(vocab.num_rare, vocab.cols, dtype=torch.float64, device=self.device)
         self.layout_of_code = vocab.layout_of_code.to(self.device)
@@ -65,17 +77,6 @@ class _Eq6Costs:
                 log_probs = self.log_prob(hidden[where])[:, codes]
                 sums.index_add_(0, words[where] - self.vocab.num_frequent, -log_probs.double())
 
-    def __enter__(self) -> _Eq6Costs:
-        self.was_training = self.model.training
-        self.model.eval()
-        self.no_grad = torch.no_grad()
-        self.no_grad.__enter__()
-        return self
-
-    def __exit__(self, *error: object) -> None:
-        self.no_grad.__exit__(*error)
-        self.model.train(self.was_training)
-
 
 def eq6_costs(
     model: L.LightningModule,
@@ -98,8 +99,8 @@ def eq6_costs(
     words = word_of_each_code(vocab, codes)
     code_batches = BPTTBatches(codes, batch_size, bptt, rank, world_size)
     word_batches = BPTTBatches(words, batch_size, bptt, rank, world_size)
-    state = None
-    with _Eq6Costs(model, vocab) as costs:
+    state, costs = None, _Eq6Costs(model, vocab)
+    with _as_it_is(model):
         for step, ((inputs, targets), (_, target_words)) in enumerate(
             zip(code_batches, word_batches, strict=True)
         ):
@@ -121,7 +122,8 @@ def eq6_costs_translation(
     """:func:`eq6_costs` for a translation model over a Hybrid-LightRNN target: the context of
     a reference's code is the source sentence and the reference before it (teacher forcing,
     as in training), ``batches`` the data module's translation batches."""
-    with _Eq6Costs(model, vocab) as costs:
+    costs = _Eq6Costs(model, vocab)
+    with _as_it_is(model):
         for step, batch in enumerate(batches):
             if max_batches is not None and step >= max_batches:
                 break
@@ -194,10 +196,10 @@ class LightRNNTableReassignment(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         vocab = _coded_vocab(trainer.datamodule)
         if not isinstance(vocab, HybridLightRNNVocab):
+            side = "target " if _translates(trainer.datamodule) else ""
             raise DataConfigError(
                 "LightRNNTableReassignment needs data.vocab=hybrid_lightrnn "
-                f"(the data module's {'target ' * _translates(trainer.datamodule)}vocabulary is "
-                f"{type(vocab).__name__})"
+                f"(the data module's {side}vocabulary is {type(vocab).__name__})"
             )
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -232,7 +232,9 @@ def test_translation_eq6_costs_match_a_plain_reference(parallel):
     log-probabilities with the source and the reference before it as context."""
     data, model = make_translation(parallel)
     vocab = data.target_vocab
+    model.train()
     row, col = eq6_costs_translation(model, vocab, data.table_scoring_dataloader())
+    assert model.training and not row.requires_grad  # scored in eval mode, then restored
     ref_row, ref_col = np.zeros((vocab.num_rare, ROWS)), np.zeros((vocab.num_rare, COLS))
     row_of = {int(code): r for r, code in enumerate(vocab.row_codes)}
     col_of = {int(code): c for c, code in enumerate(vocab.col_codes)}
