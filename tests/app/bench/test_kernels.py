@@ -82,10 +82,15 @@ def test_loop_barriers_are_counted_in_the_loops_over_columns():
     assert loop_barriers(_sass("LDG.E.128 R4, desc[UR4][R6.64]", "EXIT")) is None
 
 
-def test_the_committed_report_renders_in_the_results_document():
+def test_the_committed_report_renders_in_the_results_document(tmp_path):
+    import shutil
+
     from app.results import render
 
-    text = render(REPO / "docs" / "results", REPO / "docs")
+    folder = tmp_path / "results"  # the report alone: every file is rendered in test_results
+    folder.mkdir()
+    shutil.copy(REPO / "docs" / "results" / "kernels_sm90.json", folder)
+    text = render(folder, tmp_path)
     assert "The heads' Triton kernels compiled for sm_90" in text
     assert "| rows.statistics | REPS=4, LANES=2048, FUSE=True, HAS_OUTSIDE=False | 128 |" in text
 
