@@ -660,7 +660,7 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
     def _part(self, split: str, side: str) -> tuple[np.ndarray, np.ndarray]:
         """One side of a split: its ids (int32, memory-mapped) and line offsets."""
         part = f"{split}.{side}"
-        self._follow_the_table()
+        self._follow_the_table()  # first: the parts coded so far and a new one share a table
         if part not in self._parts:
             # the words the token files hold, and the ids the model reads (codes or the same)
             coder = self.vocabs[SIDES.index(side)]

@@ -199,13 +199,19 @@ class HybridLightRNNVocab:
         self.word_at = torch.full((size,), -1, dtype=torch.long)
         self.word_at[cells] = torch.arange(self.num_rare) + self.num_frequent
         # word id -> its codes; second code -1 for frequent words
+        slots = self._word_slots(cells)
+        self.word_codes = torch.where(slots >= 0, self.layout_codes[slots.clamp(min=0)], -1)
+        self.version += 1
+
+    def _word_slots(self, cells: torch.Tensor) -> torch.Tensor:
+        """``[words, 2]``: each word's slots under the table ``cells`` (a frequent word's own
+        slot and -1, or a rare word's row and column slots)."""
         K, n = self.num_frequent, len(self.words)
         slots = torch.full((n, 2), -1, dtype=torch.long)
         slots[: min(K, n), 0] = torch.arange(min(K, n))
         slots[K:, 0] = K + cells // self.cols
         slots[K:, 1] = K + self.rows + cells % self.cols
-        self.word_codes = torch.where(slots >= 0, self.layout_codes[slots.clamp(min=0)], -1)
-        self.version += 1
+        return slots
 
     def _checked_cells(self, cells: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """``cells`` as a new int64 tensor, checked to be an injective table."""
@@ -270,25 +276,24 @@ class HybridLightRNNVocab:
         """The vocabulary of the cached ids: the words."""
         return self.words
 
+    def _counts(self, units: torch.Tensor) -> torch.Tensor:
+        """Training count of every code (or slot) in ``units`` ``[words, 2]``, each word's
+        first and second (-1: none): a unit counts every word it stands for."""
+        counts = torch.zeros(len(self), dtype=torch.long)
+        per_word = torch.as_tensor(self.words.counts, dtype=torch.long)
+        for column in units.unbind(1):
+            used = column >= 0
+            counts.index_add_(0, column[used], per_word[used])
+        return counts
+
     def _slot_counts(self, cells: torch.Tensor) -> torch.Tensor:
         """Training count of every slot (layout order) under the table ``cells``."""
-        counts = torch.as_tensor(self.words.counts, dtype=torch.long)
-        K, rare = self.num_frequent, counts[self.num_frequent :]
-        frequent = torch.zeros(K, dtype=torch.long)  # (a K past the words leaves codes unused)
-        frequent[: min(K, len(counts))] = counts[:K]
-        rows = torch.zeros(self.rows, dtype=torch.long).index_add_(0, cells // self.cols, rare)
-        cols = torch.zeros(self.cols, dtype=torch.long).index_add_(0, cells % self.cols, rare)
-        return torch.cat((frequent, rows, cols))
+        return self._counts(self._word_slots(cells))
 
     def class_counts(self) -> np.ndarray:
         """Training count of every code (``[num_codes]``, int64): a code counts every word it
         stands for (a frequent word's own code, or a rare word's row and column)."""
-        counts = torch.zeros(len(self), dtype=torch.long)
-        per_word = torch.as_tensor(self.words.counts, dtype=torch.long)
-        for column in self.word_codes.unbind(1):  # first codes, then second codes (-1: none)
-            used = column >= 0
-            counts.index_add_(0, column[used], per_word[used])
-        return counts.numpy()
+        return self._counts(self.word_codes).numpy()
 
     def table(self) -> torch.Tensor:
         """``[rows, cols]`` word ids of the L table (-1 where unused)."""
