@@ -113,6 +113,7 @@ def report(name: str, single: dict[str, float], ddp: dict[str, float]) -> None:
     )
 
 
+@pytest.mark.slow  # two fits through the CLI, ~26 s; the default run keeps the adaptive DDP tests
 def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path, ptb_path):
     # batch_size is global: 20 streams on one process, 10 on each of two ranks. The
     # validation perplexity is reduced over both ranks' halves of the validation streams.

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sized
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_info
 
+from app.callbacks.training.progress import side_progress
 from datamodules.bptt import BPTTBatches
 from datamodules.errors import DataConfigError
 from datamodules.vocab.hybrid_lightrnn import HybridLightRNNVocab
@@ -87,6 +89,7 @@ def eq6_costs(
     max_batches: int | None = None,
     rank: int = 0,
     world_size: int = 1,
+    advance: Callable[[], None] = lambda: None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The separable Eq. 6 cost of every rare word over the code stream ``codes``.
 
@@ -94,7 +97,8 @@ def eq6_costs(
     ``K + i`` and ``Cc[i, c] = sum_k -log P(column c | Z_{k,2})``: the model reads the
     current encoding as context, and each code is scored independently of the other (the
     paper's two independence approximations), so ``C[i, (r, c)] = R[i, r] + Cc[i, c]``.
-    ``model`` must have ``backbone`` and ``head`` (``LanguageModel``).
+    ``model`` must have ``backbone`` and ``head`` (``LanguageModel``); ``advance`` is called
+    after each batch (a progress bar).
     """
     words = word_of_each_code(vocab, codes)
     code_batches = BPTTBatches(codes, batch_size, bptt, rank, world_size)
@@ -110,6 +114,7 @@ def eq6_costs(
             state = LMBackbone.detach_state(state)
             hidden = hidden.reshape(-1, hidden.size(-1))
             costs.add(hidden, targets.reshape(-1), target_words.reshape(-1))
+            advance()
     return costs.row, costs.col
 
 
@@ -118,6 +123,7 @@ def eq6_costs_translation(
     vocab: HybridLightRNNVocab,
     batches: Iterable[dict[str, torch.Tensor]],
     max_batches: int | None = None,
+    advance: Callable[[], None] = lambda: None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`eq6_costs` for a translation model over a Hybrid-LightRNN target: the context of
     a reference's code is the source sentence and the reference before it (teacher forcing,
@@ -133,6 +139,7 @@ def eq6_costs_translation(
             keys = ("source", "source_padding", "target_input")
             hidden = model.backbone(*(batch[key].to(costs.device) for key in keys))
             costs.add(hidden[kept.to(costs.device)], codes, word_of_each_code(vocab, codes))
+            advance()
     return costs.row, costs.col
 
 
@@ -213,23 +220,25 @@ class LightRNNTableReassignment(L.Callback):
         start = time.perf_counter()
         data = trainer.datamodule
         vocab: HybridLightRNNVocab = _coded_vocab(data)
-        with trainer.precision_plugin.forward_context():
-            if _translates(data):
-                batches = data.table_scoring_dataloader()
-                row_cost, col_cost = eq6_costs_translation(
-                    pl_module, vocab, batches, self.max_batches
-                )
-            else:
-                row_cost, col_cost = eq6_costs(
-                    pl_module,
-                    vocab,
-                    data.split_tokens("train"),
-                    self.batch_size,
-                    data.hparams.bptt,
-                    self.max_batches,
-                    trainer.global_rank,
-                    trainer.world_size,
-                )
+        if _translates(data):
+            batches: Sized = data.table_scoring_dataloader()
+        else:
+            codes = data.split_tokens("train")
+            bptt, rank, world = data.hparams.bptt, trainer.global_rank, trainer.world_size
+            batches = BPTTBatches(codes, self.batch_size, bptt, rank, world)
+        total = len(batches) if self.max_batches is None else min(len(batches), self.max_batches)
+        description = f"Hybrid-LightRNN table: scoring (Eq. 6) {total} training batches"
+        with side_progress(trainer, description, total) as advance:
+            with trainer.precision_plugin.forward_context():
+                if _translates(data):
+                    row_cost, col_cost = eq6_costs_translation(
+                        pl_module, vocab, batches, self.max_batches, advance
+                    )
+                else:
+                    row_cost, col_cost = eq6_costs(
+                        pl_module, vocab, codes, self.batch_size, bptt, self.max_batches,
+                        rank, world, advance,
+                    )  # fmt: skip
         # every rank scored its own streams; all solve the same summed problem identically
         row_cost = trainer.strategy.reduce(row_cost, reduce_op="sum")
         col_cost = trainer.strategy.reduce(col_cost, reduce_op="sum")
@@ -249,6 +258,12 @@ class LightRNNTableReassignment(L.Callback):
         }
         for name, value in self.last.items():
             pl_module.log(name, value, on_epoch=True, sync_dist=False)
+        rank_zero_info(
+            f"Hybrid-LightRNN table re-learnt after epoch {trainer.current_epoch} in "
+            f"{self.last['lightrnn/seconds']:.1f} s: {result.moved:.1%} of the rare words moved; "
+            f"Eq. 3 objective {result.before:.6g} -> {result.after:.6g} "
+            f"(lower bound {result.lower_bound:.6g})"
+        )
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 # two trailing spaces: line breaks in TensorBoard's markdown

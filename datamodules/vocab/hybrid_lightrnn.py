@@ -178,6 +178,17 @@ class HybridLightRNNVocab:
                 rows, cols, rows * cols, num_rare, grown, grown_cols,
             )  # fmt: skip
             rows, cols = grown, grown_cols
+        elif valid and rows * cols > 2 * num_rare:
+            # Kept as asked (spare cells give the re-learnt table room), but a table pinned for
+            # another corpus (PTB's 85 x 85 on a few hundred rare words) is mostly codes that
+            # stand for no word: said once, with the size the vocabulary would choose.
+            fit = HybridLightRNNVocab.table_shape(num_rare, None, None)
+            log.warning(
+                "Hybrid-LightRNN table %d x %d (data.lightrnn_rows x data.lightrnn_cols) has "
+                "%d cells for %d rare words, more than half of them empty; set both to null to "
+                "size it from the vocabulary (%d x %d)",
+                rows, cols, rows * cols, num_rare, *fit,
+            )  # fmt: skip
         return rows, cols
 
     @staticmethod

@@ -1,11 +1,15 @@
 """``python -m app.results`` renders the docs from real benchmark JSON."""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
 from app.bench.run import main as bench
 from app.results import command_of, main, render, table
+
+COMMITTED = Path(__file__).resolve().parents[2] / "docs" / "results"
 
 
 @pytest.fixture(scope="module")
@@ -14,9 +18,9 @@ def results(tmp_path_factory):
     bench(["--heads", "softmax", "matmul", "--vocab-sizes", "300", "--hidden-sizes", "16",
            "--batch-sizes", "32", "--repeats", "1", "--warmup", "0", "--out", str(folder),
            "--name", "bench_cpu"])  # fmt: skip
-    bench(["--mode", "data", "--tokens", "20000", "--types", "500", "--vocab", "word",
-           "--repeats", "1", "--corpus-dir", str(folder.parent / "corpus"), "--out", str(folder),
-           "--name", "data_small"])  # fmt: skip
+    # a data-preparation report the benchmark wrote (running it takes 12 s of fresh processes;
+    # tests/app/bench/test_data.py runs it)
+    shutil.copy(COMMITTED / "data_100M_word.json", folder / "data_small.json")
     (folder / "zz_other.json").write_text(json.dumps({"something": "else"}))
     return folder
 
@@ -41,9 +45,9 @@ def test_renders_every_file_with_its_command_and_a_plot(results):
     softmax = next(r for r in report["results"] if r["head"] == "softmax")
     assert f"| softmax | 300 | 16 | 32 | {softmax['time_ms']:.3g} |" in text
     data = json.loads((results / "data_small.json").read_text())["results"][0]
-    assert "python -m app.bench --mode data --tokens 20000 --types 500" in text
+    assert "python -m app.bench --mode data --tokens 100000000 --types 250000" in text
     assert (
-        f"| word | {data['prepare']['vocab_size']} | 21000 | {data['prepare']['wall_s']:.3g} |"
+        f"| word | {data['prepare']['vocab_size']} | 105000000 | {data['prepare']['wall_s']:.3g} |"
         in text
     )
     assert render(results, results.parent) == text  # deterministic
@@ -67,8 +71,8 @@ def test_summary_first_then_topics_in_order(results):
     )
     assert "step time x softmax:" not in bench  # no head besides softmax and matmul
     data_row = next(row for row in rows if "[data_small](#data_small)" in row)
-    assert "| Data preparation |" in data_row and "word: 20,000 tokens prepared in" in data_row
-    assert "`python -m app.bench --mode data --tokens 20000" in data_row
+    assert "| Data preparation |" in data_row and "word: 100,000,000 tokens prepared in" in data_row
+    assert "`python -m app.bench --mode data --tokens 100000000" in data_row
     assert not any("zz_other" in row for row in rows)  # no renderer, no headline
 
 
@@ -106,18 +110,15 @@ def test_a_missing_folder_is_refused(tmp_path):
         main(["--results", str(tmp_path / "none"), "--out", str(tmp_path / "r.md")])
 
 
+@pytest.mark.slow  # re-plots every training benchmark: ~18 s
 def test_every_committed_results_file_renders(tmp_path):
-    import shutil
-    from pathlib import Path
-
-    committed = Path(__file__).resolve().parents[2] / "docs" / "results"
     folder = tmp_path / "results"
     folder.mkdir()
-    for path in committed.glob("*.json"):
+    for path in COMMITTED.glob("*.json"):
         shutil.copy(path, folder)
     text = render(folder, tmp_path)
     assert "no renderer knows" not in text
-    for path in committed.glob("*.json"):
+    for path in COMMITTED.glob("*.json"):
         assert f"## {path.stem}\n" in text
 
 

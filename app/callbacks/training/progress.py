@@ -15,12 +15,15 @@ another progress bar or none.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
 from app.callbacks.training.logging_steps import logs_this_batch
 
@@ -74,3 +77,29 @@ def interval_progress_bar() -> ProgressBar:
     if importlib.util.find_spec("rich") is not None:
         return IntervalRichProgressBar()
     return IntervalTQDMProgressBar()
+
+
+@contextlib.contextmanager
+def side_progress(trainer: L.Trainer, description: str, total: int) -> Iterator[Callable[[], None]]:
+    """A bar for work a callback does between the loops (a pass over the training data), shown
+    by the trainer's own progress bar: a task of its Rich display (printing beside a live Rich
+    display would garble it), or a TQDM bar under the main one. Yields ``advance()``, one step;
+    with no enabled bar (``enable_progress_bar: false``, DDP ranks other than 0) it does nothing."""
+    bar = trainer.progress_bar_callback
+    if isinstance(bar, RichProgressBar) and bar.is_enabled and bar.progress is not None:
+        progress = bar.progress
+        task = progress.add_task(description, total=total)
+        try:
+            yield lambda: progress.update(task, advance=1)
+        finally:
+            progress.remove_task(task)
+    elif isinstance(bar, TQDMProgressBar) and bar.is_enabled:
+        position = 2 * bar.process_position + 1
+        tqdm_bar = Tqdm(desc=description, total=total, position=position, leave=False,
+                        dynamic_ncols=True, file=sys.stdout)  # fmt: skip
+        try:
+            yield lambda: tqdm_bar.update(1)
+        finally:
+            tqdm_bar.close()
+    else:
+        yield lambda: None

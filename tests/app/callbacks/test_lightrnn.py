@@ -1,3 +1,4 @@
+import contextlib
 import math
 import random
 
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.callbacks import LightRNNTableReassignment
+from app.callbacks import LightRNNTableReassignment, lightrnn
 from app.callbacks.lightrnn import eq6_costs, eq6_costs_translation, word_of_each_code
 from datamodules import LanguageModelingDataModule, TranslationDataModule
 from datamodules.bptt import BPTTBatches
@@ -104,7 +105,7 @@ def test_eq6_costs_match_a_plain_reference(corpus):
     assert objective(row, col, vocab.cells) == pytest.approx(nll, rel=1e-5)
 
 
-def test_reassignment_during_training(corpus):
+def test_reassignment_during_training(corpus, caplog):
     data, model = make(corpus)
     callback = LightRNNTableReassignment(every_n_epochs=1, batch_size=4)
     history = []
@@ -136,6 +137,12 @@ def test_reassignment_during_training(corpus):
     assert torch.equal(x[0], data.split_tokens("train")[: x.size(1)])
     assert "val/word_ppl" in fit.callback_metrics
     assert math.isfinite(fit.callback_metrics["val/word_ppl"])
+    # each re-assignment says what it did in one line
+    lines = [r.getMessage() for r in caplog.records if "table re-learnt" in r.getMessage()]
+    assert [line.split(" in ")[0] for line in lines] == [
+        f"Hybrid-LightRNN table re-learnt after epoch {epoch}" for epoch in (0, 1)
+    ]
+    assert f"{moves[-1][0]['lightrnn/moved']:.1%} of the rare words moved" in lines[-1]
 
 
 def test_words_outside_the_scored_sample_keep_their_cells(corpus):
@@ -290,6 +297,37 @@ def test_a_translation_s_target_table_is_re_learnt_and_its_codes_follow(parallel
     first = data2.encoded("valid")[0]
     line = data2.references("valid")[int(data2.encoded("valid").index[0])]
     assert first["target_ids"].tolist() == data2.target_vocab.encode_line(line)
+
+
+@pytest.fixture
+def bars(monkeypatch) -> list[tuple[str, int, int]]:
+    """``(description, total, steps advanced)`` of each progress bar the callback opens."""
+    opened = []
+
+    @contextlib.contextmanager
+    def recorded(trainer, description, total):
+        steps = []
+        yield lambda: steps.append(1)
+        opened.append((description, total, len(steps)))
+
+    monkeypatch.setattr(lightrnn, "side_progress", recorded)
+    return opened
+
+
+@pytest.mark.parametrize("max_batches", [None, 3])
+def test_the_scoring_pass_is_a_bar_over_its_batches(corpus, parallel, bars, max_batches):
+    data, model = make(corpus)
+    callback = LightRNNTableReassignment(batch_size=4, max_batches=max_batches)
+    trainer(2, callbacks=[callback]).fit(model, data)
+    total = max_batches or len(BPTTBatches(data.split_tokens("train"), 4, data.hparams.bptt))
+    assert bars == [
+        (f"Hybrid-LightRNN table: scoring (Eq. 6) {total} training batches",) + (total,) * 2
+    ]
+    bars.clear()
+    data, model = make_translation(parallel)
+    trainer(2, callbacks=[LightRNNTableReassignment(max_batches=max_batches)]).fit(model, data)
+    total = max_batches or len(data.table_scoring_dataloader())
+    assert [bar[1:] for bar in bars] == [(total, total)] and total > 1
 
 
 def test_a_translation_over_words_is_refused_in_one_line(parallel):

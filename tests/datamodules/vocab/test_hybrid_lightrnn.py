@@ -84,6 +84,16 @@ def test_a_configured_table_too_small_for_the_vocabulary_grows_to_fit(caplog):
     assert HybridLightRNNVocab.table_shape(401, 2, 200) == (2, 201)  # about its shape
 
 
+def test_a_configured_table_mostly_empty_is_kept_with_a_warning(caplog):
+    """PTB's 85 x 85 on a user's small corpus: kept as asked, and the size that fits is named."""
+    vocab = HybridLightRNNVocab.build(CORPUS, num_frequent=5, rows=8, cols=8)
+    assert (vocab.rows, vocab.cols) == (8, 8)
+    assert "64 cells for 27 rare words" in caplog.text and "(6 x 5)" in caplog.text
+    caplog.clear()
+    assert HybridLightRNNVocab.table_shape(27, 6, 9) == (6, 9)  # 54 cells: half empty at most
+    assert caplog.text == ""
+
+
 def test_near_square_table_by_default():
     vocab = HybridLightRNNVocab.build(CORPUS, num_frequent=5)
     assert (vocab.rows, vocab.cols) == (6, 5)  # ceil(sqrt(27)), then ceil(27 / 6)

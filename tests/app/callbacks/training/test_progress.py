@@ -11,6 +11,7 @@ from app.callbacks.training.progress import (
     IntervalRichProgressBar,
     IntervalTQDMProgressBar,
     interval_progress_bar,
+    side_progress,
 )
 from app.cli.lightning_cli import build
 from datamodules.bptt import BPTTBatches
@@ -135,3 +136,48 @@ def test_counts_show_as_whole_numbers():
     trainer = type("Trainer", (), {"callback_metrics": {}})()
     shown = Bar().get_metrics(trainer, None)
     assert shown == {"ds/num_experts": "4", "ds/speedup": 3.0, "val/ppl": 120.5}
+
+
+class SideWork(L.Callback):
+    """A pass of ``STEPS`` steps at an epoch's end under :func:`side_progress`; records what
+    the trainer's bar shows after each step."""
+
+    STEPS = 7
+
+    def __init__(self) -> None:
+        self.shown: list[tuple[str, float, float]] = []
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        bar = trainer.progress_bar_callback
+        with side_progress(trainer, "scoring", self.STEPS) as advance:
+            for _ in range(self.STEPS):
+                advance()
+                if isinstance(bar, RichProgressBar):
+                    (task,) = [t for t in bar.progress.tasks if t.description == "scoring"]
+                    self.shown.append((task.description, task.completed, task.total))
+        if isinstance(bar, RichProgressBar):  # the task is gone, the training bar stays
+            assert all(t.description != "scoring" for t in bar.progress.tasks)
+            assert bar.progress.tasks[bar.train_progress_bar_id].completed == 3
+
+
+@pytest.mark.parametrize("kind", [IntervalRichProgressBar, IntervalTQDMProgressBar, None])
+def test_side_work_shows_on_the_trainer_s_bar(kind, capsys):
+    """A callback's pass over the data (the Hybrid-LightRNN table's scoring) is a task of the
+    Rich display or a TQDM bar of its own; without a bar, nothing."""
+    model = LanguageModel(LSTMBackbone(40, embedding_size=8, hidden_size=8), SoftmaxHead(8, 40))
+    loader = DataLoader(BPTTBatches(torch.randint(0, 40, (300,)), batch_size=4, bptt=5),
+                        batch_size=None)  # fmt: skip
+    work = SideWork()
+    bars = [kind()] if kind else []
+    trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=3,
+                        limit_val_batches=0, logger=False, enable_checkpointing=False,
+                        enable_model_summary=False, enable_progress_bar=kind is not None,
+                        callbacks=[*bars, work])  # fmt: skip
+    trainer.fit(model, loader)
+    out = capsys.readouterr().out
+    if kind is IntervalRichProgressBar:
+        assert work.shown == [("scoring", step, SideWork.STEPS) for step in range(1, 8)]
+    elif kind is IntervalTQDMProgressBar:
+        assert f"scoring:   0%|          | 0/{SideWork.STEPS}" in out  # a bar, total and all
+    else:
+        assert "scoring" not in out
