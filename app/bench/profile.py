@@ -474,7 +474,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--triton stub goes with --plans cuda --device cpu (on a GPU the kernels run)")
     try:  # a bad override, named now rather than after the first subjects
         options = bench_options(args)
-        for name in {parse_subject(s).head for s in args.heads} & set(FRAGMENTS):
+        for name in sorted({parse_subject(s).head for s in args.heads} & set(FRAGMENTS)):
             parse_head(head_config(name, options), 8, 64)
     except ValueError as error:
         parser.error(str(error))

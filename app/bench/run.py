@@ -487,7 +487,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:  # checked here, used in run
         _tokens_for(args.tokens_for, args.heads)
         options = bench_options(args)
-        for name in {parse_subject(s).head for s in args.heads} & set(FRAGMENTS):
+        for name in sorted({parse_subject(s).head for s in args.heads} & set(FRAGMENTS)):
             parse_head(head_config(name, options), 8, 64)  # a bad override, named now
     except ValueError as error:
         parser.error(str(error))

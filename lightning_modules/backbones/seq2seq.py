@@ -84,7 +84,10 @@ class Seq2SeqTransformer(nn.Module):
         self.source_embedding = (
             self.embedding if share_embeddings else nn.Embedding(src_vocab_size, model_size)
         )
-        for table in {self.embedding, self.source_embedding}:
+        # a list, not a set of the two modules: a set's order follows their addresses, so the
+        # tables took each other's draws in some processes and a seed did not fix the model
+        tables = [self.embedding] if share_embeddings else [self.embedding, self.source_embedding]
+        for table in tables:
             nn.init.normal_(table.weight, std=model_size**-0.5)
         self.register_buffer(
             "positions", sinusoidal_positions(max_length, model_size), persistent=False
