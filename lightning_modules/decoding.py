@@ -10,7 +10,7 @@ with the GNMT length penalty ``lp(n) = ((5 + n) / 6) ** alpha`` (Wu et al. 2016,
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -58,11 +58,26 @@ def _max_lengths(
     return limit.clamp(min=1, max=backbone.max_length)
 
 
+# ``(log_probs [n, V], previous tokens [n]) -> log_probs`` with the tokens that may not follow
+# at -inf: a coded target's grammar (Hybrid-LightRNN: a row code, then a column of that row)
+Restrict = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def _step_log_probs(
-    head: Head, hidden: torch.Tensor, k: int, force_eos: torch.Tensor, eos_id: int
+    head: Head,
+    hidden: torch.Tensor,
+    k: int,
+    force_eos: torch.Tensor,
+    eos_id: int,
+    previous: torch.Tensor,
+    restrict: Restrict | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-``k`` next tokens per row; rows in ``force_eos`` get ``<eos>`` with its log-prob."""
-    log_probs, tokens = head.topk(hidden, k)
+    """Top-``k`` next tokens per row (among those ``restrict`` allows after ``previous``);
+    rows in ``force_eos`` get ``<eos>`` with its log-prob."""
+    if restrict is None:
+        log_probs, tokens = head.topk(hidden, k)
+    else:  # the whole distribution, masked (coded targets: a few thousand codes)
+        log_probs, tokens = restrict(head.log_prob(hidden), previous).topk(k, dim=-1)
     if force_eos.any():
         eos_lp = head.log_prob(hidden[force_eos])[:, eos_id]
         forced_lp = torch.full_like(log_probs[force_eos], float("-inf"))
@@ -81,8 +96,10 @@ def greedy_decode(
     config: DecodeConfig,
     bos_id: int,
     eos_id: int,
+    restrict: Restrict | None = None,
 ) -> list[list[int]]:
-    """The most likely next token at each step until ``<eos>``; ids without ``<eos>``."""
+    """The most likely next token at each step until ``<eos>`` (among those ``restrict``
+    allows); ids without ``<eos>``."""
     memory = backbone.encode(source, source_padding)
     batch = source.size(0)
     max_lengths = _max_lengths(source_padding, config, backbone)
@@ -93,7 +110,7 @@ def greedy_decode(
     for step in range(int(max_lengths.max())):
         hidden, cache = backbone.decode_step(prefix, memory, source_padding, cache)
         force = max_lengths[active] == step + 1
-        _, tokens = _step_log_probs(head, hidden, 1, force, eos_id)
+        _, tokens = _step_log_probs(head, hidden, 1, force, eos_id, prefix[:, -1], restrict)
         tokens = tokens[:, 0]
         for row, token in zip(active.tolist(), tokens.tolist(), strict=True):
             if token != eos_id:
@@ -118,6 +135,7 @@ def beam_search(
     bos_id: int,
     eos_id: int,
     beam_size: int | None = None,
+    restrict: Restrict | None = None,
 ) -> list[list[int]]:
     """Beam search; the best finished hypothesis per sentence, ids without ``<eos>``.
 
@@ -126,7 +144,8 @@ def beam_search(
     a fast top-k path never form the full distribution); extensions by ``<eos>`` become
     finished hypotheses, the best others the next beams. A sentence is done when it holds
     ``beam_size`` finished hypotheses (so ``beam_size = 1`` is greedy decoding) or at its
-    maximum length, where ``<eos>`` is forced. ``beam_size`` defaults to ``config``'s.
+    maximum length, where ``<eos>`` is forced. ``beam_size`` defaults to ``config``'s;
+    ``restrict`` masks the tokens that may not follow a beam's last one (a coded target).
     """
     k = config.beam_size if beam_size is None else beam_size
     if k < 1:
@@ -149,7 +168,9 @@ def beam_search(
         n = len(active)
         hidden, cache = backbone.decode_step(prefix, memory, padding, cache)  # [n * k, d]
         force = (max_lengths[active] == step + 1).repeat_interleave(k)
-        log_probs, tokens = _step_log_probs(head, hidden, per_beam, force, eos_id)
+        log_probs, tokens = _step_log_probs(
+            head, hidden, per_beam, force, eos_id, prefix[:, -1], restrict
+        )
         candidates = (scores.unsqueeze(-1) + log_probs.view(n, k, -1)).view(n, -1)
         top_scores, top_pos = candidates.topk(num_candidates, dim=1)  # [n, 2k]
         top = (top_scores, tokens.view(n, -1).gather(1, top_pos), top_pos // per_beam)

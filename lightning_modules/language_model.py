@@ -11,6 +11,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
+from datamodules.vocab.hybrid_lightrnn import HybridLightRNNVocab
 from heads import Head
 from lightning_modules.backbones import LMBackbone
 from lightning_modules.checks import HEAD_KEY, tie_head
@@ -24,6 +25,7 @@ from lightning_modules.word_perplexity import (
     word_starts,
     word_sums,
 )
+from lightning_modules.word_topk import top_words
 
 STAGES = ("train", "val", "test")
 NOT_HPARAMS = [
@@ -59,8 +61,10 @@ class LanguageModel(HeadTask):
         scheduler: optional learning-rate scheduler factory; ``ReduceLROnPlateau`` watches
             ``val/loss``.
         tie_weights: share the head's output embeddings with the backbone's input embedding.
-        predict_top_k: how many next-token candidates ``predict`` reports.
-        generate_tokens: if > 0, ``predict`` also samples this many tokens after the prompt.
+        predict_top_k: how many next-token candidates ``predict`` reports (over
+            Hybrid-LightRNN codes: the next words, see :mod:`lightning_modules.word_topk`).
+        generate_tokens: if > 0, ``predict`` also samples this many tokens after the prompt
+            (over Hybrid-LightRNN codes: words, each a valid code or code pair).
         temperature: sampling temperature for ``generate_tokens``.
         pretrained_checkpoint: a checkpoint of a trained LanguageModel whose backbone weights
             are loaded, and its head's where this head can start from them
@@ -236,30 +240,50 @@ class LanguageModel(HeadTask):
         ids = batch["ids"].to(self.device).unsqueeze(0)
         hidden, state = self.backbone(ids)
         last = hidden[:, -1]
-        log_probs, indices = self.head.topk(last, self.predict_top_k)
+        k = self.predict_top_k
+        if isinstance(vocab, HybridLightRNNVocab):  # words, not codes (<row3> says nothing)
+
+            def after(code: int) -> torch.Tensor:
+                return self.head.log_prob(self._read(ids, state, ids.new_tensor([[code]]))[0])[0]
+
+            top = top_words(self.head.log_prob(last)[0], after, vocab, k)
+            names = [(lp, vocab.words.itos[word]) for lp, word in top]
+        else:
+            log_probs, indices = self.head.topk(last, k)
+            pairs = zip(log_probs[0].tolist(), indices[0].tolist(), strict=True)
+            names = [(lp, vocab.itos[i]) for lp, i in pairs]
         result: dict[str, Any] = {
             "prompt": batch["prompt"],
-            "top_k": [
-                {"token": vocab.itos[i], "prob": round(math.exp(lp), 6)}
-                for lp, i in zip(log_probs[0].tolist(), indices[0].tolist(), strict=True)
-            ],
+            "top_k": [{"token": name, "prob": round(math.exp(lp), 6)} for lp, name in names],
         }
         if self.generate_tokens > 0:
-            result["sample"] = " ".join(vocab.decode(self._sample(ids, last, state)))
+            result["sample"] = " ".join(vocab.decode(self._sample(ids, last, state, vocab)))
         return result
 
-    def _sample(self, ids: torch.Tensor, last: torch.Tensor, state: Any) -> list[int]:
+    def _read(self, ids: torch.Tensor, state: Any, token: torch.Tensor) -> tuple[Any, ...]:
+        """``(last hidden [1, d], ids, state)`` once ``token`` ``[1, 1]`` follows ``ids``."""
+        if self.backbone.carries_state:
+            hidden, state = self.backbone(token, state)
+        else:  # re-read the whole context
+            ids = torch.cat((ids, token), dim=1)
+            hidden, _ = self.backbone(ids)
+        return hidden[:, -1], ids, state
+
+    def _sample(self, ids: torch.Tensor, last: torch.Tensor, state: Any, vocab: Any) -> list[int]:
+        """``generate_tokens`` tokens sampled after ``ids``; over Hybrid-LightRNN codes, that
+        many words, each code drawn among those that may follow the previous one."""
+        grammar = vocab.grammar(self.device) if isinstance(vocab, HybridLightRNNVocab) else None
         sampled: list[int] = []
-        for _ in range(self.generate_tokens):
-            logits = self.head.log_prob(last) / self.temperature
-            token = torch.multinomial(logits.softmax(-1), 1)  # [1, 1]
+        words, previous = 0, ids[:, -1]
+        while words < self.generate_tokens:
+            log_probs = self.head.log_prob(last)
+            if grammar is not None:
+                log_probs = grammar.restrict(log_probs, previous)
+            token = torch.multinomial((log_probs / self.temperature).softmax(-1), 1)  # [1, 1]
             sampled.append(int(token))
-            if self.backbone.carries_state:
-                hidden, state = self.backbone(token, state)
-            else:  # re-read the whole context
-                ids = torch.cat((ids, token), dim=1)
-                hidden, _ = self.backbone(ids)
-            last = hidden[:, -1]
+            words += grammar is None or not bool(grammar.is_row[token[0, 0]])
+            last, ids, state = self._read(ids, state, token)
+            previous = token[:, 0]
         return sampled
 
     # -- checkpoints -------------------------------------------------------------------

@@ -218,9 +218,13 @@ class Translation(HeadTask):
         data = self.trainer.datamodule
         args = (self.backbone, self.head, batch["source"], batch["source_padding"], self.decode)
         tokens = (data.bos_id, data.target_vocab.eos_id)
+        # a coded target (Hybrid-LightRNN) decodes to valid code pairs only: a row, then a
+        # column that row holds a word in; no <unk> from a broken pair
+        grammar = getattr(data.target_vocab, "grammar", None)
+        restrict = grammar(self.device).restrict if grammar is not None else None
         if beam_size == 1:
-            return greedy_decode(*args, *tokens)
-        return beam_search(*args, *tokens, beam_size=beam_size)
+            return greedy_decode(*args, *tokens, restrict)
+        return beam_search(*args, *tokens, beam_size=beam_size, restrict=restrict)
 
     def _eval_step(self, batch: dict[str, torch.Tensor], stage: str, beam_size: int) -> None:
         self._step(batch, stage)

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from datamodules.vocab.code_grammar import CodeGrammar
 from datamodules.vocab.word import EOS, WordVocab
 
 log = logging.getLogger(__name__)
@@ -309,6 +310,26 @@ class HybridLightRNNVocab:
     def table(self) -> torch.Tensor:
         """``[rows, cols]`` word ids of the L table (-1 where unused)."""
         return self.word_at.view(self.rows, self.cols)
+
+    def grammar(self, device: torch.device | str = "cpu") -> CodeGrammar:
+        """Which code may follow which under the installed table (see
+        :mod:`datamodules.vocab.code_grammar`), on ``device``; kept until the table changes."""
+        key = (self.version, str(device))
+        if getattr(self, "_grammar", (None,))[0] != key:
+            size, rows = len(self), self.row_codes
+            occupied = self.table() >= 0  # [rows, cols]
+            is_row = torch.zeros(size, dtype=torch.bool)
+            is_row[rows] = True
+            row_of = torch.zeros(size, dtype=torch.long)
+            row_of[rows] = torch.arange(self.rows)
+            word_start = torch.zeros(size, dtype=torch.bool)
+            # frequent slots past the word count (K > words) stand for nothing
+            word_start[self.layout_codes[: min(self.num_frequent, len(self.words))]] = True
+            word_start[rows[occupied.any(1)]] = True
+            columns = torch.zeros(self.rows, size, dtype=torch.bool)
+            columns[:, self.col_codes] = occupied
+            self._grammar = key, CodeGrammar(is_row, row_of, word_start, columns).to(device)
+        return self._grammar[1]
 
     # -- encoding ------------------------------------------------------------------------
     def encode_word_ids(self, word_ids: torch.Tensor) -> torch.Tensor:

@@ -134,3 +134,43 @@ def test_beam_uses_the_heads_topk_fast_path(trained, monkeypatch):
     config = DecodeConfig(max_length_b=30, length_penalty=0.0)
     beam_search(backbone, head, source, padding, config, 0, 0, beam_size=3)
     assert calls["topk"] > 0
+
+
+def after_2_only_3(log_probs: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """A toy grammar over 4 tokens (0 = <eos>): after 2 only 3; 2 never ends a sentence."""
+    allowed = torch.ones_like(log_probs, dtype=torch.bool)
+    allowed[previous == 2] = torch.tensor([False, False, False, True])
+    return log_probs.masked_fill(~allowed, float("-inf"))
+
+
+def obeys(hypothesis: list[int]) -> bool:
+    sequence = [*hypothesis, 0]  # with its <eos>
+    return all(b == 3 for a, b in zip(sequence, sequence[1:], strict=False) if a == 2)
+
+
+def test_a_restricted_beam_finds_the_best_hypothesis_the_grammar_allows():
+    """A coded target (Hybrid-LightRNN) decodes under its grammar: exhaustive under it with a
+    wide beam, the greedy choice among the allowed tokens, and a different answer than the
+    unrestricted search where the model prefers a forbidden pair."""
+    vocab, eos = 4, 0
+    backbone, head = make(6, vocab, seed=0)
+    source, padding = sources(6, seed=0)
+    config = DecodeConfig(max_length_a=0.0, max_length_b=3, length_penalty=0.0)
+    found = beam_search(backbone, head, source, padding, config, eos, eos, beam_size=16,
+                        restrict=after_2_only_3)  # fmt: skip
+    free = beam_search(backbone, head, source, padding, config, eos, eos, beam_size=16)
+    assert any(not obeys(h) for h in free)  # the grammar changes some answers
+    for i in range(source.size(0)):
+        candidates = [
+            list(h)
+            for n in range(3)
+            for h in itertools.product(range(1, vocab), repeat=n)
+            if obeys(list(h))
+        ]
+        scored = {tuple(h): rescore(backbone, head, source[i], padding[i], h, eos, eos)
+                  for h in candidates}  # fmt: skip
+        assert scored[tuple(found[i])] == pytest.approx(max(scored.values()), abs=1e-5)
+    greedy = greedy_decode(backbone, head, source, padding, config, eos, eos, after_2_only_3)
+    assert greedy == beam_search(backbone, head, source, padding, config, eos, eos,
+                                 beam_size=1, restrict=after_2_only_3)  # fmt: skip
+    assert all(obeys(h) or len(h) == 2 for h in greedy)  # <eos> forced at the maximum length

@@ -107,3 +107,69 @@ def test_model_summary_counts_the_flops_of_a_training_batch(tmp_path):
     assert flops["backbone"] == lstm
     assert (flops["backbone"], flops["head"]) == (lstm, softmax)
     assert summary.total_flops == lstm + softmax
+
+
+@pytest.fixture()
+def coded(tmp_path):
+    """A data module over Hybrid-LightRNN codes (5 frequent words, a 4 x 8 table) and an
+    untrained LSTM model over its codes whose head prefers a column code anywhere."""
+    from datamodules import LanguageModelingDataModule
+
+    lines = [" ".join(f"w{i}" for i in range(30) if i <= j) for j in range(30)]
+    for split in ("train", "valid", "test"):
+        (tmp_path / f"{split}.txt").write_text("\n".join(lines) + "\n")
+    data = LanguageModelingDataModule(
+        path=str(tmp_path), vocab="hybrid_lightrnn", lightrnn_frequent=5, lightrnn_rows=4,
+        lightrnn_cols=8, predict_prompts=["w1 w2 w20", "w0"], cache_dir=str(tmp_path / "cache"),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    size = data.vocab_size
+    model = LanguageModel(LSTMBackbone(size, embedding_size=8, hidden_size=8), SoftmaxHead(8, size),
+                          predict_top_k=6, generate_tokens=40)  # fmt: skip
+    with torch.no_grad():
+        model.head.bias[data.vocab.col_codes] += 4.0
+    return data, model.eval()
+
+
+def test_predict_over_lightrnn_codes_reports_the_top_words(coded):
+    """The top-k of words, not codes (a `<row3>` names nothing): a rare word's probability is
+    its row's times its column's after the row, checked by a plain enumeration."""
+    data, model = coded
+    trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    rows = trainer.predict(model, data)
+    vocab = data.vocab
+    for row in rows:
+        ids = torch.tensor([vocab.encode_line(row["prompt"], add_eos=False)])
+        with torch.no_grad():
+            hidden, state = model.backbone(ids)
+            first = model.head.log_prob(hidden[:, -1])[0]
+            scores = {}
+            for word in range(len(vocab.words)):
+                code, column = vocab.word_codes[word].tolist()
+                score = float(first[code])
+                if column >= 0:
+                    after, _ = model.backbone(torch.tensor([[code]]), state)
+                    score += float(model.head.log_prob(after[:, -1])[0, column])
+                scores[vocab.words.itos[word]] = math.exp(score)
+        expected = sorted(scores.items(), key=lambda item: -item[1])[:6]
+        assert [t["token"] for t in row["top_k"]] == [word for word, _ in expected]
+        assert [t["prob"] for t in row["top_k"]] == pytest.approx([p for _, p in expected],
+                                                                   abs=1e-6)  # fmt: skip
+        assert len(row["sample"].split()) == 40  # 40 words, some of two codes
+
+
+def test_sampling_over_lightrnn_codes_draws_only_valid_pairs(coded):
+    """The head prefers a column anywhere: unrestricted, most draws would be broken pairs
+    (<unk>); restricted, every code follows the one before as the table allows."""
+    data, model = coded
+    vocab = data.vocab
+    ids = torch.tensor([vocab.encode_line("w1 w2", add_eos=False)])
+    with torch.no_grad():
+        hidden, state = model.backbone(ids)
+        codes = model._sample(ids, hidden[:, -1], state, vocab)
+        broken = model._sample(ids, hidden[:, -1], state, vocab.words)  # no grammar
+    words = vocab.decode_word_ids(codes)
+    assert len(words) == 40 and vocab.encode_word_ids(torch.tensor(words)).tolist() == codes
+    assert sum(vocab.itos[c].startswith("<row") for c in codes) > 10  # rare words drawn
+    unrestricted = vocab.decode_word_ids(broken)
+    assert vocab.encode_word_ids(torch.tensor(unrestricted)).tolist() != broken
