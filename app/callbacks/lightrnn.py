@@ -239,12 +239,18 @@ class LightRNNTableReassignment(L.Callback):
                         pl_module, vocab, codes, self.batch_size, bptt, self.max_batches,
                         rank, world, advance,
                     )  # fmt: skip
-        # every rank scored its own streams; all solve the same summed problem identically
+        # every rank scored its own streams; the costs are summed over them
         row_cost = trainer.strategy.reduce(row_cost, reduce_op="sum")
         col_cost = trainer.strategy.reduce(col_cost, reduce_op="sum")
         # words absent from the scored sample have no cost: they keep their cells
         seen = (row_cost.sum(1) + col_cost.sum(1) > 0).cpu().numpy()
-        result = reassign(row_cost, col_cost, vocab.cells.numpy(), solver=self.solver, movable=seen)
+        result = None
+        if trainer.is_global_zero:  # rank 0 solves, every rank installs its table: the
+            # separable solver's matching rounds stop on a time budget, so ranks solving
+            # for themselves could end with different tables
+            cells = vocab.cells.numpy()
+            result = reassign(row_cost, col_cost, cells, solver=self.solver, movable=seen)
+        result = trainer.strategy.broadcast(result, src=0)
         new_cells = torch.from_numpy(result.cells)
         vocab.schedule_cells(new_cells)
         self.last_cells = new_cells

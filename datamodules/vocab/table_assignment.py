@@ -23,7 +23,12 @@ Solvers:
   the row/column capacities, plus the word's current cell (so the current table stays
   feasible). (3) Block-coordinate descent again; (2) and (3) twice. Each step is exact on its
   sub-problem and starts from the previous solution, so the objective never increases and
-  the result is always a bijection. Bound (tested in
+  the result is always a bijection. The descent solves the groups of a phase side by side
+  on threads and re-solves only groups whose words changed (same table, fewer solves): at
+  WikiText-103 scale (264k rare words, 514 x 514) one re-assignment took 576 s on 2 cores
+  and 6.9 GB (it did not finish in 900 s before), at 30k words (174 x 174) 16.6 s (28.3 s).
+  Bound
+  (tested in
   tests/datamodules/vocab/test_table_assignment.py): at most 1% above the exact optimum on random
   1k-word instances (measured: 0.9% at 4k words,
   ``python -m datamodules.vocab.table_assignment --words 4000 --rows 64 --cols 64``). Each call
@@ -33,7 +38,9 @@ Solvers:
 
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,34 +116,54 @@ def _block_descent(
     max_sweeps: int,
     blocked: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Alternate exact re-assignment of rows (columns fixed) and columns (rows fixed)."""
+    """Alternate exact re-assignment of rows (columns fixed) and columns (rows fixed).
+
+    The groups of a phase (the words of each column, or of each row) are disjoint, so they
+    are solved side by side on a thread pool (scipy's assignment releases the GIL) and their
+    results applied in group order: the same result on any number of threads. A group is
+    solved again only when its members changed since it was last solved: the same words on
+    the same costs are already at that sub-problem's optimum, and late sweeps move few words
+    (at 30k words, 174 x 174: 5,672 exact assignments instead of 9,744, same table)."""
     d1, d2 = row_cost.shape[1], col_cost.shape[1]
     rows, cols = cells // d2, cells % d2
     grid = None if blocked is None else blocked.reshape(d1, d2)
-    for _ in range(max_sweeps):
-        moved = False
-        # (cost, the fixed coordinate that groups words, the coordinate to re-assign, #groups,
-        #  the blocked cells of group g)
-        for cost, fixed, free, groups, taken in (
-            (row_cost, cols, rows, d2, None if grid is None else grid.T),
-            (col_cost, rows, cols, d1, grid),
-        ):
-            order = np.argsort(fixed, kind="stable")
-            bounds = np.searchsorted(fixed[order], np.arange(groups + 1))
-            for g in range(groups):
-                words = order[bounds[g] : bounds[g + 1]]
-                if len(words) == 0:
-                    continue
-                group_cost = cost[words]
-                if taken is not None and taken[g].any():
-                    group_cost = np.where(taken[g], np.inf, group_cost)  # feasible: current
-                _, new = linear_sum_assignment(group_cost)
-                if (new != free[words]).any():
-                    moved = True
-                    free[words] = new
-        if not moved:
-            break
+    # per phase, the groups to solve: every group at first
+    dirty = [np.ones(d2, dtype=bool), np.ones(d1, dtype=bool)]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        for _ in range(max_sweeps):
+            moved = False
+            # (phase, cost, the fixed coordinate that groups words, the coordinate to
+            #  re-assign, #groups, the blocked cells of group g)
+            for phase, cost, fixed, free, groups, taken in (
+                (0, row_cost, cols, rows, d2, None if grid is None else grid.T),
+                (1, col_cost, rows, cols, d1, grid),
+            ):
+                order = np.argsort(fixed, kind="stable")
+                bounds = np.searchsorted(fixed[order], np.arange(groups + 1))
+                members = [order[bounds[g] : bounds[g + 1]] for g in np.flatnonzero(dirty[phase])]
+                members = [words for words in members if len(words)]
+                group_taken = [None if taken is None else taken[fixed[w[0]]] for w in members]
+                solved = pool.map(_solve_group, [cost[w] for w in members], group_taken)
+                for words, new in zip(members, solved, strict=True):
+                    changed = new != free[words]
+                    if changed.any():
+                        moved = True
+                        # the other phase's groups these words leave and join change members
+                        dirty[1 - phase][free[words][changed]] = True
+                        dirty[1 - phase][new[changed]] = True
+                        free[words] = new
+                dirty[phase][:] = False
+            if not moved:
+                break
     return rows * d2 + cols
+
+
+def _solve_group(group_cost: np.ndarray, taken: np.ndarray | None) -> np.ndarray:
+    """The exact assignment of one group's words to the free coordinate (``taken``: the
+    blocked ones)."""
+    if taken is not None and taken.any():
+        group_cost = np.where(taken, np.inf, group_cost)  # feasible: the current one
+    return linear_sum_assignment(group_cost)[1]
 
 
 def _lagrangian_prices(

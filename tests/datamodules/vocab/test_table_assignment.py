@@ -126,3 +126,52 @@ def test_a_10k_word_table_is_reassigned_by_the_scalable_solver():
     assert result.solver == "separable"
     assert is_bijection(result.cells, n, d1 * d2)
     assert result.lower_bound <= result.after < result.before
+
+
+def plain_block_descent(row_cost, col_cost, cells, max_sweeps, blocked, solves):
+    """Every group solved at every sweep, one after the other (the descent as it was);
+    ``solves`` counts the exact assignments."""
+    d1, d2 = row_cost.shape[1], col_cost.shape[1]
+    rows, cols = cells // d2, cells % d2
+    grid = blocked.reshape(d1, d2)
+    for _ in range(max_sweeps):
+        moved = False
+        for cost, fixed, free, groups, taken in ((row_cost, cols, rows, d2, grid.T),
+                                                 (col_cost, rows, cols, d1, grid)):  # fmt: skip
+            for g in range(groups):
+                words = np.flatnonzero(fixed == g)
+                if len(words):
+                    group_cost = np.where(taken[g], np.inf, cost[words])
+                    new = linear_sum_assignment(group_cost)[1]
+                    solves.append(1)
+                    moved |= bool((new != free[words]).any())
+                    free[words] = new
+        if not moved:
+            break
+    return rows * d2 + cols
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_the_descent_re_solves_only_changed_groups_on_threads_with_the_same_table(
+    monkeypatch, workers
+):
+    """Skipping the groups whose members did not change, and solving a phase's groups on a
+    thread pool, give the table of the plain descent (blocked cells included)."""
+    from datamodules.vocab import table_assignment
+
+    rng = np.random.default_rng(5)
+    row, col = random_instance(rng, 600, 30, 25, "low_rank")
+    blocked = np.zeros(30 * 25, dtype=bool)
+    blocked[rng.choice(30 * 25, 100, replace=False)] = True
+    cells = rng.choice(np.flatnonzero(~blocked), 600, replace=False)
+    monkeypatch.setattr(table_assignment.os, "cpu_count", lambda: workers)
+    calls, plain_calls = [], []
+    solve = table_assignment._solve_group
+    monkeypatch.setattr(table_assignment, "_solve_group",
+                        lambda *args: calls.append(1) or solve(*args))  # fmt: skip
+    for sweeps in (1, 3, 30):
+        found = table_assignment._block_descent(row, col, cells.copy(), sweeps, blocked)
+        expected = plain_block_descent(row, col, cells.copy(), sweeps, blocked, plain_calls)
+        np.testing.assert_array_equal(found, expected)
+        assert not blocked[found].any() and len(set(found.tolist())) == 600
+    assert len(calls) < 0.8 * len(plain_calls)  # fewer solves than the plain descent
