@@ -11,6 +11,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
+from datamodules.vocab.code_grammar import CodeGrammar
 from datamodules.vocab.hybrid_lightrnn import HybridLightRNNVocab
 from heads import Head
 from lightning_modules.backbones import LMBackbone
@@ -240,8 +241,9 @@ class LanguageModel(HeadTask):
         ids = batch["ids"].to(self.device).unsqueeze(0)
         hidden, state = self.backbone(ids)
         last = hidden[:, -1]
-        k = self.predict_top_k
+        k, grammar = self.predict_top_k, None
         if isinstance(vocab, HybridLightRNNVocab):  # words, not codes (<row3> says nothing)
+            grammar = vocab.grammar(self.device)
 
             def after(code: int) -> torch.Tensor:
                 return self.head.log_prob(self._read(ids, state, ids.new_tensor([[code]]))[0])[0]
@@ -257,7 +259,7 @@ class LanguageModel(HeadTask):
             "top_k": [{"token": name, "prob": round(math.exp(lp), 6)} for lp, name in names],
         }
         if self.generate_tokens > 0:
-            result["sample"] = " ".join(vocab.decode(self._sample(ids, last, state, vocab)))
+            result["sample"] = " ".join(vocab.decode(self._sample(ids, last, state, grammar)))
         return result
 
     def _read(self, ids: torch.Tensor, state: Any, token: torch.Tensor) -> tuple[Any, ...]:
@@ -269,10 +271,11 @@ class LanguageModel(HeadTask):
             hidden, _ = self.backbone(ids)
         return hidden[:, -1], ids, state
 
-    def _sample(self, ids: torch.Tensor, last: torch.Tensor, state: Any, vocab: Any) -> list[int]:
-        """``generate_tokens`` tokens sampled after ``ids``; over Hybrid-LightRNN codes, that
-        many words, each code drawn among those that may follow the previous one."""
-        grammar = vocab.grammar(self.device) if isinstance(vocab, HybridLightRNNVocab) else None
+    def _sample(
+        self, ids: torch.Tensor, last: torch.Tensor, state: Any, grammar: CodeGrammar | None
+    ) -> list[int]:
+        """``generate_tokens`` tokens sampled after ``ids``; over Hybrid-LightRNN codes (a
+        ``grammar``), that many words, each code drawn among those that may follow the last."""
         sampled: list[int] = []
         words, previous = 0, ids[:, -1]
         while words < self.generate_tokens:

@@ -166,8 +166,8 @@ def test_sampling_over_lightrnn_codes_draws_only_valid_pairs(coded):
     ids = torch.tensor([vocab.encode_line("w1 w2", add_eos=False)])
     with torch.no_grad():
         hidden, state = model.backbone(ids)
-        codes = model._sample(ids, hidden[:, -1], state, vocab)
-        broken = model._sample(ids, hidden[:, -1], state, vocab.words)  # no grammar
+        codes = model._sample(ids, hidden[:, -1], state, vocab.grammar())
+        broken = model._sample(ids, hidden[:, -1], state, None)  # no grammar
     words = vocab.decode_word_ids(codes)
     assert len(words) == 40 and vocab.encode_word_ids(torch.tensor(words)).tolist() == codes
     assert sum(vocab.itos[c].startswith("<row") for c in codes) > 10  # rare words drawn
