@@ -28,9 +28,8 @@ def top_words(
     ``log_probs``: ``[num_codes]`` the next code's log-probabilities; ``after(code)``: the
     code after that one, ``[num_codes]``, once ``code`` (a row) is read."""
     log_probs = log_probs.double().cpu()
-    K = min(vocab.num_frequent, len(vocab.words))  # slots past the words stand for nothing
-    frequent = log_probs[vocab.layout_codes[:K]].tolist()
-    best = heapq.nlargest(k, zip(frequent, range(K), strict=True))  # (log p, word id)
+    frequent = log_probs[vocab.frequent_codes].tolist()
+    best = heapq.nlargest(k, zip(frequent, range(len(frequent)), strict=True))  # (log p, word)
     table, col_codes = vocab.table(), vocab.col_codes
     row_lps = log_probs[vocab.row_codes]
     for row in row_lps.argsort(descending=True).tolist():

@@ -95,6 +95,7 @@ class HybridLightRNNVocab:
         self.unk_id = words.unk_id  # a word id: what invalid code sequences decode to
         self.version = 0  # bumped by every new table: the code streams change
         self.scheduled_cells: torch.Tensor | None = None
+        self._grammar: tuple[tuple[int, str], CodeGrammar] | None = None  # (version, device)
         cells = self._checked_cells(torch.arange(self.num_rare) if cells is None else cells)
         if layout_codes is None:
             layout_codes = _rank_by_count(self._slot_counts(cells))
@@ -274,6 +275,12 @@ class HybridLightRNNVocab:
         return mask
 
     @property
+    def frequent_codes(self) -> torch.Tensor:
+        """The code id of each frequent word (word id = position); a K past the words leaves
+        codes that stand for nothing, not listed."""
+        return self.word_codes[: self.num_frequent, 0]
+
+    @property
     def row_codes(self) -> torch.Tensor:
         """``[rows]``: the code id of each row of the table."""
         return self.layout_codes[self.num_frequent : self.num_frequent + self.rows]
@@ -315,7 +322,7 @@ class HybridLightRNNVocab:
         """Which code may follow which under the installed table (see
         :mod:`datamodules.vocab.code_grammar`), on ``device``; kept until the table changes."""
         key = (self.version, str(device))
-        if getattr(self, "_grammar", (None,))[0] != key:
+        if self._grammar is None or self._grammar[0] != key:
             size, rows = len(self), self.row_codes
             occupied = self.table() >= 0  # [rows, cols]
             is_row = torch.zeros(size, dtype=torch.bool)
@@ -323,8 +330,7 @@ class HybridLightRNNVocab:
             row_of = torch.zeros(size, dtype=torch.long)
             row_of[rows] = torch.arange(self.rows)
             word_start = torch.zeros(size, dtype=torch.bool)
-            # frequent slots past the word count (K > words) stand for nothing
-            word_start[self.layout_codes[: min(self.num_frequent, len(self.words))]] = True
+            word_start[self.frequent_codes] = True
             word_start[rows[occupied.any(1)]] = True
             columns = torch.zeros(self.rows, size, dtype=torch.bool)
             columns[:, self.col_codes] = occupied
