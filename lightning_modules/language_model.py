@@ -259,7 +259,7 @@ class LanguageModel(HeadTask):
             "top_k": [{"token": name, "prob": round(math.exp(lp), 6)} for lp, name in names],
         }
         if self.generate_tokens > 0:
-            result["sample"] = " ".join(vocab.decode(self._sample(ids, last, state, grammar)))
+            result["sample"] = " ".join(vocab.decode_words(self._sample(ids, last, state, grammar)))
         return result
 
     def _read(self, ids: torch.Tensor, state: Any, token: torch.Tensor) -> tuple[Any, ...]:

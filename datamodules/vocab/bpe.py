@@ -257,6 +257,24 @@ class BPEVocab(CachedIdsVocab):
         """The token pieces (``\u2581`` marks a word start), like ``WordVocab.decode``."""
         return [self.itos[i] for i in ids]
 
+    def decode_words(self, ids: Iterable[int]) -> list[str]:
+        """The words the pieces spell: a ``▁`` piece starts a word, any other piece
+        continues the current one; ``<unk>`` and ``<eos>`` stay words of their own (a sampled
+        continuation shows them, where ``detokenize`` drops them)."""
+        words: list[str] = []
+        joinable = False  # whether the next plain piece continues the last word
+        for i in ids:
+            piece = self.itos[i]
+            if i in self.special_ids:
+                words.append(piece)
+                joinable = False
+            elif piece.startswith(META) or not joinable:
+                words.append(piece.removeprefix(META))
+                joinable = True
+            else:
+                words[-1] += piece
+        return [word for word in words if word]  # a lone marker before a word start spells none
+
     def detokenize(self, ids: Iterable[int]) -> str:
         """The text back, special tokens dropped."""
         theirs = [self._theirs[i] for i in ids if i not in self.special_ids]

@@ -416,6 +416,10 @@ class HybridLightRNNVocab:
         """Code sequence -> words (like ``WordVocab.decode`` on the word ids)."""
         return self.words.decode(self.decode_word_ids(ids))
 
+    def decode_words(self, ids: Iterable[int]) -> list[str]:
+        """The words the codes spell, ``<unk>`` and ``<eos>`` included (same as ``decode``)."""
+        return self.decode(ids)
+
     def detokenize(self, ids: Iterable[int]) -> str:
         """The text back, ``<unk>`` and ``<eos>`` dropped."""
         return self.words.detokenize(self.decode_word_ids(ids))

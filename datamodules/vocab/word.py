@@ -129,6 +129,10 @@ class WordVocab(CachedIdsVocab):
     def decode(self, ids: Iterable[int]) -> list[str]:
         return [self.itos[i] for i in ids]
 
+    def decode_words(self, ids: Iterable[int]) -> list[str]:
+        """The words the ids spell, ``<unk>`` and ``<eos>`` included (one id, one word)."""
+        return self.decode(ids)
+
     def detokenize(self, ids: Iterable[int]) -> str:
         """The text back: words joined by spaces, ``<unk>`` and ``<eos>`` dropped."""
         return " ".join(self.itos[i] for i in ids if i not in (self.unk_id, self.eos_id))

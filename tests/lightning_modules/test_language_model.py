@@ -173,3 +173,44 @@ def test_sampling_over_lightrnn_codes_draws_only_valid_pairs(coded):
     assert sum(vocab.itos[c].startswith("<row") for c in codes) > 10  # rare words drawn
     unrestricted = vocab.decode_word_ids(broken)
     assert vocab.encode_word_ids(torch.tensor(unrestricted)).tolist() != broken
+
+
+def test_a_sample_over_bpe_pieces_reads_as_words(tmp_path):
+    """``generate_tokens`` draws pieces; the sample joins them into words (no ``▁``
+    marker, no space inside a word), as the tokenizer would write the text."""
+    from datamodules import LanguageModelingDataModule
+
+    lines = ["the catdog sat on the mat", "a dog met the catalogue"] * 20
+    for split in ("train", "valid", "test"):
+        (tmp_path / f"{split}.txt").write_text("\n".join(lines) + "\n")
+    data = LanguageModelingDataModule(
+        path=str(tmp_path),
+        vocab="bpe",
+        bpe_vocab_size=30,
+        predict_prompts=["the cat"],
+        cache_dir=str(tmp_path / "c"),
+    )
+    data.prepare_data()
+    data.setup("predict")
+    vocab = data.vocab
+    torch.manual_seed(0)
+    model = LanguageModel(LSTMBackbone(len(vocab), embedding_size=8, hidden_size=8),
+                          SoftmaxHead(8, len(vocab)), generate_tokens=60).eval()  # fmt: skip
+    ids = torch.tensor([vocab.encode_line("the cat", add_eos=False)])
+    with torch.no_grad():
+        hidden, state = model.backbone(ids)
+        pieces = model._sample(ids, hidden[:, -1], state, None)
+    assert len(vocab.decode_words(pieces)) < len(pieces)  # some pieces continue a word
+    # reference: the tokenizer's own decoder on each stretch between special tokens
+    expected, stretch = [], []
+    for i in [*pieces, vocab.eos_id]:
+        if i in vocab.special_ids:
+            expected += vocab.tokenizer.decode([vocab._theirs[j] for j in stretch]).split()
+            expected.append(vocab.itos[i])
+            stretch = []
+        else:
+            stretch.append(i)
+    assert vocab.decode_words([*pieces, vocab.eos_id]) == expected
+    trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    (row,) = trainer.predict(model, data)
+    assert "\u2581" not in row["sample"] and len(row["sample"].split()) <= 60

@@ -53,6 +53,16 @@ def test_decode_gives_pieces(vocab):
     assert "".join(pieces).replace("\u2581", " ").strip() == "the cat"
 
 
+def test_decode_words_joins_pieces_and_keeps_specials(vocab):
+    ids = vocab.encode_line("the catdog <unk> mat", add_eos=True) + vocab.encode_line("a log")
+    assert len(ids) > 8  # pieces, not one id per word
+    words = ["the", "catdog", "<unk>", "mat", "<eos>", "a", "log", "<eos>"]
+    assert vocab.decode_words(ids) == words
+    # a stream that begins inside a word (a sample after a prompt) keeps its first piece
+    inner = vocab.encode_line("catdog", add_eos=False)[1:]
+    assert vocab.decode_words(inner) == ["".join(vocab.decode(inner))]
+
+
 def test_state_dict_round_trip(vocab):
     state = vocab.state_dict()
     assert state["type"] == "bpe"
