@@ -45,6 +45,7 @@ _NO_ATTRIBUTE = re.compile(r"module '(?P<module>[^']+)' has no attribute '(?P<na
 _EXPECTED = re.compile(r"Expected an? (?P<type>.+?)(?:\. Got value: .*)?$")
 _LITERAL = re.compile(r"typing\.Literal\[(?P<choices>.*)\]")
 _CLASS = re.compile(r"<class '(?:builtins\.)?(?P<name>[\w.]+)'>")
+_UNSPACED_COLON = re.compile(r"^\{.*[^\s:]:[^\s/:]")
 # lines of jsonargparse's blocks that only frame the reason
 _FRAME = (
     "Does not validate",
@@ -143,6 +144,9 @@ def _reason(lines: list[str], value: str) -> str:
         if not Path(value).exists():
             return "no such file or class" + _did_you_mean(value, _sibling_files(value))
     expected = _expectations(reasons)
+    if expected and "dict" in expected and _UNSPACED_COLON.search(value):
+        # YAML reads {train:dev} as one string key: its mapping needs a space after the colon
+        return f"{expected}; YAML needs a space after each colon, as in '{{train: train}}'"
     if expected:
         return expected
     rest = [r for r in reasons if not r.startswith("Expected")]

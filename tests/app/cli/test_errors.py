@@ -20,6 +20,17 @@ def test_a_nested_union_block_is_the_key_the_reason_and_the_value():
     assert one_line(UNION_BLOCK) == "data.init_args.bptt: expected an int (given 'thirty')"
 
 
+def test_a_mapping_without_spaces_after_its_colons_gets_the_yaml_rule():
+    block = UNION_BLOCK.replace("bptt", "files").replace("thirty", "{train:a,valid:b}")
+    block = block.replace("Expected a <class 'int'>", "Expected a <class 'dict'>")
+    assert one_line(block) == (
+        "data.init_args.files: expected a dict; YAML needs a space after each colon, as in "
+        "'{train: train}' (given '{train:a,valid:b}')"
+    )
+    spaced = block.replace("{train:a,valid:b}", "{train: a, valid: [b]}")
+    assert one_line(spaced).endswith("expected a dict (given '{train: a, valid: [b]}')")
+
+
 def test_unknown_options_get_the_closest_known_ones():
     known = ["--trainer.max_epochs", "--trainer.min_epochs", "--trainer", "--data.bptt"]
     line = one_line("unrecognized arguments: --trainer.max_epoch 1", known)
