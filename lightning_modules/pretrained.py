@@ -40,7 +40,12 @@ class Pretrained:
     def data(self) -> str:
         """What the checkpoint was trained on, for messages."""
         hp = self.entries.get("datamodule_hyper_parameters") or {}
-        where = f"hub={hp['hub']!r}" if hp.get("hub") else f"path={hp.get('path')!r}"
+        if hp.get("hub"):
+            where = f"data.hub {hp['hub']!r}"
+        elif hp.get("path"):
+            where = f"data.path {hp['path']!r}"
+        else:
+            where = "the shipped corpus (no data.path)"
         return f"{where} (data.vocab {hp.get('vocab')!r})" if hp else "data it does not record"
 
     def load_into(self, module: torch.nn.Module, part: str, state: dict[str, torch.Tensor]) -> None:

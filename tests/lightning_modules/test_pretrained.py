@@ -13,6 +13,7 @@ from lightning_modules import LanguageModel
 from lightning_modules.backbones import LSTMBackbone
 from lightning_modules.epoch_resume import TRAIN_STATE_KEY
 from lightning_modules.errors import ModelConfigError
+from lightning_modules.pretrained import Pretrained
 from tests.datamodules.test_cache import write_corpus
 
 
@@ -80,7 +81,7 @@ def test_another_vocabulary_size_is_one_line_naming_the_data_it_was_trained_on(t
     message = str(raised.value)
     assert message.startswith(f"model.pretrained_checkpoint {path!r} does not fit this model's "
                               f"backbone: size mismatch for embedding.weight")  # fmt: skip
-    assert f"trained on path={str(tmp_path / 'a')!r} (data.vocab 'word')" in message
+    assert f"trained on data.path {str(tmp_path / 'a')!r} (data.vocab 'word')" in message
     assert "\n" not in message
 
 
@@ -132,3 +133,13 @@ def test_a_head_that_cannot_start_from_the_trained_one_is_said_to_start_untraine
     for name, value in fresh.items():
         torch.testing.assert_close(model.head.state_dict()[name], value)
     torch.testing.assert_close(model.backbone.embedding.weight, trained.backbone.embedding.weight)
+
+
+def test_the_data_is_named_as_the_options_that_give_it():
+    def named(**hp):
+        return Pretrained("p.ckpt", {"datamodule_hyper_parameters": {"vocab": "bpe", **hp}}).data()
+
+    assert named(path=None) == "the shipped corpus (no data.path) (data.vocab 'bpe')"
+    assert named(path="/c") == "data.path '/c' (data.vocab 'bpe')"
+    assert named(path=None, hub="wikitext") == "data.hub 'wikitext' (data.vocab 'bpe')"
+    assert Pretrained("p.ckpt", {}).data() == "data it does not record"
