@@ -127,8 +127,15 @@ def sort_into_groups(
         return order, list(sizes)
     sizes = counts.tolist()
     if torch.compiler.is_compiling():
+        # what the counts are, told to the compiler: Inductor must prove every slice of
+        # ``order`` by them in bounds, for a batch size that is itself symbolic once a second
+        # size was seen (validation's); bounds on the sizes alone do not prove a slice's end
+        end = 0
         for size in sizes:
             torch._check(size >= 0)
+            end = end + size
+            torch._check(end <= labels.numel())
+        torch._check(end == labels.numel())
     return order, sizes
 
 

@@ -296,6 +296,40 @@ def check_compiles_without_graph_breaks(
     assert explained.graph_break_count == 0 and explained.graph_count == 1, reasons
 
 
+def check_inductor_compiles_every_batch_size(make: Callable[[], Head]) -> None:
+    """Compiled by Inductor as a task compiles it, the head gives the eager losses and input
+    gradients over a run's sequence of batch sizes: a validation batch (inference mode), then
+    training batches of other sizes, which Dynamo recompiles with a symbolic batch size. Code
+    generation, not only tracing: Inductor must prove every slice by a data-dependent size in
+    bounds for any batch size."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    eager = make().train()
+    compiled = copy.deepcopy(eager)
+    compiled.compile()
+    gen = torch.Generator().manual_seed(1)
+    try:
+        with torch._dynamo.config.patch(capture_scalar_outputs=True):  # as HeadTask sets it
+            for rows, train in ((13, False), (29, True), (13, False), (17, True)):
+                hidden = torch.randn(rows, eager.hidden_size, generator=gen)
+                target = torch.randint(0, VOCAB, (rows,), generator=gen)
+                losses, grads = [], []
+                for head in (eager, compiled):
+                    x = hidden.clone().requires_grad_(train)
+                    with torch.enable_grad() if train else torch.inference_mode():
+                        output = head(x, target)
+                    losses.append(output.loss.detach())
+                    if train:
+                        (output.loss + output.aux_loss).backward()
+                        grads.append(x.grad)
+                torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-5)
+                if train:
+                    torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-5)
+    finally:
+        torch._dynamo.reset()
+
+
 def check_cuda_matches_cpu(make: Callable[[], Head]) -> None:
     """The same head on CUDA gives the CPU's losses, gradients, log-probs and top-k (float64).
 

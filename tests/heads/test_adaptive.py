@@ -17,6 +17,7 @@ from tests.heads.contract import (
     ROW_TILES,
     VOCAB,
     check_compiles_without_graph_breaks,
+    check_inductor_compiles_every_batch_size,
     check_loss_matches_reference,
     check_training_keeps_no_vocabulary_rows,
 )
@@ -98,6 +99,16 @@ def test_compiles_without_graph_breaks():
     """The tail clusters' sizes are data-dependent: captured as such, not a graph break."""
     check_compiles_without_graph_breaks(
         lambda: AdaptiveSoftmaxHead(HIDDEN, VOCAB, cutoffs=[4, 11], div_value=2.0)
+    )
+
+
+def test_inductor_compiles_every_batch_size():
+    """Regression: after validation's batch size, a training batch recompiled with a symbolic
+    size failed in Inductor (the tail's slice by the captured cluster sizes not provably in
+    bounds), so `fit` with the compile preset stopped at its first training step. (Tail
+    projections of at least 2: autograd's mm backward guards on a size-1 projection's rows.)"""
+    check_inductor_compiles_every_batch_size(
+        lambda: AdaptiveSoftmaxHead(8, VOCAB, cutoffs=[4, 11], div_value=2.0)
     )
 
 

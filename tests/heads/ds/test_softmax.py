@@ -13,6 +13,7 @@ from tests.heads.contract import (
     VOCAB,
     _inputs,
     check_compiles_without_graph_breaks,
+    check_inductor_compiles_every_batch_size,
     check_loss_matches_reference,
     check_training_keeps_no_vocabulary_rows,
 )
@@ -83,6 +84,15 @@ def test_pruned_loss_edges_equal_the_dense_reference():
 def test_training_keeps_no_vocabulary_rows():
     check_training_keeps_no_vocabulary_rows(
         lambda: DSSoftmaxHead(4, 3000, num_experts=2, lambda_lasso=0.01)
+    )
+
+
+@pytest.mark.slow  # about 40 s of Inductor code generation
+def test_inductor_compiles_every_batch_size():
+    """The experts' captured group sizes under a symbolic batch size (validation's, then
+    training's), through Inductor's code generation: the eager losses and gradients."""
+    check_inductor_compiles_every_batch_size(
+        lambda: make_head(num_experts=3, bias=True, lambda_lasso=0.01, lambda_expert=0.01)
     )
 
 
