@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
-from heads import Head, HeadOutput, HeadSetup
+from heads import IGNORE_INDEX, Head, HeadOutput, HeadSetup
 from heads.fused_cross_entropy import (
     EXTERNAL_PACKAGES,
     FUSED,
@@ -44,6 +44,7 @@ from lightning_modules.epoch_resume import (
 )
 from lightning_modules.errors import ModelConfigError
 from lightning_modules.optimization import configure_optimizers
+from lightning_modules.static_rows import pad_rows, padded_rows
 
 log = logging.getLogger(__name__)
 
@@ -217,11 +218,23 @@ class HeadTask(L.LightningModule):
         self, hidden: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0
     ) -> HeadOutput:
         """``self.head(hidden, target, label_smoothing=...)``: what every task's step calls,
-        through the CUDA graphs of ``cuda_graphs`` where they run (a training step on
-        CUDA)."""
+        through the CUDA graphs of ``cuda_graphs`` where they run (a training step on CUDA).
+        Where the head is compiled or graphed, its rows are padded to one of a few sizes
+        (:mod:`~lightning_modules.static_rows`) and its ``nll`` cut back to the batch's."""
+        rows = hidden.size(0)
+        if self._static_rows(hidden.device):
+            hidden, target = pad_rows(hidden, target, padded_rows(rows))
         if self._graphed_loss is not None:
-            return self._graphed_loss(hidden, target, label_smoothing)
-        return self.head(hidden, target, label_smoothing=label_smoothing)
+            output = self._graphed_loss(hidden, target, label_smoothing)
+        else:
+            output = self.head(hidden, target, label_smoothing=label_smoothing)
+        return output if hidden.size(0) == rows else replace(output, nll=output.nll[:rows])
+
+    def _static_rows(self, device: torch.device) -> bool:
+        """Whether the head's loss sees its rows padded to a few sizes (``static_rows``):
+        where its shapes are compiled (``compile``) or captured (``cuda_graphs`` on CUDA)."""
+        graphed = self._graphed_loss is not None and device.type == "cuda"
+        return self.compile_options is not None or graphed
 
     def configure_model(self) -> None:
         if self.compile_options is None or self._compiled:
@@ -280,6 +293,10 @@ class HeadTask(L.LightningModule):
         if trainer is not None and not trainer.predicting:
             targets = self.batch_targets(batch)
             if isinstance(targets, torch.Tensor):
+                if self._static_rows(self.device):  # the rows the head's loss will see
+                    targets = targets.reshape(-1)
+                    extra = padded_rows(targets.numel()) - targets.numel()
+                    targets = torch.nn.functional.pad(targets, (0, extra), value=IGNORE_INDEX)
                 self.head.expect_targets(targets)
         return batch
 

@@ -1,3 +1,5 @@
+from collections.abc import Callable
+
 import lightning as L
 import pytest
 import sacrebleu
@@ -10,6 +12,7 @@ from lightning_modules import Translation
 from lightning_modules.backbones import Seq2SeqTransformer
 from lightning_modules.decoding import DecodeConfig, greedy_decode
 from lightning_modules.errors import ModelConfigError
+from lightning_modules.static_rows import padded_rows
 from tests.datamodules.test_translation import TINY, write_corpus
 
 D = 16
@@ -270,3 +273,46 @@ def test_bleu_checkpoint_out_of_step_with_the_schedule_is_one_clear_error(data, 
         trainer.fit(model, datamodule=data)
     with pytest.raises(ModelConfigError, match="bleu_every_n_epochs"):
         make(data, decode=DecodeConfig(bleu_every_n_epochs=0))
+
+
+def test_a_compiled_head_sees_a_few_row_counts(tmp_path):
+    """Batches of length buckets have a new B x T almost every step; compiled, the head's loss
+    sees its rows padded to a few sizes, one compilation each (unpadded, every new count was
+    one until Dynamo's limit of 8 sent the rest to eager), with the unpadded losses."""
+    gen = torch.Generator().manual_seed(0)
+    words = [f"w{i}" for i in range(12)]
+
+    def sentence(length: int) -> str:
+        return " ".join(words[int(i)] for i in torch.randint(0, 12, (length,), generator=gen))
+
+    lengths = torch.randint(2, 17, (300, 2), generator=gen)  # a target of about its source's
+    pairs = [(sentence(s), sentence(max(s + d % 3 - 1, 1))) for s, d in lengths.tolist()]
+    splits = {"train": pairs, "val": pairs[:40], "test_2016_flickr": pairs[:8]}
+    path = write_corpus(tmp_path, splits)
+    data = TranslationDataModule(path=path, max_tokens=128)
+    compiled_rows: list[int] = []  # the rows of each compilation of the head's loss
+
+    def counting_backend(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        compiled_rows.append(example_inputs[0].size(0))
+        return graph.forward
+
+    model = make(data, compile={"backend": counting_backend})
+    model.backbone.compile = lambda **options: None  # the head's compilations alone
+    trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(model, datamodule=data)
+    train = [b["target_output"].numel() for b in data.train_dataloader()]
+    val = [b["target_output"].numel() for b in data.val_dataloader()]
+    assert len(set(train)) >= 8  # the batches' own row counts
+    # one compilation per padded size, in training and (no gradients) in validation
+    padded = [{padded_rows(n) for n in split} for split in (train, val)]
+    assert sorted(compiled_rows) == sorted([*padded[0], *padded[1]])
+    assert len(padded[0]) <= 4
+    # the padded rows change no loss
+    batch = next(b for b in data.train_dataloader() if padded_rows(b["target_output"].numel())
+                 > b["target_output"].numel())  # fmt: skip
+    eager = make(data).eval()
+    eager.load_state_dict(model.state_dict())
+    model.eval()
+    torch.testing.assert_close(model.loss(batch), eager.loss(batch))
