@@ -87,7 +87,7 @@ class Classifier(HeadTask):
     def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> None:
         inputs, targets = batch
         hidden = self.backbone(inputs)
-        output = self.head(hidden, targets)
+        output = self.head_loss(hidden, targets)
         self.metrics[f"{stage}_loss"].update(output.loss, weight=targets.numel())
         _, indices = self.head.topk(hidden, max(self.top_k))
         hits = indices == targets[:, None]

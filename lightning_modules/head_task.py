@@ -161,6 +161,7 @@ class HeadTask(L.LightningModule):
         self._validations = self._plateau_validations = 0
         self._finite_loss = FiniteLossCheck()
         self._resumed_epoch: dict | None = None  # read_epoch_state's, until the first batch
+        self.head_inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # head_loss's
 
     def configure_training(
         self, compile: CompileOption, loss_backend: str, cuda_graphs: bool = False
@@ -220,7 +221,14 @@ class HeadTask(L.LightningModule):
         """``self.head(hidden, target, label_smoothing=...)``: what every task's step calls,
         through the CUDA graphs of ``cuda_graphs`` where they run (a training step on CUDA).
         Where the head is compiled or graphed, its rows are padded to one of a few sizes
-        (:mod:`~lightning_modules.static_rows`) and its ``nll`` cut back to the batch's."""
+        (:mod:`~lightning_modules.static_rows`) and its ``nll`` cut back to the batch's.
+
+        The step's ``(hidden, target)`` stay in ``self.head_inputs`` (``hidden`` detached)
+        for callbacks that look at what the head saw (DS-Softmax's, top-k accuracy) in their
+        batch hooks: a forward hook on the head would run inside its compiled graph, traced
+        anew for every new hook (a recompilation each validation) and broken by any host
+        read."""
+        self.head_inputs = (hidden.detach(), target)
         rows = hidden.size(0)
         if self._static_rows(hidden.device):
             hidden, target = pad_rows(hidden, target, padded_rows(rows))

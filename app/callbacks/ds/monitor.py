@@ -9,7 +9,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torchmetrics import MeanMetric
 
-from app.callbacks.ds.optim import find_ds_head
+from app.callbacks.ds.optim import find_ds_head, head_inputs
+from heads.cross_entropy import IGNORE_INDEX
 from heads.errors import HeadConfigError
 
 # what a DS run's progress bar shows after each validation: how far the structure has come
@@ -23,30 +24,31 @@ class DSMonitor(Callback):
     ``u_k`` and ``|v_k|`` and the expert x class membership image (classes binned to
     ``heatmap_columns`` when V is larger).
 
-    ``u_k`` is counted with a forward hook on the head over the validation tokens that are not
-    ignored, summed over DDP ranks.
+    ``u_k`` is counted after each validation batch from what the head saw (the task's
+    ``head_inputs``) over the tokens that are not ignored (weighted 0: nothing read back),
+    summed over DDP ranks.
     """
 
     def __init__(self, heatmap_columns: int = 1000) -> None:
         self.heatmap_columns = heatmap_columns
         self._counts: torch.Tensor | None = None
-        self._hook: Any = None
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         _, head = find_ds_head(pl_module)
         self._counts = torch.zeros(head.num_experts, dtype=torch.float64, device=pl_module.device)
 
-        def count(module, args, output) -> None:
-            hidden, target = args
-            expert, _ = module.select(hidden[target != -100])
-            self._counts += torch.bincount(expert, minlength=module.num_experts).double()
-
-        self._hook = head.register_forward_hook(count)
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                                outputs: Any, batch: Any, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:  # fmt: skip
+        if self._counts is None:
+            return
+        _, head = find_ds_head(pl_module)
+        hidden, target = head_inputs(pl_module)
+        expert, _ = head.select(hidden)
+        kept = (target != IGNORE_INDEX).double()
+        self._counts += torch.bincount(expert, weights=kept, minlength=head.num_experts)
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
         if self._counts is None or trainer.sanity_checking:
             return
         _, head = find_ds_head(pl_module)
@@ -84,9 +86,11 @@ class TopKAccuracy(Callback):
     ``head`` (LanguageModel, Classifier...), through ``head.topk``: the inference path, so for
     DS-Softmax a class outside the selected expert is never retrieved.
 
-    A forward hook on the head sees the context vectors and targets of every evaluation batch;
-    hits are averaged with torchmetrics ``MeanMetric`` (reduced over DDP ranks). ``prefix`` goes
-    in front of ``acc_top{k}`` (the Classifier already logs ``acc_top{k}`` itself).
+    After every evaluation batch it reads the context vectors and targets the head saw (the
+    task's ``head_inputs``); hits over the tokens that are not ignored (weighted 0: nothing
+    read back) are averaged with torchmetrics ``MeanMetric`` (reduced over DDP ranks).
+    ``prefix`` goes in front of ``acc_top{k}`` (the Classifier already logs ``acc_top{k}``
+    itself).
     """
 
     def __init__(self, top_k: tuple[int, ...] = (1, 5, 10), prefix: str = "") -> None:
@@ -95,27 +99,22 @@ class TopKAccuracy(Callback):
         self.top_k = tuple(sorted(top_k))
         self.prefix = prefix
         self._metrics: dict[int, MeanMetric] = {}
-        self._hook: Any = None
 
     def _start(self, pl_module: L.LightningModule) -> None:
-        head = pl_module.head
-        ks = [k for k in self.top_k if k <= head.vocab_size]
+        ks = [k for k in self.top_k if k <= pl_module.head.vocab_size]
         self._metrics = {k: MeanMetric(nan_strategy="disable").to(pl_module.device) for k in ks}
 
-        def count(module, args, output) -> None:
-            hidden, target = args
-            keep = target != -100
-            _, indices = module.topk(hidden[keep].detach(), max(ks))
-            hits = indices == target[keep][:, None]
-            for k, metric in self._metrics.items():
-                metric.update(hits[:, :k].any(dim=1).float())
-
-        self._hook = head.register_forward_hook(count)
+    def _count(self, pl_module: L.LightningModule) -> None:
+        if not self._metrics:
+            return
+        hidden, target = head_inputs(pl_module)
+        _, indices = pl_module.head.topk(hidden, max(self._metrics))
+        hits = indices == target[:, None]
+        kept = (target != IGNORE_INDEX).float()
+        for k, metric in self._metrics.items():
+            metric.update(hits[:, :k].any(dim=1).float(), weight=kept)
 
     def _end(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
         if trainer.sanity_checking:
             return
         for k, metric in self._metrics.items():
@@ -127,8 +126,18 @@ class TopKAccuracy(Callback):
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._end(trainer, pl_module, "val")
 
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                                outputs: Any, batch: Any, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:  # fmt: skip
+        self._count(pl_module)
+
     def on_test_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._start(pl_module)
+
+    def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                          outputs: Any, batch: Any, batch_idx: int,
+                          dataloader_idx: int = 0) -> None:  # fmt: skip
+        self._count(pl_module)
 
     def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._end(trainer, pl_module, "test")

@@ -25,6 +25,19 @@ def find_ds_head(pl_module: L.LightningModule) -> tuple[str, DSSoftmaxHead]:
     return found[0]
 
 
+def head_inputs(pl_module: L.LightningModule) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hidden, target)`` of the step the task just ran through its head (``HeadTask``'s
+    ``head_inputs``): what callbacks read in their batch hooks instead of hooking the head's
+    forward, which runs inside its compiled graph under ``model.compile``."""
+    inputs = getattr(pl_module, "head_inputs", None)
+    if inputs is None:
+        raise HeadConfigError(
+            f"{type(pl_module).__name__} ran no step through HeadTask.head_loss: DS-Softmax "
+            f"and top-k callbacks read the head's inputs from it"
+        )
+    return inputs
+
+
 StructureChange = Callable[[DSSoftmaxHead], "tuple[torch.Tensor, torch.Tensor] | None"]
 
 

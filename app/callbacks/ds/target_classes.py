@@ -8,7 +8,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from app.callbacks.ds.optim import change_structure, find_ds_head
+from app.callbacks.ds.optim import change_structure, find_ds_head, head_inputs
 from heads.cross_entropy import IGNORE_INDEX
 from heads.errors import HeadConfigError
 
@@ -71,28 +71,29 @@ class DSTargetClasses(Callback):
         self.added_rows = 0
         self.dropped_rows = 0
         self._counts: torch.Tensor | None = None
-        self._hook: Any = None
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.done or trainer.current_epoch != self.epoch:
             return
         _, head = find_ds_head(pl_module)
-        counts = torch.zeros(head.num_experts, head.vocab_size, device=pl_module.device)
-        self._counts = counts
+        self._counts = torch.zeros(head.num_experts, head.vocab_size, device=pl_module.device)
 
-        def count(module, args, output) -> None:
-            # every row, ignored ones weighted 0: no data-dependent shape under torch.compile
-            hidden, target = args[0].detach(), args[1]
-            expert, _ = module.select(hidden)
-            cell = expert * counts.size(1) + target.clamp_min(0)
-            counts.view(-1).index_add_(0, cell, (target != IGNORE_INDEX).to(counts.dtype))
-
-        self._hook = head.register_forward_hook(count)
+    def on_before_backward(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
+    ) -> None:
+        """Count the step's tokens, routed by the gate the step used (before the optimizer
+        moves it): every row, ignored ones weighted 0, so no data-dependent shape."""
+        counts = self._counts
+        if counts is None:
+            return
+        _, head = find_ds_head(pl_module)
+        hidden, target = head_inputs(pl_module)
+        with torch.no_grad():
+            expert, _ = head.select(hidden)
+        cell = expert * counts.size(1) + target.clamp_min(0)
+        counts.view(-1).index_add_(0, cell, (target != IGNORE_INDEX).to(counts.dtype))
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
         if self._counts is not None:  # set in epoch ``epoch`` only, cleared once done
             self.reselect(trainer, pl_module)
 
