@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
-from heads import IGNORE_INDEX, Head, HeadOutput, HeadSetup
+from heads import Head, HeadOutput, HeadSetup
 from heads.fused_cross_entropy import (
     EXTERNAL_PACKAGES,
     FUSED,
@@ -44,7 +44,7 @@ from lightning_modules.epoch_resume import (
 )
 from lightning_modules.errors import ModelConfigError
 from lightning_modules.optimization import configure_optimizers
-from lightning_modules.static_rows import pad_rows, padded_rows
+from lightning_modules.static_rows import pad_rows, pad_target, padded_rows
 
 log = logging.getLogger(__name__)
 
@@ -302,9 +302,7 @@ class HeadTask(L.LightningModule):
             targets = self.batch_targets(batch)
             if isinstance(targets, torch.Tensor):
                 if self._static_rows(self.device):  # the rows the head's loss will see
-                    targets = targets.reshape(-1)
-                    extra = padded_rows(targets.numel()) - targets.numel()
-                    targets = torch.nn.functional.pad(targets, (0, extra), value=IGNORE_INDEX)
+                    targets = pad_target(targets, padded_rows(targets.numel()))
                 self.head.expect_targets(targets)
         return batch
 

@@ -36,6 +36,11 @@ def pad_rows(
     ``IGNORE_INDEX`` (shapes only: nothing read from the device). New tensors even where
     ``rows == N``: Dynamo guards on whether an input is a view (a batch's reshaped ``[B, T]``
     is), so a view one step and a padded copy the next were two compilations of one size."""
-    extra = rows - hidden.size(0)
-    hidden = torch.nn.functional.pad(hidden, (0, 0, 0, extra))
-    return hidden, torch.nn.functional.pad(target, (0, extra), value=IGNORE_INDEX)
+    hidden = torch.nn.functional.pad(hidden, (0, 0, 0, rows - hidden.size(0)))
+    return hidden, pad_target(target, rows)
+
+
+def pad_target(target: torch.Tensor, rows: int) -> torch.Tensor:
+    """``target`` flattened, with ``IGNORE_INDEX`` up to ``rows`` (a new tensor)."""
+    flat = target.reshape(-1)
+    return torch.nn.functional.pad(flat, (0, rows - flat.numel()), value=IGNORE_INDEX)
