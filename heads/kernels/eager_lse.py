@@ -272,4 +272,6 @@ def _add_target_terms(grad_h, grad_w, grad_b, h, weight, target, grad_target, ac
     if grad_w is not None:
         grad_w.index_add_(0, safe, g_t.unsqueeze(1) * as_dtype(h, acc))
     if grad_b is not None:
-        grad_b.index_add_(0, safe, g_t)
+        # scatter_add_, not index_add_: Inductor's CPU code generation fails on a 1-D
+        # index_add_ whose index is a repeated target (MoS's ``repeat_interleave``)
+        grad_b.scatter_add_(0, safe, g_t)

@@ -296,29 +296,41 @@ def check_compiles_without_graph_breaks(
     assert explained.graph_break_count == 0 and explained.graph_count == 1, reasons
 
 
-def check_inductor_compiles_every_batch_size(make: Callable[[], Head]) -> None:
+def check_inductor_compiles_every_batch_size(
+    make: Callable[[], Head],
+    options: LossOptions | None = None,
+    label_smoothing: float = 0.0,
+    runs: tuple[tuple[int, bool], ...] = ((13, False), (29, True), (13, False), (17, True)),
+) -> None:
     """Compiled by Inductor as a task compiles it, the head gives the eager losses and input
     gradients over a run's sequence of batch sizes: a validation batch (inference mode), then
     training batches of other sizes, which Dynamo recompiles with a symbolic batch size. Code
     generation, not only tracing: Inductor must prove every slice by a data-dependent size in
-    bounds for any batch size."""
+    bounds for any batch size, and generate every scatter of the backward as a multi-core
+    CPU gets it (vectorised atomic adds; one thread gets scalar ones). ``options``: the fused
+    loss's plan (None: the head's default); ``label_smoothing`` in training; ``runs``: the
+    batches' ``(rows, training)``."""
     import torch._dynamo
+    import torch._inductor.config
 
     torch.manual_seed(0)
-    eager = make().train()
+    eager = (make if options is None else chunked(make, options))().train()
     compiled = copy.deepcopy(eager)
     compiled.compile()
     gen = torch.Generator().manual_seed(1)
     try:
-        with torch._dynamo.config.patch(capture_scalar_outputs=True):  # as HeadTask sets it
-            for rows, train in ((13, False), (29, True), (13, False), (17, True)):
+        with (
+            torch._dynamo.config.patch(capture_scalar_outputs=True),  # as HeadTask sets it
+            torch._inductor.config.patch({"cpp.threads": 2}),
+        ):
+            for rows, train in runs:
                 hidden = torch.randn(rows, eager.hidden_size, generator=gen)
                 target = torch.randint(0, VOCAB, (rows,), generator=gen)
                 losses, grads = [], []
                 for head in (eager, compiled):
                     x = hidden.clone().requires_grad_(train)
                     with torch.enable_grad() if train else torch.inference_mode():
-                        output = head(x, target)
+                        output = head(x, target, label_smoothing=label_smoothing * train)
                     losses.append(output.loss.detach())
                     if train:
                         (output.loss + output.aux_loss).backward()

@@ -7,6 +7,7 @@ from tests.heads.contract import (
     HIDDEN,
     VOCAB,
     check_compiles_without_graph_breaks,
+    check_inductor_compiles_every_batch_size,
     check_loss_matches_reference,
     check_training_keeps_no_vocabulary_rows,
 )
@@ -57,6 +58,19 @@ def test_training_keeps_no_vocabulary_rows():
 
 def test_compiles_without_graph_breaks():
     check_compiles_without_graph_breaks(lambda: make_head(context_dropout=0.1))
+
+
+def test_inductor_compiles_the_column_plan_with_label_smoothing():
+    """Regression: Inductor's CPU code generation failed on the backward's bias scatter
+    (``index_add_`` by the component rows' repeated targets), so a translation fit of MoS
+    with the compile preset and label smoothing stopped at its first backward. (Row tiles
+    and 9 components: Inductor vectorises the repeated index otherwise below 9.)"""
+    check_inductor_compiles_every_batch_size(
+        lambda: make_head(num_components=9),
+        LossOptions(plan="eager", rows=128),
+        label_smoothing=0.1,
+        runs=((29, True),),
+    )
 
 
 def test_equals_plain_mixture_of_softmaxes():
