@@ -19,6 +19,8 @@ def main(argv: list[str] | None = None) -> AppCLI:
     warnings.filterwarnings("ignore", ".*IterableDataset.*has `__len__` defined.*")
     warnings.filterwarnings("ignore", ".*infer the batch indices.*")
     warnings.filterwarnings("ignore", ".*LeafSpec.*is deprecated.*")
+    # Lightning's own all_gather (a checkpoint's per-rank epoch state under DDP) calls it
+    warnings.filterwarnings("ignore", ".*torch.distributed.nn.functional.all_gather is deprec.*")
     quiet_lightning()
     show_app_log()  # data cache hits and misses, the heads' decisions
     return make_cli(sys.argv[1:] if argv is None else argv)

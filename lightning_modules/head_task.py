@@ -71,6 +71,16 @@ warnings.filterwarnings(
     "ignore", message="You have overridden `on_before_batch_transfer` in `LightningModule` but"
 )
 
+# Under DDP Lightning recommends ``sync_dist=True`` for every tensor logged per epoch. The
+# tasks' and their callbacks' epoch values are already the whole run's (torchmetrics and the
+# callbacks reduce over the ranks themselves; the structure is identical on every rank) or
+# deliberately rank 0's (times); a second all-reduce would change nothing but cost a sync.
+# ("step": a validate or test run's x-axis, the checkpoint's step, the same on every rank.)
+warnings.filterwarnings(
+    "ignore",
+    message=r"It is recommended to use `self.log\('((train|val|test|time|ds|lightrnn)/|step')",
+)
+
 # torchmetrics aggregators' options in the task modules: the default ``nan_strategy``
 # ("warn"; "ignore" alike) tests ``isnan(x).any()`` in every update, a host sync per step;
 # "disable" does not look. A NaN loss stops the run anyway (``check_finite_loss``).
