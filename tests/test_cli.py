@@ -112,6 +112,22 @@ def test_predict_reports_top_k_and_samples(trained, cli_run, tmp_path):
         assert len(row["sample"].split()) == 7
 
 
+@pytest.mark.parametrize("callbacks", [["--trainer.callbacks", "null"], []])
+def test_predict_prints_each_prediction_once_with_or_without_a_writer(
+    trained, cli_run, capsys, callbacks
+):
+    """A config whose callbacks lack the writer (the DS recipes') still prints predictions:
+    the CLI adds one; the shipped LM callbacks' own writer is not doubled."""
+    _, logs = trained
+    ckpt = str(next(logs.rglob("last.ckpt")))
+    capsys.readouterr()
+    cli_run("predict", *ON_PTB, "--ckpt_path", ckpt, "--trainer.logger", "false", *callbacks,
+            "--data.init_args.predict_prompts", '["the company said", "in new york"]',
+            experiment="ptb_softmax")  # fmt: skip
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [json.loads(line)["prompt"] for line in lines] == ["the company said", "in new york"]
+
+
 @pytest.mark.parametrize("head_class", [SoftmaxHead, MoSHead, MixtapeHead])
 def test_one_line_swaps_the_head_and_bf16_mixed_trains(head_class, cli_run):
     cli = cli_run("fit", *ON_PTB,

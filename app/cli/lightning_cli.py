@@ -18,9 +18,10 @@ from typing import Any
 
 import yaml
 from jsonargparse import Namespace
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import BasePredictionWriter, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
+from app.callbacks.training.prediction_writer import PredictionWriter
 from app.callbacks.training.preemption import PreemptionCheckpoint
 from app.callbacks.training.progress import interval_progress_bar
 from app.callbacks.training.run_record import RunRecord
@@ -56,15 +57,21 @@ def _default_progress_bar(trainer: Namespace, defaults: list) -> bool:
     progress bar among its callbacks (given in the config or as defaults)."""
     if trainer.get("enable_progress_bar") is False:
         return False
+    return not _has_callback(trainer, defaults, ProgressBar)
+
+
+def _has_callback(trainer: Namespace, defaults: list, kind: type) -> bool:
+    """Whether a callback of ``kind`` is among the trainer's callbacks (given in the config,
+    as objects or as ``class_path`` entries, or as defaults)."""
     given = trainer.get("callbacks") or []
     for callback in [*(given if isinstance(given, list) else [given]), *defaults]:
-        if isinstance(callback, ProgressBar):
-            return False
+        if isinstance(callback, kind):
+            return True
         path = callback.get("class_path", "") if isinstance(callback, (dict, Namespace)) else ""
         module, _, name = str(path).rpartition(".")
-        if module and issubclass(getattr(importlib.import_module(module), name), ProgressBar):
-            return False
-    return True
+        if module and issubclass(getattr(importlib.import_module(module), name), kind):
+            return True
+    return False
 
 
 # callbacks that only write to a logger, and that Lightning refuses to run without one
@@ -152,6 +159,10 @@ class AppCLI(LightningCLI):
             ours.append(PreemptionCheckpoint())
         if _default_progress_bar(config.trainer, extra):  # no device sync per batch for it
             ours.append(interval_progress_bar())
+        if self.subcommand == "predict" and not _has_callback(
+            config.trainer, extra, BasePredictionWriter
+        ):  # a config without the writer (the DS recipes') still prints its predictions
+            ours.append(PredictionWriter())
         self.trainer_defaults = {**self.trainer_defaults, "callbacks": [*extra, *ours]}
         if self.subcommand not in (None, "fit") and no_logger:
             # no logger, no run folder: the config would land in the working folder
