@@ -51,9 +51,16 @@ def shipped_text(path: Path) -> str:
 @pytest.fixture(scope="session", autouse=True)
 def user_cache(tmp_path_factory) -> Path:
     """Prepared corpora, cost models and built kernels go to a folder of this test session,
-    never the user's cache; the ``cli.py`` subprocesses (and their DDP ranks) inherit it."""
+    never the user's cache; the ``cli.py`` subprocesses (and their DDP ranks) inherit it. So
+    do HF datasets' Arrow builds: a test corpus in the hub's layout (a folder named
+    ``wikitext``) must not become the copy that ``--data.hub wikitext`` loads offline."""
+    import datasets.config
+
     root = tmp_path_factory.mktemp("user-cache")
     os.environ[CACHE_ENV] = str(root)
+    hf_datasets = root / "hf-datasets"
+    os.environ["HF_DATASETS_CACHE"] = str(hf_datasets)
+    datasets.config.HF_DATASETS_CACHE = hf_datasets  # read when a dataset is built
     return root
 
 
