@@ -150,11 +150,15 @@ def find_split_files(folder: Path, files: dict[str, str] | None, shipped: str) -
     return found
 
 
+_BYTE_ORDER_MARK = "\ufeff"
+
+
 def has_text(path: Path) -> bool:
     """Whether any line holds more than whitespace (reads only up to the first such line)."""
     try:
         with open_text_bytes(path) as (stream, _):
-            return any(line.strip() for line in io.TextIOWrapper(stream, encoding="utf-8"))
+            # utf-8-sig: a byte-order mark alone is no text
+            return any(line.strip() for line in io.TextIOWrapper(stream, encoding="utf-8-sig"))
     except UnicodeDecodeError as exc:
         raise DataFormatError(f"{str(path)!r} is not UTF-8 text ({exc.reason})") from exc
 
@@ -271,6 +275,10 @@ class TextFiles(_LineBatches):
                         f"{part} file {str(path)!r} is not UTF-8 text ({exc.reason} near byte "
                         f"{decoded + exc.start} of its text)"
                     ) from exc
+                if decoded == 0:
+                    # an editor's byte-order mark (Windows Notepad's UTF-8) is not part of the
+                    # first word, as Python's utf-8-sig reads it
+                    text = text.removeprefix(_BYTE_ORDER_MARK)
                 decoded += len(block)
                 yield split_text_lines(text)
 

@@ -43,6 +43,22 @@ def test_lines_are_the_text_builders(tmp_path, monkeypatch, batch_bytes):
     assert source.lines("train") == expected["text"] and count_lines(path) == len(expected)
 
 
+@pytest.mark.parametrize("batch_bytes", [3, 1 << 20])
+def test_a_byte_order_mark_is_not_part_of_the_first_word(tmp_path, monkeypatch, batch_bytes):
+    """Windows editors start UTF-8 files with U+FEFF; read as text it would make the first
+    word a vocabulary entry of its own ('\\ufeffthe' beside 'the'). A mark later in the file
+    is text and stays."""
+    monkeypatch.setattr(text_source, "BATCH_BYTES", batch_bytes)
+    plain, marked = tmp_path / "plain.txt", tmp_path / "marked.txt"
+    plain.write_bytes(TRICKY.encode())
+    marked.write_bytes(("\ufeff" + TRICKY + "\n\ufeffb").encode())
+    lines = TextFiles({"train": marked}, label="c").lines("train")
+    assert lines == [*TextFiles({"train": plain}, label="c").lines("train"), "\ufeffb"]
+    assert count_lines(marked) == len(lines)
+    (tmp_path / "mark_only.txt").write_bytes("\ufeff\n \n".encode())
+    assert not has_text(tmp_path / "mark_only.txt")
+
+
 def test_a_file_that_is_not_utf8_is_one_clear_error(tmp_path):
     path = tmp_path / "c.train.txt"
     path.write_bytes(b"fine line\n\xff\xfe broken\n")
