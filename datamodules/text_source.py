@@ -16,6 +16,7 @@ record batches.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import io
 import os
@@ -153,6 +154,29 @@ def find_split_files(folder: Path, files: dict[str, str] | None, shipped: str) -
 _BYTE_ORDER_MARK = "\ufeff"
 
 
+# byte-order marks of the encodings editors save "Unicode" text in, longest first
+_OTHER_UNICODE_MARKS = {
+    codecs.BOM_UTF32_LE: "UTF-32",
+    codecs.BOM_UTF32_BE: "UTF-32",
+    codecs.BOM_UTF16_LE: "UTF-16",
+    codecs.BOM_UTF16_BE: "UTF-16",
+}
+
+
+def _not_utf8(what: str, path: Path, detail: str) -> DataFormatError:
+    """The error for a file that does not decode, naming its encoding where its first bytes
+    are another Unicode encoding's byte-order mark (Windows Notepad's "Unicode" is UTF-16)."""
+    with open_text_bytes(path) as (stream, _):
+        start = stream.read(4)
+    for mark, encoding in _OTHER_UNICODE_MARKS.items():
+        if start.startswith(mark):
+            return DataFormatError(
+                f"{what} is {encoding} text, not UTF-8: save it as UTF-8 (for example "
+                f"`iconv -f {encoding} -t UTF-8 FILE > FILE.utf8`)"
+            )
+    return DataFormatError(f"{what} is not UTF-8 text ({detail})")
+
+
 def has_text(path: Path) -> bool:
     """Whether any line holds more than whitespace (reads only up to the first such line)."""
     try:
@@ -160,7 +184,7 @@ def has_text(path: Path) -> bool:
             # utf-8-sig: a byte-order mark alone is no text
             return any(line.strip() for line in io.TextIOWrapper(stream, encoding="utf-8-sig"))
     except UnicodeDecodeError as exc:
-        raise DataFormatError(f"{str(path)!r} is not UTF-8 text ({exc.reason})") from exc
+        raise _not_utf8(repr(str(path)), path, exc.reason) from exc
 
 
 def file_identity(path: Path) -> dict[str, Any]:
@@ -271,9 +295,10 @@ class TextFiles(_LineBatches):
                 try:
                     text = block.decode("utf-8")
                 except UnicodeDecodeError as exc:
-                    raise DataFormatError(
-                        f"{part} file {str(path)!r} is not UTF-8 text ({exc.reason} near byte "
-                        f"{decoded + exc.start} of its text)"
+                    raise _not_utf8(
+                        f"{part} file {str(path)!r}",
+                        path,
+                        f"{exc.reason} near byte {decoded + exc.start} of its text",
                     ) from exc
                 if decoded == 0:
                     # an editor's byte-order mark (Windows Notepad's UTF-8) is not part of the

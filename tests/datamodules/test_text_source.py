@@ -66,6 +66,20 @@ def test_a_file_that_is_not_utf8_is_one_clear_error(tmp_path):
         TextFiles({"train": path}, label="c").lines("train")
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32"])
+def test_a_utf16_or_utf32_file_is_named_with_the_fix(tmp_path, encoding):
+    """Windows Notepad's "Unicode" is UTF-16 with a byte-order mark: the error names it."""
+    path = tmp_path / "c.train.txt"
+    text = "a b\nc d\n"
+    path.write_bytes(("\ufeff" + text if encoding.endswith("-be") else text).encode(encoding))
+    name = encoding.split("-be")[0].upper()
+    fix = rf"c.train.txt' is {name} text, not UTF-8: save it as UTF-8 \(.*`iconv -f {name} "
+    with pytest.raises(DataFormatError, match=fix):
+        has_text(path)
+    with pytest.raises(DataFormatError, match=fix):
+        TextFiles({"train": path}, label="c").lines("train")
+
+
 def test_file_identity_follows_content_and_modification_time(tmp_path):
     path = tmp_path / "c.txt"
     path.write_text("x" * 3_000_000)
