@@ -18,6 +18,9 @@ def main(argv: list[str] | None = None) -> AppCLI:
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*IterableDataset.*has `__len__` defined.*")
     warnings.filterwarnings("ignore", ".*infer the batch indices.*")
+    # overfit_batches: Lightning cannot tell that the BPTT windows (an IterableDataset) come
+    # in order; translation keeps its training batches alike itself (LengthSortedSampler)
+    warnings.filterwarnings("ignore", ".*requested to overfit but enabled .* shuffling.*")
     warnings.filterwarnings("ignore", ".*LeafSpec.*is deprecated.*")
     # Lightning's own all_gather (a checkpoint's per-rank epoch state under DDP) calls it
     warnings.filterwarnings("ignore", ".*torch.distributed.nn.functional.all_gather is deprec.*")

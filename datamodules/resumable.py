@@ -44,7 +44,8 @@ class ResumableLoader(DataLoader):
     def __init__(
         self, dataset: Dataset, before_pass: Callable[[], None] | None = None, **loader: Any
     ) -> None:
-        if "batch_sampler" not in loader:
+        if loader.get("batch_sampler") is None:
+            # (Lightning rebuilds a loader with batch_sampler=None, e.g. for overfit_batches)
             loader.setdefault("batch_size", None)
         super().__init__(dataset, **loader)
         self.before_pass = before_pass

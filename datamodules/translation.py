@@ -177,7 +177,8 @@ class EncodedPairs(torch.utils.data.Dataset):
 
 class LengthSortedSampler(Sampler[int]):
     """Indices sorted by (source, target) length; with ``shuffle``, equal lengths are ordered
-    at random anew each epoch (from ``seed + epoch``).
+    at random anew each epoch (from ``seed + epoch``), or with ``epochs_alike`` in epoch 0's
+    order every epoch (``trainer.overfit_batches``: the same few batches, drawn at random).
 
     Lightning calls ``set_epoch`` on the ``sampler`` of a DataLoader's batch sampler at every
     epoch start, which is how :class:`TokenBucketBatchSampler` learns the epoch.
@@ -189,15 +190,18 @@ class LengthSortedSampler(Sampler[int]):
         target_lengths: Sequence[int],
         shuffle: bool,
         seed: int = 0,
+        epochs_alike: bool = False,
     ) -> None:
         self.source_lengths = list(source_lengths)
         self.target_lengths = list(target_lengths)
         self.shuffle = shuffle
         self.seed = seed
+        self.epochs_alike = epochs_alike
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        if not self.epochs_alike:
+            self.epoch = epoch
 
     def rng(self) -> random.Random:
         return random.Random(self.seed + self.epoch)
@@ -754,6 +758,9 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
             pairs.target_lengths.tolist(),
             shuffle=shuffle,
             seed=self.hparams.seed,
+            # Lightning turns a shuffling sampler off for overfit_batches; ours shuffles in
+            # the batch sampler, which it cannot see
+            epochs_alike=bool(trainer is not None and trainer.overfit_batches),
         )
         if trainer is not None:  # a resumed run continues with its epoch's order
             order.set_epoch(trainer.current_epoch)

@@ -1,3 +1,4 @@
+import lightning as L
 import torch
 
 from datamodules.bptt import BPTTBatches
@@ -59,3 +60,38 @@ def test_the_pass_hook_runs_before_each_epoch_s_first_batch_is_made():
     assert loader.before_pass is install
     assert [float(batch[0][0]) for batch in loader] == [1.0] * 4
     assert [float(batch[0][0]) for batch in loader] == [2.0] * 4
+
+
+def test_overfit_batches_trains_the_same_whole_batches_every_epoch():
+    """Lightning rebuilds an iterable loader for ``overfit_batches`` with
+    ``batch_sampler=None``: the rebuilt loader still yields the dataset's whole BPTT windows
+    (it batched them again, one window a batch: the LM's fit stopped at its first step)."""
+    dataset = BPTTBatches(torch.arange(200), batch_size=4, bptt=5)
+    seen: list[list[torch.Tensor]] = []
+
+    class Recorder(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(()))
+
+        def train_dataloader(self):
+            return ResumableLoader(dataset)
+
+        def on_train_epoch_start(self) -> None:
+            seen.append([])
+
+        def training_step(self, batch, batch_idx):
+            seen[-1].append(batch[0].clone())
+            return self.weight * 0
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(max_epochs=3, overfit_batches=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(Recorder())
+    first_two = _windows(ResumableLoader(dataset))[:2]
+    assert len(seen) == 3
+    for epoch in seen:
+        assert len(epoch) == 2
+        assert all(torch.equal(a, b) for a, b in zip(epoch, first_two, strict=True))

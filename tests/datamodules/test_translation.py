@@ -105,7 +105,13 @@ def test_training_order_changes_each_epoch_evaluation_order_does_not(multi30k):
 
 def test_lightning_sets_the_epoch_of_the_training_order(tmp_path):
     """Through a real Trainer: each epoch sees every pair once, in another order."""
-    data = tiny(tmp_path, max_tokens=8)
+    seen = _recorded_epochs(tiny(tmp_path, max_tokens=8), max_epochs=3)
+    assert [sorted(epoch) for epoch in seen] == [list(range(len(TINY)))] * 3
+    assert len({tuple(epoch) for epoch in seen}) == 3
+
+
+def _recorded_epochs(data, **trainer_options) -> list[list[int]]:
+    """The pair indices each epoch of a real Trainer's fit trains on, in order."""
     seen: list[list[int]] = []
 
     class Recorder(L.LightningModule):
@@ -123,11 +129,21 @@ def test_lightning_sets_the_epoch_of_the_training_order(tmp_path):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    trainer = L.Trainer(max_epochs=3, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, **trainer_options)  # fmt: skip
     trainer.fit(Recorder(), datamodule=data)
-    assert [sorted(epoch) for epoch in seen] == [list(range(len(TINY)))] * 3
-    assert len({tuple(epoch) for epoch in seen}) == 3
+    return seen
+
+
+def test_overfit_batches_trains_the_same_batches_every_epoch(tmp_path):
+    """Lightning turns shuffling off for ``overfit_batches`` only in a loader's sampler; the
+    token buckets shuffle in the batch sampler, so the module keeps epoch 0's order itself."""
+    seen = _recorded_epochs(tiny(tmp_path, max_tokens=8), max_epochs=3, overfit_batches=2)
+    assert len(seen) == 3 and seen[0] == seen[1] == seen[2]
+    assert 2 <= len(seen[0]) < len(TINY)
+    # epoch 0's shuffled buckets, not the shortest pairs that an unshuffled order starts with
+    first = tiny(tmp_path, max_tokens=8).train_dataloader().batch_sampler
+    assert seen[0] == [i for batch in list(first)[:2] for i in batch]
 
 
 def test_ddp_ranks_get_disjoint_equal_shares():
