@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from app.callbacks.ds.optim import change_structure, find_ds_head
+from app.callbacks.training.resume import resumed_mid_epoch
 from heads.errors import HeadConfigError
 
 
@@ -65,6 +66,10 @@ class DSPruning(Callback):
 
     def _stopped(self, trainer: L.Trainer) -> bool:
         return self.stop_epoch is not None and trainer.current_epoch >= self.stop_epoch
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if resumed_mid_epoch(trainer):  # this epoch gets no on_train_epoch_start
+            self.on_train_epoch_start(trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._stopped(trainer):  # re-applied on every (resumed) epoch: no state to save

@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from app.callbacks.ds.optim import change_structure, find_ds_head, head_inputs
+from app.callbacks.training.resume import resumed_mid_epoch
 from heads.cross_entropy import IGNORE_INDEX
 from heads.errors import HeadConfigError
 
@@ -71,6 +72,10 @@ class DSTargetClasses(Callback):
         self.added_rows = 0
         self.dropped_rows = 0
         self._counts: torch.Tensor | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if resumed_mid_epoch(trainer):  # this epoch gets no on_train_epoch_start
+            self.on_train_epoch_start(trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.done or trainer.current_epoch != self.epoch:

@@ -18,6 +18,7 @@ import lightning as L
 import torch
 
 from app.callbacks.training.logging_steps import logs_this_batch
+from app.callbacks.training.resume import resumed_mid_epoch
 
 
 def _tokens(batch: Any) -> int:
@@ -53,6 +54,10 @@ class TokenThroughputMonitor(L.Callback):
     # -- training: a window per logging interval ----------------------------------------------
     def _restart(self, start: float) -> None:
         self._tokens, self._seconds, self._start = 0, 0.0, start
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if resumed_mid_epoch(trainer):  # this epoch gets no on_train_epoch_start
+            self._restart(self._now(trainer))
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._restart(self._now(trainer))

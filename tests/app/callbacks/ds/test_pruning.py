@@ -1,3 +1,5 @@
+from functools import partial
+
 import lightning as L
 import pytest
 import torch
@@ -172,6 +174,29 @@ def test_resume_restores_pruned_structure(tmp_path):
     assert fresh.head.expert_sizes() == sizes
     assert torch.equal(fresh.head.row_class, model.head.row_class)
     assert pruning.pruned_rows == 4 * 16 - sum(sizes)
+
+
+def test_a_fit_resumed_inside_a_stopped_epoch_trains_without_the_lasso(tmp_path):
+    """``stop_epoch`` turns the group-lasso and expert terms off at each epoch's start; the
+    epoch a fit resumes inside gets no ``on_train_epoch_start`` from Lightning, and trained
+    with them on again."""
+    torch.manual_seed(0)
+    dm = SyntheticHierarchyDataModule(num_super=4, num_sub=4, train_per_sub=20, batch_size=16)
+    every = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    options = dict(limit_val_batches=0, enable_checkpointing=True)
+    make = partial(make_model, dm, lambda_lasso=0.1, lambda_expert=0.1)
+    trainer(1, [DSPruning(stop_epoch=0), every], **options).fit(make(), dm)
+    seen = []
+
+    class Lambdas(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            seen.append((pl_module.head.lambda_lasso, pl_module.head.lambda_expert))
+
+    resumed = make()
+    trainer(1, [DSPruning(stop_epoch=0), Lambdas()], limit_val_batches=0).fit(
+        resumed, dm, ckpt_path=str(tmp_path / "epoch=0-step=2.ckpt")
+    )
+    assert seen and set(seen) == {(0.0, 0.0)}
 
 
 def hierarchy_purity(head: DSSoftmaxHead, dm: SyntheticHierarchyDataModule) -> float:

@@ -120,6 +120,21 @@ def test_resumed_run_does_not_change_the_classes_again(tmp_path):
     assert fresh.head.expert_sizes() == sizes
 
 
+def test_a_fit_resumed_inside_the_counted_epoch_changes_the_classes_at_its_end(tmp_path):
+    """The epoch a fit resumes inside gets no ``on_train_epoch_start`` from Lightning: the
+    counting then never started and the classes were never re-selected."""
+    torch.manual_seed(0)
+    dm = SyntheticHierarchyDataModule(num_super=4, num_sub=4, train_per_sub=20, batch_size=16)
+    every = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    trainer(1, [every], limit_val_batches=0, enable_checkpointing=True).fit(make_model(dm), dm)
+    callback = DSTargetClasses(epoch=0, min_count=1, drop_below=1)
+    resumed = make_model(dm)
+    trainer(1, [callback], limit_val_batches=0).fit(
+        resumed, dm, ckpt_path=str(tmp_path / "epoch=0-step=2.ckpt")
+    )
+    assert callback.done and callback.dropped_rows > 0
+
+
 def test_a_threshold_no_class_reaches_is_a_clear_error():
     dm = SyntheticHierarchyDataModule(num_super=2, num_sub=2, train_per_sub=10, batch_size=10)
     callback = DSTargetClasses(epoch=0, min_count=10**6, drop_below=10**6, keep_every_class=False)

@@ -6,6 +6,7 @@ import time
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from app.callbacks import EpochTimer
@@ -62,3 +63,36 @@ def test_train_epoch_seconds_exclude_validation_and_sanity_check(tmp_path):
     assert total > validation
     assert model.train_seconds <= logged < model.train_seconds + 0.5 * VAL_SLEEP
     assert logged < validation / 2
+
+
+class TimedSteps(SlowValidation):
+    """Each training step's seconds, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step_seconds: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        start = time.perf_counter()
+        loss = super().training_step(batch, batch_idx)
+        self.step_seconds.append(time.perf_counter() - start)
+        return loss
+
+
+def test_an_epoch_resumed_inside_counts_the_seconds_before_its_checkpoint(tmp_path):
+    """Lightning calls no ``on_train_epoch_start`` for the epoch a fit resumes inside: the
+    clock once read the process's uptime there (hours). The resumed epoch's figure is its
+    training seconds before the checkpoint plus those after."""
+    every = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    options = dict(max_epochs=1, limit_val_batches=0, logger=False, enable_progress_bar=False,
+                   enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    first = TimedSteps()
+    L.Trainer(callbacks=[EpochTimer(), every], **options).fit(first, loader())
+    mid_epoch = tmp_path / "epoch=0-step=2.ckpt"
+    resumed, timer = TimedSteps(), EpochTimer()
+    trainer = L.Trainer(callbacks=[timer], **options)
+    trainer.fit(resumed, loader(), ckpt_path=mid_epoch)
+    assert len(resumed.step_seconds) == BATCHES - 2  # it resumed inside the epoch
+    expected = sum(first.step_seconds[:2]) + sum(resumed.step_seconds)
+    logged = float(trainer.callback_metrics["time/train_epoch_s"])
+    assert expected <= logged < expected + 2 * TRAIN_SLEEP

@@ -1,6 +1,7 @@
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from app.callbacks.training.throughput import TokenThroughputMonitor
@@ -58,3 +59,29 @@ def test_tokens_per_second_with_a_device_sync_only_where_lightning_logs(monkeypa
     # each window: 5 batches of 20 tokens over one clock reading apart (1 s)
     assert {logged.train[b] for b in range(INTERVAL, BATCHES + 1, INTERVAL)} == {100.0}
     assert float(trainer.callback_metrics["val/tokens_per_sec"]) == 60.0  # 3 batches in 1 s
+
+
+def test_a_fit_resumed_inside_an_epoch_logs_its_rate_from_the_next_logging_step(tmp_path):
+    """Lightning calls no ``on_train_epoch_start`` for the epoch a fit resumes inside; the
+    monitor's window started only at the next validation's end, so the rest of that epoch
+    logged no rate."""
+
+    def fit(callbacks, ckpt_path=None):
+        torch.manual_seed(0)
+        model = LanguageModel(LSTMBackbone(40, embedding_size=8, hidden_size=8),
+                              SoftmaxHead(8, 40))  # fmt: skip
+        loader = DataLoader(BPTTBatches(torch.randint(0, 40, (1000,)), batch_size=4, bptt=5),
+                            batch_size=None)  # fmt: skip
+        trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=BATCHES,
+                            limit_val_batches=0, log_every_n_steps=INTERVAL, logger=False,
+                            enable_model_summary=False, enable_progress_bar=False,
+                            default_root_dir=tmp_path, callbacks=callbacks)  # fmt: skip
+        trainer.fit(model, loader, ckpt_path=ckpt_path)
+
+    every = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=7, save_top_k=-1)
+    fit([TokenThroughputMonitor(), every])
+    logged = Logged()
+    fit([TokenThroughputMonitor(), logged], ckpt_path=tmp_path / "epoch=0-step=7.ckpt")
+    # the resumed batches are numbered from the epoch's start: steps 10, 15 and 20 log
+    assert sorted(b for b in logged.train if b % INTERVAL == 0) == [10, 15, 20]
+    assert all(rate > 0 for rate in logged.train.values())
