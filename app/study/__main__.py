@@ -16,7 +16,7 @@ from pathlib import Path
 from app.cli.console import exit_status
 from app.study.grid import load_grid
 from app.study.report import render_markdown
-from app.study.runner import run_study
+from app.study.runner import StudyInterrupted, run_study
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -82,9 +82,13 @@ def _command(args: argparse.Namespace) -> int:
         devices = None
         if args.devices is not None:
             devices = [] if args.devices == "none" else args.devices.split(",")
-        study = run_study(
-            grid, Path(args.out), args.parallel, devices, args.threads, args.rerun_failed
-        )
+        try:
+            study = run_study(
+                grid, Path(args.out), args.parallel, devices, args.threads, args.rerun_failed
+            )
+        except StudyInterrupted as stopped:
+            print(f"interrupted: {stopped}", file=sys.stderr)
+            return 128 + stopped.signum
         study_json = Path(args.out) / grid.name / "study.json"
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,9 @@ fit from the best checkpoint), ``python cli.py test --ckpt_path <best>`` and opt
 Every run has its own folder ``<out>/<study>/<label>/seed<seed>/`` holding the logs of each
 subprocess, TensorBoard and CSV logs, checkpoints and ``result.json``. A run with a
 ``result.json`` whose status is ``ok`` or ``diverged`` is finished and skipped when the study
-is run again; a fit that was cut short resumes from its ``last.ckpt``.
+is run again; a fit that was cut short resumes from its ``last.ckpt``. A stage stopped by
+Ctrl+C or ``SIGTERM`` (a scheduler's preemption) writes no ``result.json``: the study starts
+no other run, and running it again continues where it stopped.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import math
 import os
 import platform
 import queue
+import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,9 @@ RESULT = "result.json"
 FINISHED = ("ok", "diverged")
 # the message of lightning_modules.errors.NonFiniteLossError, printed by cli.py
 _DIVERGED = "non-finite"
+# a stage's exit status after Ctrl+C or SIGTERM: 128 + the signal from cli.py's own handling,
+# minus the signal where it died of it before that handling was in place
+_INTERRUPTED = {code for sig in (signal.SIGINT, signal.SIGTERM) for code in (128 + sig, -sig)}
 
 
 def _loggers(
@@ -91,6 +97,51 @@ class StageFailed(Exception):
         self.stage, self.status = stage, status
 
 
+class StageInterrupted(Exception):
+    """A stage stopped by Ctrl+C or SIGTERM (``signum``): no result, the run stays to do."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
+class StudyInterrupted(Exception):
+    """The study stopped early (Ctrl+C, SIGTERM, or a run stopped by a signal); running it
+    again continues. ``signum``: the signal that stopped it."""
+
+    def __init__(self, message: str, signum: int = signal.SIGINT) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
+class _StageProcesses:
+    """The stage subprocesses under way. A SIGTERM to the runner alone (a container's stop,
+    ``kill``) is passed on to them, so that each saves its checkpoint, as when a cluster's
+    scheduler signals every process of the job."""
+
+    def __init__(self) -> None:
+        self._live: set[subprocess.Popen] = set()
+        self._lock = threading.Lock()
+
+    def call(self, args: list[str], **options: Any) -> int:
+        with self._lock:  # started and listed at once: a SIGTERM between would miss it
+            process = subprocess.Popen(args, **options)
+            self._live.add(process)
+        try:
+            return process.wait()
+        finally:
+            with self._lock:
+                self._live.discard(process)
+
+    def send(self, signum: int) -> None:
+        with self._lock:
+            for process in self._live:
+                process.send_signal(signum)
+
+
+_STAGES = _StageProcesses()
+
+
 class RunExecutor:
     """Runs the stages of one run in subprocesses, in the repository root."""
 
@@ -105,8 +156,11 @@ class RunExecutor:
         with (self.run_dir / f"{stage}.log").open("w") as log:
             log.write(" ".join(args) + "\n\n")
             log.flush()
-            code = subprocess.call(args, cwd=REPO, env=self.env, stdout=log, stderr=log)
+            code = _STAGES.call(args, cwd=REPO, env=self.env, stdout=log, stderr=log)
         self.wall_s[stage] = round(time.perf_counter() - start, 2)
+        if code in _INTERRUPTED:
+            signum = code - 128 if code > 0 else -code
+            raise StageInterrupted(f"{stage} stopped by a signal (exit status {code})", signum)
         if code != 0:
             tail = (self.run_dir / f"{stage}.log").read_text().strip().splitlines()[-1:]
             message = tail[0] if tail else f"exit status {code}"
@@ -371,6 +425,17 @@ def _compact(result: dict[str, Any]) -> dict[str, Any]:
     return compact
 
 
+def _wait_all(futures: list[Future]) -> None:
+    """Wait for ``futures`` (raising the first error), waking every second: a signal that the
+    kernel gave a worker thread reaches Python's handler in the main thread only when that
+    thread runs."""
+    left = set(futures)
+    while left:
+        done, left = wait(left, timeout=1.0)
+        for future in done:
+            future.result()
+
+
 def run_study(
     grid: Grid,
     out: Path,
@@ -410,11 +475,26 @@ def run_study(
         (study_dir / "study.json").write_text(json.dumps(document, indent=1))
         return document
 
+    stop = threading.Event()  # Ctrl+C, or a run stopped by a signal: start no other run
+    stopped_by = [signal.SIGINT]  # the signal that stopped the study
+
     def work(index: int, run: RunSpec) -> None:
         slot = slots.get()
         try:
+            if stop.is_set():
+                return
             start = time.perf_counter()
-            result = execute_run(grid, run, study_dir / run.relative_dir, _run_env(slot, threads))
+            try:
+                env = _run_env(slot, threads)
+                result = execute_run(grid, run, study_dir / run.relative_dir, env)
+            except StageInterrupted as interrupted:
+                if not stop.is_set():
+                    stopped_by[0] = interrupted.signum
+                stop.set()
+                with lock:
+                    echo(f"[{index}/{total}] {run.label} seed {run.seed}: INTERRUPTED "
+                         f"({interrupted})")  # fmt: skip
+                return
             note = f"({time.perf_counter() - start:.0f} s{f', cuda:{slot}' if slot else ''})"
             with lock:
                 results[index] = result
@@ -423,7 +503,36 @@ def run_study(
         finally:
             slots.put(slot)
 
-    with ThreadPoolExecutor(max_workers=parallel) as pool:
-        for future in [pool.submit(work, index, run) for index, run in pending]:
-            future.result()
-    return write_document()
+    def on_sigterm(signum: int, frame: Any) -> None:
+        stopped_by[0] = signum
+        _STAGES.send(signum)  # (the runs under way may have had it already: no harm)
+        raise KeyboardInterrupt  # then the same stop as Ctrl+C
+
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main_thread else None
+    try:
+        with ThreadPoolExecutor(max_workers=parallel) as pool:
+            futures = [pool.submit(work, index, run) for index, run in pending]
+            try:
+                _wait_all(futures)
+            except KeyboardInterrupt:
+                # the terminal's Ctrl+C reached the runs under way too: they save and stop
+                stop.set()
+                echo(
+                    f"{signal.Signals(stopped_by[0]).name}: starting no other run; waiting "
+                    "for the runs under way to stop"
+                )
+                _wait_all(futures)
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+    document = write_document()
+    if stop.is_set():
+        left = total - len(results)
+        raise StudyInterrupted(
+            f"study {grid.name!r} stopped with {left} of {total} runs to do: run the same "
+            "command again to continue (finished runs are skipped, a cut-short fit resumes "
+            "from its last.ckpt)",
+            stopped_by[0],
+        )
+    return document

@@ -1,15 +1,21 @@
 """The runner end to end on CPU: the tiny grid CI runs (configs/studies/tiny_cpu.yaml), two
 heads x two seeds through ``cli.py fit`` and ``cli.py test`` in subprocesses, two at a time."""
 
+import itertools
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 import torch
 
-from app.study import load_grid, parse_grid, render_markdown, run_study
-from app.study.runner import _csv_versions
+from app.study import load_grid, parse_grid, render_markdown, run_study, runner
+from app.study.runner import StudyInterrupted, _csv_versions
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +112,111 @@ def test_a_resumed_fit_reads_its_csv_attempts_in_order(tmp_path):
         (tmp_path / "csv" / name).mkdir(parents=True)
         (tmp_path / "csv" / name / "metrics.csv").write_text("step\n")
     assert [p.parent.name for p in _csv_versions(tmp_path, "fit")] == ["fit", "fit.1", "fit.2"]
+
+
+def _two_seeds(name: str, seeds: list[int]):
+    return parse_grid({"name": name, "base": "configs/lm/ptb.yaml", "seeds": seeds,
+                       "heads": {"softmax": "configs/heads/softmax.yaml"}})  # fmt: skip
+
+
+@pytest.mark.parametrize("status", [130, 143, -2, -15])
+def test_a_run_stopped_by_a_signal_leaves_no_result_and_stops_the_study(
+    tmp_path, monkeypatch, status
+):
+    """A stage that exits after Ctrl+C or SIGTERM is not a failed run: it writes no
+    result.json (running the study again continues it) and no other run starts."""
+    calls = []
+
+    def stopped(args, **kwargs):
+        calls.append(args)
+        return status
+
+    monkeypatch.setattr(runner._STAGES, "call", stopped)
+    grid, lines = _two_seeds("stopped", [1, 2]), []
+    with pytest.raises(StudyInterrupted, match="2 of 2 runs to do: run the same command again"):
+        run_study(grid, tmp_path, echo=lines.append)
+    assert len(calls) == 1 and calls[0][2] == "fit"
+    assert lines == [f"[1/2] softmax seed 1: INTERRUPTED (fit stopped by a signal (exit status "
+                     f"{status}))"]  # fmt: skip
+    assert not list(tmp_path.rglob(runner.RESULT))
+    assert json.loads((tmp_path / "stopped" / "study.json").read_text())["runs"] == []
+
+
+def test_ctrl_c_starts_no_other_run_and_waits_for_those_under_way(tmp_path, monkeypatch):
+    """The terminal's Ctrl+C reaches the runner and the runs under way at once: the runner
+    waits for them to stop (they save a checkpoint) and starts none of the queued ones."""
+    calls = []
+
+    def ctrl_c(args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            signal.raise_signal(signal.SIGINT)  # the runner's main thread: KeyboardInterrupt
+        time.sleep(0.2)  # the child's own shutdown
+        return 128 + signal.SIGINT
+
+    monkeypatch.setattr(runner._STAGES, "call", ctrl_c)
+    grid, lines = _two_seeds("ctrl_c", [1, 2, 3, 4]), []
+    try:
+        with pytest.raises(StudyInterrupted, match="4 of 4 runs to do"):
+            run_study(grid, tmp_path, parallel=2, echo=lines.append)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl+C left the runner")
+    assert len(calls) == 2  # the two runs under way, no queued one
+    # (in either order: the signal may reach the main thread only as a run ends)
+    assert sorted(lines) == [
+        "SIGINT: starting no other run; waiting for the runs under way to stop",
+        *(f"[{i}/4] softmax seed {i}: INTERRUPTED (fit stopped by a signal (exit status 130))"
+          for i in (1, 2)),
+    ]  # fmt: skip
+
+
+# a stage that saves and stops on SIGTERM, as cli.py fit does (143), or sleeps out the test
+_STAGE = (
+    "import pathlib, signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)); "
+    "pathlib.Path(sys.argv[1]).touch(); time.sleep(30)"
+)
+
+
+def test_a_sigterm_to_the_runner_alone_reaches_the_runs_under_way(tmp_path, monkeypatch):
+    """A container's stop or ``kill`` signals the runner only: it passes SIGTERM on to the
+    stages under way (so that they save their checkpoints), starts no other run and exits
+    as stopped by SIGTERM."""
+    popen, ready, names = subprocess.Popen, tmp_path / "ready", itertools.count()
+    ready.mkdir()
+
+    def stage(args, **options):
+        if "cli.py" in args:  # touches a file once its SIGTERM handler is in place
+            args = [sys.executable, "-c", _STAGE, str(ready / str(next(names)))]
+        return popen(args, **options)
+
+    monkeypatch.setattr(runner.subprocess, "Popen", stage)
+
+    def terminate_when_both_run() -> None:
+        deadline = time.monotonic() + 20
+        while len(list(ready.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    escaped = []  # a SIGTERM the runner did not take would end pytest: record it instead
+
+    def record(*_) -> None:
+        escaped.append(True)
+
+    guard = signal.signal(signal.SIGTERM, record)
+    try:
+        threading.Thread(target=terminate_when_both_run, daemon=True).start()
+        grid, lines = _two_seeds("sigterm", [1, 2, 3]), []
+        start = time.monotonic()
+        with pytest.raises(StudyInterrupted) as stopped:
+            run_study(grid, tmp_path, parallel=2, echo=lines.append)
+        restored = signal.getsignal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, guard)
+    assert not escaped and time.monotonic() - start < 20  # not the stages' 30 s sleep
+    assert stopped.value.signum == signal.SIGTERM
+    assert sorted(lines) == [
+        "SIGTERM: starting no other run; waiting for the runs under way to stop",
+        *(f"[{i}/3] softmax seed {i}: INTERRUPTED (fit stopped by a signal (exit status 143))"
+          for i in (1, 2)),
+    ]  # fmt: skip
+    assert restored is record and not runner._STAGES._live
