@@ -3,10 +3,11 @@
 The data position is the training loader's (``datamodules/resumable.py``: Lightning saves its
 ``state_dict`` and hands it back). What else the epoch had built up is the task's: the running
 sums of its training metrics (the epoch's train perplexity) and, for a recurrent language model,
-the state carried from window to window. A checkpoint written mid-epoch keeps both under
-:data:`TRAIN_STATE_KEY` (every rank's, under DDP: each has its own streams and sums), and the
-resumed run gives them back before its first batch, so its epoch ends as the uninterrupted one
-would have.
+the state carried from window to window; and the random generators the epoch's dropout and
+noise draw from (Lightning saves none). A checkpoint written mid-epoch keeps them under
+:data:`TRAIN_STATE_KEY` (every rank's, under DDP: each has its own streams, sums and
+generators), and the resumed run gives them back before its first batch, so its epoch ends as
+the uninterrupted one would have.
 """
 
 from __future__ import annotations
@@ -34,35 +35,59 @@ def resumable_loader(trainer: L.Trainer | None) -> ResumableLoader | None:
     return loader if isinstance(loader, ResumableLoader) else None
 
 
+def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's generators that training draws from (dropout, gate noise): the CPU's,
+    and the device's on CUDA."""
+    states = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_rng_states(states: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Give the generators of :func:`rng_states` back their saved states."""
+    # clone: a rank's row of the gathered states is a view at an offset, which
+    # torch.set_rng_state reads from its storage's start (torch 2.13: a segfault)
+    torch.set_rng_state(states["cpu"].cpu().clone())
+    if "cuda" in states and device.type == "cuda":
+        torch.cuda.set_rng_state(states["cuda"].cpu().clone(), device)
+
+
 def save_epoch_state(module: L.LightningModule, checkpoint: dict[str, Any],
                      metrics: dict[str, Metric], state: Any) -> None:  # fmt: skip
-    """Write the epoch's ``metrics`` sums and ``state`` into ``checkpoint`` (called on every
-    rank: under DDP they are gathered)."""
+    """Write the epoch's ``metrics`` sums, ``state`` and random generators into
+    ``checkpoint`` (called on every rank: under DDP they are gathered)."""
     sums = {
         name: {key: value.detach().clone() for key, value in metric.metric_state.items()}
         for name, metric in metrics.items()
     }
+    rng = rng_states(module.device)
     world_size = module.trainer.world_size
-    if world_size > 1:  # each rank carries its own streams and sums: keep every rank's
-        state, sums = module.all_gather((state, sums))
+    if world_size > 1:  # each rank carries its own streams, sums and generators: keep all
+        rng = {name: value.to(module.device) for name, value in rng.items()}  # (NCCL: on GPU)
+        state, sums, rng = module.all_gather((state, sums, rng))
     checkpoint[TRAIN_STATE_KEY] = {
         "world_size": world_size,
         "state": apply_to_collection(state, torch.Tensor, lambda t: t.detach().cpu()),
         "metrics": {name: {k: v.cpu() for k, v in values.items()} for name, values in sums.items()},
+        "rng": {name: value.cpu() for name, value in rng.items()},
     }
 
 
 def read_epoch_state(checkpoint: dict[str, Any], trainer: L.Trainer | None) -> dict | None:
-    """This rank's ``{"state", "metrics"}`` from a checkpoint written by as many processes as
-    this run has, else None (another world size starts the epoch's sums afresh)."""
+    """This rank's ``{"state", "metrics", "rng"}`` from a checkpoint written by as many
+    processes as this run has, else None (another world size starts the epoch's sums afresh).
+    ``rng`` is None in a checkpoint written before the generators were saved."""
     saved = next((checkpoint[k] for k in (TRAIN_STATE_KEY, *_EARLIER_KEYS) if k in checkpoint),
                  None)  # fmt: skip
     if saved is None or trainer is None or saved["world_size"] != trainer.world_size:
         return None
     if saved["world_size"] == 1:
-        return saved
+        return {"rng": None, **saved}
     rank = trainer.global_rank
+    rng = saved.get("rng")
     return {
+        "rng": None if rng is None else {name: value[rank] for name, value in rng.items()},
         "state": apply_to_collection(saved["state"], torch.Tensor, lambda t: t[rank]),
         "metrics": {
             name: {key: value[rank] for key, value in values.items()}

@@ -41,6 +41,7 @@ from lightning_modules.epoch_resume import (
     restore_metrics,
     resumable_loader,
     save_epoch_state,
+    set_rng_states,
 )
 from lightning_modules.errors import ModelConfigError
 from lightning_modules.optimization import configure_optimizers
@@ -382,6 +383,8 @@ class HeadTask(L.LightningModule):
         if saved is not None and 0 < loader.resumed_from == batch_idx:
             restore_metrics(self.train_metrics(), saved["metrics"], self.device)
             self.continue_epoch_state(saved["state"])
+            if saved["rng"] is not None:  # the dropout masks the uninterrupted run drew next
+                set_rng_states(saved["rng"], self.device)
         mark_position(self.trainer, loader, batch_idx)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

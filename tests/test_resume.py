@@ -1,7 +1,7 @@
 """Exact resume: a run killed mid-epoch and resumed with ``fit --ckpt_path`` ends in the state
 of an uninterrupted run, and its loss curve continues the uninterrupted one.
 
-Everything that training changes structurally is in play at once: a Hybrid-LightRNN
+Everything that training changes structurally is in play at once, with dropout: a Hybrid-LightRNN
 vocabulary whose table is re-assigned after every epoch, a DS-Softmax head split by mitosis
 at every epoch start and pruned every 2 steps, a ``ReduceLROnPlateau`` scheduler, and the
 data position inside the epoch (with the recurrent state carried across BPTT windows).
@@ -50,9 +50,10 @@ def options(tmp: Path, ptb_path: str, *extra_callbacks: dict) -> list[str]:
         "--model.init_args.backbone.init_args.embedding_size", "16",
         "--model.init_args.backbone.init_args.hidden_size", "16",
         "--model.init_args.backbone.init_args.num_layers", "1",
-        "--model.init_args.backbone.init_args.input_dropout", "0",
-        "--model.init_args.backbone.init_args.hidden_dropout", "0",
-        "--model.init_args.backbone.init_args.output_dropout", "0",
+        # dropout: the resumed epoch draws the masks the uninterrupted one drew
+        "--model.init_args.backbone.init_args.input_dropout", "0.3",
+        "--model.init_args.backbone.init_args.hidden_dropout", "0.3",
+        "--model.init_args.backbone.init_args.output_dropout", "0.3",
         "--model.init_args.head", "heads.DSSoftmaxHead",
         "--model.init_args.head.init_args.lambda_lasso", "0.01",
         "--trainer.max_epochs", "3", "--trainer.limit_train_batches", str(EPOCH),
@@ -138,12 +139,13 @@ def test_killed_mid_epoch_and_resumed_equals_an_uninterrupted_run(cli_run, tmp_p
 
 @pytest.mark.slow
 def test_resume_under_ddp_continues_each_ranks_streams(tmp_path, ptb_path):
-    # Two ranks, each with its own streams and recurrent state: the checkpoint keeps both
-    # ranks' states (gathered), and each rank continues its own.
+    # Two ranks, each with its own streams, recurrent state and dropout generator: the
+    # checkpoint keeps both ranks' (gathered), and each rank continues its own.
     from tests.test_ddp import fit as ddp_fit
     from tests.test_ddp import rank_states
 
-    common = ["--trainer.log_every_n_steps", "1", "--trainer.enable_checkpointing", "true"]
+    common = ["--trainer.log_every_n_steps", "1", "--trainer.enable_checkpointing", "true",
+              "--model.init_args.backbone.init_args.hidden_dropout", "0.3"]  # fmt: skip
     every = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
              "init_args": {"dirpath": str(tmp_path / "ckpt"), "every_n_train_steps": 4,
                            "save_top_k": -1, "filename": "{step}"}}  # fmt: skip
