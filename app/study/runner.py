@@ -512,8 +512,10 @@ def run_study(
     previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main_thread else None
     try:
         with ThreadPoolExecutor(max_workers=parallel) as pool:
-            futures = [pool.submit(work, index, run) for index, run in pending]
-            try:
+            futures: list[Future] = []
+            try:  # (a Ctrl+C may come while the runs are still being queued)
+                for index, run in pending:
+                    futures.append(pool.submit(work, index, run))
                 _wait_all(futures)
             except KeyboardInterrupt:
                 # the terminal's Ctrl+C reached the runs under way too: they save and stop

@@ -145,11 +145,11 @@ def test_a_run_stopped_by_a_signal_leaves_no_result_and_stops_the_study(
 def test_ctrl_c_starts_no_other_run_and_waits_for_those_under_way(tmp_path, monkeypatch):
     """The terminal's Ctrl+C reaches the runner and the runs under way at once: the runner
     waits for them to stop (they save a checkpoint) and starts none of the queued ones."""
-    calls = []
+    calls, both_started = [], threading.Barrier(2)
 
     def ctrl_c(args, **kwargs):
         calls.append(args)
-        if len(calls) == 1:
+        if both_started.wait(timeout=10) == 0:  # once two runs are under way
             signal.raise_signal(signal.SIGINT)  # the runner's main thread: KeyboardInterrupt
         time.sleep(0.2)  # the child's own shutdown
         return 128 + signal.SIGINT
