@@ -526,7 +526,7 @@ def run_study(
                 )
                 _wait_all(futures)
     finally:
-        if in_main_thread:
+        if previous is not None:  # (None too where a handler set outside Python was there)
             signal.signal(signal.SIGTERM, previous)
     document = write_document()
     if stop.is_set():
