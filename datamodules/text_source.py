@@ -151,9 +151,6 @@ def find_split_files(folder: Path, files: dict[str, str] | None, shipped: str) -
     return found
 
 
-_BYTE_ORDER_MARK = "\ufeff"
-
-
 # byte-order marks of the encodings editors save "Unicode" text in, longest first
 _OTHER_UNICODE_MARKS = {
     codecs.BOM_UTF32_LE: "UTF-32",
@@ -293,17 +290,15 @@ class TextFiles(_LineBatches):
             for block in _blocks(handle):
                 bar.update(raw.tell() - bar.n)
                 try:
-                    text = block.decode("utf-8")
+                    # utf-8-sig at the start: an editor's byte-order mark (Windows Notepad's
+                    # UTF-8) is not part of the first word
+                    text = block.decode("utf-8-sig" if decoded == 0 else "utf-8")
                 except UnicodeDecodeError as exc:
                     raise _not_utf8(
                         f"{part} file {str(path)!r}",
                         path,
                         f"{exc.reason} near byte {decoded + exc.start} of its text",
                     ) from exc
-                if decoded == 0:
-                    # an editor's byte-order mark (Windows Notepad's UTF-8) is not part of the
-                    # first word, as Python's utf-8-sig reads it
-                    text = text.removeprefix(_BYTE_ORDER_MARK)
                 decoded += len(block)
                 yield split_text_lines(text)
 
