@@ -31,8 +31,8 @@ class DecodeConfig:
         "val/bleu", mode="max")``) then needs ``every_n_epochs`` a multiple of n.
     length_penalty: alpha of the GNMT length penalty in beam search (0 = none).
     max_length_a, max_length_b: a hypothesis has at most ``a * source_length + b`` tokens
-        (with ``<eos>``; source length with its ``<eos>``), and never more than the
-        backbone's positions allow; at that length ``<eos>`` is forced.
+        (with ``<eos>``; source length with its ``<eos>``); at that length ``<eos>`` is
+        forced.
     num_samples: sample translations logged per validation / test.
     """
 
@@ -49,13 +49,10 @@ def length_penalty(length: torch.Tensor | int, alpha: float) -> torch.Tensor | f
     return ((5 + length) / 6) ** alpha
 
 
-def _max_lengths(
-    source_padding: torch.Tensor, config: DecodeConfig, backbone: Seq2SeqTransformer
-) -> torch.Tensor:
+def _max_lengths(source_padding: torch.Tensor, config: DecodeConfig) -> torch.Tensor:
     source_lengths = (~source_padding).sum(1)
     limit = (config.max_length_a * source_lengths).floor().long() + config.max_length_b
-    # the decoder input (BOS + all but the last token) must fit the position table
-    return limit.clamp(min=1, max=backbone.max_length)
+    return limit.clamp(min=1)
 
 
 # ``(log_probs [n, V], previous tokens [n]) -> log_probs`` with the tokens that may not follow
@@ -102,7 +99,7 @@ def greedy_decode(
     allows); ids without ``<eos>``."""
     memory = backbone.encode(source, source_padding)
     batch = source.size(0)
-    max_lengths = _max_lengths(source_padding, config, backbone)
+    max_lengths = _max_lengths(source_padding, config)
     prefix = torch.full((batch, 1), bos_id, dtype=torch.long, device=source.device)
     outputs: list[list[int]] = [[] for _ in range(batch)]
     active = torch.arange(batch, device=source.device)
@@ -151,7 +148,7 @@ def beam_search(
     if k < 1:
         raise ValueError(f"beam_size must be at least 1, got {k}")
     batch, device = source.size(0), source.device
-    max_lengths = _max_lengths(source_padding, config, backbone)
+    max_lengths = _max_lengths(source_padding, config)
     # every live sentence keeps k rows: [n * k, ...]
     memory = backbone.encode(source, source_padding).repeat_interleave(k, dim=0)
     padding = source_padding.repeat_interleave(k, dim=0)

@@ -239,7 +239,7 @@ class LanguageModel(HeadTask):
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
         vocab = self.trainer.datamodule.vocab
         ids = batch["ids"].to(self.device).unsqueeze(0)
-        hidden, state = self.backbone(ids)
+        hidden, state = self.backbone(self._window(ids))
         last = hidden[:, -1]
         k, grammar = self.predict_top_k, None
         if isinstance(vocab, HybridLightRNNVocab):  # words, not codes (<row3> says nothing)
@@ -266,10 +266,16 @@ class LanguageModel(HeadTask):
         """``(last hidden [1, d], ids, state)`` once ``token`` ``[1, 1]`` follows ``ids``."""
         if self.backbone.carries_state:
             hidden, state = self.backbone(token, state)
-        else:  # re-read the whole context
+        else:  # re-read the context
             ids = torch.cat((ids, token), dim=1)
-            hidden, _ = self.backbone(ids)
+            hidden, _ = self.backbone(self._window(ids))
         return hidden[:, -1], ids, state
+
+    def _window(self, ids: torch.Tensor) -> torch.Tensor:
+        """The context a backbone without state reads: the last ``max_length`` tokens where it
+        has a position table of that size (a longer prompt, a long sample)."""
+        limit = getattr(self.backbone, "max_length", None)
+        return ids if limit is None or self.backbone.carries_state else ids[:, -limit:]
 
     def _sample(
         self, ids: torch.Tensor, last: torch.Tensor, state: Any, grammar: CodeGrammar | None

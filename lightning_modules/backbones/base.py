@@ -11,15 +11,6 @@ from torch import nn
 from lightning_modules.errors import ModelConfigError
 
 
-def too_long(length: int, max_length: int) -> ModelConfigError:
-    """The error of a sequence longer than a Transformer's position table."""
-    return ModelConfigError(
-        f"a sequence of {length} tokens exceeds model.backbone.max_length ({max_length}): raise "
-        f"it, or shorten the sequences (data.bptt for a language model, data.max_length for "
-        f"translation's training pairs)"
-    )
-
-
 def configured_output_size(backbone_class: type, init_args: Mapping[str, Any]) -> int:
     """The size of the context vectors a backbone built with ``init_args`` gives, read from
     its options before it is built: the CLI links it into ``head.hidden_size``, so that a

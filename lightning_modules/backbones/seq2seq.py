@@ -9,15 +9,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_modules.backbones.base import too_long
 from lightning_modules.errors import ModelConfigError
 
 
-def sinusoidal_positions(length: int, size: int) -> torch.Tensor:
-    """The fixed sine/cosine position encodings of Vaswani et al. (2017), ``[length, size]``."""
-    position = torch.arange(length, dtype=torch.float32).unsqueeze(1)
-    frequency = torch.exp(torch.arange(0, size, 2, dtype=torch.float32) * (-math.log(1e4) / size))
-    table = torch.zeros(length, size)
+def sinusoidal_positions(
+    length: int, size: int, device: torch.device | str | None = None, first: int = 0
+) -> torch.Tensor:
+    """The fixed sine/cosine position encodings of Vaswani et al. (2017), ``[length, size]``:
+    those of positions ``first .. first + length - 1``."""
+    position = torch.arange(first, first + length, dtype=torch.float32, device=device)[:, None]
+    frequency = torch.exp(
+        torch.arange(0, size, 2, dtype=torch.float32, device=device) * (-math.log(1e4) / size)
+    )
+    table = torch.zeros(length, size, device=device)
     table[:, 0::2] = torch.sin(position * frequency)
     table[:, 1::2] = torch.cos(position * frequency[: size // 2])
     return table
@@ -40,7 +44,10 @@ class Seq2SeqTransformer(nn.Module):
         encoder_layers, decoder_layers: layer counts.
         feedforward_size: inner size of the position-wise feed-forward blocks.
         dropout: dropout on embeddings, attention weights and sub-layer outputs.
-        max_length: longest sequence (positions) either side may have.
+        max_length: positions whose encodings are computed once, at build; a longer sequence
+            (a long test sentence, a long translation) has its own computed when met: the
+            sine/cosine encodings extend to any length (Vaswani et al. 2017, section 3.5), so
+            no sentence is refused, and a checkpoint can take any ``max_length``.
         share_embeddings: one embedding table for source and target (needs a joint
             vocabulary, ``data.joint_vocab: true``).
     """
@@ -117,11 +124,15 @@ class Seq2SeqTransformer(nn.Module):
             norm=nn.LayerNorm(model_size),
         )
 
+    def _positions(self, first: int, end: int) -> torch.Tensor:
+        """The encodings of positions ``first .. end - 1``."""
+        if end <= self.max_length:
+            return self.positions[first:end]
+        table = sinusoidal_positions(end - first, self.output_size, self.positions.device, first)
+        return table.to(self.positions.dtype)  # (as the table: bf16 under bf16-true)
+
     def _embed(self, table: nn.Embedding, tokens: torch.Tensor) -> torch.Tensor:
-        length = tokens.size(1)
-        if length > self.max_length:
-            raise too_long(length, self.max_length)
-        return self.dropout(table(tokens) * self.scale + self.positions[:length])
+        return self.dropout(table(tokens) * self.scale + self._positions(0, tokens.size(1)))
 
     def encode(self, source: torch.Tensor, source_padding: torch.Tensor) -> torch.Tensor:
         """``source [B, S]`` ids -> memory ``[B, S, d]``."""
@@ -161,10 +172,9 @@ class Seq2SeqTransformer(nn.Module):
         Reorder or shrink the cache with the batch rows between steps (``c[rows]``).
         """
         position = target_input.size(1) - 1
-        if position >= self.max_length:
-            raise too_long(position + 1, self.max_length)
         last = target_input[:, -1:]
-        x = self.dropout(self.embedding(last) * self.scale + self.positions[position])
+        x = self.embedding(last) * self.scale + self._positions(position, position + 1)
+        x = self.dropout(x)
         new_cache = []
         # the pre-norm layer of nn.TransformerDecoderLayer, written out for one query position
         for i, layer in enumerate(self.decoder.layers):

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_modules.backbones.base import LMBackbone, too_long
+from lightning_modules.backbones.base import LMBackbone
 from lightning_modules.errors import ModelConfigError
 
 
@@ -58,8 +58,12 @@ class TransformerBackbone(LMBackbone):
 
     def forward(self, tokens: torch.Tensor, state: None = None) -> tuple[torch.Tensor, None]:
         length = tokens.size(1)
-        if length > self.max_length:
-            raise too_long(length, self.max_length)
+        if length > self.max_length:  # (predict reads the last max_length tokens)
+            raise ModelConfigError(
+                f"a sequence of {length} tokens exceeds model.backbone.max_length "
+                f"({self.max_length}), the size of the learnt position table: shorten data.bptt, "
+                f"or raise max_length before training (a checkpoint's table keeps its size)"
+            )
         positions = torch.arange(length, device=tokens.device)
         x = self.dropout(self.embedding(tokens) * self.scale + self.position(positions))
         mask = nn.Transformer.generate_square_subsequent_mask(length, device=tokens.device)

@@ -174,3 +174,22 @@ def test_a_restricted_beam_finds_the_best_hypothesis_the_grammar_allows():
     assert greedy == beam_search(backbone, head, source, padding, config, eos, eos,
                                  beam_size=1, restrict=after_2_only_3)  # fmt: skip
     assert all(obeys(h) or len(h) == 2 for h in greedy)  # <eos> forced at the maximum length
+
+
+def test_hypotheses_may_outgrow_the_position_table():
+    """The length limit is a * |x| + b alone: a backbone whose precomputed table holds 2
+    positions searches as one whose table holds them all (it extends its sine/cosine
+    positions), and no hypothesis is cut at the table's size."""
+    backbone, head = make(9, 7)
+    small = Seq2SeqTransformer(9, 7, model_size=D, num_heads=2, encoder_layers=1,
+                               decoder_layers=1, feedforward_size=32, dropout=0.0,
+                               max_length=2)  # fmt: skip
+    small.load_state_dict(backbone.state_dict())
+    small.eval()
+    source, padding = sources(9)
+    config = DecodeConfig(max_length_a=1.0, max_length_b=4, length_penalty=0.6)
+    greedy = greedy_decode(small, head, source, padding, config, 0, 0)
+    assert greedy == greedy_decode(backbone, head, source, padding, config, 0, 0)
+    assert max(len(g) for g in greedy) >= 2  # past the small table (<eos> not counted)
+    beams = beam_search(small, head, source, padding, config, 0, 0, beam_size=3)
+    assert beams == beam_search(backbone, head, source, padding, config, 0, 0, beam_size=3)

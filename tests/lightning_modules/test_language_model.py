@@ -214,3 +214,32 @@ def test_a_sample_over_bpe_pieces_reads_as_words(tmp_path):
     trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
     (row,) = trainer.predict(model, data)
     assert "\u2581" not in row["sample"] and len(row["sample"].split()) <= 60
+
+
+def test_predict_with_a_transformer_reads_the_last_max_length_tokens(tmp_path):
+    """A prompt longer than a Transformer LM's learnt position table, and a sample that runs
+    past it: the model reads the last ``max_length`` tokens (what it was built for), so the
+    top-k after the long prompt equals the top-k after its last ``max_length`` tokens."""
+    from datamodules import LanguageModelingDataModule
+    from lightning_modules.backbones import TransformerBackbone
+
+    words = [f"w{i}" for i in range(12)]
+    lines = [" ".join(words[(i + j) % 12] for j in range(8)) for i in range(30)]
+    for split in ("train", "valid", "test"):
+        (tmp_path / f"{split}.txt").write_text("\n".join(lines) + "\n")
+    long_prompt = " ".join(words * 3)  # 36 tokens, table of 8
+    prompts = [long_prompt, " ".join(words[-8:])]
+    data = LanguageModelingDataModule(
+        path=str(tmp_path), cache_dir=str(tmp_path / "c"), predict_prompts=prompts
+    )
+    data.prepare_data()
+    data.setup("predict")
+    torch.manual_seed(0)
+    backbone = TransformerBackbone(data.vocab_size, embedding_size=8, num_heads=2, num_layers=1,
+                                   feedforward_size=16, dropout=0.0, max_length=8)  # fmt: skip
+    model = LanguageModel(backbone, SoftmaxHead(8, data.vocab_size), predict_top_k=3,
+                          generate_tokens=20).eval()  # fmt: skip
+    trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    long_row, window_row = trainer.predict(model, data)
+    assert long_row["top_k"] == window_row["top_k"]
+    assert len(long_row["sample"].split()) == 20

@@ -31,10 +31,25 @@ def test_shapes_and_positions():
     table = sinusoidal_positions(10, 8)
     assert torch.allclose(table[3, 0], torch.tensor(3.0).sin())
     assert torch.allclose(table[3, 1], torch.tensor(3.0).cos())
-    with pytest.raises(ModelConfigError, match=r"exceeds model.backbone.max_length \(4\): raise"):
-        Seq2SeqTransformer(SRC_V, TGT_V, model_size=D, num_heads=2, max_length=4)(
-            source, padding, target
-        )
+    torch.testing.assert_close(sinusoidal_positions(4, 8, first=6), table[6:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_sequences_longer_than_the_position_table_are_read(dtype):
+    """A long test sentence (source 7, target 5 tokens, a table of 4 positions): the same
+    outputs as a model whose table holds them, in encoding, decoding and the cached decoding
+    steps; nothing is refused."""
+    short, long = make(max_length=4).to(dtype), make(max_length=64).to(dtype)
+    source, padding, target = batch()
+    torch.testing.assert_close(short(source, padding, target), long(source, padding, target))
+    memory = long.encode(source, padding)
+    torch.testing.assert_close(short.encode(source, padding), memory)
+    cache_short = cache_long = None
+    for t in range(1, target.size(1) + 1):
+        step_short, cache_short = short.decode_step(target[:, :t], memory, padding, cache_short)
+        step_long, cache_long = long.decode_step(target[:, :t], memory, padding, cache_long)
+        torch.testing.assert_close(step_short, step_long)
+        assert step_short.dtype == dtype
 
 
 def test_no_attention_to_source_padding():
