@@ -26,8 +26,9 @@ from datamodules.errors import DataConfigError, VocabularyMismatchError
 from datamodules.resumable import ResumableLoader
 from datamodules.text_source import (
     CORPORA,
-    HubColumns,
-    TextFiles,
+    HeldOutSplits,
+    TextSource,
+    check_held_out,
     data_location,
     local_or_hub,
     text_source,
@@ -84,6 +85,10 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         revision: the hub dataset's branch, tag or commit (default: its main branch).
         hub_splits: our split -> the hub's split name (default train/validation/test).
         text_column: the hub dataset's text column.
+        held_out: for a corpus without validation or test text (one training file, a hub
+            dataset with only ``train``): this share of the training lines (``0.05``) for
+            each missing split, cut in contiguous blocks from the end of the training text
+            (valid, then test); training reads what comes before them.
         batch_size: parallel streams in training (global, split across DDP ranks).
         eval_batch_size: parallel streams for validation and test.
         bptt: time steps per batch.
@@ -115,6 +120,7 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         revision: str | None = None,
         hub_splits: dict[str, str] | None = None,
         text_column: str = "text",
+        held_out: float | None = None,
         batch_size: int = 20,
         eval_batch_size: int = 10,
         bptt: int = 35,
@@ -143,11 +149,12 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
             raise DataConfigError(
                 f"data.lightrnn_init must be 'frequency' or 'random', got {lightrnn_init!r}"
             )
+        check_held_out(held_out)
         self._folder, self._hub = local_or_hub(
             path, CORPORA / "ptb", hub, name, revision, hub_splits
         )
         self.save_hyperparameters()
-        self._source: TextFiles | HubColumns | None = None
+        self._source: TextSource | None = None
         self._cache: CacheEntry | None = None
         self._identity: dict[str, Any] = {}
         self._vocab: Vocab | None = None
@@ -182,11 +189,15 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         return data_location(self._folder, self._hub)
 
     @property
-    def source(self) -> TextFiles | HubColumns:
+    def source(self) -> TextSource:
         """Where the splits' text comes from (files checked, nothing read yet)."""
         if self._source is None:
             hp = self.hparams
-            self._source = text_source(self._folder, self._hub, hp.files, hp.text_column)
+            self._source = text_source(
+                self._folder, self._hub, hp.files, hp.text_column, held_out=hp.held_out
+            )
+            if isinstance(self._source, HeldOutSplits) and process_rank() in (None, 0):
+                log.info(self._source.summary())
         return self._source
 
     @property

@@ -23,7 +23,7 @@ import os
 import re
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,9 +121,12 @@ def split_files_option(files: dict[str, str] | None) -> dict[str, str]:
     return named
 
 
-def find_split_files(folder: Path, files: dict[str, str] | None, shipped: str) -> dict[str, Path]:
+def find_split_files(
+    folder: Path, files: dict[str, str] | None, shipped: str, held_out: float | None = None
+) -> dict[str, Path]:
     """Map each split to its file inside ``folder`` (given names, or found by name; a given
-    name may leave out a compression suffix)."""
+    name may leave out a compression suffix). With ``held_out``, a validation or test file
+    that is neither named nor found is left out (:class:`HeldOutSplits` cuts it from train)."""
     files = split_files_option(files)
     require_folder(folder, shipped)
     found: dict[str, Path] = {}
@@ -136,11 +139,18 @@ def find_split_files(folder: Path, files: dict[str, str] | None, shipped: str) -
                 for p in folder.iterdir()
                 if p.is_file() and set(_name_parts(p.name)) & set(_SPLIT_PATTERNS[split])
             )
+            if not matches and held_out is not None and split != "train":
+                continue
             if len(matches) != 1:
+                hint = (
+                    ""
+                    if split == "train" or matches
+                    else (", or hold out a share of the training lines with --data.held_out 0.05")
+                )
                 raise DataPathError(
                     f"cannot find exactly one {split} file in {str(folder)!r} (found "
                     f"{[m.name for m in matches]}); name them with data.files, e.g. "
-                    f"{{train: ptb.train.txt, valid: ptb.valid.txt, test: ptb.test.txt}}"
+                    f"{{train: ptb.train.txt, valid: ptb.valid.txt, test: ptb.test.txt}}{hint}"
                 )
             candidate = matches[0]
         if not candidate.is_file():
@@ -243,6 +253,8 @@ class TextSource(Protocol):
 
     def line_batches(self, part: str, desc: str | None = None) -> Iterator[list[str]]: ...
 
+    def num_lines(self, part: str) -> int: ...
+
 
 def tokenizers_progress() -> bool:
     """Whether the tokenizers library shows its own bars (BPE training): on a terminal,
@@ -278,6 +290,9 @@ class TextFiles(_LineBatches):
 
     def describe(self, part: str) -> str:
         return str(self.files[part])
+
+    def num_lines(self, part: str) -> int:
+        return count_lines(self.files[part])
 
     def line_batches(self, part: str, desc: str | None = None) -> Iterator[list[str]]:
         path = self.files[part]
@@ -328,6 +343,9 @@ class HubColumns(_LineBatches):
     def describe(self, part: str) -> str:
         return f"{self.label} {part}"
 
+    def num_lines(self, part: str) -> int:
+        return self.parts[part][0].num_rows
+
     def line_batches(self, part: str, desc: str | None = None) -> Iterator[list[str]]:
         dataset, column = self.parts[part]
         with _progress(dataset.num_rows, desc, " lines") as bar:
@@ -339,6 +357,108 @@ class HubColumns(_LineBatches):
                 rows = values.to_pylist()
                 bar.update(len(rows))
                 yield [row if row is not None else "" for row in rows]
+
+
+def check_held_out(held_out: float | None) -> None:
+    """``data.held_out``: unset, or a share of the training lines in (0, 0.5)."""
+    if held_out is not None and not (isinstance(held_out, float | int) and 0 < held_out < 0.5):
+        raise DataConfigError(
+            f"data.held_out must be a share of the training lines between 0 and 0.5 (0.05: "
+            f"5% for each missing split), got {held_out!r}"
+        )
+
+
+def _split_of(part: str) -> tuple[str, str]:
+    """``valid.source`` -> (``valid``, ``.source``); ``valid`` -> (``valid``, ``''``)."""
+    split, dot, side = part.partition(".")
+    return split, dot + side
+
+
+@dataclass(frozen=True)
+class HeldOutSplits(_LineBatches):
+    """A corpus that lacks validation or test text (one file of it, a hub dataset with only a
+    ``train`` split): each missing split is ``share`` of the training lines, taken from the
+    end of the training text in the order valid, test, and the training split is what comes
+    before them. Contiguous blocks, as PTB's and WikiText's splits are: no held-out sentence
+    has its neighbours in training. Parts are named as ``source``'s (``valid`` or
+    ``valid.source``)."""
+
+    source: TextFiles | HubColumns
+    missing: tuple[str, ...]  # the splits cut from the training text, in SPLITS order
+    share: float
+
+    @property
+    def label(self) -> str:  # (the cache folders of another cut are other entries anyway)
+        return self.source.label
+
+    def summary(self) -> str:
+        """One line for the log: what was cut."""
+        each = " each" if len(self.missing) > 1 else ""
+        kept = 100 - self.share * 100 * len(self.missing)
+        return (
+            f"data.held_out: {' and '.join(self.missing)} are {self.share * 100:.4g}% of the "
+            f"training lines{each}, cut from their end; training reads the first {kept:.4g}%"
+        )
+
+    def _base(self, part: str) -> str:
+        split, side = _split_of(part)
+        return f"train{side}" if split == "train" or split in self.missing else part
+
+    def lines_of(self, part: str) -> tuple[int, int] | None:
+        """``[first, end)`` of ``part`` in its training text; None where the corpus has it."""
+        split, side = _split_of(part)
+        if split != "train" and split not in self.missing:
+            return None
+        total = self._line_counts.setdefault(side, self.source.num_lines(f"train{side}"))
+        each = max(1, round(total * self.share))
+        train_end = total - each * len(self.missing)
+        if train_end < 1:
+            raise DataPathError(
+                f"{self.source.describe(f'train{side}')} has {total:,} lines: too few to hold "
+                f"out {len(self.missing)} split(s) of {each:,} lines and train on the rest; "
+                f"give the {'/'.join(self.missing)} split(s) as files, or more text"
+            )
+        if split == "train":
+            return 0, train_end
+        first = train_end + each * self.missing.index(split)
+        return first, first + each
+
+    @property
+    def _line_counts(self) -> dict[str, int]:  # (a frozen dataclass: counted once, kept here)
+        return self.__dict__.setdefault("_counts", {})
+
+    def identity(self, part: str) -> dict[str, Any]:
+        # the training text and the cut; no line count (that would read the file every run)
+        identity = self.source.identity(self._base(part))
+        split, _ = _split_of(part)
+        if split == "train" or split in self.missing:
+            identity = {**identity, "held_out": self.share, "missing": list(self.missing)}
+            identity["part"] = split
+        return identity
+
+    def describe(self, part: str) -> str:
+        lines = self.lines_of(part)
+        if lines is None:
+            return self.source.describe(part)
+        return f"{self.source.describe(self._base(part))} (lines {lines[0] + 1:,}-{lines[1]:,})"
+
+    def num_lines(self, part: str) -> int:
+        lines = self.lines_of(part)
+        return self.source.num_lines(part) if lines is None else lines[1] - lines[0]
+
+    def line_batches(self, part: str, desc: str | None = None) -> Iterator[list[str]]:
+        lines = self.lines_of(part)
+        if lines is None:
+            yield from self.source.line_batches(part, desc)
+            return
+        first, end = lines
+        seen = 0  # lines of the training text before this batch
+        for batch in self.source.line_batches(self._base(part), desc):
+            if seen + len(batch) > first:
+                yield batch[max(first - seen, 0) : end - seen]
+            seen += len(batch)
+            if seen >= end:
+                return
 
 
 def _stat(path: Path) -> dict[str, int]:
@@ -388,8 +508,9 @@ class HubDataset:
         base = local.resolve().name if local.is_dir() else self.hub.replace("/", "_")
         return "-".join(part for part in (base, self.name, self.revision) if part)
 
-    def load(self) -> DatasetDict:
-        """Our split names -> the dataset's splits; one-line errors for what cannot load."""
+    def load(self, held_out: float | None = None) -> DatasetDict:
+        """Our split names -> the dataset's splits; one-line errors for what cannot load. With
+        ``held_out``, a missing validation or test split is left out (cut from train later)."""
         splits = self.splits or {"train": "train", "valid": "validation", "test": "test"}
         # without network huggingface_hub retries for ~25 s: ask its host first, and if it does
         # not answer read HF's cache in offline mode (a copy used before still loads)
@@ -412,12 +533,17 @@ class HubDataset:
                 f"hub dataset {self.hub!r}: {_first_line(exc)}; set data.name"
             ) from exc
         missing = [theirs for theirs in splits.values() if theirs not in raw]
+        if held_out is not None:
+            missing = [
+                theirs for ours, theirs in splits.items() if ours == "train" and theirs in missing
+            ]
         if missing:
             raise DataPathError(
                 f"hub dataset {self.hub!r} has no split(s) {missing} (it has {list(raw)}); "
-                f"set data.hub_splits, e.g. {{train: train, valid: validation, test: test}}"
+                f"set data.hub_splits, e.g. {{train: train, valid: validation, test: test}}, "
+                f"or hold out a share of the training rows with --data.held_out 0.05"
             )
-        return DatasetDict({ours: raw[theirs] for ours, theirs in splits.items()})
+        return DatasetDict({ours: raw[theirs] for ours, theirs in splits.items() if theirs in raw})
 
 
 def local_or_hub(
@@ -454,21 +580,44 @@ def _first_line(exc: Exception) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
+def with_held_out(
+    source: TextFiles | HubColumns, present: Iterable[str], held_out: float | None, where: str
+) -> TextFiles | HubColumns | HeldOutSplits:
+    """``source``, with the splits it lacks cut from its training text where ``held_out`` is
+    set (``present``: the splits it has)."""
+    if held_out is None:
+        return source
+    missing = tuple(split for split in SPLITS if split not in set(present))
+    if not missing:
+        raise DataConfigError(
+            f"data.held_out is set, but the data at {where} has every split: unset it, or "
+            f"leave a split out of data.files / data.hub_splits to cut it from train"
+        )
+    return HeldOutSplits(source, missing, float(held_out))
+
+
 def text_source(
     path: Path,
     hub: HubDataset | None,
     files: dict[str, str] | None = None,
     text_column: str = "text",
     shipped: str = "Penn Treebank (as configs/data/ptb*.yaml do)",
-) -> TextFiles | HubColumns:
-    """The three language-modelling splits of a hub dataset or, without one, a local folder."""
+    held_out: float | None = None,
+) -> TextFiles | HubColumns | HeldOutSplits:
+    """The three language-modelling splits of a hub dataset or, without one, a local folder
+    (splits it lacks cut from the training text with ``held_out``)."""
+    check_held_out(held_out)
     if hub is None:
-        return TextFiles(find_split_files(path, files, shipped), label=path.resolve().name)
-    splits = hub.load()
+        found = find_split_files(path, files, shipped, held_out)
+        source = TextFiles(found, label=path.resolve().name)
+        return with_held_out(source, found, held_out, data_location(path, None))
+    splits = hub.load(held_out)
     for split, dataset in splits.items():
         if text_column not in dataset.column_names:
             raise DataPathError(
                 f"hub dataset {hub.hub!r} ({split}) has no column {text_column!r} (columns: "
                 f"{dataset.column_names}); set data.text_column"
             )
-    return HubColumns({split: (splits[split], text_column) for split in SPLITS}, label=hub.label)
+    parts = {split: (splits[split], text_column) for split in splits}
+    source = HubColumns(parts, label=hub.label)
+    return with_held_out(source, splits, held_out, data_location(path, hub))

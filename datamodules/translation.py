@@ -44,9 +44,12 @@ from datamodules.errors import (
 from datamodules.resumable import ResumableLoader
 from datamodules.text_source import (
     CORPORA,
+    HeldOutSplits,
     HubColumns,
     HubDataset,
     TextFiles,
+    TextSource,
+    check_held_out,
     count_lines,
     data_location,
     has_text,
@@ -55,6 +58,7 @@ from datamodules.text_source import (
     resolve_file,
     split_files_option,
     tokenizers_progress,
+    with_held_out,
 )
 from datamodules.vocab import (
     EOS,
@@ -91,43 +95,62 @@ def parallel_text_source(
     source_lang: str,
     target_lang: str,
     files: dict[str, str] | None = None,
-) -> TextFiles | HubColumns:
+    held_out: float | None = None,
+) -> TextSource:
     """The parts ``<split>.source`` and ``<split>.target`` of the three splits.
 
     Local: ``<folder>/<prefix>.<lang>`` files (or ``.xz``/``.gz``/``.bz2`` of them), line i of
     one side translating line i of the other (validation and test line counts are checked
     here; the training files', which may be large, as they are read). Hub: a dataset with one
     column per language (e.g. ``bentrevett/multi30k``) or a ``translation`` column of
-    ``{lang: text}`` (WMT style).
+    ``{lang: text}`` (WMT style). With ``held_out``, a validation or test split the corpus
+    lacks is cut from the end of the training pairs (:class:`HeldOutSplits`).
     """
+    check_held_out(held_out)
     if hub is None:
         require_folder(folder, "Multi30k (as configs/data/multi30k*.yaml do)")
-        prefixes = {**DEFAULT_FILES, **split_files_option(files)}
+        named = split_files_option(files)
+        prefixes = {**DEFAULT_FILES, **named}
         found: dict[str, Path] = {}
+        present: list[str] = []
         for split in SPLITS:
             side_files = [
                 resolve_file(folder / f"{prefixes[split]}.{lang}")
                 for lang in (source_lang, target_lang)
             ]
-            for file in side_files:
-                if not file.is_file():
-                    raise DataPathError(
-                        f"{split} file {str(file)!r} does not exist; name the split prefixes "
-                        f"with data.files, e.g. {{train: train, valid: val, test: test}}"
-                    )
-            if split != "train":
+            absent = [file for file in side_files if not file.is_file()]
+            if (
+                len(absent) == 2
+                and held_out is not None
+                and split != "train"
+                and split not in named
+            ):
+                continue  # cut from the training pairs
+            for file in absent:
+                hint = (
+                    ""
+                    if split == "train"
+                    else (", or hold out a share of the training pairs with --data.held_out 0.05")
+                )
+                raise DataPathError(
+                    f"{split} file {str(file)!r} does not exist; name the split prefixes "
+                    f"with data.files, e.g. {{train: train, valid: val, test: test}}{hint}"
+                )
+            if split != "train" or held_out is not None:  # (cut pairs must align)
                 counts = [count_lines(f) for f in side_files]
                 if counts[0] != counts[1]:
                     raise _misaligned(split, [str(f) for f in side_files], counts)
             if not has_text(side_files[0]):
                 raise DataPathError(f"{split} file {str(side_files[0])!r} is empty")
             found[f"{split}.source"], found[f"{split}.target"] = side_files
+            present.append(split)
         label = f"{folder.resolve().name}-{source_lang}-{target_lang}"
-        return TextFiles(found, label=label)
+        source = TextFiles(found, label=label)
+        return with_held_out(source, present, held_out, data_location(folder, None))
 
-    splits = hub.load()
+    splits = hub.load(held_out)
     parts: dict[str, Any] = {}
-    for split in SPLITS:
+    for split in splits:
         dataset = splits[split]
         if {source_lang, target_lang} <= set(dataset.column_names):
             columns: tuple[Any, Any] = (source_lang, target_lang)
@@ -140,7 +163,8 @@ def parallel_text_source(
             )
         for side, column in zip(SIDES, columns, strict=True):
             parts[f"{split}.{side}"] = (dataset, column)
-    return HubColumns(parts, label=f"{hub.label}-{source_lang}-{target_lang}")
+    source = HubColumns(parts, label=f"{hub.label}-{source_lang}-{target_lang}")
+    return with_held_out(source, splits, held_out, data_location(folder, hub))
 
 
 class EncodedPairs(torch.utils.data.Dataset):
@@ -351,6 +375,10 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
             or a local copy in the hub's layout.
         name, revision, hub_splits: the hub dataset's configuration, revision (branch, tag or
             commit) and our split -> its split name (default train/validation/test).
+        held_out: for a corpus without validation or test pairs (training files only, a hub
+            dataset with only ``train``): this share of the training pairs (``0.05``) for
+            each missing split, cut in contiguous blocks from the end of the training files
+            (valid, then test); training reads the pairs before them.
         vocab: ``word`` (whitespace tokens), ``bpe`` (HuggingFace ``tokenizers`` BPE) or
             ``hybrid_lightrnn``: source words, target Hybrid-LightRNN codes (K frequent target
             words with a code each, the others two: a cell of a rows x cols table; the
@@ -382,6 +410,7 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         name: str | None = None,
         revision: str | None = None,
         hub_splits: dict[str, str] | None = None,
+        held_out: float | None = None,
         vocab: Literal["word", "bpe", "hybrid_lightrnn"] = "word",
         joint_vocab: bool = False,
         max_vocab_size: int | None = None,
@@ -418,11 +447,12 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
             )
         if source_lang == target_lang:
             raise DataConfigError(f"source and target language are both {source_lang!r}")
+        check_held_out(held_out)
         self._folder, self._hub = local_or_hub(
             path, CORPORA / "multi30k", hub, name, revision, hub_splits
         )
         self.save_hyperparameters()
-        self._source: TextFiles | HubColumns | None = None
+        self._source: TextSource | None = None
         self._cache: CacheEntry | None = None
         self._identity: dict[str, Any] = {}
         self._vocabs: tuple[Vocab, Vocab] | None = None
@@ -460,12 +490,14 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         return data_location(self._folder, self._hub)
 
     @property
-    def source(self) -> TextFiles | HubColumns:
+    def source(self) -> TextSource:
         if self._source is None:
             hp = self.hparams
             self._source = parallel_text_source(
-                self._folder, self._hub, hp.source_lang, hp.target_lang, hp.files
+                self._folder, self._hub, hp.source_lang, hp.target_lang, hp.files, hp.held_out
             )
+            if isinstance(self._source, HeldOutSplits) and process_rank() in (None, 0):
+                log.info(self._source.summary())
         return self._source
 
     @property

@@ -85,6 +85,31 @@ def test_ambiguous_folder_asks_for_file_names(tmp_path):
         _ = LanguageModelingDataModule(path=str(tmp_path)).vocab_size
 
 
+def test_one_training_file_with_held_out_splits(tmp_path, caplog):
+    """A corpus of one file: valid and test are its last lines, the vocabulary is counted on
+    the lines before them (a word only in the held-out lines is <unk> there), and the cut is
+    said in one line."""
+    lines = [f"w{i % 7} w{i % 5}" for i in range(95)] + ["held out"] * 5 + ["w1 unseen"] * 5
+    (tmp_path / "my_corpus.txt").write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataPathError, match="or hold out a share .* --data.held_out 0.05"):
+        _ = LanguageModelingDataModule(path=str(tmp_path), files={"train": "my_corpus.txt"}).vocab
+    with pytest.raises(DataConfigError, match="data.held_out must be a share"):
+        LanguageModelingDataModule(path=str(tmp_path), held_out=0.7)
+    with caplog.at_level(logging.INFO, logger="datamodules.language_modeling"):
+        data = LanguageModelingDataModule(
+            path=str(tmp_path), files={"train": "my_corpus.txt"}, held_out=0.05,
+            cache_dir=str(tmp_path / "c"), batch_size=2, bptt=4,
+        )  # fmt: skip
+        vocab = data.vocab
+    assert "valid and test are 5% of the training lines each" in caplog.text
+    assert "held" not in vocab.itos and "unseen" not in vocab.itos
+    assert len(vocab) == 7 + 2  # w0..w6, <eos>, <unk>
+    valid, test = (vocab.decode(data.split_tokens(s).tolist()) for s in ("valid", "test"))
+    assert valid == ["<unk>", "<unk>", "<eos>"] * 5
+    assert test == ["w1", "<unk>", "<eos>"] * 5
+    assert data.split_tokens("train").numel() == 95 * 3
+
+
 @pytest.mark.parametrize("name", ["batch_size", "eval_batch_size", "bptt"])
 def test_sizes_must_be_positive(name):
     with pytest.raises(ValueError, match=f"data.{name} must be a positive integer"):

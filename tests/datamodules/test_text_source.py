@@ -263,3 +263,75 @@ def test_an_unknown_files_key_is_refused_naming_the_accepted_ones(tmp_path):
     )
     with pytest.raises(DataConfigError, match="names the valid split twice"):
         find_split_files(tmp_path, {"valid": "a.txt", "dev": "a.txt"}, "PTB")
+
+
+def _numbered(path: Path, count: int) -> list[str]:
+    lines = [f"line {i} of {count}" for i in range(count)]
+    path.write_text("\n".join(lines) + "\n")
+    return lines
+
+
+@pytest.mark.parametrize("batch_bytes", [3, 1 << 20])
+def test_held_out_splits_are_contiguous_blocks_cut_from_the_end_of_train(
+    tmp_path, monkeypatch, batch_bytes
+):
+    """One training file, ``held_out`` 0.1: valid and test are its last two blocks of 10% of
+    the lines, training the 80% before them; read in blocks that cut lines too."""
+    monkeypatch.setattr(text_source, "BATCH_BYTES", batch_bytes)
+    lines = _numbered(tmp_path / "corpus.train.txt", 103)
+    with pytest.raises(DataPathError, match=r"valid file .*or hold out .* --data.held_out 0.05"):
+        text_source.text_source(tmp_path, None)
+    source = text_source.text_source(tmp_path, None, held_out=0.1)
+    assert source.lines("train") == lines[:83]
+    assert source.lines("valid") == lines[83:93]
+    assert source.lines("test") == lines[93:]
+    assert [source.num_lines(s) for s in ("train", "valid", "test")] == [83, 10, 10]
+    assert source.describe("valid").endswith("corpus.train.txt (lines 84-93)")
+    assert "valid and test are 10% of the training lines each" in source.summary()
+    # each split, and each cut, is its own cache identity (the file's alone is none of them)
+    plain = file_identity(tmp_path / "corpus.train.txt")
+    identities = [source.identity(s) for s in ("train", "valid", "test")]
+    identities.append(text_source.text_source(tmp_path, None, held_out=0.2).identity("train"))
+    assert len({repr(sorted(i.items())) for i in [plain, *identities]}) == 5
+
+
+def test_only_the_missing_split_is_held_out(tmp_path):
+    lines = _numbered(tmp_path / "train.txt", 40)
+    valid = _numbered(tmp_path / "valid.txt", 7)
+    source = text_source.text_source(tmp_path, None, held_out=0.25)
+    assert source.lines("valid") == valid
+    assert source.lines("train") == lines[:30] and source.lines("test") == lines[30:]
+    assert source.identity("valid") == file_identity(tmp_path / "valid.txt")
+
+
+def test_held_out_refuses_what_cannot_work(tmp_path):
+    _numbered(tmp_path / "train.txt", 3)
+    for share in (0, 0.5, -0.1, "a"):
+        with pytest.raises(DataConfigError, match="data.held_out must be a share .* got"):
+            text_source.text_source(tmp_path, None, held_out=share)
+    source = text_source.text_source(tmp_path, None, held_out=0.4)  # 1 line each: 1 left
+    assert source.lines("train") == ["line 0 of 3"]
+    _numbered(tmp_path / "train.txt", 2)
+    source = text_source.text_source(tmp_path, None, held_out=0.4)
+    with pytest.raises(DataPathError, match=r"has 2 lines: too few to hold out 2 split\(s\)"):
+        source.lines("train")
+    _numbered(tmp_path / "valid.txt", 2)
+    _numbered(tmp_path / "test.txt", 2)
+    with pytest.raises(DataConfigError, match="data.held_out is set, but .* has every split"):
+        text_source.text_source(tmp_path, None, held_out=0.1)
+
+
+def test_a_hub_dataset_with_only_a_training_split_is_cut_with_held_out(tmp_path, monkeypatch):
+    rows = [f"row {i}" for i in range(20)]
+    folder = write_hub_layout(tmp_path / "one", {"default": {"train": rows}})
+    monkeypatch.setattr(
+        text_source,
+        "load_dataset",
+        lambda hub, name, revision: load_dataset(hub, name, cache_dir=str(tmp_path / "hf")),
+    )
+    hub = HubDataset(folder, "default")
+    with pytest.raises(DataPathError, match=r"no split\(s\) \['validation', 'test'\].*held_out"):
+        hub.load()
+    source = text_source.text_source(tmp_path, hub, held_out=0.25)
+    assert source.lines("train") == rows[:10]
+    assert source.lines("valid") == rows[10:15] and source.lines("test") == rows[15:]

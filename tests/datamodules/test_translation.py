@@ -171,6 +171,26 @@ def test_missing_files_are_reported(tmp_path):
         _ = TranslationDataModule(path=path).vocab_size
 
 
+def test_training_pairs_only_with_held_out_splits(tmp_path):
+    """Training files alone: the missing splits are the last pairs of them, aligned, and the
+    vocabularies are counted on the pairs before; misaligned training files are refused here,
+    before any pair is cut."""
+    pairs = [(f"de{i % 3}", f"en{i % 4}") for i in range(36)] + [("neu", "new")] * 4
+    path = write_corpus(tmp_path, {"train": pairs})
+    with pytest.raises(DataPathError, match="val.de' does not exist.*--data.held_out 0.05"):
+        _ = TranslationDataModule(path=path).vocab_size
+    data = TranslationDataModule(path=path, held_out=0.05, cache_dir=str(tmp_path / "c"))
+    data.setup("fit")
+    data.setup("test")
+    assert "neu" not in data.source_vocab.itos and "new" not in data.target_vocab.itos
+    assert [len(data.splits[s]) for s in ("train", "valid", "test")] == [36, 2, 2]
+    assert data.splits["test"][1] == {"source": "neu", "target": "new"}
+    assert data.splits["train"][35] == {"source": "de2", "target": "en3"}
+    (tmp_path / "train.en").write_text("one line\n" * 39)
+    with pytest.raises(ParallelDataError, match="misaligned parallel train files"):
+        _ = TranslationDataModule(path=path, held_out=0.05, cache_dir=str(tmp_path / "d")).source
+
+
 def test_empty_lines_policy(tmp_path):
     """Empty training pairs are dropped; evaluation keeps every line (aligned output)."""
     with_empty = TINY + [("", "nothing"), ("nichts", "")]
