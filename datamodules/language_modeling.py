@@ -31,6 +31,7 @@ from datamodules.text_source import (
     check_held_out,
     data_location,
     local_or_hub,
+    predict_texts,
     text_source,
     tokenizers_progress,
 )
@@ -95,6 +96,8 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         max_vocab_size: keep only the most frequent words (others become ``<unk>``); for
             ``hybrid_lightrnn`` too (the words that get codes).
         predict_prompts: texts whose continuation ``predict`` reports.
+        predict_file: a UTF-8 text file (plain or compressed) of prompts, one a line, instead
+            of ``predict_prompts``.
         vocab: ``word`` (one id per word), ``bpe`` (HuggingFace ``tokenizers`` BPE trained on
             the training split) or ``hybrid_lightrnn`` (K frequent words with a code each, the
             others two codes: a cell of a rows x cols table). The model sees the codes; the
@@ -126,6 +129,7 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         bptt: int = 35,
         max_vocab_size: int | None = None,
         predict_prompts: list[str] | None = None,
+        predict_file: str | None = None,
         vocab: str = "word",
         bpe_vocab_size: int = 4000,
         lightrnn_frequent: int = 1000,
@@ -432,12 +436,8 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         return self._batches("test", self.hparams.eval_batch_size)
 
     def predict_dataloader(self) -> DataLoader:
-        prompts = self.hparams.predict_prompts
-        if not prompts:
-            raise DataConfigError(
-                "predict needs prompts: set data.predict_prompts, e.g. "
-                "--data.predict_prompts '[\"the company said\"]'"
-            )
+        hp = self.hparams
+        prompts = predict_texts(hp.predict_prompts, hp.predict_file, "prompts", "the company said")
         items = []
         words = getattr(self.vocab, "words", self.vocab)  # (Hybrid-LightRNN: codes of words)
         unk = getattr(words, "unk_id", None)

@@ -161,6 +161,26 @@ def find_split_files(
     return found
 
 
+def predict_texts(given: list[str] | None, file: str | None, what: str, example: str) -> list[str]:
+    """What ``predict`` reads: ``data.predict_<what>`` or the lines of ``data.predict_file``
+    (UTF-8, plain or compressed, read as the corpora are), one or the other."""
+    if given and file:
+        raise DataConfigError(
+            f"data.predict_{what} and data.predict_file are both set; set one of them"
+        )
+    if file:
+        path = resolve_file(Path(file).expanduser())
+        if not path.is_file():
+            raise DataPathError(f"data.predict_file {str(path)!r} does not exist")
+        return TextFiles({"predict": path}, label=path.name).lines("predict")
+    if not given:
+        raise DataConfigError(
+            f"predict needs {what}: set data.predict_{what}, e.g. --data.predict_{what} "
+            f"'[\"{example}\"]', or data.predict_file, a text file of one a line"
+        )
+    return list(given)
+
+
 # byte-order marks of the encodings editors save "Unicode" text in, longest first
 _OTHER_UNICODE_MARKS = {
     codecs.BOM_UTF32_LE: "UTF-32",

@@ -54,6 +54,7 @@ from datamodules.text_source import (
     data_location,
     has_text,
     local_or_hub,
+    predict_texts,
     require_folder,
     resolve_file,
     split_files_option,
@@ -394,6 +395,8 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
             are dropped.
         seed: shuffling seed of the training batches.
         predict_sentences: source sentences that ``predict`` translates.
+        predict_file: a UTF-8 text file (plain or compressed) of source sentences, one a
+            line, instead of ``predict_sentences``; the translations come out in its order.
         lightrnn_frequent, lightrnn_rows, lightrnn_cols, lightrnn_init, lightrnn_seed: the
             target's Hybrid-LightRNN codes, as in ``LanguageModelingDataModule``.
         cache_dir: folder of prepared corpora (default ``data/`` below
@@ -420,6 +423,7 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         max_length: int = 128,
         seed: int = 0,
         predict_sentences: list[str] | None = None,
+        predict_file: str | None = None,
         lightrnn_frequent: int = 1000,
         lightrnn_rows: int | None = None,
         lightrnn_cols: int | None = None,
@@ -465,6 +469,7 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         self._table_version: int | None = None
         self._lines: dict[str, list[str]] = {}
         self._splits: DatasetDict | None = None
+        self.predict_sources: list[str] = []  # what predict translates (its loader sets it)
 
     def __repr__(self) -> str:
         # Lightning's own __str__ builds every data loader: this one reads nothing.
@@ -823,12 +828,10 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         return self._loader("test", self.hparams.eval_max_tokens or self.hparams.max_tokens, False)
 
     def predict_dataloader(self) -> DataLoader:
-        sentences = self.hparams.predict_sentences
-        if not sentences:
-            raise DataConfigError(
-                "predict needs sentences: set data.predict_sentences, e.g. "
-                "--data.predict_sentences '[\"Ein Hund rennt durch den Schnee.\"]'"
-            )
+        hp = self.hparams
+        self.predict_sources = sentences = predict_texts(
+            hp.predict_sentences, hp.predict_file, "sentences", "Ein Hund rennt durch den Schnee."
+        )
         vocab, eos = self.source_vocab, self.bos_id
         items = [
             {"source_ids": vocab.encode_line(s), "target_ids": [eos], "index": i}

@@ -266,12 +266,16 @@ class Translation(HeadTask):
         self._eval_step(batch, "test", self.decode.beam_size)
 
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> list[dict[str, str]]:
-        """Translations of ``data.predict_sentences`` (with ``beam_size``)."""
+        """Translations of ``data.predict_sentences`` or ``predict_file`` (``beam_size``); a
+        blank line stays blank (a document's paragraph breaks), whatever the model says."""
         data = self.trainer.datamodule
-        sources = data.hparams.predict_sentences
+        sources = data.predict_sources
         hypotheses = self.translate(batch, self.decode.beam_size)
         return [
-            {"source": sources[i], "translation": data.detokenize(ids)}
+            {
+                "source": sources[i],
+                "translation": data.detokenize(ids) if sources[i].strip() else "",
+            }
             for i, ids in zip(batch["index"].tolist(), hypotheses, strict=True)
         ]
 

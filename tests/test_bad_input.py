@@ -213,6 +213,8 @@ COMMAND_LINE = [
     ("predict_without_prompts", ["predict"],
      "predict needs prompts: set data.predict_prompts, e.g. --data.predict_prompts "
      "'[\"the company said\"]'"),
+    ("predict_file_missing", ["predict", "--data.init_args.predict_file", "no/prompts.txt"],
+     "data.predict_file 'no/prompts.txt' does not exist"),
     # heads and their options against the vocabulary
     ("mixtape_k_not_power_of_two", ["fit", "--model.head", "configs/heads/mixtape.yaml",
                                     "--model.init_args.head.init_args.num_components", "3"],

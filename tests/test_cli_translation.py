@@ -1,5 +1,6 @@
 """Translation end to end through cli.py: fit a few steps on Multi30k, test writes translations."""
 
+import gzip
 import json
 import math
 
@@ -84,6 +85,26 @@ def test_predict_translates_given_sentences(trained, cli_run, tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]  # a sentence a line
     assert [r["source"] for r in rows] == sentences
     assert all(isinstance(r["translation"], str) for r in rows)
+
+
+def test_predict_translates_a_file_in_its_order(trained, cli_run, tmp_path):
+    """``data.predict_file``: a compressed file of more sentences than a predict batch (64),
+    with an empty line; one JSON line per sentence, in the file's order."""
+    _, logs = trained
+    ckpt = str(next(logs.rglob("last.ckpt")))
+    sentences = [f"{n} Hunde rennen durch den Schnee." for n in range(70)]
+    sentences[3] = ""
+    path = tmp_path / "sentences.de.gz"
+    path.write_bytes(gzip.compress("\n".join(sentences).encode()))
+    out = tmp_path / "predictions.jsonl"
+    cli_run("predict", *ON_MULTI30K, "--ckpt_path", ckpt, "--trainer.logger", "false",
+            "--data.init_args.predict_file", str(path),
+            "--model.init_args.decode.max_length_b", "3",
+            "--trainer.callbacks+=app.callbacks.PredictionWriter",
+            f"--trainer.callbacks.output_file={out}", experiment="multi30k_mixtape")  # fmt: skip
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["source"] for r in rows] == sentences
+    assert rows[3]["translation"] == ""
 
 
 def test_checkpoint_with_other_vocabularies_is_refused(trained, cli_run):

@@ -1,4 +1,5 @@
 import logging
+import lzma
 import pickle
 from collections import Counter
 
@@ -108,6 +109,31 @@ def test_one_training_file_with_held_out_splits(tmp_path, caplog):
     assert valid == ["<unk>", "<unk>", "<eos>"] * 5
     assert test == ["w1", "<unk>", "<eos>"] * 5
     assert data.split_tokens("train").numel() == 95 * 3
+
+
+def test_prompts_from_a_file_are_the_given_prompts(tmp_path):
+    """``data.predict_file`` (compressed, a CRLF line, a blank one): the same items as
+    ``data.predict_prompts`` of its lines; one or the other; a missing file is named."""
+    for split in ("train", "valid", "test"):
+        (tmp_path / f"c.{split}.txt").write_text("x y z\n" * 30)
+    prompts = ["x y", "z", "", "y x z"]
+    (tmp_path / "prompts.txt.xz").write_bytes(lzma.compress(b"x y\r\nz\n\ny x z"))
+    options = dict(path=str(tmp_path), cache_dir=str(tmp_path / "c"))
+    given = LanguageModelingDataModule(predict_prompts=prompts, **options)
+    from_file = LanguageModelingDataModule(predict_file=str(tmp_path / "prompts.txt"), **options)
+    expected = list(given.predict_dataloader())
+    items = list(from_file.predict_dataloader())
+    assert [i["prompt"] for i in items] == prompts
+    for item, reference in zip(items, expected, strict=True):
+        assert torch.equal(item["ids"], reference["ids"])
+    with pytest.raises(DataConfigError, match="predict_prompts and data.predict_file are both"):
+        LanguageModelingDataModule(
+            predict_prompts=prompts, predict_file="p.txt", **options
+        ).predict_dataloader()
+    with pytest.raises(DataPathError, match="data.predict_file .*nope.txt' does not exist"):
+        LanguageModelingDataModule(
+            predict_file=str(tmp_path / "nope.txt"), **options
+        ).predict_dataloader()
 
 
 @pytest.mark.parametrize("name", ["batch_size", "eval_batch_size", "bptt"])
