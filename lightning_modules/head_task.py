@@ -294,8 +294,9 @@ class HeadTask(L.LightningModule):
         return trainer.strategy.broadcast(decide() if trainer.is_global_zero else None, src=0)
 
     def configure_optimizers(self) -> Any:
+        precision = str(self.trainer.precision) if self._trainer is not None else None
         return configure_optimizers(
-            self.parameters(), self.optimizer_factory, self.scheduler_factory
+            self.parameters(), self.optimizer_factory, self.scheduler_factory, precision
         )
 
     # -- the batch's targets told to the head while on the host ------------------------------

@@ -33,10 +33,29 @@ class InverseSquareRootLR(torch.optim.lr_scheduler.LRScheduler):
         return [base * factor for base in self.base_lrs]
 
 
+def refuse_float16_adaptive_state(optimizer: torch.optim.Optimizer, precision: str) -> None:
+    """Under ``16-true`` an Adam-style optimizer keeps its state in float16, where its ``eps``
+    (1e-8) is 0 and small squared gradients underflow to 0: the first step divides by zero
+    and makes the weights inf. One line naming the precisions that work, before any step."""
+    if not precision.startswith("16-true"):
+        return
+    tiny = torch.finfo(torch.float16).tiny
+    for group in optimizer.param_groups:
+        if "betas" in group and isinstance(group.get("eps"), float) and group["eps"] < tiny:
+            raise ModelConfigError(
+                f"trainer.precision {precision} keeps the weights and "
+                f"{type(optimizer).__name__}'s moments in float16, where its eps "
+                f"({group['eps']:g}) and small squared gradients are 0 (the first step makes "
+                f"the weights inf): use 16-mixed or bf16-mixed (float32 weights and state), or "
+                f"bf16-true"
+            )
+
+
 def configure_optimizers(
     parameters: Iterable[torch.nn.Parameter],
     optimizer: OptimizerCallable,
     scheduler: LRSchedulerCallable | None,
+    precision: str | None = None,
 ) -> Any:
     """The injected optimizer, and the scheduler stepped per epoch on ``val/loss`` (which
     ``ReduceLROnPlateau`` needs and other schedulers ignore), or per optimizer step for a
@@ -46,6 +65,7 @@ def configure_optimizers(
     every n epochs) skips the plateau step with a warning instead of stopping the run; a
     stale ``val/loss`` of an earlier validation is skipped by ``HeadTask.lr_scheduler_step``."""
     built = optimizer(parameters)
+    refuse_float16_adaptive_state(built, precision or "")
     if scheduler is None:
         return built
     schedule = scheduler(built)

@@ -213,6 +213,9 @@ COMMAND_LINE = [
     ("predict_without_prompts", ["predict"],
      "predict needs prompts: set data.predict_prompts, e.g. --data.predict_prompts "
      "'[\"the company said\"]'"),
+    ("float16_weights_with_adam", ["fit", "--trainer.precision", "16-true"],
+     "trainer.precision 16-true keeps the weights and Adam's moments in float16, where its eps "
+     "(1e-08) and small squared gradients are 0"),
     ("predict_file_missing", ["predict", "--data.init_args.predict_file", "no/prompts.txt"],
      "data.predict_file 'no/prompts.txt' does not exist"),
     # heads and their options against the vocabulary

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from lightning_modules.errors import ModelConfigError
 from lightning_modules.optimization import InverseSquareRootLR, configure_optimizers
 
 
@@ -30,3 +31,21 @@ def test_configure_optimizers_steps_it_every_step_and_plateau_every_epoch():
     assert epoch["lr_scheduler"]["interval"] == "epoch"
     with pytest.raises(ValueError, match="warmup_steps"):
         InverseSquareRootLR(torch.optim.Adam(params), 0)
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam])
+def test_float16_weights_refuse_an_adam_style_optimizer_whose_eps_is_zero_there(optimizer):
+    """What 16-true does to Adam: its state in float16, the first step makes the weights inf
+    (the check has a reason); refused before any step, other precisions and SGD are not."""
+    param = torch.nn.Parameter(torch.randn(8, dtype=torch.float16))
+    doomed = optimizer([param], lr=2e-3)
+    param.grad = torch.full_like(param, 1e-3)
+    doomed.step()
+    assert not torch.isfinite(param).any()
+    params = [torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))]
+    with pytest.raises(ModelConfigError, match=r"16-true keeps the weights and .* use 16-mixed"):
+        configure_optimizers(params, optimizer, None, "16-true")
+    for precision in ("16-mixed", "bf16-true", "32-true", None):
+        configure_optimizers(params, optimizer, None, precision)
+    configure_optimizers(params, lambda p: optimizer(p, eps=1e-3), None, "16-true")
+    configure_optimizers(params, lambda p: torch.optim.SGD(p, lr=1.0), None, "16-true")
