@@ -287,6 +287,11 @@ COMMAND_LINE = [
      "size; leave it out"),
     ("linked_vocab_size", ["fit", "--model.init_args.head.init_args.vocab_size", "32"],
      "model.init_args.head.init_args.vocab_size: set by the CLI from data.vocab_size"),
+    *[(f"lightning_{given}", ["fit", f"--{given}", value],
+       f"--{given}: the model takes its optimizer and schedule as options: use --model.{ours} ")
+      for given, ours, value in (("optimizer", "optimizer", "torch.optim.SGD"),
+                                 ("lr_scheduler", "scheduler",
+                                  "torch.optim.lr_scheduler.ConstantLR"))],
     ("negative_lr", ["fit", "--model.init_args.optimizer.init_args.lr", "-1"],
      "model.init_args.optimizer: Invalid learning rate: -1.0"),
     ("negative_epochs", ["fit", "--trainer.max_epochs", "-2"],

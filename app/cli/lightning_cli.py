@@ -25,7 +25,13 @@ from app.callbacks.training.prediction_writer import PredictionWriter
 from app.callbacks.training.preemption import PreemptionCheckpoint
 from app.callbacks.training.progress import interval_progress_bar
 from app.callbacks.training.run_record import RunRecord
-from app.cli.errors import OneLineErrorParser, check_config_files, check_linked_options, warn_line
+from app.cli.errors import (
+    CommandLineError,
+    OneLineErrorParser,
+    check_config_files,
+    check_linked_options,
+    warn_line,
+)
 from app.cli.run_folder import configure_loggers, run_checkpoint, run_hparams
 from lightning_modules.backbones.base import configured_output_size
 from lightning_modules.checkpoint_file import check_checkpoint_file
@@ -146,6 +152,21 @@ class AppCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self._subcommand_config()
+        for given, ours, example in (
+            ("optimizer", "optimizer", "torch.optim.SGD --model.optimizer.lr 1"),
+            (
+                "lr_scheduler",
+                "scheduler",
+                "torch.optim.lr_scheduler.StepLR --model.scheduler.step_size 1",
+            ),
+        ):
+            if config.get(given) is not None:
+                # Lightning's own option would replace the model's configure_optimizers: the
+                # model's schedule (or optimizer) dropped without a word, its hparams wrong
+                raise CommandLineError(
+                    f"--{given}: the model takes its optimizer and schedule as options: use "
+                    f"--model.{ours} (e.g. --model.{ours} {example})"
+                )
         configure_loggers(config.trainer, self.subcommand, config.get("ckpt_path"))
         no_logger = config.trainer.get("logger") in (False, [])
         if no_logger:
