@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from app.callbacks.ds.optim import change_structure, find_ds_head
+from app.callbacks.training.resume import resumed_mid_epoch
 from app.cli.errors import warn_line
 from heads.errors import HeadConfigError
 
@@ -98,6 +99,10 @@ class Mitosis(Callback):
                 f"classes: splitting stops at {head.vocab_size} experts"
             )
             self.max_experts = head.vocab_size
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if resumed_mid_epoch(trainer):  # this epoch gets no on_train_epoch_start: its split
+            self.on_train_epoch_start(trainer, pl_module)  # is done, its figures are not
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         _, head = find_ds_head(pl_module)

@@ -139,3 +139,20 @@ def test_max_experts_beyond_the_classes_stops_at_the_classes(capsys):
         "warning: Mitosis max_experts (8) exceeds the 4 classes: splitting stops at 4 experts"
         in capsys.readouterr().err.splitlines()
     )
+
+
+def test_an_epoch_resumed_inside_logs_its_experts_without_splitting_again(tmp_path):
+    """Lightning gives the epoch a fit resumes inside no ``on_train_epoch_start``: the split
+    was made before the checkpoint and is not repeated; the epoch's figures are still logged."""
+    torch.manual_seed(0)
+    dm = SyntheticHierarchyDataModule(num_super=2, num_sub=4, train_per_sub=16, batch_size=8)
+    every = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    options = dict(limit_val_batches=0, enable_checkpointing=True)
+    trainer(2, [Mitosis(8, every_n_epochs=1), every], **options).fit(make_model(dm), dm)
+    # epoch 1 (16 batches an epoch) split 2 -> 4 experts at its start, then step 20 was saved
+    fresh, mitosis = make_model(dm), Mitosis(8, every_n_epochs=1)
+    resumed = trainer(2, [mitosis], limit_val_batches=0)
+    resumed.fit(fresh, dm, ckpt_path=str(tmp_path / "epoch=1-step=20.ckpt"))
+    assert mitosis.splits == 1 and fresh.head.num_experts == 4
+    assert float(resumed.callback_metrics["ds/num_experts"]) == 4.0
+    assert "ds/peak_memory_softmaxes" in resumed.callback_metrics
