@@ -44,6 +44,11 @@ from lightning_modules.epoch_resume import (
     set_rng_states,
 )
 from lightning_modules.errors import ModelConfigError
+from lightning_modules.module_configs import (
+    MODULE_CONFIGS_KEY,
+    build_modules,
+    cli_module_configs,
+)
 from lightning_modules.optimization import configure_optimizers
 from lightning_modules.static_rows import pad_rows, pad_target, padded_rows
 
@@ -173,6 +178,25 @@ class HeadTask(L.LightningModule):
         self._finite_loss = FiniteLossCheck()
         self._resumed_epoch: dict | None = None  # read_epoch_state's, until the first batch
         self.head_inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # head_loss's
+        # what load_from_checkpoint rebuilds the two modules from (built by the CLI only)
+        self._module_configs = cli_module_configs(head.hidden_size)
+
+    @classmethod
+    def load_from_checkpoint(  # type: ignore[override]
+        cls,
+        checkpoint_path: str,
+        map_location: Any = None,
+        hparams_file: str | None = None,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Lightning's, with the backbone and the head rebuilt from the configs a checkpoint
+        written by ``cli.py`` holds (``lightning_modules/module_configs.py``), unless given:
+        ``LanguageModel.load_from_checkpoint("logs/ptb/version_0/checkpoints/last.ckpt")``."""
+        kwargs = build_modules(checkpoint_path, kwargs)
+        return super().load_from_checkpoint(
+            checkpoint_path, map_location, hparams_file, strict, **kwargs
+        )
 
     def configure_training(
         self, compile: CompileOption, loss_backend: str, cuda_graphs: bool = False
@@ -390,6 +414,8 @@ class HeadTask(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[HEAD_KEY] = head_class_name(self.head)
+        if self._module_configs is not None:
+            checkpoint[MODULE_CONFIGS_KEY] = self._module_configs
         if resumable_loader(self._trainer) is not None:
             save_epoch_state(self, checkpoint, self.train_metrics(), self.epoch_state())
 

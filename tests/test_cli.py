@@ -1,5 +1,6 @@
 """End to end through cli.py: fit, test, predict, head swapping, errors."""
 
+import copy
 import json
 
 import pytest
@@ -11,8 +12,10 @@ from cli import main
 from datamodules import LanguageModelingDataModule
 from datamodules.errors import VocabularyMismatchError
 from datamodules.text_source import TextFiles
+from datamodules.vocab import vocab_from_state
 from heads import HeadConfigError, MixtapeHead, MoSHead, SoftmaxHead
 from heads.errors import user_error
+from lightning_modules import LanguageModel
 from tests.conftest import PTB
 
 SMALL = [
@@ -39,6 +42,28 @@ def test_fit_writes_checkpoint_and_tensorboard_events(trained):
     assert list(logs.rglob("*.ckpt")), "no checkpoint written"
     assert list(logs.rglob("events.out.tfevents.*")), "no TensorBoard event file"
     assert torch.isfinite(cli.trainer.callback_metrics["val/ppl"])
+
+
+def test_a_checkpoint_loads_in_python_by_its_path_alone(trained):
+    """``LanguageModel.load_from_checkpoint(path)``: the backbone and head rebuilt from the
+    configs the checkpoint holds (32-wide here, not the class defaults), every weight loaded,
+    the vocabulary read from it too; it scores text as the trained model does."""
+    cli, logs = trained
+    path = next(logs.rglob("last.ckpt"))
+    model = LanguageModel.load_from_checkpoint(str(path)).eval()
+    assert type(model.head) is SoftmaxHead and model.head.hidden_size == 32
+    trained_state = cli.model.state_dict()
+    assert model.state_dict().keys() == trained_state.keys()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, trained_state[name].cpu(), msg=name)
+    assert model.head.weight is model.backbone.embedding.weight  # tied as trained
+    saved = torch.load(path, weights_only=False)["LanguageModelingDataModule"]
+    vocab = vocab_from_state(saved["vocab"])
+    ids = torch.tensor([vocab.encode_line("the company said")])
+    reference = copy.deepcopy(cli.model).cpu().eval()  # (the fixture's model left as it is)
+    with torch.no_grad():
+        expected = reference.head.log_prob(reference.backbone(ids)[0][:, -1])
+        torch.testing.assert_close(model.head.log_prob(model.backbone(ids)[0][:, -1]), expected)
 
 
 def test_test_on_checkpoint_beats_untrained_model(trained, cli_run):
