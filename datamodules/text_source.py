@@ -605,9 +605,14 @@ def with_held_out(
 ) -> TextFiles | HubColumns | HeldOutSplits:
     """``source``, with the splits it lacks cut from its training text where ``held_out`` is
     set (``present``: the splits it has)."""
-    if held_out is None:
-        return source
     missing = tuple(split for split in SPLITS if split not in set(present))
+    if held_out is None:
+        if missing:  # (a hub_splits mapping that leaves a split out)
+            raise DataPathError(
+                f"the data at {where} has no {' or '.join(missing)} split: name it with "
+                f"data.hub_splits, or cut it from the training text with --data.held_out 0.05"
+            )
+        return source
     if not missing:
         raise DataConfigError(
             f"data.held_out is set, but the data at {where} has every split: unset it, or "

@@ -332,6 +332,9 @@ def test_a_hub_dataset_with_only_a_training_split_is_cut_with_held_out(tmp_path,
     hub = HubDataset(folder, "default")
     with pytest.raises(DataPathError, match=r"no split\(s\) \['validation', 'test'\].*held_out"):
         hub.load()
+    partial = HubDataset(folder, "default", splits={"train": "train"})
+    with pytest.raises(DataPathError, match=r"has no valid or test split: .*data.held_out"):
+        text_source.text_source(tmp_path, partial)
     source = text_source.text_source(tmp_path, hub, held_out=0.25)
     assert source.lines("train") == rows[:10]
     assert source.lines("valid") == rows[10:15] and source.lines("test") == rows[15:]
