@@ -171,7 +171,8 @@ def predict_texts(given: list[str] | None, file: str | None, what: str, example:
     if file:
         path = resolve_file(Path(file).expanduser())
         if not path.is_file():
-            raise DataPathError(f"data.predict_file {str(path)!r} does not exist")
+            what = "is not a file" if path.exists() else "does not exist"
+            raise DataPathError(f"data.predict_file {str(path)!r} {what}")
         return TextFiles({"predict": path}, label=path.name).lines("predict")
     if not given:
         raise DataConfigError(

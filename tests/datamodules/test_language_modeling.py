@@ -134,6 +134,8 @@ def test_prompts_from_a_file_are_the_given_prompts(tmp_path):
         LanguageModelingDataModule(
             predict_file=str(tmp_path / "nope.txt"), **options
         ).predict_dataloader()
+    with pytest.raises(DataPathError, match="data.predict_file .* is not a file"):
+        LanguageModelingDataModule(predict_file=str(tmp_path), **options).predict_dataloader()
 
 
 @pytest.mark.parametrize("name", ["batch_size", "eval_batch_size", "bptt"])
