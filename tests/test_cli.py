@@ -5,9 +5,10 @@ import json
 
 import pytest
 import torch
+from jsonargparse import Namespace
 
 from app.cli.errors import CommandLineError
-from app.cli.lightning_cli import build
+from app.cli.lightning_cli import _predict_on_one_device, build
 from cli import main
 from datamodules import LanguageModelingDataModule
 from datamodules.errors import VocabularyMismatchError
@@ -151,6 +152,42 @@ def test_predict_prints_each_prediction_once_with_or_without_a_writer(
             experiment="ptb_softmax")  # fmt: skip
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [json.loads(line)["prompt"] for line in lines] == ["the company said", "in new york"]
+
+
+def test_predict_with_a_multi_device_setting_prints_every_prompt_once(trained, cli_run, capsys):
+    """A DDP run's saved setting (2 devices, ddp) given to predict: it split the prompts over
+    two ranks and printed rank 0's only (a, c, e); now one device, every prompt, in order."""
+    _, logs = trained
+    ckpt = str(next(logs.rglob("last.ckpt")))
+    prompts = ["a", "b", "c", "d", "e"]
+    capsys.readouterr()
+    cli = cli_run("predict", *ON_PTB, "--ckpt_path", ckpt, "--trainer.logger", "false",
+                  "--trainer.accelerator", "cpu", "--trainer.devices", "2",
+                  "--trainer.strategy", "ddp", "--data.init_args.predict_prompts",
+                  json.dumps(prompts), experiment="ptb_softmax")  # fmt: skip
+    out, err = capsys.readouterr()
+    assert cli.trainer.world_size == 1
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert [json.loads(line)["prompt"] for line in lines] == prompts
+    assert "warning: predict runs on one device, not the setting's devices=2" in err
+
+
+@pytest.mark.parametrize(
+    ("devices", "options", "asked"),
+    [
+        ("auto", {}, False),  # all GPUs of the machine: one, without a word
+        (1, {"strategy": "ddp"}, True),
+        (-1, {}, True),
+        ([0], {}, False),
+        ([0, 1], {}, True),
+        (1, {"num_nodes": 2}, True),
+    ],
+)
+def test_predict_settings_run_on_one_device(devices, options, asked):
+    trainer = Namespace(**{"devices": devices, "num_nodes": 1, "strategy": "auto", **options})
+    assert bool(_predict_on_one_device(trainer)) is asked
+    assert trainer.devices in (1, [0]) and trainer.num_nodes == 1
+    assert trainer.strategy == "auto" or not asked
 
 
 @pytest.mark.parametrize("head_class", [SoftmaxHead, MoSHead, MixtapeHead])

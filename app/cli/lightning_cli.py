@@ -84,6 +84,25 @@ def _has_callback(trainer: Namespace, defaults: list, kind: type) -> bool:
 _LOGGING_ONLY = ("LearningRateMonitor",)
 
 
+def _predict_on_one_device(trainer: Namespace) -> str | None:
+    """``predict`` prints each result once, in input order, from one process: more devices
+    (``auto`` or ``-1`` on a multi-GPU machine, a DDP run's saved config) split the inputs
+    across ranks, and only rank 0's were printed. Runs it on one device; what the setting
+    asked for where that was more than one."""
+    devices = trainer.get("devices", "auto")
+    strategy = trainer.get("strategy", "auto")
+    named = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", "")
+    one = devices in (1, "1") or (isinstance(devices, (list, tuple)) and len(devices) == 1)
+    nodes = trainer.get("num_nodes", 1)
+    several = (not one and devices != "auto") or nodes != 1 or "ddp" in str(named).lower()
+    asked = f"devices={devices}, num_nodes={nodes}, strategy={named}"
+    if not one:
+        trainer.devices = 1
+    if several:
+        trainer.num_nodes, trainer.strategy = 1, "auto"
+    return asked if several else None
+
+
 def _drop_logging_only_callbacks(trainer: Namespace) -> None:
     """``--trainer.logger false`` with the shipped callbacks: the learning-rate monitor has
     nowhere to write (Lightning stops the run over it), so it goes, in place."""
@@ -167,6 +186,11 @@ class AppCLI(LightningCLI):
                     f"--{given}: the model takes its optimizer and schedule as options: use "
                     f"--model.{ours} (e.g. --model.{ours} {example})"
                 )
+        if self.subcommand == "predict" and (asked := _predict_on_one_device(config.trainer)):
+            warn_line(
+                f"predict runs on one device, not the setting's {asked}: its output "
+                f"comes once, in input order"
+            )
         configure_loggers(config.trainer, self.subcommand, config.get("ckpt_path"))
         no_logger = config.trainer.get("logger") in (False, [])
         if no_logger:
