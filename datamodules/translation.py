@@ -251,7 +251,9 @@ class TokenBucketBatchSampler(Sampler[list[int]]):
     within ``max_tokens``, so padding is small. With a shuffling sampler the order of the
     batches is shuffled anew each epoch too. Under DDP each rank takes every
     ``world_size``-th batch (in training the last few batches are dropped so that every rank
-    runs the same number of steps).
+    runs the same number of steps). A pair longer than ``max_tokens`` is refused in training
+    (the budget bounds a step's memory); with ``longer_alone`` (evaluation, which keeps every
+    line) it is a batch of its own.
     """
 
     def __init__(
@@ -260,9 +262,10 @@ class TokenBucketBatchSampler(Sampler[list[int]]):
         max_tokens: int,
         rank: int = 0,
         world_size: int = 1,
+        longer_alone: bool = False,
     ) -> None:
         longest = max(max(sampler.source_lengths), max(sampler.target_lengths))
-        if max_tokens < longest:
+        if max_tokens < longest and not longer_alone:
             raise DataConfigError(
                 f"data.max_tokens ({max_tokens}) must hold the longest sequence ({longest} tokens)"
             )
@@ -801,7 +804,9 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         )
         if trainer is not None:  # a resumed run continues with its epoch's order
             order.set_epoch(trainer.current_epoch)
-        sampler = TokenBucketBatchSampler(order, max_tokens, rank=rank, world_size=world)
+        sampler = TokenBucketBatchSampler(
+            order, max_tokens, rank=rank, world_size=world, longer_alone=split != "train"
+        )
         pad = bos = self.bos_id
         collate = functools.partial(collate_pairs, pad_id=pad, bos_id=bos)
         if resumable:

@@ -277,6 +277,25 @@ def test_option_errors(tmp_path):
         tiny(tmp_path).predict_dataloader()
 
 
+def test_an_evaluation_pair_longer_than_the_token_budget_is_a_batch_of_its_own(tmp_path):
+    """Evaluation keeps every line: a test pair over ``eval_max_tokens`` (a long sentence of
+    one's own corpus) is batched alone, where it stopped ``test`` mid-way; training still
+    refuses a budget below its longest pair."""
+    long = (" ".join(["ein Hund"] * 20), " ".join(["a dog"] * 20))  # 41 tokens with <eos>
+    path = write_corpus(tmp_path, {"train": TINY, "val": TINY[:3],
+                                   "test_2016_flickr": [*TINY[:5], long]})  # fmt: skip
+    data = TranslationDataModule(path=path, max_tokens=16, cache_dir=str(tmp_path / "c"))
+    data.setup("test")
+    batches = list(data.test_dataloader())
+    assert sorted(int(i) for b in batches for i in b["index"]) == list(range(6))
+    (alone,) = [b for b in batches if 5 in b["index"].tolist()]
+    assert alone["source"].shape == (1, 41)
+    assert all(b["source"].numel() <= 16 for b in batches if b is not alone)
+    data = TranslationDataModule(path=path, max_tokens=3, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(DataConfigError, match=r"data.max_tokens \(3\) must hold the longest"):
+        data.train_dataloader()
+
+
 @pytest.mark.parametrize("layout", ["columns", "translation"])
 def test_hub_datasets_give_the_same_columns(monkeypatch, layout):
     """A hub name (no network here: load_dataset is replaced) with one column per language or
