@@ -96,8 +96,8 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         max_vocab_size: keep only the most frequent words (others become ``<unk>``); for
             ``hybrid_lightrnn`` too (the words that get codes).
         predict_prompts: texts whose continuation ``predict`` reports.
-        predict_file: a UTF-8 text file (plain or compressed) of prompts, one a line, instead
-            of ``predict_prompts``.
+        predict_file: a UTF-8 text file (plain or compressed; ``-``: standard input) of
+            prompts, one a line, instead of ``predict_prompts``.
         vocab: ``word`` (one id per word), ``bpe`` (HuggingFace ``tokenizers`` BPE trained on
             the training split) or ``hybrid_lightrnn`` (K frequent words with a code each, the
             others two codes: a cell of a rows x cols table). The model sees the codes; the

@@ -17,6 +17,7 @@ record batches.
 from __future__ import annotations
 
 import codecs
+import functools
 import hashlib
 import io
 import os
@@ -161,13 +162,28 @@ def find_split_files(
     return found
 
 
+@functools.cache
+def _stdin_lines() -> tuple[str, ...]:
+    """Standard input's lines, read once (a second read of a pipe finds it empty)."""
+    text = sys.stdin.buffer.read()
+    try:
+        return tuple(split_text_lines(text.decode("utf-8-sig")))
+    except UnicodeDecodeError as exc:
+        raise DataFormatError(
+            f"data.predict_file -: standard input is not UTF-8 text ({exc.reason})"
+        ) from exc
+
+
 def predict_texts(given: list[str] | None, file: str | None, what: str, example: str) -> list[str]:
     """What ``predict`` reads: ``data.predict_<what>`` or the lines of ``data.predict_file``
-    (UTF-8, plain or compressed, read as the corpora are), one or the other."""
+    (UTF-8, plain or compressed, read as the corpora are; ``-``: standard input), one or the
+    other."""
     if given and file:
         raise DataConfigError(
             f"data.predict_{what} and data.predict_file are both set; set one of them"
         )
+    if file == "-":  # a pipe: ``cat sentences.de | python cli.py predict ...``
+        return list(_stdin_lines())
     if file:
         path = resolve_file(Path(file).expanduser())
         if not path.is_file():

@@ -398,8 +398,9 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
             are dropped.
         seed: shuffling seed of the training batches.
         predict_sentences: source sentences that ``predict`` translates.
-        predict_file: a UTF-8 text file (plain or compressed) of source sentences, one a
-            line, instead of ``predict_sentences``; the translations come out in its order.
+        predict_file: a UTF-8 text file (plain or compressed; ``-``: standard input) of source
+            sentences, one a line, instead of ``predict_sentences``; the translations come
+            out in its order.
         lightrnn_frequent, lightrnn_rows, lightrnn_cols, lightrnn_init, lightrnn_seed: the
             target's Hybrid-LightRNN codes, as in ``LanguageModelingDataModule``.
         cache_dir: folder of prepared corpora (default ``data/`` below

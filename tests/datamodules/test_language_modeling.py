@@ -1,3 +1,4 @@
+import io
 import logging
 import lzma
 import pickle
@@ -11,7 +12,12 @@ from datasets import Dataset, DatasetDict, load_dataset
 import datamodules.text_source as text_source
 import datamodules.vocab.hybrid_lightrnn as hybrid_module
 from datamodules import LanguageModelingDataModule
-from datamodules.errors import DataConfigError, DataPathError, VocabularyMismatchError
+from datamodules.errors import (
+    DataConfigError,
+    DataFormatError,
+    DataPathError,
+    VocabularyMismatchError,
+)
 from datamodules.vocab import EOS, UNK, WordVocab
 from datamodules.vocab.hybrid_lightrnn import HybridLightRNNVocab
 from tests.datamodules.test_text_source import WIKI_ROWS, write_hub_layout
@@ -111,7 +117,7 @@ def test_one_training_file_with_held_out_splits(tmp_path, caplog):
     assert data.split_tokens("train").numel() == 95 * 3
 
 
-def test_prompts_from_a_file_are_the_given_prompts(tmp_path):
+def test_prompts_from_a_file_are_the_given_prompts(tmp_path, monkeypatch):
     """``data.predict_file`` (compressed, a CRLF line, a blank one): the same items as
     ``data.predict_prompts`` of its lines; one or the other; a missing file is named."""
     for split in ("train", "valid", "test"):
@@ -136,6 +142,17 @@ def test_prompts_from_a_file_are_the_given_prompts(tmp_path):
         ).predict_dataloader()
     with pytest.raises(DataPathError, match="data.predict_file .* is not a file"):
         LanguageModelingDataModule(predict_file=str(tmp_path), **options).predict_dataloader()
+    # "-": standard input (a pipe), read once
+    text_source._stdin_lines.cache_clear()
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"x y\nz\n\ny x z\n")))
+    from_stdin = LanguageModelingDataModule(predict_file="-", **options)
+    for _ in range(2):
+        assert [i["prompt"] for i in from_stdin.predict_dataloader()] == prompts
+    text_source._stdin_lines.cache_clear()
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\xff\xfe")))
+    with pytest.raises(DataFormatError, match="standard input is not UTF-8 text"):
+        from_stdin.predict_dataloader()
+    text_source._stdin_lines.cache_clear()
 
 
 @pytest.mark.parametrize("name", ["batch_size", "eval_batch_size", "bptt"])
