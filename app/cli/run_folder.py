@@ -111,11 +111,20 @@ def run_checkpoint(alias: str, trainer: Namespace) -> Path:
     state = best_checkpoint_state(
         torch.load(last, map_location="cpu", weights_only=False, mmap=True)
     )
-    if state is not None and Path(state["best_model_path"]).is_file():
-        return Path(state["best_model_path"])
+    if state is None:
+        raise CheckpointPathError(
+            f"ckpt_path 'best': the run {runs[0]} recorded no best checkpoint (no validation "
+            f"yet?); use --ckpt_path last or give the checkpoint file"
+        )
+    recorded = Path(state["best_model_path"])
+    # the file beside last.ckpt first: in a run folder copied or moved (from a cluster to a
+    # laptop) the recorded path is the original's, gone or another run's
+    for best in (last.parent / recorded.name, recorded):
+        if best.is_file():
+            return best
     raise CheckpointPathError(
-        f"ckpt_path 'best': the run {runs[0]} recorded no best checkpoint (no validation yet?); "
-        f"use --ckpt_path last or give the checkpoint file"
+        f"ckpt_path 'best': the run {runs[0]} recorded {str(recorded)!r} as its best checkpoint, "
+        f"and neither it nor {recorded.name} beside last.ckpt is there; give the checkpoint file"
     )
 
 

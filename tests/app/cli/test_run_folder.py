@@ -198,6 +198,16 @@ def test_ckpt_path_last_and_best_name_the_newest_runs_checkpoints(
     assert run_checkpoint("last", trainer) == newer / "last.ckpt"  # 10 after 7 and 0
     trainer.logger.init_args.version = 0  # a logger's version, when set, is the run
     assert run_checkpoint("last", trainer) == copied / "last.ckpt"
+    # best in a copy: the recorded path is the original's; the copy's own file is taken, and
+    # without either the line names both
+    assert run_checkpoint("best", trainer) == copied / Path(best).name
+    shutil.move(run / "checkpoints" / Path(best).name, tmp_path / "kept.ckpt")
+    try:
+        (copied / Path(best).name).unlink()
+        with pytest.raises(CheckpointPathError, match=r"recorded '.*' as its best checkpoint"):
+            run_checkpoint("best", trainer)
+    finally:
+        shutil.move(tmp_path / "kept.ckpt", run / "checkpoints" / Path(best).name)
 
 
 def test_ckpt_path_last_without_a_run_is_one_line(tmp_path):
