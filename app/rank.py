@@ -22,6 +22,7 @@ import argparse
 import copy
 import json
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -264,8 +265,12 @@ def main(argv: Sequence[str] | None = None) -> RankReport:
 
 
 def console_main(argv: Sequence[str] | None = None) -> int:
-    from app.cli.console import exit_status
+    from app.cli.console import exit_status, quiet_lightning, show_app_log
 
+    quiet_lightning()
+    show_app_log()
+    # the callbacks are left out on purpose: only the head's inputs are wanted
+    warnings.filterwarnings("ignore", ".*callbacks used to create the checkpoint need to be.*")
     return exit_status(lambda: main(argv))
 
 

@@ -86,15 +86,26 @@ class _DropAdvertisement(logging.Filter):
 
 
 def quiet_lightning() -> None:
-    """Silence two Lightning lines that say nothing about the run: its tips (an
-    advertisement at every fit), and the model summary's warning that a mixed precision is
+    """Silence the Lightning lines that say nothing about the run: its tips (an
+    advertisement at every fit), the model summary's warning that a mixed precision is
     "not supported", where the 32 bits it then counts are the parameters' own (mixed
-    precision keeps them in float32)."""
+    precision keeps them in float32), and advice that does not apply to our loaders. For
+    ``cli.py`` and the tools that run the CLI's objects (``app.rank``)."""
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropAdvertisement) for f in logger.filters):
             logger.addFilter(_DropAdvertisement())
     warnings.filterwarnings("ignore", r"Precision \S+-mixed is not supported by the model summary")
+    # Our BPTT loaders are deliberately single-process: the streams are memory-mapped views.
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", ".*IterableDataset.*has `__len__` defined.*")
+    warnings.filterwarnings("ignore", ".*infer the batch indices.*")
+    # overfit_batches: Lightning cannot tell that the BPTT windows (an IterableDataset) come
+    # in order; translation keeps its training batches alike itself (LengthSortedSampler)
+    warnings.filterwarnings("ignore", ".*requested to overfit but enabled .* shuffling.*")
+    warnings.filterwarnings("ignore", ".*LeafSpec.*is deprecated.*")
+    # Lightning's own all_gather (a checkpoint's per-rank epoch state under DDP) calls it
+    warnings.filterwarnings("ignore", ".*torch.distributed.nn.functional.all_gather is deprec.*")
 
 
 # the layers whose INFO lines a run prints: the data's cache hits and builds, the heads'
