@@ -32,7 +32,7 @@ from app.cli.errors import (
     check_linked_options,
     warn_line,
 )
-from app.cli.run_folder import configure_loggers, run_checkpoint, run_hparams
+from app.cli.run_folder import configure_loggers, run_checkpoint, run_hparams, runs_folder
 from lightning_modules.backbones.base import configured_output_size
 from lightning_modules.checkpoint_file import check_checkpoint_file
 
@@ -134,7 +134,17 @@ class AppCLI(LightningCLI):
         ckpt = self.config[subcommand].get("ckpt_path") if subcommand else None
         if ckpt in ("last", "best"):  # the newest run's (app/cli/run_folder.py)
             # (Lightning's "Restoring states from the checkpoint path at ..." names the file)
-            ckpt = str(run_checkpoint(ckpt, self.config[subcommand].trainer))
+            # fit --ckpt_path last before any run: Lightning's meaning, a fresh start (a job
+            # script that passes it on every start, requeued or not)
+            fresh = subcommand == "fit" and ckpt == "last"
+            found = run_checkpoint(ckpt, self.config[subcommand].trainer, missing_ok=fresh)
+            if found is None:
+                folder = runs_folder(self.config[subcommand].trainer)
+                warn_line(
+                    f"fit --ckpt_path last: no run in {folder} has a last.ckpt yet; training "
+                    f"starts from scratch"
+                )
+            ckpt = None if found is None else str(found)
             self.config[subcommand].ckpt_path = ckpt
         if isinstance(ckpt, str) and ckpt not in _CKPT_ALIASES and not _remote(ckpt):
             check_checkpoint_file(ckpt, "ckpt_path")

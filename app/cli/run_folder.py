@@ -79,11 +79,18 @@ def _version_number(run: Path) -> int:
     return int(match.group(1)) if match else -1
 
 
-def run_checkpoint(alias: str, trainer: Namespace) -> Path:
+def runs_folder(trainer: Namespace) -> Path:
+    """``<save_dir>/<name>`` of the first logger: where its ``version_N`` runs are."""
+    args = _logger_configs(trainer)[0].init_args
+    return Path(args.get("save_dir") or ".") / str(args.get("name") or "lightning_logs")
+
+
+def run_checkpoint(alias: str, trainer: Namespace, missing_ok: bool = False) -> Path | None:
     """The checkpoint ``--ckpt_path last|best`` means: in the first logger's folder
     (``<save_dir>/<name>``), the run of its ``version`` if set, else the newest
     ``version_N`` that has a ``checkpoints/last.ckpt``; ``best`` is the best checkpoint that
-    run's ``ModelCheckpoint`` kept (as recorded in its ``last.ckpt``)."""
+    run's ``ModelCheckpoint`` kept (as recorded in its ``last.ckpt``). With ``missing_ok``,
+    None where no run has one yet (a job script's first ``fit --ckpt_path last``)."""
     loggers = _logger_configs(trainer)
     if not loggers:
         raise CheckpointPathError(
@@ -92,13 +99,15 @@ def run_checkpoint(alias: str, trainer: Namespace) -> Path:
             f"last.ckpt"
         )
     args = loggers[0].init_args
-    folder = Path(args.get("save_dir") or ".") / str(args.get("name") or "lightning_logs")
+    folder = runs_folder(trainer)
     version = args.get("version")
     if version is not None:
         runs = [folder / (version if isinstance(version, str) else f"version_{version}")]
     else:
         runs = sorted(folder.glob("version_*"), key=_version_number, reverse=True)
     runs = [run for run in runs if (run / "checkpoints" / "last.ckpt").is_file()]
+    if not runs and missing_ok:
+        return None
     if not runs:
         raise CheckpointPathError(
             f"ckpt_path {alias!r}: no run in {folder} has checkpoints/last.ckpt; fit first, or "

@@ -216,5 +216,21 @@ def test_ckpt_path_last_without_a_run_is_one_line(tmp_path):
         init_args=Namespace(save_dir=str(tmp_path), name="ptb", version=None)))  # fmt: skip
     with pytest.raises(CheckpointPathError, match="no run in .*ptb has checkpoints/last.ckpt"):
         run_checkpoint("last", trainer)
+    assert run_checkpoint("last", trainer, missing_ok=True) is None
     with pytest.raises(CheckpointPathError, match="this run has no logger"):
         run_checkpoint("best", Namespace(logger=False))
+
+
+def test_fit_ckpt_path_last_before_any_run_starts_from_scratch(ptb_path, tmp_path, capsys):
+    """A job script passes ``--ckpt_path last`` on every start: the first one trains from
+    scratch, saying where it looked (Lightning's meaning of "last" in fit); the next resumes."""
+    common = [*TINY, "--data.init_args.path", ptb_path, "--trainer.limit_train_batches", "2",
+              "--trainer.limit_val_batches", "1", "--trainer.logger.init_args.save_dir",
+              str(tmp_path), "--ckpt_path", "last"]  # fmt: skip
+    first = main(["fit", *common, "--trainer.max_epochs", "1"])
+    assert first.trainer.global_step == 2 and first.trainer.ckpt_path is None
+    err = capsys.readouterr().err
+    assert f"warning: fit --ckpt_path last: no run in {tmp_path / 'ptb'} has a last.ckpt" in err
+    second = main(["fit", *common, "--trainer.max_epochs", "2"])
+    assert second.trainer.global_step == 4
+    assert Path(second.trainer.ckpt_path) == tmp_path / "ptb/version_0/checkpoints/last.ckpt"
