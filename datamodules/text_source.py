@@ -143,11 +143,9 @@ def find_split_files(
             if not matches and held_out is not None and split != "train":
                 continue
             if len(matches) != 1:
-                hint = (
-                    ""
-                    if split == "train" or matches
-                    else (", or hold out a share of the training lines with --data.held_out 0.05")
-                )
+                hint = ", or hold out a share of the training lines with --data.held_out 0.05"
+                if split == "train" or matches:
+                    hint = ""
                 raise DataPathError(
                     f"cannot find exactly one {split} file in {str(folder)!r} (found "
                     f"{[m.name for m in matches]}); name them with data.files, e.g. "
@@ -187,8 +185,8 @@ def predict_texts(given: list[str] | None, file: str | None, what: str, example:
     if file:
         path = resolve_file(Path(file).expanduser())
         if not path.is_file():
-            what = "is not a file" if path.exists() else "does not exist"
-            raise DataPathError(f"data.predict_file {str(path)!r} {what}")
+            problem = "is not a file" if path.exists() else "does not exist"
+            raise DataPathError(f"data.predict_file {str(path)!r} {problem}")
         return TextFiles({"predict": path}, label=path.name).lines("predict")
     if not given:
         raise DataConfigError(
@@ -446,7 +444,10 @@ class HeldOutSplits(_LineBatches):
         split, side = _split_of(part)
         if split != "train" and split not in self.missing:
             return None
-        total = self._line_counts.setdefault(side, self.source.num_lines(f"train{side}"))
+        counts = self._line_counts
+        if side not in counts:  # (one count a side: it reads the whole file)
+            counts[side] = self.source.num_lines(f"train{side}")
+        total = counts[side]
         each = max(1, round(total * self.share))
         train_end = total - each * len(self.missing)
         if train_end < 1:

@@ -278,6 +278,9 @@ def test_held_out_splits_are_contiguous_blocks_cut_from_the_end_of_train(
     """One training file, ``held_out`` 0.1: valid and test are its last two blocks of 10% of
     the lines, training the 80% before them; read in blocks that cut lines too."""
     monkeypatch.setattr(text_source, "BATCH_BYTES", batch_bytes)
+    counted = []  # the training file's lines are counted once, however many splits are read
+    count = text_source.count_lines
+    monkeypatch.setattr(text_source, "count_lines", lambda p: counted.append(p) or count(p))
     lines = _numbered(tmp_path / "corpus.train.txt", 103)
     with pytest.raises(DataPathError, match=r"valid file .*or hold out .* --data.held_out 0.05"):
         text_source.text_source(tmp_path, None)
@@ -293,6 +296,7 @@ def test_held_out_splits_are_contiguous_blocks_cut_from_the_end_of_train(
     identities = [source.identity(s) for s in ("train", "valid", "test")]
     identities.append(text_source.text_source(tmp_path, None, held_out=0.2).identity("train"))
     assert len({repr(sorted(i.items())) for i in [plain, *identities]}) == 5
+    assert len(counted) == 1
 
 
 def test_only_the_missing_split_is_held_out(tmp_path):
