@@ -11,10 +11,12 @@ key of their own, which only :meth:`HeadTask.load_from_checkpoint` reads.
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 import torch
 from jsonargparse import ArgumentParser
+from lightning.fabric.utilities.cloud_io import _load as pl_load
 from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
 from torch import nn
 
@@ -37,14 +39,19 @@ def cli_module_configs(hidden_size: int) -> dict[str, Any] | None:
     return configs
 
 
-def build_modules(path: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+def build_modules(path: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` with the backbone and the head a ``cli.py`` checkpoint at ``path`` describes
     (fresh modules: the checkpoint's weights are loaded into them after), unless given."""
     if all(m in kwargs for m in MODULES):
         return kwargs
-    if isinstance(path, str):
-        check_checkpoint_file(path, "checkpoint_path")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    if isinstance(path, (str, os.PathLike)) and "://" not in str(path):
+        check_checkpoint_file(str(path), "checkpoint_path")
+        # mmap: only the configs are read here, not the weights
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    else:  # a URL or an open file, as Lightning reads them
+        checkpoint = pl_load(path, map_location="cpu", weights_only=False)
+        if hasattr(path, "seek"):
+            path.seek(0)  # (Lightning reads it again)
     configs = checkpoint.get(MODULE_CONFIGS_KEY)
     if configs is None:
         raise ModelConfigError(
