@@ -1,6 +1,8 @@
 """A checkpoint written by the CLI loads in Python by its path alone; one of a model built in
 Python says what to pass."""
 
+import io
+
 import lightning as L
 import pytest
 import torch
@@ -38,6 +40,8 @@ def test_a_pruned_and_split_ds_head_comes_back_with_its_structure(tmp_path):
     assert loaded.state_dict().keys() == state.keys()
     for name, value in loaded.state_dict().items():
         torch.testing.assert_close(value, state[name], msg=name)
+    from_file = Classifier.load_from_checkpoint(io.BytesIO(path.read_bytes()))  # an open file
+    assert from_file.head.num_experts == 20
 
 
 def test_a_model_built_in_python_needs_its_modules_given(tmp_path):
