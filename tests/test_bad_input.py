@@ -213,6 +213,8 @@ COMMAND_LINE = [
     ("predict_without_prompts", ["predict"],
      "predict needs prompts: set data.predict_prompts, e.g. --data.predict_prompts "
      "'[\"the company said\"]'"),
+    ("cpu_devices_all", ["fit", "--trainer.accelerator", "cpu", "--trainer.devices", "-1"],
+     "trainer.devices: devices selected with CPUAccelerator should be an int > 0."),
     ("float16_weights_with_adam", ["fit", "--trainer.precision", "16-true"],
      "trainer.precision 16-true keeps the weights and Adam's moments in float16, where its eps "
      "(1e-08) and small squared gradients are 0"),

@@ -271,7 +271,13 @@ def known_error_line(exc: BaseException) -> str | None:
     message = " ".join(str(exc).split())
     origin = _raised_in(exc)
     lightning_check = isinstance(exc, ValueError) and "lightning/" in origin
-    if isinstance(exc, MisconfigurationException) or lightning_check:
+    # a device count the accelerator cannot take (``devices: -1`` of a GPU setting on a CPU)
+    device_check = (
+        isinstance(exc, TypeError)
+        and "lightning/fabric/accelerators/" in origin
+        and _trainer_option(message) is not None
+    )
+    if isinstance(exc, MisconfigurationException) or lightning_check or device_check:
         if "No supported gpu backend found" in message or "CUDA" in message and "not" in message:
             return (
                 "trainer.accelerator: no GPU is usable on this machine; use --trainer.accelerator "
