@@ -127,15 +127,12 @@ def parallel_text_source(
                 and split not in named
             ):
                 continue  # cut from the training pairs
-            for file in absent:
-                hint = (
-                    ""
-                    if split == "train"
-                    else (", or hold out a share of the training pairs with --data.held_out 0.05")
-                )
+            if absent:
+                hint = ", or hold out a share of the training pairs with --data.held_out 0.05"
                 raise DataPathError(
-                    f"{split} file {str(file)!r} does not exist; name the split prefixes "
-                    f"with data.files, e.g. {{train: train, valid: val, test: test}}{hint}"
+                    f"{split} file {str(absent[0])!r} does not exist; name the split prefixes "
+                    f"with data.files, e.g. {{train: train, valid: val, test: test}}"
+                    f"{hint if split != 'train' else ''}"
                 )
             if split != "train" or held_out is not None:  # (cut pairs must align)
                 counts = [count_lines(f) for f in side_files]
