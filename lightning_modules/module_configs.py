@@ -59,7 +59,7 @@ def build_modules(path: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
             f"checkpoint from before they were saved): pass them, load_from_checkpoint(path, "
             f"backbone=..., head=...)"
         )
-    built = {m: kwargs.get(m) or _build(configs[m]) for m in MODULES}
+    built = {m: kwargs[m] if m in kwargs else _build(configs[m]) for m in MODULES}
     return {**kwargs, **built}
 
 
