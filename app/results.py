@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from app.bench.report import peer_speedups, row_figures
+from app.bench.report import peer_speedups, row_figures, softmax_reference
 from app.bench.timing import interval_text
 
 RESULTS = Path("docs/results")
@@ -115,8 +115,9 @@ def render_training_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> 
     from app.bench.report import save_plot
 
     rows = report["results"]
-    header = ["head", "V", "d", "tokens", "ms / batch", "us / token", "x softmax",
-              "x softmax 95% CI", "GFLOP", "% matmul rate", "extra peak MiB"]  # fmt: skip
+    ratio = f"x {softmax_reference(rows)}"
+    header = ["head", "V", "d", "tokens", "ms / batch", "us / token", ratio,
+              f"{ratio} 95% CI", "GFLOP", "% matmul rate", "extra peak MiB"]  # fmt: skip
     body = []
     for row in rows:
         rel, low, high, gflop, rate, memory = row_figures(rows, row)
@@ -133,7 +134,7 @@ def render_training_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> 
            f"clock `{args.get('clock', 'wall')}`, median of {args['repeats']} repeats "
            + (f"(each the mean of {steps} steps back to back) "
               if (steps := args.get("steps_per_repeat", 1)) > 1 else "")
-           + "(`x softmax`: the median of the repeats' paired ratios, each repeat timing every "
+           + f"(`{ratio}`: the median of the repeats' paired ratios, each repeat timing every "
            "subject in one round, with its distribution-free 95% CI); ")
         + f"{_machine(report)}.",
         f"```bash\n{_bench_command(report)}\n```",
@@ -454,12 +455,12 @@ def headline_training_bench(report: dict[str, Any], path: Path) -> tuple[str, st
     if report["args"].get("time") == "skip":
         figures = [f"{r['head']} {_format(r['extra_peak_mb'])}" for r in rows]
         return "extra peak MiB of a step: " + ", ".join(figures), _bench_command(report)
-    ratios = []
+    ratios, reference = [], softmax_reference(rows)
     for row in rows:
         rel, low, high, *_ = row_figures(rows, row)
-        if row["head"] not in ("softmax", "matmul") and not math.isnan(rel):
+        if row["head"] not in (reference, "matmul") and not math.isnan(rel):
             ratios.append(f"{row['head']} {_figure(rel, interval_text(low, high))}")
-    figures = ["step time x softmax: " + ", ".join(ratios)] if ratios else []
+    figures = [f"step time x {reference}: " + ", ".join(ratios)] if ratios else []
     figures += [line.replace("`", "") for line in peer_speedups(rows)]
     return "; ".join(figures), _bench_command(report)
 

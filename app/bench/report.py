@@ -20,10 +20,18 @@ def _peer(rows: list[dict], row: dict, head: str) -> dict | None:
                  and r["hidden_size"] == row["hidden_size"]), None)  # fmt: skip
 
 
+def softmax_reference(rows: list[dict]) -> str:
+    """The head that ``x softmax`` divides by: ``softmax``, or in a run without that row (one
+    that times only plans, as ``softmax@rows`` against ``softmax@rows+graphs``) its first row of
+    the softmax family."""
+    family = [r["head"] for r in rows if r["head"].split("+")[0].partition("@")[0] == "softmax"]
+    return "softmax" if "softmax" in family or not family else family[0]
+
+
 class Figures(NamedTuple):
     """A row's derived figures, nan where not measured."""
 
-    rel: float  # time per token over the softmax's (same V and d)
+    rel: float  # time per token over the softmax's (same V and d; softmax_reference)
     rel_low: float  # 95% confidence interval of ``rel`` (nan: not paired, or too few repeats)
     rel_high: float
     gflop: float  # the step's matrix-product GFLOP
@@ -47,7 +55,8 @@ def row_figures(rows: list[dict], row: dict, memory_key: str = "extra_peak_mb") 
     """``row``'s derived figures (``Figures``); ``memory_key``: older files hold the
     process's peak instead of the step's extra peak."""
     nan = float("nan")
-    softmax, matmul = _peer(rows, row, "softmax"), _peer(rows, row, "matmul")
+    softmax = _peer(rows, row, softmax_reference(rows))
+    matmul = _peer(rows, row, "matmul")
     rel = low = high = nan  # no softmax row, or not timed (--time skip)
     if softmax and row.get("time_per_token_us") and softmax.get("time_per_token_us"):
         paired = paired_row_ratio(row, softmax)
@@ -94,8 +103,9 @@ def print_table(report: dict) -> None:
     ``GFLOP``: the step's matrix products; ``% matmul``: their rate over the bare matmul row's;
     ``extra MiB``: the step's extra peak memory (``app/bench/memory.py``)."""
     rows = report["results"]
+    ratio = f"x {softmax_reference(rows)}"
     print(f"\n{'head':<22}{'V':>8}{'d':>6}{'tokens':>8}{'ms/batch':>11}{'us/token':>10}"
-          f"{'x softmax':>11}{'95% CI':>14}{'GFLOP':>9}{'% matmul':>10}"
+          f"{ratio:>11}{'95% CI':>14}{'GFLOP':>9}{'% matmul':>10}"
           f"{'extra MiB':>11}")  # fmt: skip
     for row in rows:
         rel, low, high, gflop, rate, memory = row_figures(rows, row)

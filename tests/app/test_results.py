@@ -164,3 +164,16 @@ def test_steps_back_to_back_are_said_with_the_repeats(results, tmp_path):
     text = render(folder, tmp_path)
     assert "median of 1 repeats (each the mean of 3 steps back to back)" in text
     assert " --steps-per-repeat 3 " in text
+
+
+def test_a_run_of_plans_alone_has_a_headline(tmp_path):
+    """The committed CUDA-graphs run times plans only (no plain softmax row): its summary line
+    gives each plan against ``softmax@rows``, and its table says so in the column."""
+    folder = tmp_path / "results"
+    folder.mkdir()
+    shutil.copy(COMMITTED / "bench_gpu_graphs_10k.json", folder)
+    text = render(folder, tmp_path)
+    line = next(row for row in text.splitlines() if row.startswith("| Other measurements |"))
+    assert "| step time x softmax@rows: softmax@rows+graphs 0.87x [0.83-0.90], " in line
+    assert "mixtape@rows 2.80x [2.61-2.84]" in line and "matmul" not in line.split("|")[3]
+    assert "| head | V | d | tokens | ms / batch | us / token | x softmax@rows |" in text

@@ -10,6 +10,7 @@ from app.bench.report import (
     peer_speedups,
     print_table,
     row_figures,
+    softmax_reference,
 )
 
 
@@ -77,3 +78,19 @@ def test_the_table_shows_a_dash_where_nothing_was_measured(capsys):
     table = capsys.readouterr().out
     assert "nan" not in table
     assert table.splitlines()[-1].split()[-3:] == ["0.1", "-", "-"]  # GFLOP, % matmul, MiB
+
+
+def test_a_run_of_plans_alone_divides_by_its_first_softmax_plan(capsys):
+    """A run without a plain softmax row (plans only: ``softmax@rows`` against its CUDA graph)
+    gives its ratios against its first softmax row, and says which."""
+    rows = [_row("softmax@rows", [2.0] * 11), _row("softmax@rows+graphs", [1.6] * 11),
+            _row("mixtape@rows", [5.0] * 11), _row("matmul", [1.0] * 11)]  # fmt: skip
+    assert softmax_reference(rows) == "softmax@rows"
+    assert [row_figures(rows, row).rel for row in rows] == pytest.approx([1.0, 0.8, 2.5, 0.5])
+    print_table({"results": rows})
+    assert "x softmax@rows" in capsys.readouterr().out
+    plain = [_row("mixtape", [5.0] * 11), _row("softmax", [2.5] * 11), *rows]
+    assert softmax_reference(plain) == "softmax"  # the plain head wherever it comes
+    assert row_figures(plain, plain[0]).rel == pytest.approx(2.0)
+    assert softmax_reference([_row("mixtape", [5.0] * 11)]) == "softmax"  # none: no ratio
+    assert math.isnan(row_figures([_row("mixtape", [5.0] * 11)], _row("mixtape", [5.0])).rel)
