@@ -85,12 +85,22 @@ def runs_folder(trainer: Namespace) -> Path:
     return Path(args.get("save_dir") or ".") / str(args.get("name") or "lightning_logs")
 
 
+def newest_checkpoint(runs: list[Path]) -> Path | None:
+    """The most recently written ``checkpoints/*.ckpt`` of ``runs``, else None."""
+    files = [
+        path for run in runs for path in (run / "checkpoints").glob("*.ckpt") if path.is_file()
+    ]
+    return max(files, key=lambda path: path.stat().st_mtime, default=None)
+
+
 def run_checkpoint(alias: str, trainer: Namespace, missing_ok: bool = False) -> Path | None:
     """The checkpoint ``--ckpt_path last|best`` means: in the first logger's folder
     (``<save_dir>/<name>``), the run of its ``version`` if set, else the newest
     ``version_N`` that has a ``checkpoints/last.ckpt``; ``best`` is the best checkpoint that
     run's ``ModelCheckpoint`` kept (as recorded in its ``last.ckpt``). With ``missing_ok``,
-    None where no run has one yet (a job script's first ``fit --ckpt_path last``)."""
+    None where no run has one yet (a job script's first ``fit --ckpt_path last``). Runs whose
+    checkpoints hold no ``last.ckpt`` (no ``save_last``) are refused, naming their newest file:
+    a job requeued with ``last`` would otherwise start afresh every time."""
     loggers = _logger_configs(trainer)
     if not loggers:
         raise CheckpointPathError(
@@ -105,14 +115,22 @@ def run_checkpoint(alias: str, trainer: Namespace, missing_ok: bool = False) -> 
         runs = [folder / (version if isinstance(version, str) else f"version_{version}")]
     else:
         runs = sorted(folder.glob("version_*"), key=_version_number, reverse=True)
-    runs = [run for run in runs if (run / "checkpoints" / "last.ckpt").is_file()]
-    if not runs and missing_ok:
-        return None
-    if not runs:
+    with_last = [run for run in runs if (run / "checkpoints" / "last.ckpt").is_file()]
+    if not with_last:
+        other = newest_checkpoint(runs)
+        if other is not None:  # a ModelCheckpoint without save_last: `last` can never be there
+            raise CheckpointPathError(
+                f"ckpt_path {alias!r}: no run in {folder} has checkpoints/last.ckpt, but "
+                f"{other} is there (the run's ModelCheckpoint keeps no last.ckpt: save_last: "
+                f"true does); give that file as --ckpt_path"
+            )
+        if missing_ok:
+            return None
         raise CheckpointPathError(
             f"ckpt_path {alias!r}: no run in {folder} has checkpoints/last.ckpt; fit first, or "
             f"give the checkpoint file"
         )
+    runs = with_last
     last = runs[0] / "checkpoints" / "last.ckpt"
     if alias == "last":
         return last

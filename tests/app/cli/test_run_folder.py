@@ -2,7 +2,10 @@
 give one run folder, one meaning per tag on the training step axis, and HPARAMS that compare
 runs (issue 36)."""
 
+import os
+import re
 import shutil
+import time
 import warnings
 from pathlib import Path
 
@@ -219,6 +222,33 @@ def test_ckpt_path_last_without_a_run_is_one_line(tmp_path):
     assert run_checkpoint("last", trainer, missing_ok=True) is None
     with pytest.raises(CheckpointPathError, match="this run has no logger"):
         run_checkpoint("best", Namespace(logger=False))
+
+
+def test_runs_that_keep_no_last_ckpt_are_named_with_their_newest_checkpoint(tmp_path):
+    """A config whose ModelCheckpoint has no ``save_last`` writes ``epoch=0-step=2.ckpt`` and
+    never a ``last.ckpt``: ``last`` names the newest file there, and a job's ``fit --ckpt_path
+    last`` is refused too (it would otherwise start afresh on every requeue)."""
+    trainer = Namespace(logger=Namespace(
+        class_path="lightning.pytorch.loggers.TensorBoardLogger",
+        init_args=Namespace(save_dir=str(tmp_path), name="ds", version=None)))  # fmt: skip
+    older = tmp_path / "ds/version_0/checkpoints/epoch=0-step=2.ckpt"
+    newer = tmp_path / "ds/version_1/checkpoints/epoch=3-step=8.ckpt"
+    for age, path in ((100, older), (0, newer)):
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"")
+        os.utime(path, (time.time() - age, time.time() - age))
+    (tmp_path / "ds/version_2/checkpoints").mkdir(parents=True)  # a run stopped before any
+    for missing_ok in (False, True):
+        with pytest.raises(CheckpointPathError) as error:
+            run_checkpoint("last", trainer, missing_ok=missing_ok)
+        assert str(error.value) == (
+            f"ckpt_path 'last': no run in {tmp_path / 'ds'} has checkpoints/last.ckpt, but "
+            f"{newer} is there (the run's ModelCheckpoint keeps no last.ckpt: save_last: true "
+            f"does); give that file as --ckpt_path"
+        )
+    trainer.logger.init_args.version = 0  # a given version looks in that run alone
+    with pytest.raises(CheckpointPathError, match=f"but {re.escape(str(older))} is there"):
+        run_checkpoint("best", trainer)
 
 
 def test_fit_ckpt_path_last_before_any_run_starts_from_scratch(ptb_path, tmp_path, capsys):
