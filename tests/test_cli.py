@@ -215,6 +215,20 @@ def test_a_fit_without_a_logger_keeps_the_shipped_callbacks_that_need_none(cli_r
     assert cli.trainer.global_step == 2
 
 
+def test_a_fit_without_checkpointing_leaves_the_configs_model_checkpoint_out(cli_run, tmp_path):
+    """``--trainer.enable_checkpointing false`` with a config that lists a ModelCheckpoint
+    (every shipped one): Lightning refused the pair; the run trains and writes none."""
+    cli = cli_run("fit", *ON_PTB, "--trainer.enable_checkpointing", "false",
+                  "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1",
+                  "--data.init_args.batch_size", "4", "--trainer.logger.init_args.save_dir",
+                  str(tmp_path), experiment="ptb_softmax")  # fmt: skip
+    kept = {type(callback).__name__ for callback in cli.trainer.callbacks}
+    assert "ModelCheckpoint" not in kept and cli.trainer.checkpoint_callback is None
+    assert {"LearningRateMonitor", "TokenThroughputMonitor", "EpochTimer"} <= kept
+    assert cli.trainer.global_step == 2
+    assert list(tmp_path.rglob("*.ckpt")) == [] and list(tmp_path.rglob("config.yaml"))
+
+
 def test_unknown_head_class_is_reported(cli_run):
     with pytest.raises(CommandLineError, match="no class 'NoSuchHead' in module 'heads'"):
         cli_run("fit", *ON_PTB, "--model.head.class_path", "heads.NoSuchHead",

@@ -18,7 +18,12 @@ from typing import Any
 
 import yaml
 from jsonargparse import Namespace
-from lightning.pytorch.callbacks import BasePredictionWriter, ProgressBar
+from lightning.pytorch.callbacks import (
+    BasePredictionWriter,
+    Checkpoint,
+    LearningRateMonitor,
+    ProgressBar,
+)
 from lightning.pytorch.cli import LightningCLI
 
 from app.callbacks.training.prediction_writer import PredictionWriter
@@ -66,22 +71,32 @@ def _default_progress_bar(trainer: Namespace, defaults: list) -> bool:
     return not _has_callback(trainer, defaults, ProgressBar)
 
 
+def _is_kind(callback: Any, kind: type) -> bool:
+    """Whether ``callback`` (an object, or a ``class_path`` entry of a config) is a ``kind``."""
+    if isinstance(callback, kind):
+        return True
+    path = callback.get("class_path", "") if isinstance(callback, (dict, Namespace)) else ""
+    module, _, name = str(path).rpartition(".")
+    return bool(module) and issubclass(getattr(importlib.import_module(module), name), kind)
+
+
 def _has_callback(trainer: Namespace, defaults: list, kind: type) -> bool:
     """Whether a callback of ``kind`` is among the trainer's callbacks (given in the config,
     as objects or as ``class_path`` entries, or as defaults)."""
     given = trainer.get("callbacks") or []
-    for callback in [*(given if isinstance(given, list) else [given]), *defaults]:
-        if isinstance(callback, kind):
-            return True
-        path = callback.get("class_path", "") if isinstance(callback, (dict, Namespace)) else ""
-        module, _, name = str(path).rpartition(".")
-        if module and issubclass(getattr(importlib.import_module(module), name), kind):
-            return True
-    return False
+    return any(
+        _is_kind(callback, kind)
+        for callback in [*(given if isinstance(given, list) else [given]), *defaults]
+    )
 
 
-# callbacks that only write to a logger, and that Lightning refuses to run without one
-_LOGGING_ONLY = ("LearningRateMonitor",)
+def _drop_callbacks(trainer: Namespace, kind: type) -> None:
+    """The trainer's given callbacks without those of ``kind``, in place."""
+    given = trainer.get("callbacks")
+    if isinstance(given, list):
+        trainer.callbacks = [callback for callback in given if not _is_kind(callback, kind)]
+    elif given is not None and _is_kind(given, kind):
+        trainer.callbacks = None
 
 
 def _predict_on_one_device(trainer: Namespace) -> str | None:
@@ -101,21 +116,6 @@ def _predict_on_one_device(trainer: Namespace) -> str | None:
     if several:
         trainer.num_nodes, trainer.strategy = 1, "auto"
     return asked if several else None
-
-
-def _drop_logging_only_callbacks(trainer: Namespace) -> None:
-    """``--trainer.logger false`` with the shipped callbacks: the learning-rate monitor has
-    nowhere to write (Lightning stops the run over it), so it goes, in place."""
-    given = trainer.get("callbacks")
-    if isinstance(given, list):
-        trainer.callbacks = [
-            callback
-            for callback in given
-            if not (
-                isinstance(callback, Namespace)
-                and str(callback.get("class_path", "")).rpartition(".")[2] in _LOGGING_ONLY
-            )
-        ]
 
 
 class AppCLI(LightningCLI):
@@ -203,8 +203,12 @@ class AppCLI(LightningCLI):
             )
         configure_loggers(config.trainer, self.subcommand, config.get("ckpt_path"))
         no_logger = config.trainer.get("logger") in (False, [])
+        # what the user turned off, the shipped callbacks go without: Lightning refuses a
+        # learning-rate monitor with no logger and a ModelCheckpoint with no checkpointing
         if no_logger:
-            _drop_logging_only_callbacks(config.trainer)
+            _drop_callbacks(config.trainer, LearningRateMonitor)
+        if config.trainer.get("enable_checkpointing") is False:
+            _drop_callbacks(config.trainer, Checkpoint)
         # every run records its hyper-parameters and best validation figure (HPARAMS); every
         # fit saves a resumable checkpoint when it is preempted or interrupted
         extra = self.trainer_defaults.get("callbacks") or []
