@@ -74,6 +74,32 @@ class Classifier(HeadTask):
             }
         )
 
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of one batch: what Lightning's model summary runs on
+        ``example_input_array`` to count each module's FLOPs. Eager even where ``compile`` is
+        on (see ``LanguageModel.forward``)."""
+        with torch.compiler.set_stance("force_eager"):
+            return self.head(self.backbone(inputs), targets).loss
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if stage == "fit":  # set before the summary (on_fit_start)
+            self.example_input_array = self._first_training_batch()
+
+    def _first_training_batch(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The data module's first training batch (real labels: DS experts count the FLOPs a
+        real batch costs), or None where drawing it would start worker processes. The global
+        random generators are left as they were: training draws the same numbers."""
+        data = getattr(self._trainer, "datamodule", None) if self._trainer else None
+        if data is None:
+            return None
+        with torch.random.fork_rng(devices=[]):
+            loader = data.train_dataloader()
+            if getattr(loader, "num_workers", 0):
+                return None
+            inputs, targets = next(iter(loader))
+        return inputs, targets
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
         inputs, targets = batch
         output = self.head_loss(self.backbone(inputs), targets)

@@ -17,8 +17,7 @@ def fit(model, dm, epochs=2, **trainer_options) -> L.Trainer:
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
-        enable_model_summary=False,
-        **trainer_options,
+        **{"enable_model_summary": False, **trainer_options},
     )
     trainer.fit(model, dm)
     return trainer
@@ -74,3 +73,35 @@ def test_synthetic_ds_config_runs_through_the_cli(tmp_path, monkeypatch):
     assert cli.model.head.vocab_size == 100  # linked from the data module's vocab_size
     assert "ds/speedup" in cli.trainer.callback_metrics
     assert list(tmp_path.rglob("events.out.tfevents*"))
+
+
+def _classifier(dm, head_class=DSSoftmaxHead, d=8):
+    return Classifier(MLPBackbone(dm.input_size, d, dropout=0.3), head_class(d, dm.vocab_size),
+                      optimizer=lambda p: torch.optim.Adam(p, lr=1e-2))  # fmt: skip
+
+
+def test_model_summary_counts_the_flops_of_a_training_batch():
+    """The summary's FLOPs column comes from the first training batch (``setup("fit")``),
+    not zeros; drawing it leaves the random generators as they were, so a run trains the
+    same weights with the summary as without (dropout on, a DS head)."""
+    from lightning.pytorch.utilities.model_summary import ModelSummary
+
+    dm = SyntheticHierarchyDataModule(num_super=2, num_sub=3, dim=5, batch_size=7)
+    trained = []
+    for summary in (True, False):
+        torch.manual_seed(0)
+        model = _classifier(dm)
+        fit(model, dm, epochs=1, enable_model_summary=summary, limit_train_batches=3,
+            limit_val_batches=1)  # fmt: skip
+        trained.append(model.state_dict())
+    assert trained[0].keys() == trained[1].keys()
+    assert all(torch.equal(trained[0][k], trained[1][k]) for k in trained[0])
+    torch.manual_seed(0)
+    model = _classifier(dm, SoftmaxHead)
+    fit(model, dm, epochs=1, limit_train_batches=1, limit_val_batches=0)
+    inputs, targets = model.example_input_array
+    assert inputs.shape == (7, 5) and targets.shape == (7,)
+    flops = ModelSummary(model, max_depth=1).flop_counts
+    mlp = 2 * 7 * (5 * 8 + 8 * 8)  # two layers' products
+    assert sum(flops["backbone"].values()) == mlp
+    assert sum(flops["head"].values()) == 2 * 7 * 8 * dm.vocab_size  # the logits
