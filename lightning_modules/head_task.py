@@ -13,6 +13,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from heads import Head, HeadOutput, HeadSetup
@@ -66,8 +67,10 @@ def _products(precision: str | None) -> torch.dtype:
 
 
 @functools.cache
-def _warn_once(message: str) -> None:
-    log.warning(message)
+@rank_zero_only
+def warn_once(message: str) -> None:
+    """A ``warning:`` line (the shape of the CLI's), once a process, from rank 0 under DDP."""
+    log.warning(f"warning: {message}")
 
 
 # The tasks' on_before_batch_transfer (the head told the targets on the host) is meant to run
@@ -247,7 +250,7 @@ class HeadTask(L.LightningModule):
                 backend = "torch"  # cuda_graphs: the torch backend's plans only
         self.head.loss_options = measured_options(self.head.loss_options, backend)
         if self._graphed_loss is not None and device.type != "cuda":
-            _warn_once(f"cuda_graphs: the head's steps are captured on CUDA only; on "
+            warn_once(f"cuda_graphs: the head's steps are captured on CUDA only; on "
                        f"{device.type} it runs eagerly")  # fmt: skip
 
     def head_loss(
@@ -375,7 +378,7 @@ class HeadTask(L.LightningModule):
             # validation's value: stepping on it again (patience 0) would cut the rate on
             # no new evidence. Step only after a validation that ended since the last step.
             if self._validations == self._plateau_validations:
-                _warn_once("ReduceLROnPlateau: no validation since its last step; step skipped")
+                warn_once("ReduceLROnPlateau: no validation since its last step; step skipped")
                 return
             self._plateau_validations = self._validations
             scheduler.step(metric)

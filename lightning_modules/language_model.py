@@ -17,7 +17,7 @@ from heads import Head
 from lightning_modules.backbones import LMBackbone
 from lightning_modules.checks import HEAD_KEY, tie_head
 from lightning_modules.errors import ModelConfigError
-from lightning_modules.head_task import NO_READ_BACK, HeadTask
+from lightning_modules.head_task import NO_READ_BACK, HeadTask, warn_once
 from lightning_modules.optimization import step_schedulers_skipped_by_resume
 from lightning_modules.pretrained import Pretrained, read_pretrained
 from lightning_modules.word_perplexity import (
@@ -140,6 +140,16 @@ class LanguageModel(HeadTask):
         if stage == "fit":
             # set before the summary (on_fit_start); moved to the device with the batch
             self.example_input_array = self._first_training_batch()
+
+    def on_fit_start(self) -> None:
+        frozen = not any(parameter.requires_grad for parameter in self.backbone.parameters())
+        if frozen and self._pretrained is None and self.trainer.ckpt_path is None:
+            # the DS recipes freeze a pretrained backbone; without one it stays random
+            warn_once(
+                "model.freeze_backbone: no model.pretrained_checkpoint (and no --ckpt_path), "
+                "so the frozen backbone keeps its random initialisation and only the head "
+                "learns; give model.pretrained_checkpoint a trained language model's checkpoint"
+            )
 
     def _first_training_batch(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This rank's first training batch (a view of the token file), or None without a

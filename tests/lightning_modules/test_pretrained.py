@@ -13,6 +13,7 @@ from lightning_modules import LanguageModel
 from lightning_modules.backbones import LSTMBackbone
 from lightning_modules.epoch_resume import TRAIN_STATE_KEY
 from lightning_modules.errors import ModelConfigError
+from lightning_modules.head_task import warn_once
 from lightning_modules.pretrained import Pretrained
 from tests.datamodules.test_cache import write_corpus
 
@@ -143,3 +144,26 @@ def test_the_data_is_named_as_the_options_that_give_it():
     assert named(path="/c") == "data.path '/c' (data.vocab 'bpe')"
     assert named(path=None, hub="wikitext") == "data.hub 'wikitext' (data.vocab 'bpe')"
     assert Pretrained("p.ckpt", {}).data() == "data it does not record"
+
+
+def test_a_frozen_backbone_with_nothing_to_start_from_is_warned_of(tmp_path, caplog):
+    """``freeze_backbone`` (the DS recipes) without ``pretrained_checkpoint``: a fresh fit
+    would train a head over a random backbone; said once. Not where weights come from: the
+    pretrained checkpoint, or a checkpoint the fit resumes."""
+    corpus = data(write_corpus(tmp_path / "a"))
+    path, _ = save_trained(tmp_path, corpus)
+    warning = "warning: model.freeze_backbone: no model.pretrained_checkpoint"
+    warn_once.cache_clear()
+    for options, ckpt_path, warned in (
+        ({}, None, True),
+        ({"pretrained_checkpoint": path}, None, False),
+        ({}, "resumed.ckpt", False),
+        ({"freeze_backbone": False}, None, False),
+    ):
+        model = language_model(corpus.vocab_size, **{"freeze_backbone": True, **options})
+        model._trainer = SimpleNamespace(ckpt_path=ckpt_path)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            model.on_fit_start()
+        assert (warning in caplog.text) is warned, (options, ckpt_path)
+        warn_once.cache_clear()
