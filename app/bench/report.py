@@ -104,14 +104,15 @@ def print_table(report: dict) -> None:
     ``extra MiB``: the step's extra peak memory (``app/bench/memory.py``)."""
     rows = report["results"]
     ratio = f"x {softmax_reference(rows)}"
+    width = max(11, len(ratio) + 2)
     print(f"\n{'head':<22}{'V':>8}{'d':>6}{'tokens':>8}{'ms/batch':>11}{'us/token':>10}"
-          f"{ratio:>11}{'95% CI':>14}{'GFLOP':>9}{'% matmul':>10}"
+          f"{ratio:>{width}}{'95% CI':>14}{'GFLOP':>9}{'% matmul':>10}"
           f"{'extra MiB':>11}")  # fmt: skip
     for row in rows:
         rel, low, high, gflop, rate, memory = row_figures(rows, row)
         print(f"{row['head']:<22}{row['vocab_size']:>8}{row['hidden_size']:>6}{row['tokens']:>8}"
               f"{_number(row['time_ms'], 11, 2)}{_number(row['time_per_token_us'], 10, 3)}"
-              f"{_number(rel, 11, 2)}{interval_text(low, high):>14}{_number(gflop, 9, 1)}"
+              f"{_number(rel, width, 2)}{interval_text(low, high):>14}{_number(gflop, 9, 1)}"
               f"{_number(rate, 10, 0)}{_number(memory, 11, 1)}")  # fmt: skip
     for line in peer_speedups(rows):
         print(line.replace("`", ""))
