@@ -1,4 +1,4 @@
-"""Output layers behind one contract (see heads/base.py and DESIGN.md)."""
+"""Output layers behind one contract (see heads/base.py and docs/design.md)."""
 
 from heads.adaptive import AdaptiveSoftmaxHead
 from heads.base import IGNORE_INDEX, Head, HeadOutput, HeadSetup

@@ -1,4 +1,4 @@
-"""The head contract shared by every output layer (DESIGN.md, "The head contract").
+"""The head contract shared by every output layer (docs/design.md, "The head contract").
 
 A head maps context vectors ``hidden [N, hidden_size]`` to a distribution over
 ``vocab_size`` class ids. It never assumes a backbone, a task or a vocabulary type.

@@ -12,7 +12,7 @@ import torch
 
 # the ignore label of the head contract (re-exported by heads.base)
 IGNORE_INDEX = -100
-# dtypes whose normalisations and losses are computed in float32 (DESIGN.md, numerics)
+# dtypes whose normalisations and losses are computed in float32 (docs/design.md, numerics)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 

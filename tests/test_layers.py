@@ -1,4 +1,4 @@
-"""The layers import one way (DESIGN.md, "Layout"), checked by import-linter's contracts in
+"""The layers import one way (docs/design.md, "Layout"), checked by import-linter's contracts in
 pyproject.toml: heads <- datamodules <- lightning_modules <- app <- cli.py."""
 
 import shutil

@@ -1,4 +1,4 @@
-"""Vocabularies: ids sorted by decreasing training frequency (DESIGN.md, "Vocabularies")."""
+"""Vocabularies: ids sorted by decreasing training frequency (docs/design.md, "Data")."""
 
 from __future__ import annotations
 

@@ -117,7 +117,7 @@ class BPEVocab(CachedIdsVocab):
     ``<unk>`` and ``<eos>`` are special tokens: ``<eos>`` is appended at each line end, and
     a literal ``<unk>`` in the text (PTB writes rare words so) is the one ``<unk>`` token,
     as in ``WordVocab``. Our ids are the tokenizer's ids re-ranked by decreasing frequency
-    on the training lines (DESIGN.md, "Vocabularies"), ties by the tokenizer's id.
+    on the training lines (docs/design.md, "Data"), ties by the tokenizer's id.
     """
 
     def __init__(self, tokenizer: Tokenizer, itos: list[str], counts: list[int]) -> None:

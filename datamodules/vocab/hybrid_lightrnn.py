@@ -16,7 +16,7 @@ a dense d1 x d2 table: every other word owns one cell (r, c) and is written as t
     slots K+d1 .. K+d1+d2-1      the columns of L (second code of a rare word)
 
 The code ids (the classes a head sees) are the slots ranked by decreasing training count, as
-every vocabulary's ids are (DESIGN.md, "Vocabularies"): a row or column code stands for many
+every vocabulary's ids are (docs/design.md, "Data"): a row or column code stands for many
 rare words, so it is far more frequent than most frequent words (on PTB with K = 2,800 and an
 85 x 85 table, all 170 of them rank among the 300 most frequent codes). Heads rely on that
 order: Mixtape's own gates go to the lowest ids, adaptive softmax's head cluster holds them,

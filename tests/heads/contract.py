@@ -1,4 +1,4 @@
-"""Checks every head must pass (DESIGN.md, "The head contract"), run on every head of the
+"""Checks every head must pass (docs/design.md, "The head contract"), run on every head of the
 registry ``HEADS`` by ``tests/heads/test_contract.py``; a new head joins them with a line there."""
 
 from __future__ import annotations
@@ -252,7 +252,7 @@ def saved_tensor_sizes(fn: Callable[[], object]) -> list[int]:
 
 
 def check_training_keeps_no_vocabulary_rows(make_wide: Callable[[], Head], rows: int = 64):
-    """DESIGN.md: no head keeps a ``[N, V]`` (or ``[N, K, V]``) tensor for its training loss's
+    """docs/design.md: no head keeps a ``[N, V]`` (or ``[N, K, V]``) tensor for its training loss's
     backward. ``make_wide`` builds the head with a vocabulary wider than its other sizes; with
     the fused loss recomputing its chunks, nothing saved may reach ``N V / 4`` elements (the
     parameters themselves stay below that)."""
