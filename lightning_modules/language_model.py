@@ -142,7 +142,7 @@ class LanguageModel(HeadTask):
             self.example_input_array = self._first_training_batch()
 
     def on_fit_start(self) -> None:
-        frozen = not any(parameter.requires_grad for parameter in self.backbone.parameters())
+        frozen = self.hparams.get("freeze_backbone", False)
         if frozen and self._pretrained is None and self.trainer.ckpt_path is None:
             # the DS recipes freeze a pretrained backbone; without one it stays random
             warn_once(
