@@ -9,11 +9,7 @@ from datasets import Dataset, DatasetDict
 import datamodules.text_source as text_source
 from datamodules import TranslationDataModule
 from datamodules.errors import DataConfigError, DataPathError, VocabularyMismatchError
-from datamodules.translation import (
-    LengthSortedSampler,
-    ParallelDataError,
-    TokenBucketBatchSampler,
-)
+from datamodules.translation import ParallelDataError
 from datamodules.vocab import EOS, UNK, WordVocab
 from tests.conftest import MULTI30K
 
@@ -144,15 +140,6 @@ def test_overfit_batches_trains_the_same_batches_every_epoch(tmp_path):
     # epoch 0's shuffled buckets, not the shortest pairs that an unshuffled order starts with
     first = tiny(tmp_path, max_tokens=8).train_dataloader().batch_sampler
     assert seen[0] == [i for batch in list(first)[:2] for i in batch]
-
-
-def test_ddp_ranks_get_disjoint_equal_shares():
-    lengths = [3, 5, 2, 8, 4, 4, 6, 1, 7, 2, 3] * 5
-    order = LengthSortedSampler(lengths, lengths, shuffle=True)
-    shards = [list(TokenBucketBatchSampler(order, 16, rank=r, world_size=2)) for r in (0, 1)]
-    assert len(shards[0]) == len(shards[1])
-    flat = [set(i for b in shard for i in b) for shard in shards]
-    assert not flat[0] & flat[1]
 
 
 def test_misaligned_parallel_files_are_refused(tmp_path):

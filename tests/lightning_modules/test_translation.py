@@ -6,7 +6,7 @@ import sacrebleu
 import torch
 
 from datamodules import TranslationDataModule
-from datamodules.translation import collate_pairs
+from datamodules.pair_batches import collate_pairs
 from heads import MixtapeHead, MoSHead, SoftmaxHead
 from lightning_modules import Translation
 from lightning_modules.backbones import Seq2SeqTransformer

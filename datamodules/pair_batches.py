@@ -1,0 +1,194 @@
+"""Batches of parallel lines: the encoded pairs of a split, their length-sorted order, batches
+cut to a token budget (shared out over DDP ranks), and their padding into tensors."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+from datamodules.errors import DataConfigError
+from heads import IGNORE_INDEX
+
+
+class EncodedPairs(torch.utils.data.Dataset):
+    """Encoded parallel lines over memory-mapped token files: item ``i`` is line ``index[i]``
+    of the split, ``{"source_ids", "target_ids"}`` (int32 arrays, each ending in ``<eos>``)
+    and ``"index"`` (the line number)."""
+
+    def __init__(
+        self,
+        source: np.ndarray,
+        source_offsets: np.ndarray,
+        target: np.ndarray,
+        target_offsets: np.ndarray,
+        index: np.ndarray,
+    ) -> None:
+        self.source, self.source_offsets = source, source_offsets
+        self.target, self.target_offsets = target, target_offsets
+        self.index = index
+        self.source_lengths = np.diff(source_offsets)[index]
+        self.target_lengths = np.diff(target_offsets)[index]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        line = int(self.index[i])
+        so, to = self.source_offsets, self.target_offsets
+        return {
+            "source_ids": self.source[so[line] : so[line + 1]],
+            "target_ids": self.target[to[line] : to[line + 1]],
+            "index": line,
+        }
+
+
+class LengthSortedSampler(Sampler[int]):
+    """Indices sorted by (source, target) length; with ``shuffle``, equal lengths are ordered
+    at random anew each epoch (from ``seed + epoch``), or with ``epochs_alike`` in epoch 0's
+    order every epoch (``trainer.overfit_batches``: the same few batches, drawn at random).
+
+    Lightning calls ``set_epoch`` on the ``sampler`` of a DataLoader's batch sampler at every
+    epoch start, which is how :class:`TokenBucketBatchSampler` learns the epoch.
+    """
+
+    def __init__(
+        self,
+        source_lengths: Sequence[int],
+        target_lengths: Sequence[int],
+        shuffle: bool,
+        seed: int = 0,
+        epochs_alike: bool = False,
+    ) -> None:
+        self.source_lengths = list(source_lengths)
+        self.target_lengths = list(target_lengths)
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epochs_alike = epochs_alike
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        if not self.epochs_alike:
+            self.epoch = epoch
+
+    def rng(self) -> random.Random:
+        return random.Random(self.seed + self.epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        # random tie-breaker so equal-length pairs meet different neighbours each epoch
+        rng = self.rng()
+        tie = [rng.random() for _ in self.source_lengths] if self.shuffle else None
+        yield from sorted(
+            range(len(self.source_lengths)),
+            key=lambda i: (self.source_lengths[i], self.target_lengths[i], tie[i] if tie else i),
+        )
+
+    def __len__(self) -> int:
+        return len(self.source_lengths)
+
+
+class TokenBucketBatchSampler(Sampler[list[int]]):
+    """Batches of similar-length pairs holding at most ``max_tokens`` padded tokens per side.
+
+    The length-sorted order of ``sampler`` is cut into batches whose ``count * longest`` stays
+    within ``max_tokens``, so padding is small. With a shuffling sampler the order of the
+    batches is shuffled anew each epoch too. Under DDP each rank takes every
+    ``world_size``-th batch (in training the last few batches are dropped so that every rank
+    runs the same number of steps). A pair longer than ``max_tokens`` is refused in training
+    (the budget bounds a step's memory); with ``longer_alone`` (evaluation, which keeps every
+    line) it is a batch of its own.
+    """
+
+    def __init__(
+        self,
+        sampler: LengthSortedSampler,
+        max_tokens: int,
+        rank: int = 0,
+        world_size: int = 1,
+        longer_alone: bool = False,
+    ) -> None:
+        longest = max(max(sampler.source_lengths), max(sampler.target_lengths))
+        if max_tokens < longest and not longer_alone:
+            raise DataConfigError(
+                f"data.max_tokens ({max_tokens}) must hold the longest sequence ({longest} tokens)"
+            )
+        self.sampler = sampler
+        self.max_tokens = max_tokens
+        self.rank = rank
+        self.world_size = world_size
+        self._cache: tuple[int, list[list[int]]] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def _batches(self) -> list[list[int]]:
+        # Lightning asks for len() several times per epoch: cut the batches once per epoch
+        epoch = self.sampler.epoch
+        if self._cache is None or self._cache[0] != epoch:
+            self._cache = (epoch, self._cut_batches())
+        return self._cache[1]
+
+    def _cut_batches(self) -> list[list[int]]:
+        src, tgt = self.sampler.source_lengths, self.sampler.target_lengths
+        batches, batch, longest = [], [], 0
+        for i in self.sampler:
+            size = max(src[i], tgt[i])
+            if batch and (len(batch) + 1) * max(longest, size) > self.max_tokens:
+                batches.append(batch)
+                batch, longest = [], 0
+            batch.append(i)
+            longest = max(longest, size)
+        if batch:
+            batches.append(batch)
+        shuffle = self.sampler.shuffle
+        if shuffle:
+            # a different stream than the tie-breaker's
+            random.Random(self.sampler.seed + self.sampler.epoch + 7919).shuffle(batches)
+        if self.world_size > 1:
+            usable = len(batches) - len(batches) % self.world_size if shuffle else None
+            batches = batches[:usable][self.rank :: self.world_size]
+        return batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        yield from self._batches()
+
+    def __len__(self) -> int:
+        return len(self._batches())
+
+
+def collate_pairs(items: list[dict[str, Any]], pad_id: int, bos_id: int) -> dict[str, torch.Tensor]:
+    """Pad a list of encoded pairs into a batch.
+
+    ``source [B, S]`` with ``source_padding [B, S]`` (True at padding: masked in attention),
+    ``target_input [B, T]`` = BOS + target without its last token (teacher forcing),
+    ``target_output [B, T]`` = target ending in EOS, ``-100`` at padding (ignored by heads),
+    ``index [B]`` = line number in the split. Padding ids only fill masked or ignored
+    positions, so any id works; ``pad_id`` is an ordinary token of the frequency-sorted
+    vocabulary and needs no slot of its own.
+    """
+    batch = len(items)
+    src_len = max(len(it["source_ids"]) for it in items)
+    tgt_len = max(len(it["target_ids"]) for it in items)
+    source = torch.full((batch, src_len), pad_id, dtype=torch.long)
+    padding = torch.ones((batch, src_len), dtype=torch.bool)
+    target_input = torch.full((batch, tgt_len), pad_id, dtype=torch.long)
+    target_output = torch.full((batch, tgt_len), IGNORE_INDEX, dtype=torch.long)
+    for row, it in enumerate(items):
+        src, tgt = it["source_ids"], it["target_ids"]
+        source[row, : len(src)] = torch.as_tensor(src)
+        padding[row, : len(src)] = False
+        target_input[row, 0] = bos_id
+        target_input[row, 1 : len(tgt)] = torch.as_tensor(tgt[:-1])
+        target_output[row, : len(tgt)] = torch.as_tensor(tgt)
+    index = torch.as_tensor([it["index"] for it in items], dtype=torch.long)
+    return {
+        "source": source,
+        "source_padding": padding,
+        "target_input": target_input,
+        "target_output": target_output,
+        "index": index,
+    }
