@@ -7,11 +7,11 @@ from typing import Any
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
-from torchmetrics import MeanMetric
 
 from heads import Head
 from lightning_modules.errors import ModelConfigError
-from lightning_modules.head_task import NO_READ_BACK, HeadTask
+from lightning_modules.head_task import HeadTask
+from lightning_modules.weighted_mean import WeightedMean
 
 
 class Classifier(HeadTask):
@@ -20,7 +20,7 @@ class Classifier(HeadTask):
     Logs ``train/loss`` (task NLL), ``train/aux_loss``, ``{val,test}/loss`` and top-k accuracy
     ``{val,test}/acc_top{k}``. Accuracy comes from ``head.topk``, the inference path: for
     DS-Softmax a class outside the selected expert is never retrieved. Hits are averaged with
-    torchmetrics ``MeanMetric`` (reduced over DDP ranks).
+    ``WeightedMean`` (reduced over DDP ranks).
 
     Args:
         backbone: maps ``[N, input]`` to ``[N, d]``; needs ``output_size``.
@@ -68,7 +68,7 @@ class Classifier(HeadTask):
         self.top_k = top_k
         self.metrics = nn.ModuleDict(
             {
-                f"{stage}_{name}": MeanMetric(**NO_READ_BACK)
+                f"{stage}_{name}": WeightedMean()
                 for stage in ("val", "test")
                 for name in ["loss", *(f"acc_top{k}" for k in top_k)]
             }

@@ -90,9 +90,10 @@ warnings.filterwarnings(
     message=r"It is recommended to use `self.log\('((train|val|test|time|ds|lightrnn)/|step')",
 )
 
-# torchmetrics aggregators' options in the task modules: the default ``nan_strategy``
-# ("warn"; "ignore" alike) tests ``isnan(x).any()`` in every update, a host sync per step;
-# "disable" does not look. A NaN loss stops the run anyway (``check_finite_loss``).
+# torchmetrics sums' options in the task modules: the default ``nan_strategy`` ("warn";
+# "ignore" alike) tests ``isnan(x).any()`` in every update, a host sync per step; "disable"
+# does not look. A NaN loss stops the run anyway (``check_finite_loss``). Not for weighted
+# means: "disable" drops their weights (lightning_modules/weighted_mean.py).
 NO_READ_BACK: dict[str, Any] = {"nan_strategy": "disable"}
 
 _EXTERNAL_GRAPHS = (

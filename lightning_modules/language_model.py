@@ -9,7 +9,6 @@ import torch
 from lightning.fabric.utilities import move_data_to_device
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
-from torchmetrics import MeanMetric
 
 from datamodules.vocab.code_grammar import CodeGrammar
 from datamodules.vocab.hybrid_lightrnn import HybridLightRNNVocab
@@ -17,9 +16,10 @@ from heads import Head
 from lightning_modules.backbones import LMBackbone
 from lightning_modules.checks import HEAD_KEY, tie_head
 from lightning_modules.errors import ModelConfigError
-from lightning_modules.head_task import NO_READ_BACK, HeadTask, warn_once
+from lightning_modules.head_task import HeadTask, warn_once
 from lightning_modules.optimization import step_schedulers_skipped_by_resume
 from lightning_modules.pretrained import Pretrained, read_pretrained
+from lightning_modules.weighted_mean import WeightedMean
 from lightning_modules.word_perplexity import (
     update_word_sums,
     word_perplexity,
@@ -49,10 +49,10 @@ def _check_predict_options(predict_top_k: int, generate_tokens: int, temperature
 class LanguageModel(HeadTask):
     """Next-token language model over any :class:`~heads.Head`.
 
-    Perplexity is ``exp`` of the token-weighted mean NLL over the whole split (torchmetrics
-    ``MeanMetric`` weighted by token counts, reduced over DDP ranks), not a mean of batch
-    perplexities. When the data module's ids are codes of words (BPE pieces, Hybrid-LightRNN
-    codes: it has a ``word_start_mask``), ``{stage}/word_ppl`` is also logged:
+    Perplexity is ``exp`` of the token-weighted mean NLL over the whole split
+    (:class:`~lightning_modules.weighted_mean.WeightedMean`, reduced over DDP ranks), not a
+    mean of batch perplexities. When the data module's ids are codes of words (BPE pieces,
+    Hybrid-LightRNN codes: it has a ``word_start_mask``), ``{stage}/word_ppl`` is also logged:
     ``exp(sum of code NLLs / number of words)``, comparable across vocabularies.
 
     Args:
@@ -118,7 +118,7 @@ class LanguageModel(HeadTask):
             self.backbone.requires_grad_(False)
         self._state: dict[str, Any] = {}
         self.metrics = torch.nn.ModuleDict(
-            {stage: MeanMetric(**NO_READ_BACK) for stage in ("train_nll", "val_nll", "test_nll")}
+            {stage: WeightedMean() for stage in ("train_nll", "val_nll", "test_nll")}
         )
         self.word_metrics = word_sums(STAGES)  # over codes (lightning_modules/word_perplexity.py)
         self._word_starts: torch.Tensor | None = None

@@ -12,14 +12,14 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from sacrebleu.metrics import BLEU
-from torchmetrics import MeanMetric
 
 from heads import IGNORE_INDEX, Head
 from lightning_modules.backbones.seq2seq import Seq2SeqTransformer
 from lightning_modules.checks import tie_head
 from lightning_modules.decoding import DecodeConfig, beam_search, greedy_decode
 from lightning_modules.errors import ModelConfigError
-from lightning_modules.head_task import NO_READ_BACK, HeadTask
+from lightning_modules.head_task import HeadTask
+from lightning_modules.weighted_mean import WeightedMean
 from lightning_modules.word_perplexity import (
     update_word_sums,
     word_perplexity,
@@ -116,7 +116,7 @@ class Translation(HeadTask):
         self.label_smoothing = label_smoothing
         self.decode = decode
         self.translations_file = translations_file
-        self.metrics = torch.nn.ModuleDict({f"{s}_nll": MeanMetric(**NO_READ_BACK) for s in STAGES})
+        self.metrics = torch.nn.ModuleDict({f"{s}_nll": WeightedMean() for s in STAGES})
         # over Hybrid-LightRNN codes: also the word perplexity of the references
         self.word_metrics = word_sums(("val", "test"))
         self._word_starts: torch.Tensor | None = None

@@ -7,11 +7,11 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-from torchmetrics import MeanMetric
 
 from app.callbacks.ds.optim import find_ds_head, head_inputs
 from heads.cross_entropy import IGNORE_INDEX
 from heads.errors import HeadConfigError
+from lightning_modules.weighted_mean import WeightedMean
 
 # what a DS run's progress bar shows after each validation: how far the structure has come
 ON_THE_BAR = ("ds/speedup", "ds/num_experts")
@@ -88,7 +88,7 @@ class TopKAccuracy(Callback):
 
     After every evaluation batch it reads the context vectors and targets the head saw (the
     task's ``head_inputs``); hits over the tokens that are not ignored (weighted 0: nothing
-    read back) are averaged with torchmetrics ``MeanMetric`` (reduced over DDP ranks).
+    read back) are averaged by ``WeightedMean`` (reduced over DDP ranks).
     ``prefix`` goes in front of ``acc_top{k}`` (the Classifier already logs ``acc_top{k}``
     itself).
     """
@@ -98,11 +98,11 @@ class TopKAccuracy(Callback):
             raise HeadConfigError(f"top_k must hold positive integers, got {top_k!r}")
         self.top_k = tuple(sorted(top_k))
         self.prefix = prefix
-        self._metrics: dict[int, MeanMetric] = {}
+        self._metrics: dict[int, WeightedMean] = {}
 
     def _start(self, pl_module: L.LightningModule) -> None:
         ks = [k for k in self.top_k if k <= pl_module.head.vocab_size]
-        self._metrics = {k: MeanMetric(nan_strategy="disable").to(pl_module.device) for k in ks}
+        self._metrics = {k: WeightedMean().to(pl_module.device) for k in ks}
 
     def _count(self, pl_module: L.LightningModule) -> None:
         if not self._metrics:
