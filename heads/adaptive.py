@@ -2,8 +2,11 @@
 
 A head short-list of the ``k_h`` most frequent words plus one logit per tail cluster; tail
 cluster i projects the hidden state to ``d / div^i`` before its own classifier (Sec. 4.2,
-"Adapting the classifier capacity"). ``log P(w) = log P_head(cluster(w)) + log P_i(w)``
-(Eq. 3 of the two-level model), and the loss evaluates each tail cluster on the batch's rows
+"Adapting the classifier capacity", reduces the one tail's to ``d / 4``; the geometric
+``div^i`` over several tails is PyTorch's ``AdaptiveLogSoftmaxWithLoss``'s, which this head
+matches weight for weight). ``log P(w) = log P_head(cluster(w)) + log P_i(w)`` (Sec. 3.3's
+``p1(C(w) | h) p2(w | C(w), h)``, the short-list's words their own clusters, Sec. 4.3), and
+the loss evaluates each tail cluster on the batch's rows
 whose targets fall in it (none for a cluster the batch misses: its parameters still get a zero
 gradient, as DDP without ``find_unused_parameters`` needs). Sorting the rows into clusters
 needs their sizes on the host: counted there from the batch before it reaches the device when
@@ -211,13 +214,13 @@ class AdaptiveSoftmaxHead(Head):
             for j in range(
                 1, 5 if self.num_clusters_wanted is None else self.num_clusters_wanted + 1
             )
-            if j < self.vocab_size - 1 and self.hidden_size // self.div_value**j >= 1
+            if j <= self.vocab_size - 1 and self.hidden_size // self.div_value**j >= 1
         ]
         if not feasible:
             raise HeadConfigError(
-                f"AdaptiveSoftmaxHead has no room for a tail cluster: vocab_size "
-                f"{self.vocab_size} and hidden_size {self.hidden_size} // div_value "
-                f"{self.div_value} must both be at least 2; use SoftmaxHead"
+                f"AdaptiveSoftmaxHead has no room for a tail cluster: it needs vocab_size >= 2 "
+                f"(got {self.vocab_size}) and hidden_size // div_value >= 1 (got "
+                f"{self.hidden_size} // {self.div_value}); use SoftmaxHead"
             )
         wanted = self.num_clusters_wanted
         if wanted is not None and wanted not in feasible:
@@ -460,7 +463,7 @@ class AdaptiveSoftmaxHead(Head):
                     head_target: torch.Tensor, label_smoothing: float) -> HeadOutput:  # fmt: skip
         """Every classifier over every row as plain maths (:func:`dense_loss_fits`: small steps
         on CUDA): no sort, no gather, no read-back. A row's NLL is the head classifier's over
-        its word or cluster entry plus its own cluster's (Eq. 3), each tail cluster's targets
+        its word or cluster entry plus its own cluster's (Sec. 3.3), each tail cluster's targets
         ignored outside it, so that the other rows take no gradient from it. Label smoothing:
         ``sum_x log P(x) = sum_j c_j log P_head(j) + sum_i sum_{x in C_i} log P_i(x)``, the
         head's entry j counted ``c_j`` times (once a word, ``|C_i|`` for cluster i's)."""
@@ -469,7 +472,8 @@ class AdaptiveSoftmaxHead(Head):
         total = None
         if smoothing:  # in float32: a half-precision product overflows float16 (|sum| > 65504)
             with float32_no_autocast(hidden.device):
-                total = log_probs.float() @ self.head_counts.float()
+                log_probs = upcast(log_probs)
+                total = log_probs @ self.head_counts.to(log_probs.dtype)
         for i, tail in enumerate(self.tail, start=1):
             inside = torch.where(group == i + 1, target - self.cutoffs[i - 1], IGNORE_INDEX)
             part, log_probs = plain_log_probs(tail[0](hidden), tail[1].weight, None, inside)

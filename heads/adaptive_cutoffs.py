@@ -12,7 +12,7 @@ where ``p_i`` is the probability mass of cluster i. As in the paper, the program
 clusters at full capacity; the reduced tail dimensions (``d / div^i``) are applied afterwards
 and only make the tails cheaper. (Folding ``d_i / d`` into the program drives frequent words
 out of the short-list into low-capacity clusters, trading quality for modelled speed.) Words
-are assigned by decreasing probability to clusters of increasing size (Sec. 4.2), so only the
+are assigned by decreasing probability to clusters of increasing size (Sec. 4.3), so only the
 cut-off positions are free; they are found by dynamic programming over the sorted vocabulary.
 """
 
@@ -130,6 +130,35 @@ def _time_matmul(rows: int, dim: int, cols: int, device: torch.device, repeats: 
     return float(np.median(times[2:]) * 1e3)
 
 
+# the extra batches a GPU's calibration times at k = 16384 (up to ~2.7e8 k B: cheap there)
+_LARGE_BATCHES = (2048, 8192, 16384)
+
+
+def fit_cost_model(work: np.ndarray, times: np.ndarray) -> CostModel:
+    """Eq. 7 fitted to products timed at ``work = k B``: a plateau up to ``k0B0``, a line after.
+
+    Every split of the samples (sorted by work) into a plateau below and a line from it up is
+    tried (the plateau their median, the line least squares through the rest); the fit with
+    the least squared relative error over all samples is kept, so that products still on the
+    plateau do not flatten the line (a GPU's plateau reaches millions of ``k B``).
+    """
+    order = np.argsort(work)
+    work, times = np.asarray(work, np.float64)[order], np.asarray(times, np.float64)[order]
+    best: tuple[float, CostModel] | None = None
+    for split in range(len(work) - 1):  # the line needs two samples
+        lam, c = np.polyfit(work[split:], times[split:], 1)
+        lam = max(float(lam), 1e-12)
+        plateau = float(np.median(times[:split])) if split else max(float(c), 0.0)
+        # the line may not start above the plateau (noise): then it is reached at k B = 0
+        c = min(max(float(c), 0.0), plateau)
+        model = CostModel(c=c, lam=lam, k0b0=max(plateau - c, 0.0) / lam)
+        error = float(np.sum(((model.time(work, 1.0) - times) / times) ** 2))
+        if best is None or error < best[0]:
+            best = (error, model)
+    assert best is not None, "at least two timed products"
+    return best[1]
+
+
 def calibrate(
     hidden_size: int,
     device: torch.device | str = "cpu",
@@ -139,17 +168,17 @@ def calibrate(
 ) -> CostModel:
     """Measure ``c``, ``lambda`` and ``k0B0`` for ``[B, d] x [d, k]`` on this machine.
 
-    Times products over a range of ``k * B`` and fits Eq. 7: the plateau gives ``c + lam k0B0``,
-    a least-squares line through the large products gives ``c`` and ``lam``. The result is
-    cached per device and hidden size in ``cache_dir``, else ``adaptive/`` below the project's
-    cache root (``heads/user_cache.py``).
+    Times products over a range of ``k * B`` (on a GPU up to ~2.7e8) and fits Eq. 7 to them
+    (:func:`fit_cost_model`). The result is cached per device and hidden size in ``cache_dir``,
+    else ``adaptive/`` below the project's cache root (``heads/user_cache.py``); ``v2`` in the
+    file's name: models fitted before 2026-11-29 took a plateau's products for the line's.
     """
     device = torch.device(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     threads = torch.get_num_threads()
     cache_root = Path(cache_dir) if cache_dir else user_cache_root("adaptive")
     key = f"{name}-t{threads}-d{hidden_size}".replace(" ", "_").replace("/", "_")
-    cache_file = cache_root / f"adaptive_cost_model_{key}.json"
+    cache_file = cache_root / f"adaptive_cost_model_v2_{key}.json"
     if cache_file.is_file():
         model = CostModel(**json.loads(cache_file.read_text()))
         log.info("adaptive softmax cost model (cached %s): %s", cache_file, model)
@@ -158,17 +187,14 @@ def calibrate(
     ks = np.unique(np.geomspace(4, 16384, 12).astype(int))
     rows = [(k, batch, _time_matmul(batch, hidden_size, int(k), device, repeats)) for k in ks]
     small = [(8, b, _time_matmul(b, hidden_size, 8, device, repeats)) for b in (1, 8, 64)]
-    samples = np.array(rows + small, dtype=np.float64)
-    work, times = samples[:, 0] * samples[:, 1], samples[:, 2]
-    large = work >= np.median(work)
-    lam, c = np.polyfit(work[large], times[large], 1)
-    lam = max(float(lam), 1e-12)
-    plateau = float(np.min(times))
-    # The affine part must not start above the plateau (noise or cache effects can push the
-    # fitted intercept up); then the plateau is reached only at k B = 0.
-    c = min(max(float(c), 0.0), plateau)
-    k0b0 = (plateau - c) / lam
-    model = CostModel(c=float(c), lam=lam, k0b0=k0b0)
+    # a GPU's plateau reaches millions of k B: time products past it, so the line is seen
+    large = (
+        [(16384, b, _time_matmul(b, hidden_size, 16384, device, repeats)) for b in _LARGE_BATCHES]
+        if device.type == "cuda"
+        else []
+    )
+    samples = np.array(rows + small + large, dtype=np.float64)
+    model = fit_cost_model(samples[:, 0] * samples[:, 1], samples[:, 2])
     cache_root.mkdir(parents=True, exist_ok=True)
     cache_file.write_text(json.dumps(asdict(model)))
     log.info("adaptive softmax cost model (measured, cached in %s): %s", cache_file, model)

@@ -1,4 +1,4 @@
-"""The adaptive softmax's rows plan: its whole mean loss (Eq. 3 of Grave et al.: a row's NLL is
+"""The adaptive softmax's rows plan: its whole mean loss (Grave et al. Sec. 3.3: a row's NLL is
 the head classifier's over its word or its cluster's entry, plus its cluster's over its word)
 and every gradient in one forward (the maths and its other plans: ``heads/adaptive.py``).
 

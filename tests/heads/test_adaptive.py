@@ -504,8 +504,12 @@ def test_small_vocabularies_fall_back_to_fewer_clusters(caplog):
     assert "2 tail clusters do not fit" in caplog.text
     hidden, target = torch.randn(5, 8), torch.randint(0, 64, (5,))
     assert torch.isfinite(head(hidden, target).loss)
-    with pytest.raises(HeadConfigError, match="no room for a tail cluster"):
-        AdaptiveSoftmaxHead(8, 2, cutoffs="auto")
+    # the fewest words a split takes (Sec. 4.3): a short-list of one and a one-word cluster
+    assert AdaptiveSoftmaxHead(8, 2, cutoffs="auto").cutoffs == [1, 2]
+    with pytest.raises(HeadConfigError, match=r"vocab_size >= 2 \(got 1\)"):
+        AdaptiveSoftmaxHead(8, 1, cutoffs="auto")
+    with pytest.raises(HeadConfigError, match=r"hidden_size // div_value >= 1 \(got 2 // 4.0\)"):
+        AdaptiveSoftmaxHead(2, 10, cutoffs="auto")
 
 
 def test_auto_adopts_a_checkpoints_cutoffs():

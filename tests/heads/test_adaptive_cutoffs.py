@@ -10,6 +10,7 @@ from heads.adaptive_cutoffs import (
     calibrate,
     candidate_positions,
     expected_cost,
+    fit_cost_model,
     optimal_cutoffs,
     zipf_probabilities,
 )
@@ -69,3 +70,31 @@ def test_calibration_leaves_the_global_random_stream_alone(tmp_path):
     torch.manual_seed(3)
     calibrate(16, batch=64, repeats=1, cache_dir=tmp_path)
     torch.testing.assert_close(torch.rand(4), expected)
+
+
+@pytest.mark.parametrize("k0b0", [0.0, 2**15, 4e6, 1e7])
+def test_the_fit_recovers_eq_7_wherever_its_plateau_ends(k0b0):
+    # the products calibrate times on a GPU (k over 4..16384 at B = 512, small and large B)
+    ks = np.unique(np.geomspace(4, 16384, 12).astype(int))
+    work = np.concatenate([ks * 512.0, [8.0, 64.0, 512.0], 16384.0 * np.array([2048, 8192, 16384])])
+    true = CostModel(c=0.005, lam=2.6e-9, k0b0=k0b0)
+    fitted = fit_cost_model(work, true.time(work, 1.0))
+    assert fitted.c == pytest.approx(true.c, rel=1e-6)
+    assert fitted.lam == pytest.approx(true.lam, rel=1e-6)
+    assert fitted.k0b0 == pytest.approx(true.k0b0, rel=1e-6, abs=1e-3)
+    # so the cut-offs are the true model's (a line through the plateau's products picked
+    # [2959, 31532] for [4974, 35389] at k0B0 = 1e7: 8.5% slower by the true model)
+    probs = zipf_probabilities(100_000)
+    assert (
+        optimal_cutoffs(probs, 2, fitted, 16384.0)[0] == optimal_cutoffs(probs, 2, true, 16384.0)[0]
+    )
+
+
+def test_the_fit_keeps_the_line_from_starting_above_noisy_plateaus():
+    work = np.geomspace(8, 8e6, 15)
+    times = CostModel(c=0.01, lam=1e-8, k0b0=1e4).time(work, 1.0)
+    rng = np.random.default_rng(0)
+    fitted = fit_cost_model(work, times * rng.uniform(0.9, 1.1, len(work)))
+    assert 0.0 <= fitted.c <= fitted.c + fitted.lam * fitted.k0b0
+    assert fitted.lam == pytest.approx(1e-8, rel=0.2)
+    assert fitted.time(8e6, 1.0) == pytest.approx(0.09, rel=0.15)
