@@ -453,7 +453,10 @@ class DSSoftmaxHead(Head):
                     squares = norms.new_zeros(self.num_experts).index_add(
                         0, self.row_expert(), norms.square()
                     )
-                    total = total + self.lambda_expert * squares.sqrt().sum()
+                    # an expert of zero rows (new rows, set_expert_classes) has norm 0,
+                    # where sqrt's derivative is infinite: 0 * inf would be NaN
+                    norm = squares.clamp_min(torch.finfo(squares.dtype).tiny).sqrt()
+                    total = total + self.lambda_expert * norm.sum()
             if self.lambda_load and self.num_experts > 1:
                 # importance of expert k: sum over the batch of the sparse gate G_k(h)
                 importance = upcast(gate_value).new_zeros(self.num_experts)
@@ -512,15 +515,7 @@ class DSSoftmaxHead(Head):
         norms = torch.linalg.vector_norm(self.weight.float(), dim=1)
         keep = norms >= gamma
         if keep_every_class:
-            # largest-norm row of every class, found as the last row after a stable sort
-            order = torch.argsort(norms, stable=True)
-            best = torch.full((self.vocab_size,), -1, dtype=torch.long, device=norms.device)
-            best[self.row_class[order]] = order  # later (larger-norm) writes win
-            present = best >= 0
-            covered = torch.zeros_like(present)
-            covered[self.row_class[keep]] = True
-            rescue = best[present & ~covered]
-            keep[rescue] = True
+            keep[self._largest_row_of_uncovered_classes(norms, keep)] = True
         if bool(keep.all()):
             return None
         if not bool(keep.any()):  # nothing left: keep the single largest row
@@ -535,6 +530,23 @@ class DSSoftmaxHead(Head):
             self.weight[rows], self.row_class[rows], sizes[alive_experts], self.gate[alive_experts]
         )
         return rows, alive_experts
+
+    def _largest_row_of_uncovered_classes(
+        self, norms: torch.Tensor, keep: torch.Tensor
+    ) -> torch.Tensor:
+        """The largest-norm row (the first of equal ones) of every class that ``keep`` leaves
+        without a row. Reductions, not an indexed write with repeated indices (which row of a
+        class such a write keeps is unspecified: on a CPU's threads it varied from run to run,
+        and DDP ranks could then disagree)."""
+        classes, rows = self.row_class, torch.arange(norms.numel(), device=norms.device)
+        largest = norms.new_full((self.vocab_size,), -math.inf)
+        largest = largest.scatter_reduce(0, classes, norms, "amax")
+        at_largest = norms == largest[classes]
+        first = torch.full((self.vocab_size,), norms.numel(), device=norms.device)
+        first = first.scatter_reduce(0, classes[at_largest], rows[at_largest], "amin")
+        covered = torch.zeros(self.vocab_size, dtype=torch.bool, device=norms.device)
+        covered[classes[keep]] = True  # repeated indices all write True
+        return first[(first < norms.numel()) & ~covered]
 
     @torch.no_grad()
     def set_expert_classes(
@@ -582,9 +594,21 @@ class DSSoftmaxHead(Head):
 
         With identical gate rows a twin's ``G`` is half its parent's, so by default
         (``rescale_rows``) both twins' rows are doubled: ``G W h`` (Eq. 2) stays continuous
-        through the split. Without it the rows keep their norms (less for the group lasso to
-        remove; top-k answers do not depend on ``G``) and the distribution flattens until the
-        gate sharpens again.
+        through the split where every expert divides. Where ``max_experts`` lets only some
+        divide, the gate's normaliser grows by the dividing experts' share alone, which
+        depends on ``h``: their twins' ``G`` falls by less than half and the others' falls
+        too, so the loss moves a little at that split (K = 4 -> 6: 7.70 -> 7.67 nats, noise
+        0; the gate has no bias that could take ``-log 2`` for the twins). Without
+        ``rescale_rows`` the rows keep their norms (less for the group lasso to remove; top-k
+        answers do not depend on ``G``) and the distribution flattens until the gate sharpens
+        again.
+
+        The noise: each row's elements ``noise_std`` times the row's RMS; each gate element
+        ``noise_std`` times the mean norm of the gate rows, ``sqrt(d)`` times larger relative
+        to a gate row (0.14 at d = 200 and 0.01), so that the twins' gates differ enough for
+        them to part. Departures from Algorithm 2: the paper re-draws the new gate at random
+        (line 5) where the twins here start from their parent's gate; it gives both twins the
+        same noisy rows (lines 6-7) where here each copy draws its own noise.
         Returns ``(weight_source_rows [R'], gate_source_rows [K'])``: old indices of every new row.
         """
         k_old = self.num_experts

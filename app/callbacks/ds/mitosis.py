@@ -36,7 +36,9 @@ class Mitosis(Callback):
     Args:
         max_experts: K to reach.
         every_n_epochs: epochs between splits (split at epochs N, 2N, ...).
-        noise_std: Gaussian noise added to the clones, relative to each row's RMS.
+        noise_std: Gaussian noise added to the clones: ``noise_std`` times each row's RMS
+            per element, and ``noise_std`` times the gate rows' mean norm per gate element
+            (``sqrt(d)`` times larger relative to a gate row; ``split_experts`` says why).
         rescale_rows: double the cloned rows so the loss is continuous through a split (see
             ``DSSoftmaxHead.split_experts``).
         max_peak_softmaxes: memory budget of a split in units of one softmax layer (``V``

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
@@ -21,13 +22,21 @@ class DSPruning(Callback):
     the head drops rows with ``||W^(k)_c||_2 < gamma``. The row norms are parameters, identical
     on every rank after DDP's all-reduce, so all ranks take the same decision.
 
+    Departures from the paper: a pruned row is deleted, not kept at zero (Algorithm 1 line 9
+    zeroes it, and a zero row could grow again); the only gate is the loss threshold (the
+    paper's schedule, Sec. 4.5, also waits 10 epochs after each split: use
+    ``every_n_steps``/``loss_threshold`` or a Mitosis schedule for that).
+
     Args:
         loss_threshold: prune only while the task loss is below this (Algorithm 1's ``t``).
         gamma: row-norm threshold (paper: 0.01).
         keep_every_class: every class keeps at least one expert (paper default); ``False`` is
             the paper's ``*`` variant.
         every_n_steps: how often to check (each structural change rebuilds the optimizer).
-        loss_key: the logged task loss (without the regularisers).
+        loss_key: the logged task loss (without the regularisers). ``None``: ``train/nll``
+            where the module logs it (translation: its ``train/loss`` adds the head's
+            regularisers and label smoothing), else ``train/loss`` (language model,
+            classifier: the task's loss alone).
         stop_epoch: from this epoch on, no more pruning and the head's group-lasso weights are
             0: the structure is fixed and its surviving rows are fine-tuned for the task alone
             (a last stage after mitosis). ``None``: prune until the end.
@@ -42,7 +51,7 @@ class DSPruning(Callback):
         gamma: float = 0.01,
         keep_every_class: bool = True,
         every_n_steps: int = 50,
-        loss_key: str = "train/loss",
+        loss_key: str | None = None,
         stop_epoch: int | None = None,
         max_peak_softmaxes: float | None = None,
     ) -> None:
@@ -64,6 +73,10 @@ class DSPruning(Callback):
         self._loss_sum: torch.Tensor | float = 0.0  # on the loss's device: summed, not read
         self._loss_count = 0
 
+    def task_loss_key(self, metrics: Mapping[str, Any]) -> str:
+        """The logged loss that Algorithm 1's threshold is held against (``loss_key``)."""
+        return self.loss_key or ("train/nll" if "train/nll" in metrics else "train/loss")
+
     def _stopped(self, trainer: L.Trainer) -> bool:
         return self.stop_epoch is not None and trainer.current_epoch >= self.stop_epoch
 
@@ -79,7 +92,7 @@ class DSPruning(Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
     ) -> None:
-        loss = trainer.callback_metrics.get(self.loss_key)
+        loss = trainer.callback_metrics.get(self.task_loss_key(trainer.callback_metrics))
         if loss is not None:  # summed on the device: read back only when a check is due
             self._loss_sum = loss.detach().float() + self._loss_sum
             self._loss_count += 1

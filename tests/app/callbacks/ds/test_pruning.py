@@ -70,6 +70,15 @@ def test_no_pruning_above_the_loss_threshold():
     assert model.head.weight.size(0) == 4 * 4
 
 
+def test_the_threshold_is_held_against_the_task_loss_alone():
+    # translation logs train/loss with the head's regularisers and label smoothing, and its
+    # task NLL as train/nll; the language model and classifier log their task loss as train/loss
+    translation = {"train/loss": torch.tensor(5.0), "train/nll": torch.tensor(0.1)}
+    assert DSPruning().task_loss_key(translation) == "train/nll"
+    assert DSPruning().task_loss_key({"train/loss": torch.tensor(0.1)}) == "train/loss"
+    assert DSPruning(loss_key="train/loss").task_loss_key(translation) == "train/loss"
+
+
 def test_the_loss_is_read_back_only_when_a_check_is_due(monkeypatch):
     """The loss is summed on the device each batch and read back (a GPU sync) once per
     ``every_n_steps``: the check's mean, not every batch's loss."""
