@@ -10,7 +10,8 @@ separable,
 where ``R[w, r]`` sums ``-log P(row r | Z_{k,1})`` over the occurrences k of w, and
 ``Cc[w, c]`` sums ``-log P(column c | Z_{k,2})``. Cells are numbered ``r * d2 + c``.
 
-Solvers:
+Solvers (the paper solves Eq. 3 as a minimum-cost maximum flow, or in practice with Preis's
+1/2-approximation; these are exact, or within 1% of exact on the separable cost):
 
 * ``exact``: ``scipy.optimize.linear_sum_assignment`` on the dense n x (d1 d2) cost; O(n^3),
   for small tables.
@@ -292,13 +293,15 @@ def reassign(
     sub_row, sub_col, sub_cells = row_cost[words], col_cost[words], cells[words]
     if solver == "auto":
         solver = "exact" if len(words) * d1 * d2 <= exact_max_entries else "separable"
-    if solver == "exact":
+    if solver not in ("exact", "separable"):
+        raise ValueError(f"solver must be 'auto', 'exact' or 'separable', got {solver!r}")
+    if not len(words):  # nothing to move (no rare word scored): the table stays as it is
+        sub_new, sub_bound = sub_cells, 0.0
+    elif solver == "exact":
         sub_new = solve_exact(sub_row, sub_col, blocked)
         sub_bound = objective(sub_row, sub_col, sub_new)
-    elif solver == "separable":
-        sub_new, sub_bound = solve_separable(sub_row, sub_col, sub_cells, blocked=blocked)
     else:
-        raise ValueError(f"solver must be 'auto', 'exact' or 'separable', got {solver!r}")
+        sub_new, sub_bound = solve_separable(sub_row, sub_col, sub_cells, blocked=blocked)
     new = cells.copy()
     new[words] = sub_new
     before = objective(row_cost, col_cost, cells)

@@ -115,6 +115,19 @@ def test_only_movable_words_move(solver):
         assert result.after == pytest.approx(full[r, free[c]].sum() + fixed)
 
 
+@pytest.mark.parametrize("solver", ["auto", "exact", "separable"])
+def test_no_movable_word_leaves_the_table_as_it_is(solver):
+    # a scoring sample with no rare word in it: nothing to re-learn, and nothing fails
+    rng = np.random.default_rng(6)
+    row, col = random_instance(rng, 12, 4, 4, "zipf_low_rank")
+    cells = rng.permutation(16)[:12]
+    result = reassign(row, col, cells, solver=solver, movable=np.zeros(12, dtype=bool))
+    assert np.array_equal(result.cells, cells) and result.moved == 0.0
+    assert result.after == result.before == result.lower_bound == objective(row, col, cells)
+    with pytest.raises(ValueError, match="solver must be"):
+        reassign(row, col, cells, solver="greedy", movable=np.zeros(12, dtype=bool))
+
+
 @pytest.mark.slow
 def test_a_10k_word_table_is_reassigned_by_the_scalable_solver():
     """The issue's 10k-word size, on synthetic Eq. 6-like costs (Zipf counts x low rank).
