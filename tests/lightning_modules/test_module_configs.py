@@ -23,6 +23,7 @@ def test_a_pruned_and_split_ds_head_comes_back_with_its_structure(tmp_path):
         ["configs/ds/synthetic_hierarchy.yaml"],
         ["--trainer.max_epochs", "2", "--trainer.limit_train_batches", "3",
          "--trainer.limit_val_batches", "1", "--trainer.logger", "false",
+         "--trainer.default_root_dir", str(tmp_path),  # its config.yaml: not in the cwd
          "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false",
          "--trainer.callbacks+=app.callbacks.Mitosis",
          "--trainer.callbacks.max_experts", "20", "--trainer.callbacks.every_n_epochs", "1"],
