@@ -75,7 +75,8 @@ class MixtapeHead(SingleSoftmaxHead):
         frequent_ratio: r = S / V, the share of most frequent tokens with their own gates
             (0.1 for language modelling, 0.5 for translation in the paper). r = 1 disables
             gate sharing.
-        gate_embedding_size: ``d2``, size of the gate embeddings ``v_x``.
+        gate_embedding_size: ``d2``, size of the gate embeddings ``v_x`` (the paper gives no
+            value: "much smaller than d").
         embedding_size: size ``d`` of ``h_{c,k}`` and of the token embeddings ``w_x``.
             Default: ``hidden_size``.
         gate_dropout: dropout on ``tanh(U_k g_c)`` (Eq. 4).
@@ -125,7 +126,9 @@ class MixtapeHead(SingleSoftmaxHead):
         self.context = nn.Linear(hidden_size, num_components * embedding_size)
         # Eq. 4: tanh(U_k g_c), one block of d2 rows per gate
         self.gate_projection = nn.Linear(hidden_size, self.num_gates * gate_embedding_size)
-        # Eq. 4 / Eq. 6: u_k . g_c
+        # Eq. 4 / Eq. 6: u_k . g_c, without a bias (Eq. 6 as written; Sec. 3.4 adds biases to
+        # Eq. 4's products: a frequent token's b_{x,k} holds it, the rare tokens' shared gate
+        # has none, its priors equal where u_k . g_c are)
         self.gate_context = nn.Linear(hidden_size, self.num_gates, bias=False)
         # Eq. 4: v_x and b_{x,k} for the S frequent tokens only
         self.gate_embedding = nn.Parameter(torch.empty(self.num_frequent, gate_embedding_size))

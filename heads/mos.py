@@ -79,7 +79,8 @@ class MoSHead(Head):
         check_positive_int("embedding_size", embedding_size)
         self.num_components = num_components
         self.embedding_size = embedding_size
-        self.context = nn.Linear(hidden_size, num_components * embedding_size)  # H_k
+        # H_k, with a bias (Eq. 2 writes none; Yang et al.'s code has one)
+        self.context = nn.Linear(hidden_size, num_components * embedding_size)
         self.prior = nn.Linear(hidden_size, num_components, bias=False)  # U
         self.context_dropout = nn.Dropout(context_dropout)
         self.weight = nn.Parameter(torch.empty(vocab_size, embedding_size))
