@@ -55,28 +55,36 @@ def _max_lengths(source_padding: torch.Tensor, config: DecodeConfig) -> torch.Te
     return limit.clamp(min=1)
 
 
-# ``(log_probs [n, V], previous tokens [n]) -> log_probs`` with the tokens that may not follow
-# at -inf: a coded target's grammar (Hybrid-LightRNN: a row code, then a column of that row)
-Restrict = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# ``(log_probs [n, V], previous tokens [n], closing [n]) -> log_probs`` with the tokens that may
+# not follow at -inf: a coded target's grammar (Hybrid-LightRNN: a row code, then a column of
+# that row); ``closing``: rows whose next token is the last before a forced <eos>, which must
+# end a word (CodeGrammar.restrict)
+Restrict = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _step_log_probs(
     head: Head,
     hidden: torch.Tensor,
     k: int,
-    force_eos: torch.Tensor,
+    max_lengths: torch.Tensor,
+    step: int,
     eos_id: int,
     previous: torch.Tensor,
     restrict: Restrict | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` next tokens per row (among those ``restrict`` allows after ``previous``);
-    rows in ``force_eos`` get ``<eos>`` with its log-prob."""
+    rows at their ``max_lengths`` get ``<eos>`` with its log-prob, or 0 where the head gives
+    it none (a DS-Softmax expert without ``<eos>``: at -inf every hypothesis of the sentence
+    would end there unfinished)."""
+    force_eos = max_lengths == step + 1
     if restrict is None:
         log_probs, tokens = head.topk(hidden, k)
     else:  # the whole distribution, masked (coded targets: a few thousand codes)
-        log_probs, tokens = restrict(head.log_prob(hidden), previous).topk(k, dim=-1)
+        closing = max_lengths == step + 2
+        log_probs = restrict(head.log_prob(hidden), previous, closing)
+        log_probs, tokens = log_probs.topk(k, dim=-1)
     if force_eos.any():
-        eos_lp = head.log_prob(hidden[force_eos])[:, eos_id]
+        eos_lp = head.log_prob(hidden[force_eos])[:, eos_id].nan_to_num(neginf=0.0)
         forced_lp = torch.full_like(log_probs[force_eos], float("-inf"))
         forced_lp[:, 0] = eos_lp
         log_probs[force_eos] = forced_lp
@@ -106,8 +114,9 @@ def greedy_decode(
     cache = None
     for step in range(int(max_lengths.max())):
         hidden, cache = backbone.decode_step(prefix, memory, source_padding, cache)
-        force = max_lengths[active] == step + 1
-        _, tokens = _step_log_probs(head, hidden, 1, force, eos_id, prefix[:, -1], restrict)
+        _, tokens = _step_log_probs(
+            head, hidden, 1, max_lengths[active], step, eos_id, prefix[:, -1], restrict
+        )
         tokens = tokens[:, 0]
         for row, token in zip(active.tolist(), tokens.tolist(), strict=True):
             if token != eos_id:
@@ -164,9 +173,9 @@ def beam_search(
     for step in range(int(max_lengths.max())):
         n = len(active)
         hidden, cache = backbone.decode_step(prefix, memory, padding, cache)  # [n * k, d]
-        force = (max_lengths[active] == step + 1).repeat_interleave(k)
+        limits = max_lengths[active].repeat_interleave(k)
         log_probs, tokens = _step_log_probs(
-            head, hidden, per_beam, force, eos_id, prefix[:, -1], restrict
+            head, hidden, per_beam, limits, step, eos_id, prefix[:, -1], restrict
         )
         candidates = (scores.unsqueeze(-1) + log_probs.view(n, k, -1)).view(n, -1)
         top_scores, top_pos = candidates.topk(num_candidates, dim=1)  # [n, 2k]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from lightning_modules.backbones.seq2seq import Seq2SeqTransformer
 from lightning_modules.checks import tie_head
 from lightning_modules.decoding import DecodeConfig, beam_search, greedy_decode
 from lightning_modules.errors import ModelConfigError
-from lightning_modules.head_task import HeadTask
+from lightning_modules.head_task import HeadTask, warn_once
 from lightning_modules.weighted_mean import WeightedMean
 from lightning_modules.word_perplexity import (
     update_word_sums,
@@ -29,6 +30,20 @@ from lightning_modules.word_perplexity import (
 
 STAGES = ("train", "val", "test")
 DEFAULT_DECODE = DecodeConfig()
+
+
+def bleu_for(target_lang: str | None) -> BLEU:
+    """sacrebleu's BLEU with its tokenizer for the target language (``zh``, ``ja``, ``ko``
+    take their own; 13a for the rest), so Chinese, Japanese or Korean output is not scored as
+    one token a sentence; 13a, with a warning, where the language's tokenizer needs a package
+    not installed (``pip install sacrebleu[ja]``)."""
+    if target_lang is None:
+        return BLEU()
+    try:
+        return BLEU(trg_lang=target_lang)
+    except RuntimeError as error:  # sacrebleu: "... requires extra dependencies ..."
+        warn_once(f"BLEU for {target_lang!r} tokenized by 13a: {str(error).strip()}")
+        return BLEU()
 
 
 class Translation(HeadTask):
@@ -221,9 +236,11 @@ class Translation(HeadTask):
         # a coded target (Hybrid-LightRNN) decodes to valid code pairs only: a row, then a
         # column that row holds a word in; no <unk> from a broken pair
         grammar = getattr(data.target_vocab, "grammar", None)
-        restrict = grammar(self.device).restrict if grammar is not None else None
+        grammar = grammar(self.device) if grammar is not None else None
         if beam_size == 1:
-            return greedy_decode(*args, *tokens, restrict)
+            return greedy_decode(*args, *tokens, grammar.restrict if grammar else None)
+        # a search lets a hypothesis with no allowed code end (no fallback to probability 1)
+        restrict = functools.partial(grammar.restrict, fallback=False) if grammar else None
         return beam_search(*args, *tokens, beam_size=beam_size, restrict=restrict)
 
     def _eval_step(self, batch: dict[str, torch.Tensor], stage: str, beam_size: int) -> None:
@@ -311,7 +328,7 @@ class Translation(HeadTask):
         indices = sorted(translations)
         hypotheses = {i: data.detokenize(translations[i]) for i in indices}
         references = data.references(split)
-        bleu = BLEU()
+        bleu = bleu_for(getattr(getattr(data, "hparams", None), "target_lang", None))
         # BLEU of the lines decoded (all of them unless limit_*_batches cuts the split)
         score = bleu.corpus_score(
             [hypotheses[i] for i in indices], [[references[i] for i in indices]]

@@ -40,12 +40,27 @@ class CodeGrammar:
         after_row = self.columns[self.row_of[previous]]
         return torch.where(self.is_row[previous].unsqueeze(-1), after_row, self.word_start)
 
-    def restrict(self, log_probs: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    def restrict(
+        self,
+        log_probs: torch.Tensor,
+        previous: torch.Tensor,
+        closing: torch.Tensor | None = None,
+        fallback: bool = True,
+    ) -> torch.Tensor:
         """``log_probs`` ``[..., V]`` with the codes that may not follow ``previous`` at
-        ``-inf`` (not renormalised: a kept code keeps the model's probability). A row whose
-        allowed codes all have probability 0 (a DS-Softmax expert without them) gets them
-        all at 0 instead, so a sampler still has a valid choice."""
+        ``-inf`` (not renormalised: a kept code keeps the model's probability).
+
+        ``closing`` ``[...]`` bool: rows whose next code is the last before a forced
+        ``<eos>`` (a decoder's length limit), which must end a word: no row code there (a row
+        then ``<eos>`` would be the ``<unk>`` of a broken pair). ``fallback``: a row whose
+        allowed codes all have probability 0 (a DS-Softmax expert without them) gets them all
+        at 0 instead, so that a sampler or greedy decoder still has a valid choice; a search
+        takes ``False`` and lets such a hypothesis end there (at 0 it would cost nothing)."""
         allowed = self.allowed_after(previous)
+        if closing is not None:
+            allowed = allowed & ~(closing.unsqueeze(-1) & self.is_row)
         kept = log_probs.masked_fill(~allowed, float("-inf"))
+        if not fallback:
+            return kept
         hopeless = kept.isneginf().all(-1, keepdim=True)
         return torch.where(hopeless & allowed, torch.zeros_like(kept), kept)

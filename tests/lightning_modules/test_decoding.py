@@ -136,10 +136,14 @@ def test_beam_uses_the_heads_topk_fast_path(trained, monkeypatch):
     assert calls["topk"] > 0
 
 
-def after_2_only_3(log_probs: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
-    """A toy grammar over 4 tokens (0 = <eos>): after 2 only 3; 2 never ends a sentence."""
+def after_2_only_3(
+    log_probs: torch.Tensor, previous: torch.Tensor, closing: torch.Tensor
+) -> torch.Tensor:
+    """A toy grammar over 4 tokens (0 = <eos>): after 2 only 3; 2 never ends a sentence, so
+    it may not be the last token before a forced <eos> (``closing``)."""
     allowed = torch.ones_like(log_probs, dtype=torch.bool)
     allowed[previous == 2] = torch.tensor([False, False, False, True])
+    allowed[closing, 2] = False
     return log_probs.masked_fill(~allowed, float("-inf"))
 
 
@@ -173,7 +177,42 @@ def test_a_restricted_beam_finds_the_best_hypothesis_the_grammar_allows():
     greedy = greedy_decode(backbone, head, source, padding, config, eos, eos, after_2_only_3)
     assert greedy == beam_search(backbone, head, source, padding, config, eos, eos,
                                  beam_size=1, restrict=after_2_only_3)  # fmt: skip
-    assert all(obeys(h) or len(h) == 2 for h in greedy)  # <eos> forced at the maximum length
+    # at the length limit too: no 2 before the forced <eos> (a row code, then a broken pair)
+    assert all(obeys(h) for h in greedy) and all(obeys(h) for h in found)
+    assert any(len(h) == 2 for h in greedy)  # some reached the limit: the check has teeth
+
+
+def test_a_head_without_eos_probability_still_ends_at_the_limit():
+    """A DS-Softmax expert may hold no ``<eos>`` (log-prob -inf): the forced ``<eos>`` at the
+    length limit then costs 0, so that every sentence still gets its best hypothesis (beam
+    search returned none where every beam reached the limit) and greedy is beam size 1."""
+    vocab, eos = 5, 0
+    backbone, head = make(6, vocab, seed=1)
+    source, padding = sources(6, seed=1)
+    plain_log_prob = head.log_prob
+
+    def no_eos(hidden):
+        return plain_log_prob(hidden).index_fill(-1, torch.tensor([eos]), float("-inf"))
+
+    head.log_prob = no_eos
+    head.topk = lambda hidden, k: no_eos(hidden).topk(k, dim=-1)
+    config = DecodeConfig(max_length_a=0.0, max_length_b=3, length_penalty=0.0)
+    greedy = greedy_decode(backbone, head, source, padding, config, eos, eos)
+    # beam 4: every first token of the 4 kept, so the search is exhaustive over 2 tokens
+    found = beam_search(backbone, head, source, padding, config, eos, eos, beam_size=4)
+    assert all(len(h) == 2 for h in greedy + found)
+    assert greedy == beam_search(backbone, head, source, padding, config, eos, eos,
+                                 beam_size=1)  # fmt: skip
+
+    @torch.no_grad()
+    def score(i: int, hypothesis: tuple[int, ...]) -> float:  # its tokens', <eos> costs 0
+        decoder_input = torch.tensor([[eos, *hypothesis[:-1]]])
+        hidden = backbone(source[i][None], padding[i][None], decoder_input)[0]
+        return float(no_eos(hidden).gather(1, torch.tensor(hypothesis)[:, None]).sum())
+
+    for i, hypothesis in enumerate(found):
+        best = max(itertools.product(range(1, vocab), repeat=2), key=lambda h: score(i, h))
+        assert tuple(hypothesis) == best
 
 
 def test_hypotheses_may_outgrow_the_position_table():

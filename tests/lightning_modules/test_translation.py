@@ -1,3 +1,4 @@
+import importlib.util
 from collections.abc import Callable
 
 import lightning as L
@@ -316,3 +317,23 @@ def test_a_compiled_head_sees_a_few_row_counts(tmp_path):
     eager.load_state_dict(model.state_dict())
     model.eval()
     torch.testing.assert_close(model.loss(batch), eager.loss(batch))
+
+
+def test_bleu_takes_the_target_languages_tokenizer(caplog):
+    from sacrebleu.metrics import BLEU
+
+    from lightning_modules.translation import bleu_for
+
+    hypotheses, references = ["我们今天去公园散步。"], [["我们今天去公园散步了。"]]
+    assert BLEU().corpus_score(hypotheses, references).score == 0.0  # one 13a token each
+    assert bleu_for("zh").corpus_score(hypotheses, references).score > 50
+    english = ["the cat sat on the mat"], [["the cat sat on a mat"]]
+    plain = BLEU().corpus_score(*english).score
+    assert (
+        bleu_for("en").corpus_score(*english).score
+        == plain
+        == bleu_for(None).corpus_score(*english).score
+    )
+    if importlib.util.find_spec("MeCab") is None:  # sacrebleu[ja] not installed: 13a, said
+        assert bleu_for("ja").corpus_score(*english).score == plain
+        assert "BLEU for 'ja' tokenized by 13a" in caplog.text

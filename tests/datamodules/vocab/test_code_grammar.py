@@ -66,6 +66,21 @@ def test_restrict_masks_and_keeps_a_choice(vocab):
     # a distribution with no mass on any allowed code (a DS-Softmax expert) keeps them all
     none = log_probs.masked_fill(allowed, float("-inf"))
     assert torch.equal(grammar.restrict(none, row).isfinite(), allowed)
+    # ... but a search lets that hypothesis end: nothing allowed costs nothing
+    assert grammar.restrict(none, row, fallback=False).isneginf().all()
+
+
+def test_the_last_code_before_a_forced_eos_ends_a_word(vocab):
+    grammar = vocab.grammar()
+    log_probs = torch.randn(3, len(vocab)).log_softmax(-1)
+    previous = torch.cat((vocab.row_codes[:1], torch.tensor([vocab.eos_id, vocab.eos_id])))
+    closing = torch.tensor([True, True, False])
+    kept = grammar.restrict(log_probs, previous, closing).isfinite()
+    # after a row, its columns (they end the word); after a word, no row code when closing
+    assert torch.equal(kept[0], grammar.allowed_after(previous[:1])[0])
+    assert not kept[1, grammar.is_row].any() and kept[1, ~grammar.is_row].any()
+    assert torch.equal(kept[1], grammar.word_start & ~grammar.is_row)
+    assert kept[2, grammar.is_row].any()
 
 
 def test_the_grammar_follows_the_installed_table(vocab):
