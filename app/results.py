@@ -131,7 +131,7 @@ def render_training_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> 
         f"Mode `{args['mode']}`, scope `{args['scope']}`, precision `{args.get('precision')}`, "
         + ("not timed (`--time skip`: one warm-up step, then the memory); "
            if args.get("time") == "skip" else
-           f"clock `{args.get('clock', 'wall')}`, median of {args['repeats']} repeats "
+           f"clock `{args.get('clock', 'wall')}`, median of {_repeats(report)} repeats "
            + (f"(each the mean of {steps} steps back to back) "
               if (steps := args.get("steps_per_repeat", 1)) > 1 else "")
            + f"(`{ratio}`: the median of the repeats' paired ratios, each repeat timing every "
@@ -430,6 +430,14 @@ def render_kernels(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
     ])  # fmt: skip
 
 
+def _repeats(report: dict[str, Any]) -> str:
+    """The repeats the rows hold (a run stopped early holds fewer than it asked for)."""
+    counts = sorted({len(row["times_ms"]) for row in report["results"] if row.get("times_ms")})
+    if not counts:
+        return str(report["args"]["repeats"])
+    return str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+
+
 RENDERERS: list[tuple[Callable[[dict[str, Any]], bool], Renderer]] = [
     (_is_training_bench, render_training_bench),
     (_is_inference_bench, render_inference_bench),
@@ -453,7 +461,12 @@ Headline = Callable[[dict[str, Any], Path], "tuple[str, str] | None"]
 def headline_training_bench(report: dict[str, Any], path: Path) -> tuple[str, str]:
     rows = report["results"]
     if report["args"].get("time") == "skip":
-        figures = [f"{r['head']} {_format(r['extra_peak_mb'])}" for r in rows]
+        # each at its token count where they differ (--tokens-for): MiB alone would compare
+        # MoS at 2,048 tokens with softmax at 8,192
+        alike = len({r.get("tokens") for r in rows}) == 1
+        figures = [f"{r['head']} {_format(r['extra_peak_mb'])}"
+                   + ("" if alike or r.get("tokens") is None else f" ({r['tokens']:,} tokens)")
+                   for r in rows]  # fmt: skip
         return "extra peak MiB of a step: " + ", ".join(figures), _bench_command(report)
     ratios, reference = [], softmax_reference(rows)
     for row in rows:
@@ -604,7 +617,7 @@ def gpu_targets(results: Path) -> list[str]:
         measured = t.met is not None
         interval = "-" if not measured or t.low is None or math.isnan(t.low) else (
             f"{t.low:.2f}-{t.high:.2f}")  # fmt: skip
-        verdict = "unmeasured" if not measured else "met" if t.met else "**not met**"
+        verdict = t.verdict.replace("not met", "**not met**")
         work = "-" if t.flops is None else f"{t.flops:.3g}"
         rows.append([t.target, f"{t.figure:.4g}" if measured else "-", interval, work, verdict,
                      t.source or "-"])  # fmt: skip
@@ -615,7 +628,9 @@ def gpu_targets(results: Path) -> list[str]:
         "read off the GPU runs' reports by `app.bench.targets`: each ratio paired within one "
         "run, a head's figure its fastest own plan there (each run's date and code: its "
         "section below). FLOPs: the same ratio in the products' counted work, what the "
-        "figure would be were both sides' products equally fast.",
+        "figure would be were both sides' products equally fast. met?: the median's verdict; "
+        "(CI spans the target) where the 95% interval holds the target, so that another run "
+        "may decide otherwise.",
         f"```bash\n{command}\n```",
         table(["target", "figure", "95% CI", "FLOPs", "met?", "file"], rows),
     ]

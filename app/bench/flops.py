@@ -13,6 +13,8 @@ from collections.abc import Callable
 import torch
 from torch.utils import flop_counter
 
+from heads.fused_cross_entropy import FUSED
+
 aten = torch.ops.aten
 
 
@@ -60,3 +62,14 @@ def matmul_flops(step: Callable[[], object]) -> int | None:
     except TypeError:
         return None
     return int(counter.get_total_flops())
+
+
+# products the FLOP counter (torch's FlopCounterMode) does not see: Triton's or the field's
+# fused kernels (a count there is 0 or a fraction: the torch products around them)
+OPAQUE_PRODUCTS = ("cce", "liger", FUSED)
+
+
+def counted_products(name: str) -> bool:
+    """Whether a subject's matrix products are torch's, which the FLOP counter counts."""
+    head, _, backend = name.split("+")[0].partition("@")
+    return head not in OPAQUE_PRODUCTS and backend not in OPAQUE_PRODUCTS

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import matplotlib
 
+from app.bench.flops import counted_products
 from app.bench.timing import interval_text, paired_ratio
 
 matplotlib.use("Agg")
@@ -64,9 +65,11 @@ def row_figures(rows: list[dict], row: dict, memory_key: str = "extra_peak_mb") 
             rel = row["time_per_token_us"] / softmax["time_per_token_us"]
         else:
             rel, low, high = paired
-    gflop = row.get("matmul_gflop")  # None: --flops skip
+    # None: --flops skip, or (older files: a count of 0 or a fraction) kernels it cannot see
+    counted = counted_products(row["head"])
+    gflop = row.get("matmul_gflop") if counted else None
     rate = nan
-    if matmul and row.get("matmul_gflop_per_s") and matmul.get("matmul_gflop_per_s"):
+    if counted and matmul and row.get("matmul_gflop_per_s") and matmul.get("matmul_gflop_per_s"):
         rate = row["matmul_gflop_per_s"] / matmul["matmul_gflop_per_s"] * 100
     memory = row.get(memory_key)
     return Figures(rel, low, high, nan if gflop is None else gflop, rate,

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import yaml
 
-from app.bench.flops import matmul_flops
+from app.bench.flops import counted_products, matmul_flops
 from app.bench.memory import can_reset_peak_rss, extra_peak_bytes, measure_in_child
 from app.bench.subjects import (
     DEFAULT_SUBJECTS,
@@ -358,10 +358,12 @@ def _row(module, step, times: list[float] | None, args, case: Case) -> dict:
     return row
 
 
-def _flops(step, case: Case) -> int:
+def _flops(step, case: Case) -> int | None:
     """The step's matrix-product FLOPs, counted once and untimed (the counter slows the step);
     a compiled or graphed subject's from its eager twin (the counter sees neither compiled
-    kernels nor a graph's replay)."""
+    kernels nor a graph's replay); None for products in Triton's or the field's kernels."""
+    if not counted_products(case.name):
+        return None
     subject = parse_subject(case.name)
     if not (subject.compiled or subject.graphs):
         return matmul_flops(step)
@@ -443,7 +445,8 @@ def _add_measure_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall: elapsed time; cpu: process CPU time, steadier on a shared "
-                        "machine")  # fmt: skip
+                        "machine (summed over the threads: ms / batch is then CPU ms, the "
+                        "ratios alike)")  # fmt: skip
     parser.add_argument("--repeats", type=_positive, default=7)
     parser.add_argument("--steps-per-repeat", type=_positive, default=1,
                         help="steps a repeat times back to back, the device synced after the "

@@ -22,7 +22,8 @@ step reads its clusters' sizes back: it has no graph).
 ``@plain``, ``@compiled``: what ``auto`` runs once ``app.bench.fastest``'s table is pasted),
 never the field's kernels. Ratios are paired repeat by repeat
 (``app.bench.report.paired_row_ratio``), with their 95% interval where the run has 6 repeats or
-more; a target is met on the median.
+more; a target is met on the median, and says so where the interval holds the bound (``CI
+spans the target``: another run may well decide otherwise).
 A target whose subjects the files lack is ``unmeasured``. ``--json`` writes the table.
 """
 
@@ -35,6 +36,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from app.bench.flops import counted_products
 from app.bench.report import paired_row_ratio
 
 # a head's subjects that run our own code
@@ -57,12 +59,20 @@ class Target:
     # a ratio's figure in counted FLOPs (the products' work): what the time ratio would be
     # if both sides ran their products equally fast, so how much of it the maths asks
     flops: float | None = None
+    # the bound lies within the 95% interval: the median's verdict is the run's, not a sure one
+    spans: bool = False
+
+    @property
+    def verdict(self) -> str:
+        if self.met is None:
+            return "unmeasured"
+        return ("met" if self.met else "not met") + (" (CI spans the target)" if self.spans else "")
 
     def row(self) -> str:
         if self.met is None:
             return f"{self.target:62} {'-':>8} {'':13} unmeasured"
         interval = "" if _missing(self.low, self.high) else f"[{self.low:.2f}-{self.high:.2f}]"
-        verdict = "met" if self.met else "NOT met"
+        verdict = self.verdict.replace("not met", "NOT met")
         work = "" if self.flops is None else f" FLOPs {self.flops:.3g}"
         return (f"{self.target:62} {self.figure:8.4g} {interval:13} {verdict} ({self.source})"
                 f"{work}")  # fmt: skip
@@ -125,14 +135,17 @@ def _ratio(mine, reference, name: str, most: float | None = None, least: float |
     if invert:
         median, low, high = 1 / median, 1 / high, 1 / low
     met = (most is None or median <= most) and (least is None or median >= least)
+    bound = most if most is not None else least
+    spans = bound is not None and not _missing(low, high) and low <= bound <= high
     return Target(name, median, low, high, met, Path(mine[0]).name,
-                  _flop_ratio(mine[1], reference[1], scale, invert))  # fmt: skip
+                  _flop_ratio(mine[1], reference[1], scale, invert), spans)  # fmt: skip
 
 
 def _flop_ratio(mine: dict, reference: dict, scale: float, invert: bool) -> float | None:
     """``mine / reference`` in counted FLOPs a token (as the time ratio: times ``scale``,
     ``invert``), or None where either row lacks the count."""
-    work = [row.get("matmul_gflop") for row in (mine, reference)]
+    work = [row.get("matmul_gflop") if counted_products(row["head"]) else None
+            for row in (mine, reference)]  # fmt: skip
     if any(w is None or w <= 0 or not math.isfinite(w) for w in work):
         return None
     ratio = scale * (work[0] / mine["tokens"]) / (work[1] / reference["tokens"])

@@ -71,7 +71,8 @@ def paired_ratio(
 ) -> tuple[float, float, float]:
     """The median of ``numerators[i] / denominators[i]`` (times measured side by side, in the
     same round) and its distribution-free 95% confidence interval from order statistics
-    (``scipy.stats.quantile_test``; nan bounds below 7 pairs)."""
+    (``scipy.stats.quantile_test``; nan bounds below 6 pairs; at 6 and 7 the interval is the
+    ratios' range, its coverage 96.9% and 98.4%)."""
     ratios = np.asarray(numerators, dtype=float) / np.asarray(denominators, dtype=float)
     median = float(np.median(ratios))
     interval = quantile_test(ratios, q=median, p=0.5).confidence_interval(0.95)

@@ -177,3 +177,19 @@ def test_a_run_of_plans_alone_has_a_headline(tmp_path):
     assert "| step time x softmax@rows: softmax@rows+graphs 0.87x [0.83-0.90], " in line
     assert "mixtape@rows 2.80x [2.61-2.84]" in line and "matmul" not in line.split("|")[3]
     assert "| head | V | d | tokens | ms / batch | us / token | x softmax@rows |" in text
+
+
+def test_memory_headlines_name_differing_token_counts_and_repeats_are_the_rows(tmp_path):
+    """MiB of a step at 8,192 tokens beside MiB at 2,048 are not comparable: the headline says
+    each one's count where they differ. A run stopped early: the repeats its rows hold."""
+    folder = tmp_path / "results"
+    folder.mkdir()
+    for name in ("bench_cpu_memory_100k.json", "bench_gpu_h200_heads_100k.json"):
+        shutil.copy(COMMITTED / name, folder)
+    text = render(folder, tmp_path)
+    line = next(row for row in text.splitlines() if "[bench_cpu_memory_100k]" in row)
+    assert "softmax 316 (8,192 tokens)" in line and "mos 508 (2,048 tokens)" in line
+    h200 = json.loads((COMMITTED / "bench_gpu_h200_heads_100k.json").read_text())
+    assert h200["args"]["repeats"] == 7 and {len(r["times_ms"]) for r in h200["results"]} == {6}
+    section = text[text.index("## bench_gpu_h200_heads_100k") :]
+    assert "median of 6 repeats" in section and "median of 7 repeats" not in section

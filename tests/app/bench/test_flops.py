@@ -64,3 +64,13 @@ def test_mixtape_step_counts_every_product_of_its_hand_written_backward():
     expected = 2 * (3 * forward + bias_gradient)
     options = {"mixtape": {"num_components": k, "frequent_ratio": ratio}}
     assert matmul_flops(_step("mixtape", d, v, n, init_args=options)) == expected
+
+
+def test_the_products_it_counts_are_torchs():
+    from app.bench.flops import counted_products
+
+    for name in ("softmax", "mixtape@rows", "mos@compiled+graphs", "adaptive@plain", "matmul"):
+        assert counted_products(name), name
+    for name in ("softmax@cce", "softmax@liger", "mos@liger", "mixtape@fused", "cce", "liger",
+                 "adaptive@fused+graphs"):  # fmt: skip
+        assert not counted_products(name), name

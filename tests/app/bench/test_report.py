@@ -96,3 +96,15 @@ def test_a_run_of_plans_alone_divides_by_its_first_softmax_plan(capsys):
     assert row_figures(plain, plain[0]).rel == pytest.approx(2.0)
     assert softmax_reference([_row("mixtape", [5.0] * 11)]) == "softmax"  # none: no ratio
     assert math.isnan(row_figures([_row("mixtape", [5.0] * 11)], _row("mixtape", [5.0])).rel)
+
+
+def test_flops_in_kernels_the_counter_cannot_see_are_not_shown():
+    # older reports hold 0 for @cce and @fused, a fraction for mixtape@fused: no figure at all
+    rows = [_row(head, [1.0] * 3) for head in ("softmax", "softmax@cce", "mixtape@fused",
+                                                 "cce", "matmul")]  # fmt: skip
+    for row, gflop in zip(rows, (3.0, 0.0, 0.1, 0.0, 2.0), strict=True):
+        row.update(matmul_gflop=gflop, matmul_gflop_per_s=gflop * 1e3)
+    figures = {row["head"]: row_figures(rows, row) for row in rows}
+    assert figures["softmax"].gflop == 3.0 and figures["softmax"].rate == pytest.approx(150.0)
+    for head in ("softmax@cce", "mixtape@fused", "cce"):
+        assert math.isnan(figures[head].gflop) and math.isnan(figures[head].rate)
