@@ -166,3 +166,13 @@ def test_reports_of_other_tools_are_skipped_by_name(tmp_path, capsys):
         7.5 / 8.0
     )
     assert f"skipped {other}: not a benchmark report" in capsys.readouterr().err
+
+
+def test_a_run_of_another_mos_is_not_held_to_mos_15s_floor():
+    # the floor is 15 bare matmuls: a MoS-5 run's time over it would read 3x too good
+    rows = [_row("mos", 50.0), _row("matmul", 7.5)]
+    name = "MoS-15 time / its FLOP floor at 100k (<= 1.3)"
+    report = _report(rows)
+    assert _by_name(collect({"run.json": report}))[name].figure == pytest.approx(50 / (15 * 7.5))
+    report["options"] = {"heads": {"mos": {"init_args": {"num_components": 5}}}}
+    assert _by_name(collect({"run.json": report}))[name].met is None  # unmeasured by this run
