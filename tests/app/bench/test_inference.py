@@ -1,4 +1,5 @@
 import json
+import math
 
 import pytest
 import torch
@@ -21,16 +22,17 @@ def test_inference_mode_runs_through_app_bench(tmp_path):
     assert saved["speedup_vs_softmax_1x"].keys() == {"softmax", "ds", "ds+svd4-25-over50"}
     for row in saved["latency"].values():
         assert row["batch1_us_per_query"] > 0 and row["batched_us_per_query"] > 0
-    # 4 blocks of 5 queries, 2 repeats: 8 paired blocks, the median of their ratios
+    # 4 blocks of 5 queries, 2 repeats: 8 paired blocks; a block of queries is one unit (its
+    # median over the repeats), the figure the median of the 4 units, too few for an interval
     speed = saved["speedup_vs_softmax"]["ds"]
     times = saved["latency"]
     mine, theirs = times["ds"]["batch1_us_per_query_blocks"], times["softmax"][
         "batch1_us_per_query_blocks"]  # fmt: skip
     assert len(mine) == len(theirs) == 8
-    paired = sorted(b / a for a, b in zip(mine, theirs, strict=True))
-    assert speed["batch1_us_per_query"] == pytest.approx((paired[3] + paired[4]) / 2)
-    low, high = speed["batch1_us_per_query_ci"]
-    assert (low, high) == pytest.approx((paired[0], paired[7]))  # 8 pairs: the extremes
+    paired = [b / a for a, b in zip(mine, theirs, strict=True)]  # repeat 0's blocks, then 1's
+    units = sorted((paired[j] + paired[4 + j]) / 2 for j in range(4))
+    assert speed["batch1_us_per_query"] == pytest.approx((units[1] + units[2]) / 2)
+    assert all(math.isnan(x) for x in speed["batch1_us_per_query_ci"])
     assert speed["batch1_us_per_query_min"] == pytest.approx(
         times["softmax"]["batch1_us_per_query_min"] / times["ds"]["batch1_us_per_query_min"]
     )
@@ -191,3 +193,19 @@ def test_inference_bench_on_cuda(tmp_path):
     assert report["machine"]["device"] != "cpu"
     assert report["breakdown"] == {}  # the C kernel's profile is a CPU figure
     assert all(row["batch1_us_per_query"] > 0 for row in report["latency"].values())
+
+
+def test_an_interval_is_over_the_blocks_of_queries_not_every_repeat_of_them():
+    # 10 blocks of queries, 3 repeats: block j's speed-up is j + 1 in every repeat; the 30
+    # pairs would give a 95% interval over 30 values, the 10 units one over 10
+    blocks = [100.0] * 30
+    fast = [100.0 / (j + 1) for _ in range(3) for j in range(10)]
+    latency = {
+        "softmax": {"batch1_us_per_query_blocks": blocks, "batch1_us_per_query": 100.0},
+        "ds": {"batch1_us_per_query_blocks": fast, "batch1_us_per_query": 20.0},
+    }
+    speed = ratios(latency, "softmax", repeats=3)["ds"]
+    assert speed["batch1_us_per_query"] == pytest.approx(5.5)
+    assert speed["batch1_us_per_query_ci"] == pytest.approx([2.0, 9.0])  # order stats 2 and 9
+    every_pair = ratios(latency, "softmax")["ds"]["batch1_us_per_query_ci"]
+    assert every_pair[1] - every_pair[0] < 9.0 - 2.0
