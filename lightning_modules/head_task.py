@@ -90,12 +90,6 @@ warnings.filterwarnings(
     message=r"It is recommended to use `self.log\('((train|val|test|time|ds|lightrnn)/|step')",
 )
 
-# torchmetrics sums' options in the task modules: the default ``nan_strategy`` ("warn";
-# "ignore" alike) tests ``isnan(x).any()`` in every update, a host sync per step; "disable"
-# does not look. A NaN loss stops the run anyway (``check_finite_loss``). Not for weighted
-# means: "disable" drops their weights (lightning_modules/weighted_mean.py).
-NO_READ_BACK: dict[str, Any] = {"nan_strategy": "disable"}
-
 _EXTERNAL_GRAPHS = (
     "model.cuda_graphs captures the torch backend's plans; loss_backend {} is another "
     "library's kernels, not known to be capturable: set loss_backend auto or torch, or "

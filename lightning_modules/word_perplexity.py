@@ -13,13 +13,19 @@ import torch
 from torchmetrics import SumMetric
 
 from heads import IGNORE_INDEX
-from lightning_modules.head_task import NO_READ_BACK
 
 
 def word_sums(stages: Iterable[str]) -> torch.nn.ModuleDict:
-    """``{stage}_nll`` and ``{stage}_words`` sums of each stage."""
+    """``{stage}_nll`` and ``{stage}_words`` sums of each stage. ``nan_strategy="disable"``:
+    the default ("warn"; "ignore" alike) tests ``isnan(x).any()`` in every update, a host sync
+    per step; a NaN loss stops the run anyway (``check_finite_loss``). (Not for weighted
+    means: there it drops the weights, ``lightning_modules/weighted_mean.py``.)"""
     return torch.nn.ModuleDict(
-        {f"{s}_{part}": SumMetric(**NO_READ_BACK) for s in stages for part in ("nll", "words")}
+        {
+            f"{s}_{part}": SumMetric(nan_strategy="disable")
+            for s in stages
+            for part in ("nll", "words")
+        }
     )
 
 
