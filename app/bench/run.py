@@ -23,6 +23,7 @@ liger matmul``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -37,7 +38,7 @@ import torch
 import yaml
 
 from app.bench.flops import counted_products, matmul_flops
-from app.bench.memory import can_reset_peak_rss, extra_peak_bytes, measure_in_child
+from app.bench.memory import can_reset_peak_rss, extra_peak_bytes, measure_apart
 from app.bench.subjects import (
     DEFAULT_SUBJECTS,
     FRAGMENTS,
@@ -122,13 +123,12 @@ def _child_case(case: Case, threads: int):
 
 
 def step_memory(step, case: Case) -> int:
-    """Extra peak bytes of one step (``app/bench/memory.py``); ``case`` rebuilds it in a child
-    process where this one cannot reset its peak RSS. Run after a warm-up step."""
-    if case.device.type == "cuda" or can_reset_peak_rss():
+    """Extra peak bytes of one step (``app/bench/memory.py``): ``step`` itself on CUDA (run it
+    after a warm-up step); on a CPU, ``case`` rebuilt in the memory worker, apart from what
+    the timed subjects left in this process."""
+    if case.device.type == "cuda":
         return extra_peak_bytes(step, case.device, clear=getattr(step, "clear", None))
-    import functools
-
-    return measure_in_child(functools.partial(_child_case, case, torch.get_num_threads()))
+    return measure_apart(functools.partial(_child_case, case, torch.get_num_threads()))
 
 
 # the same-memory search stops once the largest fit is known within this share of itself: a
@@ -314,7 +314,7 @@ def _report(args, options: BenchOptions, device: torch.device, results: list[dic
     memory_method = (
         "cuda_allocator"
         if device.type == "cuda"
-        else ("rss_reset_peak" if can_reset_peak_rss() else "rss_child_process")
+        else ("rss_reset_peak_in_worker" if can_reset_peak_rss() else "rss_child_process")
     )
     configs = {name: head_config(name, options) for name in FRAGMENTS
                if any(parse_subject(s).head == name for s in args.heads)}  # fmt: skip
