@@ -82,8 +82,10 @@ class SourceIdentities:
     _identity: dict[str, dict[str, Any]]
 
     def _identity_of(self, part: str) -> dict[str, Any]:
+        """As the entry's JSON gives it back (a hub's ``("translation", "de")`` column reads
+        back a list, which never equalled the tuple: every run re-tokenised every part)."""
         if part not in self._identity:
-            self._identity[part] = self.source.identity(part)
+            self._identity[part] = json.loads(json.dumps(self.source.identity(part)))
         return self._identity[part]
 
 

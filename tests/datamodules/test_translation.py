@@ -308,6 +308,21 @@ def cache_lines(caplog, kind: str) -> int:
     return sum(f"data cache {kind}" in r.getMessage() for r in caplog.records)
 
 
+def test_a_hub_translation_column_is_read_from_the_cache_the_second_time(
+    monkeypatch, tmp_path, caplog
+):
+    """A WMT-style ``translation`` column: each part's identity names it as a pair, which its
+    cache entry's JSON gives back as a list; the second run reads every part back."""
+    caplog.set_level(logging.INFO, logger="datamodules")
+    rows = {"translation": [{"de": s, "en": t} for s, t in TINY]}
+    hub = DatasetDict({name: Dataset.from_dict(rows) for name in ("train", "validation", "test")})
+    monkeypatch.setattr(text_source, "load_dataset", lambda hub_name, name, revision: hub)
+    for _ in range(2):
+        caplog.clear()
+        TranslationDataModule(hub="someone/wmt", cache_dir=str(tmp_path / "c")).prepare_data()
+    assert cache_lines(caplog, "miss") == 0 and cache_lines(caplog, "hit") == 7
+
+
 @pytest.mark.parametrize("vocab", ["word", "bpe"])
 def test_prepared_ids_are_cached_and_equal_line_by_line_encoding(tmp_path, caplog, vocab):
     caplog.set_level(logging.INFO, logger="datamodules")
