@@ -211,7 +211,9 @@ class LightRNNTableReassignment(L.Callback):
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         epoch = trainer.current_epoch + 1
-        last = trainer.max_epochs is not None and epoch >= trainer.max_epochs
+        # a table learnt after the last epoch would never be trained on; -1 (or None): the run
+        # ends by steps or time, so no epoch is known to be the last
+        last = trainer.max_epochs is not None and 0 <= trainer.max_epochs <= epoch
         if epoch % self.every_n_epochs or last or trainer.should_stop:
             return
         self.reassign_now(trainer, pl_module)

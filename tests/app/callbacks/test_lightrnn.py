@@ -1,6 +1,7 @@
 import contextlib
 import math
 import random
+from types import SimpleNamespace
 
 import lightning as L
 import numpy as np
@@ -143,6 +144,20 @@ def test_reassignment_during_training(corpus, caplog):
         f"Hybrid-LightRNN table re-learnt after epoch {epoch}" for epoch in (0, 1)
     ]
     assert f"{moves[-1][0]['lightrnn/moved']:.1%} of the rare words moved" in lines[-1]
+
+
+@pytest.mark.parametrize(("max_epochs", "relearnt_after"), [(3, [1, 2]), (-1, [1, 2, 3]),
+                                                          (None, [1, 2, 3])])  # fmt: skip
+def test_the_table_is_re_learnt_after_every_epoch_but_a_known_last(max_epochs, relearnt_after):
+    """``max_epochs: -1`` (a run bounded by steps or time) has no known last epoch: every
+    epoch's end re-learns the table (-1 once read as 'every epoch is the last')."""
+    callback = LightRNNTableReassignment()
+    after = []
+    callback.reassign_now = lambda trainer, module: after.append(trainer.current_epoch + 1)
+    for epoch in range(3):
+        trainer = SimpleNamespace(current_epoch=epoch, max_epochs=max_epochs, should_stop=False)
+        callback.on_train_epoch_end(trainer, None)
+    assert after == relearnt_after
 
 
 def test_words_outside_the_scored_sample_keep_their_cells(corpus):
