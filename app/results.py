@@ -292,11 +292,10 @@ def render_optimum_study(report: dict[str, Any], path: Path, doc_dir: Path) -> s
 
 
 def headline_optimum_study(report: dict[str, Any], path: Path) -> tuple[str, str]:
-    from app.study.report import optimum_rows
+    from app.study.report import mean_std_text, optimum_rows
 
     figures = [
-        f"{row['label']} {row['mean_std'][0]:.3f} ± {row['mean_std'][1]:.3f}"
-        for row in optimum_rows(report)
+        f"{row['label']} {mean_std_text(row['mean_std'], 3)}" for row in optimum_rows(report)
     ]
     return (
         "excess over the optimum (nats, mean ± std over seeds): " + ", ".join(figures),
@@ -516,12 +515,10 @@ def headline_data_bench(report: dict[str, Any], path: Path) -> tuple[str, str]:
 
 
 def headline_study(report: dict[str, Any], path: Path) -> tuple[str, str]:
-    from app.study.report import summarize
+    from app.study.report import mean_std_text, summarize
 
-    figures = [
-        f"{row['label']} {row['metric'][0]:.1f} ± {row['metric'][1]:.1f}"
-        for row in summarize(report)
-    ]
+    # (one seed: the mean alone, no "± nan")
+    figures = [f"{row['label']} {mean_std_text(row['metric'], 1)}" for row in summarize(report)]
     return (
         f"{report['metric']} (mean ± std over seeds): " + ", ".join(figures),
         f"python -m app.study run configs/studies/{report['name']}.yaml",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -56,11 +57,22 @@ def _parser() -> argparse.ArgumentParser:
     render = commands.add_parser("render", help="markdown + PNGs of a study JSON")
     render.add_argument("study_json")
     render.add_argument("--images", default=None, help="PNG folder (default: beside the JSON)")
-    render.add_argument("--link-prefix", default="", help="prefix of the image links")
+    render.add_argument(
+        "--link-prefix",
+        default=None,
+        help="prefix of the image links (default: the way from --markdown's folder to the PNGs)",
+    )
     render.add_argument("--markdown", default=None, help="write the markdown here (else print)")
     check = commands.add_parser("check", help="validate grid files")
     check.add_argument("grids", nargs="+")
     return parser
+
+
+def _link_prefix(images: str | Path, markdown: Path) -> str:
+    """What the image links of ``markdown`` start with: the way from its folder to ``images``
+    (``""`` where they are one folder)."""
+    way = Path(os.path.relpath(Path(images).resolve(), markdown.parent.resolve())).as_posix()
+    return "" if way == "." else f"{way}/"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,14 +106,18 @@ def _command(args: argparse.Namespace) -> int:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(study_json, args.json)
         if args.images:
-            markdown = render_markdown(study, args.images)
-            (study_json.parent / "report.md").write_text(markdown)
+            report = study_json.parent / "report.md"
+            markdown = render_markdown(study, args.images, _link_prefix(args.images, report))
+            report.write_text(markdown)
             print(markdown)
         bad = [r for r in study["runs"] if r["status"] != "ok"]
         return 1 if any(r["status"] == "failed" for r in bad) else 0
     study = json.loads(Path(args.study_json).read_text())
     images = args.images or str(Path(args.study_json).parent)
-    markdown = render_markdown(study, images, args.link_prefix)
+    prefix = args.link_prefix
+    if prefix is None:
+        prefix = _link_prefix(images, Path(args.markdown)) if args.markdown else ""
+    markdown = render_markdown(study, images, prefix)
     if args.markdown:
         Path(args.markdown).write_text(markdown)
     else:

@@ -34,11 +34,16 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
 
 def validation_curve(rows: list[dict[str, float]], curve_metric: str) -> list[dict[str, float]]:
     """One point per validation run: its epoch, step, every ``val/*`` value, the epoch's training
-    seconds and ``train_s``, the training seconds spent up to the end of that epoch."""
+    seconds and ``train_s``, the training seconds spent up to that point: the earlier epochs'
+    and, for a validation inside its epoch (``val_check_interval``), the share of its epoch's
+    seconds that its steps make."""
     epoch_seconds: dict[int, float] = {}
+    epoch_end: dict[int, int] = {}  # the step of each epoch's time row: its last
     for row in rows:
         if EPOCH_TIME in row and "epoch" in row:
             epoch_seconds[int(row["epoch"])] = row[EPOCH_TIME]
+            if "step" in row:
+                epoch_end[int(row["epoch"])] = int(row["step"])
     points: dict[tuple[int, int], dict[str, float]] = {}
     for row in rows:
         if curve_metric not in row and not any(k.startswith("val/") for k in row):
@@ -50,11 +55,23 @@ def validation_curve(rows: list[dict[str, float]], curve_metric: str) -> list[di
     for (epoch, _), point in sorted(points.items()):
         if curve_metric not in point:
             continue
+        earlier = sum(s for e, s in epoch_seconds.items() if e < epoch)
+        point["train_s"] = earlier
         if epoch in epoch_seconds:
             point[EPOCH_TIME] = epoch_seconds[epoch]
-        point["train_s"] = sum(s for e, s in epoch_seconds.items() if e <= epoch)
+            point["train_s"] += _epoch_share(epoch, point["step"], epoch_end) * epoch_seconds[epoch]
         curve.append(point)
     return curve
+
+
+def _epoch_share(epoch: int, step: float, epoch_end: dict[int, int]) -> float:
+    """The share of ``epoch``'s steps done at ``step``: 1 at its end, or where its first or
+    last step is not known (an epoch before it has no time row)."""
+    end = epoch_end.get(epoch)
+    start = epoch_end.get(epoch - 1, -1 if epoch == 0 else None)  # the step before its first
+    if end is None or start is None or step >= end or end <= start:
+        return 1.0
+    return max(0.0, (step - start) / (end - start))
 
 
 def last_values(rows: list[dict[str, float]], prefix: str) -> dict[str, float]:

@@ -68,11 +68,14 @@ def summarize(study: Mapping[str, Any]) -> list[dict[str, Any]]:
             curve = [p[curve_metric] for p in points if p.get(curve_metric) is not None]
             if curve:
                 best_val.append(pick(curve))
-            epochs.append(len(points))
+            # the epochs trained, not the validations (several an epoch with
+            # val_check_interval, one every n epochs with check_val_every_n_epoch)
+            trained = points[-1]["epoch"] + 1 if points else 0
+            epochs.append(trained)
             if run.get("train_s"):
                 train_s.append(run["train_s"])
-                if points:  # seconds per epoch: only where the run has both
-                    per_epoch.append(run["train_s"] / len(points))
+                if trained:  # seconds per epoch: only where the run has both
+                    per_epoch.append(run["train_s"] / trained)
         ranks = [r["rank"]["rank"] for r in ok if r.get("rank")]
         rows.append(
             {
@@ -84,6 +87,9 @@ def summarize(study: Mapping[str, Any]) -> list[dict[str, Any]]:
                 "unstable": sum(bool(r.get("unstable")) for r in runs),
                 "seeds": [r["seed"] for r in ok],
                 "values": values,
+                # every run in grid order, None where it did not finish: the per-seed line
+                # stays aligned with the seeds when a middle one failed
+                "per_seed": [r["test"][metric] if r["status"] == "ok" else None for r in runs],
                 "metric": _mean_std(values),
                 "best_val": _mean_std(best_val),
                 "train_s": _mean_std(train_s),
@@ -96,25 +102,35 @@ def summarize(study: Mapping[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def baseline_label(study: Mapping[str, Any], label: str) -> str:
+    """The label ``label`` is compared with: the baseline head at the same variant
+    (``softmax+d4`` for ``mos8+d4``; head labels hold no ``+``)."""
+    _, plus, variant = label.partition("+")
+    return f"{study['baseline']}+{variant}" if plus else study["baseline"]
+
+
 def compare(study: Mapping[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each label against the baseline: difference of means, whether it exceeds one standard
-    deviation (the larger of the two groups') in the better direction, Welch's t-test."""
-    base = next((r for r in rows if r["label"] == study["baseline"]), None)
-    if base is None or base["ok"] == 0:
-        return []
+    """Each label against the baseline at its own variant: difference of means, whether it
+    exceeds one standard deviation (the larger of the two groups' that exist: a group of one
+    seed has none) in the better direction, Welch's t-test."""
+    by_label = {r["label"]: r for r in rows}
     better = -1.0 if study["mode"] == "min" else 1.0
     out = []
     for row in rows:
-        if row is base or row["ok"] == 0:
+        base = by_label.get(baseline_label(study, row["label"]))
+        if base is None or row is base or base["ok"] == 0 or row["ok"] == 0:
             continue
         delta = row["metric"][0] - base["metric"][0]
-        spread = max(row["metric"][1], base["metric"][1])
+        # (max() with a NaN first or second gives different answers: NaNs left out)
+        stds = [s for s in (row["metric"][1], base["metric"][1]) if math.isfinite(s)]
+        spread = max(stds, default=math.nan)
         p_value = math.nan
         if row["ok"] > 1 and base["ok"] > 1:
             p_value = float(stats.ttest_ind(row["values"], base["values"], equal_var=False).pvalue)
         out.append(
             {
                 "label": row["label"],
+                "baseline": base["label"],
                 "delta": delta,
                 "spread": spread,
                 "better_by_more_than_one_std": bool(
@@ -126,7 +142,8 @@ def compare(study: Mapping[str, Any], rows: list[dict[str, Any]]) -> list[dict[s
     return out
 
 
-def _fmt(pair: tuple[float, float], digits: int = 2) -> str:
+def mean_std_text(pair: tuple[float, float], digits: int = 2) -> str:
+    """``mean ± std``; the mean alone where there is no std (one seed), ``-`` for no mean."""
     mean, std = pair
     if math.isnan(mean):
         return "-"
@@ -293,7 +310,8 @@ def render_optimum(study: Mapping[str, Any]) -> list[str]:
 
         lines.append("| " + " | ".join([
             row["label"], str(row["d"] or "-"), str(len(row["excess"])),
-            _fmt(row["mean_std"], 4), share(row["closed"]), share(row["closed_above_floor"]),
+            mean_std_text(row["mean_std"], 4), share(row["closed"]),
+            share(row["closed_above_floor"]),
             "/".join(map(str, row["ranks"])) or "-",
             "/".join(str(r) for r in row["ranks_1e-2"] if r is not None) or "-",
             "-" if row["d"] is None else str(row["d"] + 1),
@@ -326,7 +344,8 @@ def render_markdown(study: Mapping[str, Any], image_dir: Path | str, link_prefix
     lines += _comparison(study, rows)
     lines += render_optimum(study)
     per_seed = ", ".join(
-        f"{row['label']} " + "/".join(f"{v:.2f}" for v in row["values"]) for row in rows
+        f"{row['label']} " + "/".join("-" if v is None else f"{v:.2f}" for v in row["per_seed"])
+        for row in rows
     )
     lines += [f"Per seed ({metric}, seeds in grid order): {per_seed}.", ""]
     curves, quality = f"{name}_curves.png", f"{name}_quality_vs_time.png"
@@ -364,11 +383,11 @@ def _summary_table(study: Mapping[str, Any], rows: list[dict[str, Any]]) -> list
         cells = [
             row["label"],
             count,
-            _fmt(row["metric"]),
-            _fmt(row["best_val"]),
-            _fmt(row["epochs"], 1),
-            _fmt(row["epoch_s"], 1),
-            _fmt(train_min, 1),
+            mean_std_text(row["metric"]),
+            mean_std_text(row["best_val"]),
+            mean_std_text(row["epochs"], 1),
+            mean_std_text(row["epoch_s"], 1),
+            mean_std_text(train_min, 1),
             "/".join(map(str, row["rank"])) or "-",
         ]
         if ref_values:
@@ -384,7 +403,15 @@ def _comparison(study: Mapping[str, Any], rows: list[dict[str, Any]]) -> list[st
     if not comparisons:
         return []
     direction = "lower" if study["mode"] == "min" else "higher"
-    lines = [f"Against `{study['baseline']}` ({study['metric']}, {direction} is better):", ""]
+    # a loss's gaps are hundredths of a nat: four decimals below 10, two for perplexities
+    means = [abs(r["metric"][0]) for r in rows if r["ok"]]
+    digits = 4 if means and max(means) < 10 else 2
+    variants = any(c["baseline"] != study["baseline"] for c in comparisons)
+    same = " at the same variant" if variants else ""
+    lines = [
+        f"Against `{study['baseline']}`{same} ({study['metric']}, {direction} is better):",
+        "",
+    ]
     for c in comparisons:
         verdict = (
             f"{direction} by more than one std"
@@ -392,7 +419,8 @@ def _comparison(study: Mapping[str, Any], rows: list[dict[str, Any]]) -> list[st
             else f"not {direction} by more than one std"
         )
         p_text = "" if math.isnan(c["p_value"]) else f", Welch's t-test p = {c['p_value']:.3f}"
-        lines.append(
-            f"- `{c['label']}`: {c['delta']:+.2f} (std {c['spread']:.2f}): {verdict}{p_text}"
-        )
+        spread, delta = c["spread"], f"{c['delta']:+.{digits}f}"
+        std = "no std: one seed each" if math.isnan(spread) else f"std {spread:.{digits}f}"
+        against = f" against `{c['baseline']}`" if c["baseline"] != study["baseline"] else ""
+        lines.append(f"- `{c['label']}`{against}: {delta} ({std}): {verdict}{p_text}")
     return [*lines, ""]

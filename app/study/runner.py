@@ -3,11 +3,13 @@ fit from the best checkpoint), ``python cli.py test --ckpt_path <best>`` and opt
 ``python -m app.rank``, each in a subprocess, N at once on the devices present.
 
 Every run has its own folder ``<out>/<study>/<label>/seed<seed>/`` holding the logs of each
-subprocess, TensorBoard and CSV logs, checkpoints and ``result.json``. A run with a
-``result.json`` whose status is ``ok`` or ``diverged`` is finished and skipped when the study
-is run again; a fit that was cut short resumes from its ``last.ckpt``. A stage stopped by
-Ctrl+C or ``SIGTERM`` (a scheduler's preemption) writes no ``result.json``: the study starts
-no other run, and running it again continues where it stopped.
+subprocess, TensorBoard and CSV logs, checkpoints, ``spec.json`` (what the run computes: seed,
+configs, options) and ``result.json``. A run with a ``result.json`` whose status is ``ok`` or
+``diverged`` is finished and skipped when the study is run again; a fit that was cut short
+resumes from its last checkpoint. A run folder whose ``spec.json`` differs from the grid's run
+(the grid was edited since) is refused, not reused. A stage stopped by Ctrl+C or ``SIGTERM`` (a
+scheduler's preemption) writes no ``result.json``: the study starts no other run, and running
+it again continues where it stopped.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import math
 import os
 import platform
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -38,8 +41,10 @@ from app.study.collect import (
     validation_curve,
 )
 from app.study.grid import REPO, Grid, RunSpec, override_args
+from heads.errors import UserError
 
 RESULT = "result.json"
+SPEC = "spec.json"
 FINISHED = ("ok", "diverged")
 # the message of lightning_modules.errors.NonFiniteLossError, printed by cli.py
 _DIVERGED = "non-finite"
@@ -76,6 +81,24 @@ def _write_config(path: Path, content: dict[str, Any]) -> str:
     return str(path)
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """``text`` in ``path`` whole or not at all: written beside, then renamed (a run killed
+    while writing ``result.json`` must not leave half of one that reads as finished)."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def last_checkpoint(checkpoints: Path) -> Path | None:
+    """The newest of a fit's ``last.ckpt`` and ``last-vN.ckpt``: Lightning writes the latter
+    beside a ``last.ckpt`` that its resumed state does not name as its own (one saved on a
+    preemption before this was fixed), and the stopped state stays in ``last.ckpt`` then."""
+    found = [
+        p for p in checkpoints.glob("last*.ckpt") if re.fullmatch(r"last(-v\d+)?\.ckpt", p.name)
+    ]
+    return max(found, key=lambda p: p.stat().st_mtime_ns, default=None)
+
+
 def _csv_versions(run_dir: Path, version: str) -> list[Path]:
     """The metrics files of a fit stage's attempts, first one first."""
     found = [
@@ -89,6 +112,71 @@ def _csv_versions(run_dir: Path, version: str) -> list[Path]:
 def _saved_config(run_dir: Path, version: str) -> Path:
     """The config LightningCLI saved for a fit (beside the first logger's files)."""
     return run_dir / "tensorboard" / version / "config.yaml"
+
+
+class StaleRunError(UserError):
+    """A run folder that holds a run of other settings than the grid's (the grid was edited
+    after it ran): reusing its result or resuming its fit would report the new settings over
+    what the old ones gave."""
+
+
+def run_spec(grid: Grid, run: RunSpec) -> dict[str, Any]:
+    """What a run computes, as its folder's ``spec.json`` keeps it (JSON values)."""
+    spec = {
+        "label": run.label,
+        "seed": run.seed,
+        "base": grid.run_base(run),
+        "head": run.head.fragment,
+        "overrides": grid.run_overrides(run),
+        "finetune": grid.finetune,
+        "rank": grid.rank,
+    }
+    return json.loads(json.dumps(spec, default=str))
+
+
+def _differences(stored: dict[str, Any], wanted: dict[str, Any], prefix: str = "") -> list[str]:
+    """``key: old -> new`` for every setting that differs (nested options by their path)."""
+    unset = object()
+
+    def show(value: Any) -> str:
+        return "unset" if value is unset else json.dumps(value)
+
+    lines = []
+    for key in dict.fromkeys([*stored, *wanted]):
+        old, new = stored.get(key, unset), wanted.get(key, unset)
+        if old == new:
+            continue
+        if isinstance(old, dict) and isinstance(new, dict):
+            lines += _differences(old, new, f"{prefix}{key}.")
+        else:
+            lines.append(f"{prefix}{key}: {show(old)} -> {show(new)}")
+    return lines
+
+
+def check_run_folder(grid: Grid, run: RunSpec, run_dir: Path) -> None:
+    """Refuse a run folder that holds a run of other settings (its ``spec.json``; for a folder
+    from before spec.json, the options its ``result.json`` recorded)."""
+    wanted = run_spec(grid, run)
+    path = run_dir / SPEC
+    if path.is_file():
+        try:
+            stored = json.loads(path.read_text())
+        except ValueError:
+            stored = None  # edited by hand? nothing to hold against: the run rewrites it
+        if stored is None or stored == wanted:
+            return
+    else:
+        result = load_result(run_dir, echo=lambda line: None)
+        if result is None or "overrides" not in result:
+            return
+        stored, wanted = {"overrides": result["overrides"]}, {"overrides": wanted["overrides"]}
+        if stored == wanted:
+            return
+    raise StaleRunError(
+        f"run folder {run_dir} holds a run of other settings than the grid's now "
+        f"({'; '.join(_differences(stored, wanted))}): give a new --out, or delete that "
+        "folder to run it again"
+    )
 
 
 class StageFailed(Exception):
@@ -168,12 +256,13 @@ class RunExecutor:
             raise StageFailed(stage, status, f"{stage} exited with {code}: {message[-500:]}")
 
     def fit(self, version: str, configs: list[str], extra: list[str]) -> dict[str, Any]:
-        """One fit (resumed from its ``last.ckpt`` when one is there), then what it left."""
+        """One fit (resumed from its last checkpoint when one is there), then what it left."""
         run_dir = self.run_dir
         checkpoints = run_dir / "tensorboard" / version / "checkpoints"
-        resume = []
-        if (checkpoints / "last.ckpt").is_file():
-            resume = ["--ckpt_path", str(checkpoints / "last.ckpt")]
+        # always given: a config saved by a resumed fit holds that fit's ckpt_path, and the
+        # fine-tuning stage (started from that config) would restore its epoch and optimizer
+        previous = last_checkpoint(checkpoints)
+        resume = ["--ckpt_path", "null" if previous is None else str(previous)]
         attempt = len(_csv_versions(run_dir, version))
         csv_version = version if attempt == 0 else f"{version}.{attempt}"
         loggers = _write_config(
@@ -184,9 +273,9 @@ class RunExecutor:
         args += [*extra, "--config", loggers, "--seed_everything", str(self.run.seed), *resume]
         args += ["--trainer.enable_progress_bar", "false"]
         self._call(version, args)
-        last = checkpoints / "last.ckpt"
-        if not last.is_file():
-            raise StageFailed(version, "failed", f"{version} wrote no {last}")
+        last = last_checkpoint(checkpoints)
+        if last is None:
+            raise StageFailed(version, "failed", f"{version} wrote no {checkpoints / 'last.ckpt'}")
         summary = checkpoint_summary(last)
         if "best_checkpoint" not in summary:
             summary["best_checkpoint"] = str(last)  # no monitored checkpoint: the last one
@@ -262,6 +351,8 @@ class RunExecutor:
 def execute_run(grid: Grid, run: RunSpec, run_dir: Path, env: dict[str, str]) -> dict[str, Any]:
     """Fit (and fine-tune), test the best checkpoint, rank it: the run's ``result.json`` data."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    # before any stage: a fit cut short and resumed later is checked against it too
+    write_atomic(run_dir / SPEC, json.dumps(run_spec(grid, run), indent=1))
     executor = RunExecutor(grid, run, run_dir, env)
     overrides = grid.run_overrides(run)
     result: dict[str, Any] = {
@@ -302,7 +393,7 @@ def execute_run(grid: Grid, run: RunSpec, run_dir: Path, env: dict[str, str]) ->
     result["wall_s"] = executor.wall_s
     result["device"] = env.get("STUDY_DEVICE", "cpu")
     result = finite_json(result)
-    (run_dir / RESULT).write_text(json.dumps(result, indent=1, allow_nan=False))
+    write_atomic(run_dir / RESULT, json.dumps(result, indent=1, allow_nan=False))
     return result
 
 
@@ -318,11 +409,21 @@ def finite_json(value: Any) -> Any:
     return value
 
 
-def load_result(run_dir: Path) -> dict[str, Any] | None:
+def load_result(run_dir: Path, echo: Callable[[str], None] = print) -> dict[str, Any] | None:
+    """A run's ``result.json``, or None where there is none or it cannot be read (one written
+    by a runner of before the atomic writes, killed while writing: said, and run again)."""
     path = run_dir / RESULT
     if not path.is_file():
         return None
-    return json.loads(path.read_text())
+    try:
+        result = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        echo(f"warning: {path} is unreadable ({error}): the run is done again")
+        return None
+    if not isinstance(result, dict) or "status" not in result:
+        echo(f"warning: {path} holds no run's result: the run is done again")
+        return None
+    return result
 
 
 def progress_line(index: int, total: int, result: dict[str, Any], grid: Grid, note: str) -> str:
@@ -452,11 +553,13 @@ def run_study(
     study_dir = out / grid.name
     study_dir.mkdir(parents=True, exist_ok=True)
     runs = grid.runs()
+    for run in runs:  # all checked before any run starts
+        check_run_folder(grid, run, study_dir / run.relative_dir)
     total = len(runs)
     results: dict[int, dict[str, Any]] = {}
     pending = []
     for index, run in enumerate(runs, 1):
-        previous = load_result(study_dir / run.relative_dir)
+        previous = load_result(study_dir / run.relative_dir, echo)
         done = previous is not None and previous["status"] in FINISHED
         if previous is not None and (done or not rerun_failed):
             results[index] = previous
@@ -472,7 +575,7 @@ def run_study(
     def write_document() -> dict[str, Any]:
         ordered = [results[i] for i in sorted(results)]
         document = study_document(grid, ordered, env_info)
-        (study_dir / "study.json").write_text(json.dumps(document, indent=1))
+        write_atomic(study_dir / "study.json", json.dumps(document, indent=1))
         return document
 
     stop = threading.Event()  # Ctrl+C, or a run stopped by a signal: start no other run

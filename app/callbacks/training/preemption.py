@@ -25,7 +25,7 @@ from types import FrameType
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -96,6 +96,12 @@ class PreemptionCheckpoint(Callback):
             )
             return
         path = self.checkpoint_path(trainer)
+        callback = trainer.checkpoint_callback
+        if isinstance(callback, ModelCheckpoint):
+            # in the state saved, this file is the callback's own last checkpoint: resumed, it
+            # goes on writing last.ckpt (one it does not know of, it would keep beside a new
+            # last-v1.ckpt, and whatever reads last.ckpt would read this stopped state)
+            callback.last_model_path = os.path.join(callback.dirpath, FILENAME)
         # written beside, then renamed: a kill during the save leaves the old last.ckpt whole
         partial = path.with_name(f".{path.name}.partial")
         trainer.save_checkpoint(partial, weights_only=False)  # said, not left to a log line

@@ -47,3 +47,15 @@ def test_last_values_keep_the_latest_of_each_metric():
 def test_max_regression_is_the_worst_step_back_from_the_best_so_far(values, mode, expected):
     curve = [{"m": v} for v in values]
     assert max_regression(curve, "m", mode) == pytest.approx(expected)
+
+
+def test_a_validation_inside_its_epoch_gets_its_share_of_the_epoch_time():
+    """val_check_interval: two validations an epoch of 10 steps, 100 s each epoch."""
+    rows = []
+    for epoch in (0, 1):
+        for step in (epoch * 10 + 4, epoch * 10 + 9):
+            rows.append({"epoch": epoch, "step": step, "val/ppl": 100.0})
+        rows.append({"epoch": epoch, "step": epoch * 10 + 9, "time/train_epoch_s": 100.0})
+    curve = validation_curve(rows, "val/ppl")
+    assert [p["train_s"] for p in curve] == pytest.approx([50.0, 100.0, 150.0, 200.0])
+    assert all(p["time/train_epoch_s"] == 100.0 for p in curve)

@@ -90,3 +90,67 @@ def test_new_studies_say_their_times_exclude_validation():
         "name", "description", "metric", "mode", "curve_metric", "baseline", "budget",
         "overrides", "reference", "instability_threshold", "raw")})()  # fmt: skip
     assert study_document(grid, [], {})["epoch_time_excludes_validation"] is True
+
+
+def _variants_study():
+    runs = []
+    for variant, shift in (("d4", 0.0), ("d24", -50.0)):
+        for head, base in (("softmax", 100.0), ("mos", 90.0)):
+            for seed in (1, 2, 3):
+                test = base + shift + seed
+                runs.append(run(f"{head}+{variant}", seed, test, [test + 10], head=head,
+                                variant=variant))  # fmt: skip
+    return {"name": "variants", "metric": "test/ppl", "mode": "min", "curve_metric": "val/ppl",
+            "baseline": "softmax", "runs": runs}  # fmt: skip
+
+
+def test_each_variant_is_compared_with_the_baseline_of_its_own_variant(tmp_path):
+    study = _variants_study()
+    result = {c["label"]: c for c in compare(study, summarize(study))}
+    assert set(result) == {"mos+d4", "mos+d24"}
+    assert result["mos+d4"]["baseline"] == "softmax+d4"
+    assert result["mos+d24"]["baseline"] == "softmax+d24"
+    # against its own width: -10 both times (against softmax+d4, mos+d24 would read -60)
+    assert [result[k]["delta"] for k in ("mos+d4", "mos+d24")] == pytest.approx([-10.0, -10.0])
+    text = render_markdown(study, tmp_path)
+    assert "Against `softmax` at the same variant (test/ppl, lower is better):" in text
+    assert "- `mos+d24` against `softmax+d24`: -10.00 (std 1.00): lower by more than" in text
+
+
+def test_one_seed_against_several_is_judged_the_same_either_way_round():
+    """max(nan, 10.0) is nan but max(10.0, nan) is 10.0: which group had one seed decided
+    whether a gap counted."""
+    ok = [run("softmax", s, v, [v]) for s, v in ((1, 100.0), (2, 110.0), (3, 120.0))]
+    one = [run("mos", 1, 95.0, [95.0]), run("mos", 2, 0.0, [], status="failed"),
+           run("mos", 3, 0.0, [], status="failed")]  # fmt: skip
+    study = {"metric": "test/ppl", "mode": "min", "curve_metric": "val/ppl", "runs": ok + one}
+    forward = compare({**study, "baseline": "softmax"}, summarize(study))[0]
+    backward = compare({**study, "baseline": "mos"}, summarize(study))[0]
+    assert forward["spread"] == backward["spread"] == pytest.approx(10.0)
+    assert forward["delta"] == -backward["delta"] == pytest.approx(-15.0)
+    assert forward["better_by_more_than_one_std"] and not backward["better_by_more_than_one_std"]
+
+
+def test_one_seed_each_prints_the_mean_alone(study, tmp_path):
+    study["runs"] = [r for r in study["runs"] if r["seed"] == 1]
+    text = render_markdown(study, tmp_path)
+    assert "nan" not in text
+    assert "| softmax | 1/1 | 100.00 |" in text
+    assert "`mixtape`: -5.00 (no std: one seed each): not lower by more than one std" in text
+
+
+def test_epochs_are_the_epochs_trained_not_the_validations():
+    """With val_check_interval two validations an epoch: 2 epochs of 100 s, not 4 of 50."""
+    points = ((0, 4, 50.0), (0, 9, 100.0), (1, 14, 150.0), (1, 19, 200.0))
+    curve = [{"epoch": e, "step": s, "val/ppl": 100.0, "train_s": t} for e, s, t in points]
+    study = {"metric": "test/ppl", "mode": "min", "curve_metric": "val/ppl", "baseline": "a",
+             "runs": [{"label": "a", "seed": 1, "status": "ok", "test": {"test/ppl": 1.0},
+                       "fit": {"curve": curve}, "train_s": 200.0}]}  # fmt: skip
+    row = summarize(study)[0]
+    assert row["epochs"][0] == 2 and row["epoch_s"][0] == pytest.approx(100.0)
+
+
+def test_per_seed_line_keeps_the_place_of_a_failed_seed(study, tmp_path):
+    study["runs"].insert(1, run("softmax", 4, 0.0, [], status="failed"))
+    text = render_markdown(study, tmp_path)
+    assert "softmax 100.00/-/102.00/101.00, mixtape 95.00/96.00/-, mos" in text

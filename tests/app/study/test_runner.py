@@ -13,9 +13,11 @@ import time
 
 import pytest
 import torch
+import yaml
 
 from app.study import load_grid, parse_grid, render_markdown, run_study, runner
 from app.study.runner import StudyInterrupted, _csv_versions
+from heads.errors import UserError
 
 
 @pytest.fixture(scope="module")
@@ -233,3 +235,170 @@ def test_a_sigterm_to_the_runner_alone_reaches_the_runs_under_way(tmp_path, monk
           for i in (1, 2)),
     ]  # fmt: skip
     assert restored is record and not runner._STAGES._live
+
+
+# -- what a run folder holds, with the stages faked (no training: fast) ------------------------
+def _checkpoint(path, step, best=""):
+    state = {"best_model_path": best, "best_model_score": torch.tensor(5.0) if best else None,
+             "monitor": "val/loss", "dirpath": str(path.parent)}  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"epoch": 0, "global_step": step, "state_dict": {"w": torch.zeros(3)},
+                "callbacks": {"ModelCheckpoint{'monitor': 'val/loss'}": state}}, path)  # fmt: skip
+
+
+def _option(args, name):
+    """The value jsonargparse would give ``--name``: the last on the command line, else the
+    last config file's (a path or YAML text) that sets it."""
+    given = [args[i + 1] for i, a in enumerate(args[:-1]) if a == f"--{name}"]
+    if given:
+        return yaml.safe_load(given[-1])
+    value = None
+    for config in (args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config"):
+        content = yaml.safe_load(open(config).read() if os.path.isfile(config) else config)
+        if isinstance(content, dict) and name in content:
+            value = content[name]
+    return value
+
+
+class FakeCli:
+    """``cli.py fit`` and ``test`` as far as the runner sees them: the config saved beside the
+    checkpoints (with the ckpt_path the fit was given), ``checkpoints/``, metrics. A fit resumed
+    beside a ``last.ckpt`` writes ``last-v1.ckpt``, as Lightning did beside a preemption's
+    last.ckpt; ``stop_first``: the first fit is stopped by SIGTERM after saving."""
+
+    def __init__(self, run_dir, stop_first=False):
+        self.run_dir, self.stop_first = run_dir, stop_first
+        self.ckpt_paths: list[tuple[str, str | None]] = []  # (stage, ckpt_path it resumed)
+
+    def __call__(self, args, **options):
+        stage = args[2]
+        ckpt = _option(args, "ckpt_path")
+        if stage == "test":
+            (self.run_dir / "csv" / "test").mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "csv" / "test" / "metrics.csv").write_text("test/ppl\n123.0\n")
+            self.ckpt_paths.append(("test", ckpt))
+            return 0
+        loggers = _option(args, "trainer")["logger"]
+        version = loggers[0]["init_args"]["version"]
+        folder = self.run_dir / "tensorboard" / version
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.yaml").write_text(yaml.safe_dump({"ckpt_path": ckpt, "seed": 1}))
+        self.ckpt_paths.append((version, ckpt))
+        csv = self.run_dir / "csv" / loggers[1]["init_args"]["version"]
+        csv.mkdir(parents=True, exist_ok=True)
+        checkpoints = folder / "checkpoints"
+        if self.stop_first:  # stopped in its first epoch: a last.ckpt, no validation yet
+            self.stop_first = False
+            _checkpoint(checkpoints / "last.ckpt", 3)
+            os.utime(checkpoints / "last.ckpt", ns=(1, 1))  # older than what follows
+            return 128 + signal.SIGTERM
+        (csv / "metrics.csv").write_text("epoch,step,val/loss,val/ppl\n0,9,5.0,150.0\n")
+        _checkpoint(checkpoints / "epoch=0-step=10.ckpt", 10)
+        last = "last-v1.ckpt" if (checkpoints / "last.ckpt").is_file() else "last.ckpt"
+        _checkpoint(checkpoints / last, 10, best=str(checkpoints / "epoch=0-step=10.ckpt"))
+        return 0
+
+
+def _tiny(name, **extra):
+    return parse_grid({"name": name, "base": "configs/lm/ptb.yaml", "seeds": [1],
+                       "heads": {"softmax": "configs/heads/softmax.yaml"}, **extra})  # fmt: skip
+
+
+def test_a_fit_stopped_in_its_first_epoch_is_tested_on_its_best_checkpoint(tmp_path, monkeypatch):
+    """Stopped before its first validation and resumed, the fit's newest state is in
+    last-v1.ckpt where Lightning kept the stopped last.ckpt beside it: the runner resumes
+    from, and reads, the newest one (the best checkpoint it names), not the stopped state."""
+    grid = _tiny("stopped_early")
+    run_dir = tmp_path / grid.runs()[0].relative_dir
+    fake = FakeCli(run_dir, stop_first=True)
+    monkeypatch.setattr(runner._STAGES, "call", fake)
+    with pytest.raises(runner.StageInterrupted):
+        runner.execute_run(grid, grid.runs()[0], run_dir, {})
+    result = runner.execute_run(grid, grid.runs()[0], run_dir, {})
+    best = run_dir / "tensorboard" / "fit" / "checkpoints" / "epoch=0-step=10.ckpt"
+    assert result["status"] == "ok", result.get("error")
+    assert result["tested_checkpoint"] == str(best)
+    assert result["fit"]["global_step"] == 10
+    assert fake.ckpt_paths[-1] == ("test", str(best))
+
+
+def test_the_fine_tuning_stage_starts_afresh_after_a_resumed_fit(tmp_path, monkeypatch):
+    """A fit resumed from its last.ckpt saves a config holding that ckpt_path; the fine-tuning
+    stage, started from that config, must not restore the fit's trainer state from it."""
+    grid = _tiny("resumed_ft", finetune={"overrides": {"trainer.max_epochs": 3}})
+    run_dir = tmp_path / grid.runs()[0].relative_dir
+    _checkpoint(run_dir / "tensorboard" / "fit" / "checkpoints" / "last.ckpt", 5)  # cut short
+    fake = FakeCli(run_dir)
+    monkeypatch.setattr(runner._STAGES, "call", fake)
+    result = runner.execute_run(grid, grid.runs()[0], run_dir, {})
+    assert result["status"] == "ok", result.get("error")
+    fit_last = run_dir / "tensorboard" / "fit" / "checkpoints" / "last.ckpt"
+    assert fake.ckpt_paths[:2] == [("fit", str(fit_last)), ("finetune", None)]
+
+
+def _stage_fails(args, **kwargs):
+    return 1
+
+
+@pytest.mark.parametrize("state", ["with a result", "cut short", "before spec.json"])
+def test_a_run_folder_of_other_settings_is_refused_not_reused(tmp_path, monkeypatch, state):
+    old, new = _tiny("edited", budget={"max_epochs": 2}), _tiny("edited", budget={"max_epochs": 5})
+    run_dir = tmp_path / "edited" / old.runs()[0].relative_dir
+    status = 128 + signal.SIGTERM if state == "cut short" else 1  # failed: a result.json
+    monkeypatch.setattr(runner._STAGES, "call", lambda args, **kwargs: status)
+
+    def study(grid, **options):
+        try:
+            run_study(grid, tmp_path, echo=lambda line: None, **options)
+        except StudyInterrupted:
+            assert state == "cut short"
+
+    study(old)
+    if state == "before spec.json":
+        (run_dir / "spec.json").unlink(missing_ok=True)
+    with pytest.raises(UserError) as refused:  # one line from the command, no traceback
+        study(new, rerun_failed=True)
+    message = str(refused.value)
+    assert "\n" not in message and str(run_dir) in message
+    assert "trainer.max_epochs: 2 -> 5" in message
+    assert "give a new --out, or delete that folder" in message
+    study(old, rerun_failed=True)  # the grid as it was: the folder is its own
+
+
+def test_a_grid_with_a_new_seed_keeps_the_finished_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner._STAGES, "call", _stage_fails)
+    run_study(_two_seeds("more", [1]), tmp_path, echo=lambda line: None)
+    lines = []
+    run_study(_two_seeds("more", [1, 2]), tmp_path, echo=lines.append)
+    assert "skipped" in lines[0] and "FAILED" in lines[1]
+
+
+def test_an_unreadable_result_is_run_again_with_a_warning(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner._STAGES, "call", _stage_fails)
+    grid = _two_seeds("torn", [1])
+    run_study(grid, tmp_path, echo=lambda line: None)
+    result = tmp_path / "torn" / "softmax" / "seed1" / runner.RESULT
+    result.write_text(result.read_text()[:40])  # as a kill while writing left it
+    lines = []
+    run_study(grid, tmp_path, echo=lines.append)
+    assert lines[0].startswith(f"warning: {result} is unreadable")
+    assert "FAILED" in lines[1] and json.loads(result.read_text())["status"] == "failed"
+    assert not list(tmp_path.rglob("*.partial"))
+
+
+def test_a_result_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A kill while writing result.json leaves none (the run is to do), not half of one."""
+    monkeypatch.setattr(runner._STAGES, "call", _stage_fails)
+    real_write_text = runner.Path.write_text
+
+    def killed(self, text, *args, **kwargs):
+        if "result.json" not in self.name:
+            return real_write_text(self, text, *args, **kwargs)
+        real_write_text(self, text[: len(text) // 2])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner.Path, "write_text", killed)
+    grid = _two_seeds("half", [1])
+    with pytest.raises(KeyboardInterrupt):
+        runner.execute_run(grid, grid.runs()[0], tmp_path, {})
+    assert not (tmp_path / "result.json").exists()

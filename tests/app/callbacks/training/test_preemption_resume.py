@@ -1,0 +1,60 @@
+"""A fit preempted before its first validation, resumed in the same run folder: its
+``ModelCheckpoint`` goes on writing ``last.ckpt`` (not a ``last-v1.ckpt`` beside the stopped
+state), so that ``last.ckpt`` (what the study runner and ``--ckpt_path last`` read) is the newest
+state and names the best checkpoint. In-process, a tiny model: a few seconds."""
+
+import signal
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from app.callbacks.training.checkpoint import ModelCheckpoint
+from app.callbacks.training.fail_at_step import SignalAtStep
+from app.callbacks.training.preemption import PreemptionCheckpoint
+
+EPOCH = 4  # training batches per epoch
+
+
+class LoggedBoringModel(BoringModel):
+    def validation_step(self, batch, batch_idx):
+        loss = self.step(batch)
+        self.log("val/loss", loss)
+        return loss
+
+
+def _trainer(tmp_path, *callbacks: L.Callback) -> L.Trainer:
+    checkpoint = ModelCheckpoint(monitor="val/loss", save_last=True, save_top_k=1)
+    return L.Trainer(
+        default_root_dir=tmp_path,
+        max_epochs=2,
+        limit_train_batches=EPOCH,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        logger=L.pytorch.loggers.CSVLogger(tmp_path, name="run", version="fit"),
+        callbacks=[checkpoint, PreemptionCheckpoint(), *callbacks],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+    )
+
+
+def test_a_fit_preempted_in_its_first_epoch_resumes_writing_last_ckpt(tmp_path):
+    L.seed_everything(1)
+    stopped = _trainer(tmp_path, SignalAtStep(2, "SIGTERM"))
+    with pytest.raises(SIGTERMException) as exit_:
+        stopped.fit(LoggedBoringModel())
+    assert exit_.value.code == 128 + signal.SIGTERM
+    folder = tmp_path / "run" / "fit" / "checkpoints"
+    assert [p.name for p in folder.iterdir()] == ["last.ckpt"]  # no validation yet
+
+    resumed = _trainer(tmp_path)
+    resumed.fit(LoggedBoringModel(), ckpt_path=folder / "last.ckpt")
+    names = sorted(p.name for p in folder.iterdir())
+    assert "last-v1.ckpt" not in names and "last.ckpt" in names, names
+    last = torch.load(folder / "last.ckpt", map_location="cpu", weights_only=False)
+    assert last["global_step"] == 2 * EPOCH  # the end of the fit, not the stopped state
+    state = next(v for k, v in last["callbacks"].items() if k.startswith("ModelCheckpoint"))
+    assert state["best_model_path"] and (folder / state["best_model_path"]).is_file()
