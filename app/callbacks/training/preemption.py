@@ -10,6 +10,12 @@ status a scheduler reads as an interruption: 128 + the signal (143 for SIGTERM, 
 instead of the 0 that ``SIGTERMException`` (a ``SystemExit``) would give. SLURM's warning signal
 is Lightning's own business (``SLURMEnvironment(auto_requeue=True)``: an ``hpc`` checkpoint and a
 requeue).
+
+A signal is held while a validation of the fit runs and handed to Lightning at its end:
+Lightning stops an evaluation at its next batch, so a signal in an epoch's last training batch
+(or in a validation) lost that validation (no ``val/loss``, no best checkpoint, no plateau or
+NT-ASGD decision) and the epoch's end, and the resumed run went another way. Handed over at
+the validation's end, Lightning stops after the batch (mid-epoch) or after the epoch's end.
 """
 
 from __future__ import annotations
@@ -61,25 +67,53 @@ class PreemptionCheckpoint(Callback):
         self.received: int | None = None
         self._trainer: L.Trainer | None = None
         self._previous: dict[int, Any] = {}
+        self._validating = False  # a validation of the fit runs: a signal is held (docstring)
+        self._told = False  # Lightning's notifier called
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Lightning registered its SIGTERM handler before this hook; ours records the signal
         # and hands SIGTERM on to it, SIGINT to the same notifier
-        self._trainer, self.received = trainer, None
+        self._trainer, self.received, self._validating, self._told = trainer, None, False, False
         for signum in SIGNALS:
             self._previous[signum] = signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.received == signal.SIGINT and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl+C: stop now, without a checkpoint
+        first = self.received is None
         self.received = signum
-        previous = self._previous.get(signum)
-        if signum == signal.SIGTERM and callable(previous):
-            previous(signum, frame)  # Lightning's: sets trainer.received_sigterm
+        if first and signum == signal.SIGINT:
+            rank_zero_info("SIGINT: saving a checkpoint after this batch (Ctrl+C again: stop now)")
+        if not self._validating:
+            self._hand_over(frame)
+
+    def _hand_over(self, frame: FrameType | None = None) -> None:
+        """Lightning told of the signal received: it stops after the batch under way."""
+        connector = self._trainer._signal_connector
+        if self._told:  # held over a validation: told once is enough (its notifier would
+            connector.received_sigterm = True  # signal a launcher's children again)
             return
-        rank_zero_info("SIGINT: saving a checkpoint after this batch (Ctrl+C again: stop now)")
+        self._told = True
+        previous = self._previous.get(self.received)
+        if self.received == signal.SIGTERM and callable(previous):
+            previous(self.received, frame)  # Lightning's: sets trainer.received_sigterm
+            return
         with _quiet(_SIGNAL_LOG, "Received SIGTERM"):  # its notifier names every signal so
-            self._trainer._signal_connector._sigterm_notifier_fn(signum, frame)
+            connector._sigterm_notifier_fn(self.received, frame)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
+            return
+        self._validating = True
+        if self.received is not None:  # handed over in the batch before: held again
+            trainer._signal_connector.received_sigterm = False
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._validating:
+            return
+        self._validating = False
+        if self.received is not None:
+            self._hand_over()
 
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
