@@ -144,8 +144,23 @@ def render_training_bench(report: dict[str, Any], path: Path, doc_dir: Path) -> 
         *(["Failed in this run, left out: " + "; ".join(
             f"`{subject}`: {message}" for subject, message in failed.items())]
           if (failed := report.get("failed")) else []),
+        *([IN_PROCESS_MEMORY] if _memory_in_process(report) else []),
         f"![{path.stem}]({link(plot, doc_dir)})",
     ])  # fmt: skip
+
+
+# what the extra-peak column of a CPU run from before the memory worker (app/bench/memory.py) is
+IN_PROCESS_MEMORY = (
+    "Extra peak MiB measured in the timing process (a run from before the memory worker): "
+    "glibc's heap there depends on the subjects stepped before, so a row can read up to about "
+    "a third more or less than the same step measured alone."
+)
+
+
+def _memory_in_process(report: dict[str, Any]) -> bool:
+    memory = [r.get("extra_peak_mb") for r in report["results"]]
+    method = report.get("machine", {}).get("memory_method")
+    return method == "rss_reset_peak" and any(m is not None for m in memory)
 
 
 # -- the inference benchmark (python -m app.bench --mode inference) ----------------------------

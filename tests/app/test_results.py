@@ -154,6 +154,20 @@ def test_gpu_targets_section_from_the_gpu_runs(results, tmp_path):
     assert "| adaptive speed / PyTorch's at 100k (>= 1.5) | 1.232 | 1.10-1.55 | 0.99 |" in section
 
 
+def test_a_cpu_runs_memory_measured_in_the_timing_process_is_said_so(results, tmp_path):
+    """CPU runs from before the memory worker measured their extra peak in the process that
+    timed every subject (order-dependent): said under their table; a new run's is not."""
+    from app.results import IN_PROCESS_MEMORY
+
+    assert IN_PROCESS_MEMORY not in render(results, results.parent)  # the worker's
+    folder = tmp_path / "results"
+    folder.mkdir()
+    report = json.loads((results / "bench_cpu.json").read_text())
+    report["machine"]["memory_method"] = "rss_reset_peak"
+    (folder / "bench_cpu.json").write_text(json.dumps(report))
+    assert IN_PROCESS_MEMORY in render(folder, tmp_path)
+
+
 def test_steps_back_to_back_are_said_with_the_repeats(results, tmp_path):
     folder = tmp_path / "results"
     folder.mkdir()
