@@ -53,7 +53,7 @@ STAGE_SPLITS = {
 ALL_SPLITS = ("train", "valid", "test")
 
 # Bump when what an entry holds, or how it is computed, changes: old entries are then ignored.
-FORMAT_VERSION = 2  # 2: a text file's byte-order mark is dropped
+FORMAT_VERSION = 3  # 2: a text file's byte-order mark dropped; 3: BPE <unk_char>, spaces
 IDS_DTYPE = np.dtype("<i4")
 # Ids re-mapped at a time (:meth:`CacheEntry.remap`).
 _REMAP_CHUNK = 1 << 24

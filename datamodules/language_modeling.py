@@ -344,8 +344,11 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         if process_rank() not in (None, 0):
             return
         share = unknown / max(tokens, 1)
+        token = "<unk>"
         if self._level == "bpe":
             why, fix = "characters the BPE never saw in training", "check the text's characters"
+            if getattr(self._vocab, "unk_char_id", None) is not None:
+                token = "<unk_char>"  # a piece inside its word (an older BPE's: <unk>)
         elif split == "train":
             limit = self.hparams.max_vocab_size
             why = f"words beyond data.max_vocab_size={limit}" if limit else "no max_vocab_size"
@@ -354,8 +357,8 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
             why = "words not in the training vocabulary"
             fix = "check that the splits are tokenised alike (case, punctuation, numbers)"
         line = (
-            f"{split}: {unknown:,} of {tokens:,} tokens ({share:.2%}) became <unk> ({why}; "
-            f"<unk> written in the text not counted)"
+            f"{split}: {unknown:,} of {tokens:,} tokens ({share:.2%}) became {token} ({why}; "
+            f"{token} written in the text not counted)"
         )
         if share > UNKNOWN_WARN_SHARE:
             log.warning("warning: %s: over %.0f%%, %s", line, 100 * UNKNOWN_WARN_SHARE, fix)

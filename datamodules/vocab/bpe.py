@@ -10,25 +10,41 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from datamodules.vocab.stream import CachedIdsVocab
 from datamodules.vocab.word import EOS, UNK, lengths_from_eos, words_of
 
 # Word-start marker of the Metaspace pre-tokenizer: makes the segmentation reversible.
 META = "\u2581"
+# The BPE model's unknown token: a character never seen in training, inside a word (not a word
+# of its own, unlike the <unk> word PTB writes for a rare word). Tokenizers trained before it
+# existed use <unk> for both; they are loaded and encode as they did (``BPEVocab.unk_char_id``).
+UNK_CHAR = "<unk_char>"
+SPECIALS = (UNK, EOS, UNK_CHAR)  # the trainer's special tokens, in their tokenizer-id order
 # Lines encoded as one piece "l1 <eos> l2 <eos> ...": the tokenizer splits on the special token
-# and normalises (Strip) each line on its own, so the ids are those of the lines encoded one by
-# one, each followed by <eos> (tested); pieces are encoded in parallel, with a fraction of the
-# per-line Python objects.
+# and normalises each line on its own (spaces, Strip), so the ids are those of the lines encoded
+# one by one, each followed by <eos> (tested); pieces are encoded in parallel, with a fraction of
+# the per-line Python objects.
 _LINES_PER_PIECE = 32
 _EOS_JOIN = f" {EOS} "
-# Whitespace at a line's ends that both Python's split and the tokenizer's Strip drop.
-_ENDS = " \t\n\r\x0b\x0c"
-# Every whitespace character (str.isspace) but the space and the line break (tested).
-_OTHER_SPACE = re.compile(
-    "[\t\x0b\x0c\r\x1c-\x1f\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
+# Every whitespace character (str.isspace: what str.split splits words on; tested).
+_SPACES = (
+    " \n\t\x0b\x0c\r\x1c\x1d\x1e\x1f\x85\xa0\u1680"
+    + "".join(map(chr, range(0x2000, 0x200B)))
+    + "\u2028\u2029\u202f\u205f\u3000"
 )
+# The tokenizer's normaliser turns each run of them into one space, so its words are those of
+# str.split. A literal marker counts as a space too: Metaspace splits a word there anyway, and
+# a word starting with one would otherwise encode differently alone (no marker prepended) and
+# after a space. (No regex metacharacter among them; a single space, the common case, is left
+# as it is: no replacement per word.)
+_SPACE_RUN = f"[{_SPACES}{META}]{{2,}}|[{_SPACES[1:]}{META}]"
+# For tokenizers without that normaliser (trained before it): whitespace at a line's ends that
+# both Python's split and the tokenizer's Strip drop, and every whitespace character but the
+# space and the line break, and the marker (those lines are encoded as they are).
+_ENDS = " \t\n\r\x0b\x0c"
+_OTHER_SPACE = re.compile(f"[{_SPACES[2:]}{META}]")
 
 
 class _TypeIndex(dict):
@@ -45,23 +61,32 @@ class _TypeIndex(dict):
         return index
 
 
-def written_unk(lines: list[str]) -> int:
-    """How many ``<unk>`` the text itself writes (the tokenizer matches the special token
-    anywhere, also inside a word)."""
-    return sum(line.count(UNK) for line in lines)
+def written_unk(lines: list[str], token: str = UNK) -> int:
+    """How many ``<unk>`` (or another special ``token``) the text itself writes (the tokenizer
+    matches a special token anywhere, also inside a word)."""
+    return sum(line.count(token) for line in lines if token in line)
+
+
+def collapses_spaces(tokenizer: Tokenizer) -> bool:
+    """Whether the tokenizer's normaliser makes every run of whitespace one space (those
+    trained before it did not: there a double space or a tab makes other pieces)."""
+    normalizer = tokenizer.normalizer
+    probe = f"{_SPACES}a{_SPACES}{META}b{META}{_SPACES}"
+    return normalizer is not None and normalizer.normalize_str(probe) == "a b"
 
 
 class StreamEncoder:
     """Encodes line batches of a large corpus with a BPE tokenizer by word *type*.
 
-    With the Metaspace pre-tokenizer each space-separated word is encoded on its own (special
-    tokens inside a word split it the same way whether it stands alone or in its line), so a
-    line whose words are separated by single spaces encodes as the concatenation of its words'
-    encodings. Each new type is encoded once by the tokenizer; the batch's ids are then
-    gathered from that table with numpy: a Zipf corpus of 20M tokens has 250k types, so this
-    is several times faster than encoding the running text. Batches with other spacing
-    (tabs, double spaces, Unicode spaces inside a line) are encoded directly. Either way the
-    ids are those of :meth:`BPEVocab.encode_theirs` (tested).
+    The normaliser makes every run of whitespace one space and the Metaspace pre-tokenizer
+    encodes each space-separated word on its own (special tokens, which hold no whitespace,
+    split a word the same way whether it stands alone or in its line), so a line encodes as
+    the concatenation of the encodings of its ``str.split`` words. Each new type is encoded
+    once by the tokenizer; the batch's ids are then gathered from that table with numpy: a
+    Zipf corpus of 20M tokens has 250k types, so this is several times faster than encoding
+    the running text. A tokenizer trained before that normaliser (:func:`collapses_spaces`)
+    encodes a double space, a tab or a Unicode space inside a line otherwise: such batches are
+    encoded directly. Either way the ids are those of :meth:`BPEVocab.encode_theirs` (tested).
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
@@ -70,11 +95,13 @@ class StreamEncoder:
         self.starts = np.zeros(0, dtype=np.int64)  # type -> its pieces in ``flat``
         self.lengths = np.zeros(0, dtype=np.int64)
         self.flat = np.zeros(0, dtype=np.int32)
+        self.any_spacing = collapses_spaces(tokenizer)
 
     @staticmethod
     def single_spaced(lines: list[str]) -> bool:
         """Whether the words of every line are separated by single spaces (whitespace at the
-        ends of a line, which the tokenizer strips, aside)."""
+        ends of a line, which the tokenizer strips, aside) and hold no ``\u2581``: what a
+        tokenizer that does not collapse spaces needs to encode by word type."""
         text = "\n".join(lines)
         if text.count("\n") != len(lines) - 1:  # line breaks in a line (hub rows end with one)
             text = "\n".join(line.strip(_ENDS) for line in lines)
@@ -86,7 +113,7 @@ class StreamEncoder:
         """The tokenizer's ids of ``lines``, ``<eos>`` after each (int32)."""
         if not lines:
             return np.empty(0, dtype=np.int32)
-        if not self.single_spaced(lines):
+        if not self.any_spacing and not self.single_spaced(lines):
             return BPEVocab.encode_theirs(self.tokenizer, lines)
         words = words_of(lines)  # <eos> after each line: a type that encodes to <eos>
         type_ids = np.fromiter(map(self.type_id.__getitem__, words), np.int64, len(words))
@@ -111,13 +138,19 @@ class StreamEncoder:
 class BPEVocab(CachedIdsVocab):
     """Sub-word vocabulary trained with HuggingFace ``tokenizers`` BPE.
 
-    Text is split on spaces with a ``\u2581`` word-start marker (Metaspace), so
-    ``detokenize(encode_line(s)) == s`` for any text made of characters seen in training
-    (leading and trailing spaces are stripped, as ``WordVocab`` ignores them too).
-    ``<unk>`` and ``<eos>`` are special tokens: ``<eos>`` is appended at each line end, and
-    a literal ``<unk>`` in the text (PTB writes rare words so) is the one ``<unk>`` token,
-    as in ``WordVocab``. Our ids are the tokenizer's ids re-ranked by decreasing frequency
-    on the training lines (docs/design.md, "Data"), ties by the tokenizer's id.
+    Runs of whitespace become one space and the text is split on spaces with a ``\u2581``
+    word-start marker (Metaspace), so the words are those of ``WordVocab`` (``str.split``;
+    a literal ``\u2581`` separates words too) and ``detokenize(encode_line(s)) ==
+    " ".join(s.split())`` for any text made of characters seen in training. ``<unk>``,
+    ``<eos>`` and ``<unk_char>`` are special tokens: ``<eos>`` is appended at each line end,
+    a literal ``<unk>`` in the text (PTB writes rare words so) is the one ``<unk>`` token, a
+    word as in ``WordVocab``, and ``<unk_char>`` stands for a character never seen in
+    training, inside its word. Our ids are the tokenizer's ids re-ranked by decreasing
+    frequency on the training lines (docs/design.md, "Data"), ties by the tokenizer's id.
+
+    A tokenizer trained before ``<unk_char>`` and the whitespace normaliser (in an older
+    checkpoint) keeps its behaviour: ``<unk>`` also for an unseen character (a word start
+    there), and a lone ``\u2581`` piece for a double space.
     """
 
     def __init__(self, tokenizer: Tokenizer, itos: list[str], counts: list[int]) -> None:
@@ -138,13 +171,21 @@ class BPEVocab(CachedIdsVocab):
         self._stream: StreamEncoder | None = None
         self.unk_id = self.stoi[UNK]
         self.eos_id = self.stoi[EOS]
+        # the specials that are words of their own (word starts, words in decode_words)
         self.special_ids = frozenset((self.unk_id, self.eos_id))
+        # the unseen character's token, None for a tokenizer whose <unk> is also that
+        self.unk_char_id = self.stoi[UNK_CHAR] if tokenizer.model.unk_token == UNK_CHAR else None
+        self._dropped = self.special_ids | {self.unk_char_id}  # what detokenize leaves out
 
     @staticmethod
     def _new_tokenizer() -> Tokenizer:
-        tokenizer = Tokenizer(models.BPE(unk_token=UNK))
-        # Strip applies to the text between special tokens, so " <unk> " leaves no lone marker.
-        tokenizer.normalizer = normalizers.Strip()
+        tokenizer = Tokenizer(models.BPE(unk_token=UNK_CHAR))
+        # Normalisers apply to the text between special tokens: whitespace runs become one
+        # space (no lone marker for a double space, a tab separates words as in str.split) and
+        # Strip leaves no lone marker around " <unk> ".
+        tokenizer.normalizer = normalizers.Sequence(
+            [normalizers.Replace(Regex(_SPACE_RUN), " "), normalizers.Strip()]
+        )
         tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement=META)
         tokenizer.decoder = decoders.Metaspace(replacement=META)
         return tokenizer
@@ -167,7 +208,7 @@ class BPEVocab(CachedIdsVocab):
 
         tokenizer = cls._new_tokenizer()
         trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size, special_tokens=[UNK, EOS], show_progress=show_progress
+            vocab_size=vocab_size, special_tokens=list(SPECIALS), show_progress=show_progress
         )
         tokenizer.train_from_iterator(checked(), trainer)
         if not has_text:
@@ -231,11 +272,15 @@ class BPEVocab(CachedIdsVocab):
         return self.to_ours(self._stream.encode(lines))
 
     def encode_batch_unknown(self, lines: list[str]) -> tuple[np.ndarray, int]:
-        """``encode_batch(lines)`` and how many of its ids are ``<unk>`` for characters the BPE
-        never saw (a ``<unk>`` written in the text, matched anywhere as the special token it
-        is, is not counted)."""
+        """``encode_batch(lines)`` and how many of its ids are ``<unk_char>`` for characters
+        the BPE never saw (one each; a ``<unk_char>`` written in the text, matched anywhere as
+        the special token it is, is not counted). For an older tokenizer: its ``<unk>`` ids
+        but those the text writes."""
         ids = self.encode_batch(lines)
-        return ids, int(np.count_nonzero(ids == self.unk_id)) - written_unk(lines)
+        if self.unk_char_id is None:
+            return ids, int(np.count_nonzero(ids == self.unk_id)) - written_unk(lines)
+        unknown = int(np.count_nonzero(ids == self.unk_char_id))
+        return ids, unknown - (written_unk(lines, UNK_CHAR) if unknown else 0)
 
     def line_lengths(self, lines: list[str], ids: np.ndarray) -> np.ndarray:
         """Ids per line of ``ids = encode_batch(lines)`` (``<eos>`` included)."""
@@ -260,11 +305,12 @@ class BPEVocab(CachedIdsVocab):
     def decode_words(self, ids: Iterable[int]) -> list[str]:
         """The words the pieces spell: a ``▁`` piece starts a word, any other piece
         continues the current one; ``<unk>`` and ``<eos>`` stay words of their own (a sampled
-        continuation shows them, where ``detokenize`` drops them)."""
+        continuation shows them, where ``detokenize`` drops them). ``<unk_char>`` continues
+        its word and spells nothing, as the tokenizer writes it."""
         words: list[str] = []
         joinable = False  # whether the next plain piece continues the last word
         for i in ids:
-            piece = self.itos[i]
+            piece = "" if i == self.unk_char_id else self.itos[i]
             if i in self.special_ids:
                 words.append(piece)
                 joinable = False
@@ -276,15 +322,16 @@ class BPEVocab(CachedIdsVocab):
         return [word for word in words if word]  # a lone marker before a word start spells none
 
     def detokenize(self, ids: Iterable[int]) -> str:
-        """The text back, special tokens dropped."""
-        theirs = [self._theirs[i] for i in ids if i not in self.special_ids]
+        """The text back, special tokens (and unseen characters) dropped."""
+        theirs = [self._theirs[i] for i in ids if i not in self._dropped]
         return self.tokenizer.decode(theirs, skip_special_tokens=True)
 
     @property
     def word_start_mask(self) -> torch.Tensor:
         """``[len]`` bool: pieces that begin a word (``▁``-prefixed) and the specials
         (``<unk>`` stands for a whole word, ``<eos>`` is counted as a word as in ``WordVocab``),
-        so a stretch of ids holds as many words as it has these."""
+        so a stretch of ids holds as many words as it has these, the words of ``str.split``
+        and one per line. ``<unk_char>`` (an unseen character) is inside its word."""
         return torch.tensor(
             [t.startswith(META) or i in self.special_ids for i, t in enumerate(self.itos)]
         )

@@ -496,7 +496,8 @@ def test_unknown_words_are_counted_per_split_and_read_back_on_a_cache_hit(tmp_pa
     assert unknown_lines(caplog)["valid"].levelno == logging.INFO
 
 
-def test_bpe_counts_unseen_characters_only(tmp_path):
+def test_bpe_counts_unseen_characters_only(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="datamodules")
     data = LanguageModelingDataModule(
         path=unk_corpus(tmp_path / "text"), vocab="bpe", bpe_vocab_size=12,
         cache_dir=str(tmp_path / "cache"),
@@ -506,6 +507,8 @@ def test_bpe_counts_unseen_characters_only(tmp_path):
     assert data.unknown_tokens["train"][0] == 0
     assert data.unknown_tokens["valid"][0] == 10
     assert data.unknown_tokens["test"][0] == 2
+    said = [r.getMessage() for r in caplog.records if "valid: 10 of" in r.getMessage()]
+    assert len(said) == 1 and "became <unk_char> (characters the BPE never saw" in said[0]
     tokens = {split: data.num_tokens(split) for split in UNK_CORPUS}
     assert {s: n for s, (_, n) in data.unknown_tokens.items()} == tokens
 
