@@ -3,6 +3,7 @@ cut to a token budget (shared out over DDP ranks), and their padding into tensor
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -98,7 +99,12 @@ class TokenBucketBatchSampler(Sampler[list[int]]):
     within ``max_tokens``, so padding is small. With a shuffling sampler the order of the
     batches is shuffled anew each epoch too. Under DDP each rank takes every
     ``world_size``-th batch (in training the last few batches are dropped so that every rank
-    runs the same number of steps). A pair longer than ``max_tokens`` is refused in training
+    runs the same number of steps). In evaluation every line is kept, and a split cut into
+    fewer batches than there are ranks has its costliest batches cut in two until each rank
+    has one (Lightning stops on a rank with no batch). The ranks may evaluate different
+    numbers of batches: evaluation has no collective per batch (the metrics and translations
+    are gathered at the epoch's end; fit's DDP wrapper syncs buffers in the first batch
+    only, which every rank has). A pair longer than ``max_tokens`` is refused in training
     (the budget bounds a step's memory); with ``longer_alone`` (evaluation, which keeps every
     line) it is a batch of its own.
     """
@@ -115,6 +121,12 @@ class TokenBucketBatchSampler(Sampler[list[int]]):
         if max_tokens < longest and not longer_alone:
             raise DataConfigError(
                 f"data.max_tokens ({max_tokens}) must hold the longest sequence ({longest} tokens)"
+            )
+        lines = len(sampler.source_lengths)
+        if not sampler.shuffle and lines < world_size:
+            raise DataConfigError(
+                f"an evaluation split of {lines} lines cannot give each of {world_size} DDP "
+                f"ranks a batch: run on at most {lines} devices"
             )
         self.sampler = sampler
         self.max_tokens = max_tokens
@@ -149,8 +161,14 @@ class TokenBucketBatchSampler(Sampler[list[int]]):
             # a different stream than the tie-breaker's
             random.Random(self.sampler.seed + self.sampler.epoch + 7919).shuffle(batches)
         if self.world_size > 1:
-            usable = len(batches) - len(batches) % self.world_size if shuffle else None
-            batches = batches[:usable][self.rank :: self.world_size]
+            if shuffle:
+                batches = batches[: len(batches) - len(batches) % self.world_size]
+            else:
+                batches = split_for_ranks(batches, self.world_size, src, tgt)
+            # dealt in turn: the batches hold about max_tokens each, so the ranks' loads differ
+            # by one batch at most, and limit_*_batches=k on each of n ranks keeps the lines
+            # of the first k * n batches, as on one process
+            batches = batches[self.rank :: self.world_size]
         return batches
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -158,6 +176,34 @@ class TokenBucketBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return len(self._batches())
+
+
+def split_for_ranks(
+    batches: list[list[int]],
+    world_size: int,
+    source_lengths: Sequence[int],
+    target_lengths: Sequence[int],
+) -> list[list[int]]:
+    """``batches`` (length-sorted) with the costliest (``lines x longest``, the padded tokens)
+    cut in two, in place in the order, until there are ``world_size`` of them: each DDP rank then
+    evaluates one, of similar cost. Needs ``world_size`` lines in all."""
+    batches = list(batches)
+    sizes = [[max(source_lengths[i], target_lengths[i]) for i in b] for b in batches]
+    while len(batches) < world_size:
+        j = max(
+            (j for j, b in enumerate(sizes) if len(b) > 1),
+            key=lambda j: len(sizes[j]) * max(sizes[j]),
+        )
+        batch, size = batches[j], sizes[j]
+        # the cut whose costlier side is the cheapest (not always the middle: the sizes are
+        # sorted by source length, the target's may be longer)
+        head = list(itertools.accumulate(size, max))
+        tail = list(itertools.accumulate(reversed(size), max))[::-1]
+        n = len(size)
+        cut = min(range(1, n), key=lambda k: max(k * head[k - 1], (n - k) * tail[k]))
+        batches[j : j + 1] = [batch[:cut], batch[cut:]]
+        sizes[j : j + 1] = [size[:cut], size[cut:]]
+    return batches
 
 
 def collate_pairs(items: list[dict[str, Any]], pad_id: int, bos_id: int) -> dict[str, torch.Tensor]:

@@ -91,6 +91,41 @@ def test_ddp_ranks_get_disjoint_equal_shares_in_training_and_every_batch_in_eval
     assert sorted(map(tuple, shards[0] + shards[1])) == sorted(map(tuple, whole))
 
 
+def test_evaluation_cut_into_fewer_batches_than_ranks_gives_each_rank_some_lines_once():
+    # Multi30k's valid split is 3 batches of 8192 tokens: on 4 or 8 ranks some would get no
+    # batch, and Lightning stops ("DataLoader within local rank has zero length")
+    source = LENGTHS
+    target = [n + (i % 3) for i, n in enumerate(LENGTHS)]
+    evaluation = LengthSortedSampler(source, target, shuffle=False)
+    assert len(list(TokenBucketBatchSampler(evaluation, 128))) == 3
+
+    def cost(batch: list[int]) -> int:
+        return len(batch) * max(max(source[i], target[i]) for i in batch)
+
+    for world in (4, 8):
+        shards = [list(TokenBucketBatchSampler(evaluation, 128, r, world)) for r in range(world)]
+        assert all(len(shard) == 1 for shard in shards)
+        lines = [i for shard in shards for batch in shard for i in batch]
+        assert sorted(lines) == list(range(len(source)))  # every line once
+        # the batches are pieces of the length-sorted order, dealt in turn
+        assert lines == list(evaluation)
+        assert max(cost(shard[0]) for shard in shards) <= 128 * 4 // world
+
+    # with more batches than ranks nothing is cut: rank r takes batches r, r + n, ...
+    whole = list(TokenBucketBatchSampler(evaluation, 64))
+    assert len(whole) == 6
+    shards = [list(TokenBucketBatchSampler(evaluation, 64, r, 4)) for r in range(4)]
+    assert shards == [whole[r::4] for r in range(4)]
+
+
+def test_an_evaluation_split_with_fewer_lines_than_ranks_is_one_clear_error():
+    evaluation = LengthSortedSampler([2, 3, 4], [2, 3, 4], shuffle=False)
+    message = r"evaluation split of 3 lines cannot give each of 4 DDP ranks a batch: .* at most 3"
+    with pytest.raises(DataConfigError, match=message):
+        TokenBucketBatchSampler(evaluation, 64, rank=3, world_size=4, longer_alone=True)
+    assert list(TokenBucketBatchSampler(evaluation, 64, rank=2, world_size=3)) == [[2]]
+
+
 def test_a_pair_over_the_budget_is_refused_in_training_and_alone_in_evaluation():
     lengths = [2, 3, 9, 2]
     with pytest.raises(DataConfigError, match=r"data.max_tokens \(8\) must hold .* \(9 tokens\)"):
