@@ -14,7 +14,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from sacrebleu.metrics import BLEU
 
-from heads import IGNORE_INDEX, Head
+from heads import IGNORE_INDEX, Head, HeadOutput
 from lightning_modules.backbones.seq2seq import Seq2SeqTransformer
 from lightning_modules.checks import tie_head
 from lightning_modules.decoding import DecodeConfig, beam_search, greedy_decode
@@ -46,11 +46,39 @@ def bleu_for(target_lang: str | None) -> BLEU:
         return BLEU()
 
 
+def _ddp_world_size() -> int:
+    """The number of processes of the default group, 1 outside ``torch.distributed``."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _per_global_token(
+    output: HeadOutput, mean_nll: torch.Tensor, tokens: torch.Tensor, world: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A DDP rank's training loss weighted per token of the whole step (as fairseq does),
+    and the step's loss and NLL per token over all ranks, for the logs.
+
+    DDP averages the ranks' gradients; token buckets give the ranks very different token
+    counts in a step, so a mean of per-rank token means would weigh the tokens of a short
+    batch more. ``sum * world / global_tokens`` (``output.loss`` is the rank's smoothed sum
+    over its tokens) averages to the union's per-token loss. The auxiliary loss is a step's
+    regulariser, not per token: added as it is, the ranks' average keeps its weight. One
+    all-reduce on the device, no read-back."""
+    local = tokens.to(output.loss.dtype)
+    sums = torch.stack([output.loss.detach() * local, mean_nll.detach() * local, local])
+    torch.distributed.all_reduce(sums)
+    total = sums[2].clamp_min(1)  # an all-ignored step: 0, as one process has it
+    loss = output.loss * (local * world / total) + output.aux_loss
+    return loss, sums[0] / total + output.aux_loss.detach(), sums[1] / total
+
+
 class Translation(HeadTask):
     """Sequence-to-sequence translation over any :class:`~heads.Head`.
 
     The decoder's context vectors ``[B, T, d]`` are flattened to ``[N, d]`` and given to the
     head with the next target tokens ``[N]`` (``-100`` at padding), as in the LM task.
+    Under DDP a training step's loss is weighted per token of all ranks' batches, as one
+    process would weigh their union (token buckets give the ranks unequal token counts).
     Validation and test report the token-weighted loss / perplexity of the reference and
     sacreBLEU of the decoded translations on detokenised text against the raw reference
     lines; a few sample translations go to TensorBoard as text, and ``test`` writes all
@@ -189,6 +217,11 @@ class Translation(HeadTask):
         self, batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`loss`'s pair and the NLL of each target token ``[N]``."""
+        mean_nll, output = self._head_output(batch)
+        return mean_nll, output.loss + output.aux_loss, output.nll
+
+    def _head_output(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, HeadOutput]:
+        """The mean NLL of the reference tokens and the head's output."""
         hidden = self.backbone(batch["source"], batch["source_padding"], batch["target_input"])
         hidden = hidden.reshape(-1, hidden.size(-1))
         target = batch["target_output"].reshape(-1)
@@ -198,18 +231,23 @@ class Translation(HeadTask):
             mean_nll = output.loss
         else:
             mean_nll = output.nll.sum() / (target != IGNORE_INDEX).sum().clamp_min(1)
-        return mean_nll, output.loss + output.aux_loss, output.nll
+        return mean_nll, output
 
     def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
-        nll, loss, token_nll = self._losses(batch)
-        self.check_finite_loss(loss, stage)
+        nll, output = self._head_output(batch)
+        loss, token_nll = output.loss + output.aux_loss, output.nll
         tokens = (batch["target_output"] != IGNORE_INDEX).sum()
+        logged_loss, logged_nll = loss, nll
+        # training under DDP: per token of the whole step (evaluation has no collective)
+        if stage == "train" and (world := _ddp_world_size()) > 1:
+            loss, logged_loss, logged_nll = _per_global_token(output, nll, tokens, world)
+        self.check_finite_loss(loss, stage)
         self.metrics[f"{stage}_nll"].update(nll.detach(), weight=tokens)
         if stage == "train":
             # not prog_bar: Lightning reads those back after every batch (a GPU sync); the
             # app's progress bar shows it at the logging interval (interval_progress_bar)
-            self.log("train/loss", loss)
-            self.log("train/nll", nll)
+            self.log("train/loss", logged_loss)
+            self.log("train/nll", logged_nll)
             return loss
         if self._word_starts is None:
             self._word_starts = word_starts(self._trainer, self.device)

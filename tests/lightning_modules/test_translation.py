@@ -8,7 +8,7 @@ import torch
 
 from datamodules import TranslationDataModule
 from datamodules.pair_batches import collate_pairs
-from heads import MixtapeHead, MoSHead, SoftmaxHead
+from heads import DSSoftmaxHead, MixtapeHead, MoSHead, SoftmaxHead
 from lightning_modules import Translation
 from lightning_modules.backbones import Seq2SeqTransformer
 from lightning_modules.decoding import DecodeConfig, greedy_decode
@@ -83,6 +83,45 @@ def test_padding_does_not_change_a_sentences_loss(data):
     weighted = sum(n.item() * c for (n, _), c in zip(separate, counts, strict=True))
     assert nll.item() * sum(counts) == pytest.approx(weighted, rel=1e-5)
     assert count_batched == sum(counts)
+
+
+def test_a_ddp_rank_s_training_loss_is_per_token_of_the_whole_step(data, monkeypatch):
+    """Under DDP (faked: world 2, the all-reduce adding another rank's sums) a rank's loss is
+    its smoothed token sum * world / the step's tokens, so DDP's gradient average weighs every
+    token alike; DS-Softmax's regulariser (a step's, not a token's) is added unscaled; the logs
+    show the whole step's loss per token; nothing is read back to the host."""
+    from lightning_modules import translation
+    from tests.lightning_modules.test_host_sync import SyncSentinel
+
+    head = DSSoftmaxHead(D, data.vocab_size, num_experts=2, lambda_lasso=0.05)
+    model = make(data, lambda *_: head, label_smoothing=0.1).train()
+    batch = next(iter(data.train_dataloader()))
+    with torch.no_grad():
+        hidden = model.backbone(batch["source"], batch["source_padding"], batch["target_input"])
+        target = batch["target_output"].reshape(-1)
+        output = model.head(hidden.reshape(-1, D), target, label_smoothing=0.1)
+    tokens = int((target != -100).sum())
+    nll = output.nll.sum() / tokens
+    other = torch.tensor([10.0, 8.0, 5.0])  # the other rank's loss sum, NLL sum, token count
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda sums: sums.add_(other))
+    monkeypatch.setattr(translation, "_ddp_world_size", lambda: 2, raising=False)
+    logged, checked = {}, []
+    monkeypatch.setattr(model, "log", lambda name, value, **_: logged.__setitem__(name, value))
+    monkeypatch.setattr(model, "check_finite_loss", lambda loss, stage: checked.append(loss))
+    with SyncSentinel().installed(monkeypatch) as sentinel:
+        sentinel.active = True
+        loss = model.training_step(batch, 0)
+        sentinel.active = False
+    # the sentinel sees DS-Softmax's one read-back of its expert sizes (heads/), and no other
+    assert sentinel.calls and all(where.startswith("heads/") for _, where in sentinel.calls)
+    total = tokens + 5
+    expected = output.loss * tokens * 2 / total + output.aux_loss
+    assert float(output.aux_loss) > 0
+    torch.testing.assert_close(loss.detach(), expected)
+    assert len(checked) == 1 and checked[0] is loss  # the loss the optimizer sees
+    step_loss = (output.loss * tokens + 10) / total + output.aux_loss
+    torch.testing.assert_close(logged["train/loss"], step_loss)
+    torch.testing.assert_close(logged["train/nll"], (nll * tokens + 8) / total)
 
 
 def test_options_are_checked(data):
