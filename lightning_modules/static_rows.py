@@ -2,8 +2,9 @@
 
 ``torch.compile`` specialises a head's loss on its row count (the fused loss loops over row
 and column tiles of known sizes) and a CUDA graph holds one shape. A translation batch has a
-new ``B x T`` almost every step (length buckets capped at ``max_tokens``), and AWD-LSTM's
-variable BPTT gives the LM the same: compiled, each new count was a new compilation until
+new ``B x T`` almost every step (length buckets capped at ``max_tokens``; an LM's windows
+vary only at a split's end, or with a varying BPTT): compiled, each new count was a new
+compilation until
 Dynamo's limit (8) sent the rest to eager, and graphed, each ran eagerly. The tasks pad the
 rows (zero hidden, ignored targets: no loss, no gradient, no metric) up to one of 8 sizes per
 octave, at most 1/8 more rows: a run then sees a few sizes (a translation run's training
