@@ -13,6 +13,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
@@ -50,7 +51,7 @@ from lightning_modules.module_configs import (
     build_modules,
     cli_module_configs,
 )
-from lightning_modules.optimization import configure_optimizers
+from lightning_modules.optimization import configure_optimizers, step_plateau_schedulers
 from lightning_modules.static_rows import pad_rows, pad_target, padded_rows
 
 log = logging.getLogger(__name__)
@@ -173,6 +174,8 @@ class HeadTask(L.LightningModule):
         self.scheduler_factory = scheduler
         # validations ended in fit, and that count at the plateau scheduler's last step
         self._validations = self._plateau_validations = 0
+        # the epoch whose plateau step was taken at its last validation's end (-1: none)
+        self._plateau_epoch = -1
         self._finite_loss = FiniteLossCheck()
         self._resumed_epoch: dict | None = None  # read_epoch_state's, until the first batch
         self.head_inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # head_loss's
@@ -364,11 +367,19 @@ class HeadTask(L.LightningModule):
         self._finite_loss.raise_if_non_finite(self.head)
 
     def on_validation_end(self) -> None:
-        if not self.trainer.sanity_checking:
-            self._validations += 1
+        trainer = self.trainer
+        if trainer.sanity_checking:
+            return
+        self._validations += 1
+        # the validation that ends a training epoch takes the epoch's plateau step, before
+        # the epoch's checkpoint is saved (lightning_modules/optimization.py)
+        if trainer.state.fn == TrainerFn.FITTING and step_plateau_schedulers(self):
+            self._plateau_epoch = trainer.current_epoch
 
     def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
         if isinstance(scheduler, ReduceLROnPlateau):
+            if self._plateau_epoch == self.trainer.current_epoch:
+                return  # Lightning's call after the epoch: stepped at its validation's end
             # Lightning reads val/loss from callback_metrics, which keeps an earlier
             # validation's value: stepping on it again (patience 0) would cut the rate on
             # no new evidence. Step only after a validation that ended since the last step.
@@ -393,6 +404,15 @@ class HeadTask(L.LightningModule):
 
     def continue_epoch_state(self, state: Any) -> None:
         """Take back the :meth:`epoch_state` of the checkpoint this run resumes mid-epoch."""
+
+    def on_train_start(self) -> None:
+        # Resumed at an epoch's end (the usual last.ckpt): the generators as the checkpoint
+        # saved them, before the next epoch's dropout draws its masks. (Resumed mid-epoch,
+        # on_train_batch_start gives them back with the epoch's sums.)
+        saved = self._resumed_epoch
+        if saved is not None and saved["rng"] is not None:
+            if not self.trainer.fit_loop.restarted_mid_epoch:
+                set_rng_states(saved["rng"], self.device)
 
     def on_train_epoch_start(self) -> None:
         # (Lightning does not call this when it resumes in the middle of an epoch)

@@ -17,7 +17,6 @@ from lightning_modules.backbones import LMBackbone
 from lightning_modules.checks import HEAD_KEY, tie_head
 from lightning_modules.errors import ModelConfigError
 from lightning_modules.head_task import HeadTask, warn_once
-from lightning_modules.optimization import step_schedulers_skipped_by_resume
 from lightning_modules.pretrained import Pretrained, read_pretrained
 from lightning_modules.weighted_mean import WeightedMean
 from lightning_modules.word_perplexity import (
@@ -235,7 +234,6 @@ class LanguageModel(HeadTask):
 
     def on_train_epoch_end(self) -> None:
         self._log_split_perplexity("train")
-        step_schedulers_skipped_by_resume(self)
 
     def on_validation_epoch_end(self) -> None:
         super().on_validation_epoch_end()  # a non-finite loss stops the run before logging

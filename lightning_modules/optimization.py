@@ -63,7 +63,9 @@ def configure_optimizers(
 
     ``strict: False``: an epoch without ``val/loss`` (``limit_val_batches=0``, validation
     every n epochs) skips the plateau step with a warning instead of stopping the run; a
-    stale ``val/loss`` of an earlier validation is skipped by ``HeadTask.lr_scheduler_step``."""
+    stale ``val/loss`` of an earlier validation is skipped by ``HeadTask.lr_scheduler_step``.
+    ``HeadTask`` takes the plateau step at the end of the validation that ends the epoch
+    (:func:`step_plateau_schedulers`), before the epoch's checkpoint."""
     built = optimizer(parameters)
     refuse_float16_adaptive_state(built, precision or "")
     if scheduler is None:
@@ -74,31 +76,42 @@ def configure_optimizers(
     return {"optimizer": built, "lr_scheduler": config}
 
 
-def step_schedulers_skipped_by_resume(module: Any) -> None:
-    """Step the epoch-interval plateau schedulers at the end of an epoch resumed mid-way.
+def epoch_batches_done(trainer: Any) -> bool:
+    """Whether the training epoch's last batch was trained on (Lightning's own test before it
+    steps the epoch's schedulers, through its public progress counters)."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    return progress.is_last_batch or progress.current.ready == trainer.num_training_batches
 
-    Lightning (2.6) skips the end-of-epoch step of ``ReduceLROnPlateau``-style schedulers in
-    the first epoch after ``fit --ckpt_path`` (meant for checkpoints written after the step).
-    A run resumed from a mid-epoch checkpoint (its loader skipped the batches trained before
-    it) has not stepped yet, so an uninterrupted run would step here: through the public
-    ``lr_scheduler_configs``, ``callback_metrics`` and the module's ``lr_scheduler_step`` hook,
-    as Lightning does, once the epoch's last batch was trained on. Call from
-    ``on_train_epoch_end`` (it runs before Lightning's own check).
+
+def due_plateau_schedulers(trainer: Any) -> list[Any]:
+    """The ``ReduceLROnPlateau`` configs Lightning would step at the end of this epoch
+    (epoch interval, this epoch a multiple of their ``frequency``)."""
+    return [
+        config
+        for config in trainer.lr_scheduler_configs
+        if config.reduce_on_plateau
+        and config.interval == "epoch"
+        and (trainer.current_epoch + 1) % config.frequency == 0
+    ]
+
+
+def step_plateau_schedulers(module: Any) -> bool:
+    """At the end of a validation: if it ends the training epoch, take the epoch's
+    ``ReduceLROnPlateau`` steps now (through ``module.lr_scheduler_step``, as Lightning
+    does) and return True; else do nothing and return False.
+
+    Lightning (2.6) steps them only after ``on_train_epoch_end``, where ``ModelCheckpoint``
+    saves: an epoch-end checkpoint (the usual ``last.ckpt``) held the scheduler before its
+    step, and the fit resumed from it counts the epoch finished and never took that step;
+    the first epoch of a fit resumed mid-way takes none at all. Stepped here, every
+    checkpoint of the epoch's end holds the step and every epoch takes it once; the task's
+    ``lr_scheduler_step`` then skips Lightning's own call.
     """
     trainer = module.trainer
-    loader = trainer.train_dataloader
-    resumed = getattr(loader, "resumed_from", 0) > 0
-    # the loader's position goes back to 0 once the epoch's last batch is trained on
-    finished = resumed and loader.position == 0 and loader.batches_served > 0
-    if not (finished and module.automatic_optimization):
-        return
-    for config in trainer.lr_scheduler_configs:
-        due = (trainer.current_epoch + 1) % config.frequency == 0
-        if not (config.reduce_on_plateau and config.interval == "epoch" and due):
-            continue
+    if not (module.automatic_optimization and epoch_batches_done(trainer)):
+        return False
+    for config in due_plateau_schedulers(trainer):
         value = trainer.callback_metrics.get(config.monitor)
-        if value is None:
-            if config.strict:
-                raise KeyError(f"ReduceLROnPlateau monitors {config.monitor!r}: not logged")
-            continue
-        module.lr_scheduler_step(config.scheduler, value)
+        if value is not None:  # (none: Lightning's own call warns, or raises if strict)
+            module.lr_scheduler_step(config.scheduler, value)
+    return True

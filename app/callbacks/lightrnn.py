@@ -13,6 +13,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 from app.callbacks.training.progress import side_progress
+from app.callbacks.training.resume import resumed_mid_epoch
 from datamodules.bptt import BPTTBatches
 from datamodules.errors import DataConfigError
 from datamodules.vocab.hybrid_lightrnn import HybridLightRNNVocab
@@ -155,7 +156,9 @@ class LightRNNTableReassignment(L.Callback):
     with, so a checkpoint saved at this epoch's end tests with that table and resumes with
     the new one (both are in the data module's state, hence in every checkpoint). The code
     embeddings stay with their codes (a word that moves reads its new row's and column's
-    embeddings, as in LightRNN). Not after the last epoch.
+    embeddings, as in LightRNN). Not after the last epoch; a fit resumed from that epoch's
+    checkpoint with more epochs re-learns it when it starts (the callback's state records
+    the epoch of the last re-learning), as the uninterrupted run did after that epoch.
 
     Logs ``lightrnn/objective_before`` and ``lightrnn/objective_after`` (Eq. 3 with the Eq. 6
     cost), ``lightrnn/lower_bound`` (certified), ``lightrnn/moved`` (share of rare words that
@@ -199,6 +202,10 @@ class LightRNNTableReassignment(L.Callback):
         self.log_rows = log_rows
         self.last: dict[str, float] = {}
         self.last_cells: torch.Tensor | None = None
+        # the epoch (0-based) after which the table was last re-learnt; None: not yet, or a
+        # checkpoint written before this was saved
+        self.relearnt_after: int | None = None
+        self._restored = False  # a checkpoint's state was loaded (fit --ckpt_path)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         vocab = _coded_vocab(trainer.datamodule)
@@ -209,6 +216,26 @@ class LightRNNTableReassignment(L.Callback):
                 f"(the data module's {side}vocabulary is {type(vocab).__name__})"
             )
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"relearnt_after": self.relearnt_after}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.relearnt_after = state_dict.get("relearnt_after")
+        self._restored = "relearnt_after" in state_dict
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Resumed at the end of an epoch whose re-learning was due but skipped (it was then
+        # the last epoch: the run is resumed with more): the uninterrupted run re-learnt
+        # after it, so this run does now, before the next epoch's first pass installs the
+        # table it schedules. (Mid-epoch, the checkpoint was written after the epoch before
+        # had scheduled its table.)
+        restored, self._restored = self._restored, False
+        finished = trainer.current_epoch - 1  # the checkpoint's last finished epoch
+        if not restored or resumed_mid_epoch(trainer) or finished < 0:
+            return
+        if (finished + 1) % self.every_n_epochs == 0 and self.relearnt_after != finished:
+            self.reassign_now(trainer, pl_module, after_epoch=finished)
+
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         epoch = trainer.current_epoch + 1
         # a table learnt after the last epoch would never be trained on; -1 (or None): the run
@@ -218,8 +245,14 @@ class LightRNNTableReassignment(L.Callback):
             return
         self.reassign_now(trainer, pl_module)
 
-    def reassign_now(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+    def reassign_now(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, after_epoch: int | None = None
+    ) -> dict[str, Any]:
+        """Re-learn the table now, schedule it for the next training pass and log its figures
+        (``lightrnn/*``, returned). ``after_epoch``: the epoch it follows, by default the
+        current one (a resumed fit's first: the epoch its checkpoint ended)."""
         start = time.perf_counter()
+        after_epoch = trainer.current_epoch if after_epoch is None else after_epoch
         data = trainer.datamodule
         vocab: HybridLightRNNVocab = _coded_vocab(data)
         if _translates(data):
@@ -256,6 +289,7 @@ class LightRNNTableReassignment(L.Callback):
         new_cells = torch.from_numpy(result.cells)
         vocab.schedule_cells(new_cells)
         self.last_cells = new_cells
+        self.relearnt_after = after_epoch
         self.last = {
             "lightrnn/objective_before": result.before,
             "lightrnn/objective_after": result.after,
@@ -264,10 +298,16 @@ class LightRNNTableReassignment(L.Callback):
             "lightrnn/seen": float(seen.mean()) if len(seen) else 0.0,
             "lightrnn/seconds": time.perf_counter() - start,
         }
-        for name, value in self.last.items():
-            pl_module.log(name, value, on_epoch=True, sync_dist=False)
+        if after_epoch == trainer.current_epoch:
+            for name, value in self.last.items():
+                pl_module.log(name, value, on_epoch=True, sync_dist=False)
+        else:  # made up as a resumed fit starts: at the step the uninterrupted run logged them,
+            # as the float32 values self.log gives the loggers
+            logged = {name: torch.tensor(value).item() for name, value in self.last.items()}
+            for logger in trainer.loggers:
+                logger.log_metrics(logged, step=max(trainer.global_step - 1, 0))
         rank_zero_info(
-            f"Hybrid-LightRNN table re-learnt after epoch {trainer.current_epoch} in "
+            f"Hybrid-LightRNN table re-learnt after epoch {after_epoch} in "
             f"{self.last['lightrnn/seconds']:.1f} s: {result.moved:.1%} of the rare words moved; "
             f"Eq. 3 objective {result.before:.6g} -> {result.after:.6g} "
             f"(lower bound {result.lower_bound:.6g})"

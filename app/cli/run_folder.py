@@ -5,6 +5,13 @@ before they are built, and the hyper-parameters that tell runs apart.
   (``<save_dir>/<name>/<version>/checkpoints/x.ckpt``) log into that run's folder; a
   checkpoint from elsewhere gets the folder ``eval-<checkpoint name>``. Loggers whose
   ``version`` is set keep it.
+- ``fit --ckpt_path`` of a checkpoint written by a run in the loggers' own folder
+  (``<save_dir>/<name>``) continues that run (its ``version``): its checkpoints
+  (``ModelCheckpoint`` keeps its best-k record only in the folder that wrote it) and its
+  curves, from the checkpoint's step on (TensorBoard hides what the stopped run logged after
+  it: ``purge_step``; a CSV logger's earlier ``metrics.csv``, which it would delete, is kept
+  as ``metrics.before_step_<N>.csv`` with the rows before that step). Loggers set to log
+  elsewhere start a new run there, as before.
 - ``--ckpt_path last`` / ``best`` name the newest run's ``last.ckpt`` / best checkpoint in the
   logger's folder (Lightning's own meaning, this process's earlier ``fit``, has nothing to
   find from the command line: ``last`` evaluated an untrained model with a warning).
@@ -15,14 +22,17 @@ before they are built, and the hyper-parameters that tell runs apart.
 
 from __future__ import annotations
 
+import csv
 import importlib
 import inspect
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from jsonargparse import Namespace
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from lightning_modules.checkpoint_file import best_checkpoint_state
 from lightning_modules.errors import CheckpointPathError
@@ -30,7 +40,7 @@ from lightning_modules.errors import CheckpointPathError
 FLUSH_SECS = 20
 _SUMMARY_WRITER_FLUSH_SECS = 120  # torch's SummaryWriter default, which the config then holds
 # files a logger writes in a run's folder
-_RUN_FILES = ("hparams.yaml", "metrics.csv", "events.out.tfevents.*")
+_RUN_FILES = ("hparams.yaml", "metrics.csv", "metrics.before_step_*.csv", "events.out.tfevents.*")
 _LINKED = ("vocab_size", "src_vocab_size")
 
 
@@ -61,10 +71,14 @@ def configure_loggers(trainer: Namespace, subcommand: str | None, ckpt: Any) -> 
                 _SUMMARY_WRITER_FLUSH_SECS
             ):
                 logger.init_args.flush_secs = FLUSH_SECS
-    if subcommand in (None, "fit") or not isinstance(ckpt, str) or not Path(ckpt).is_file():
+    if subcommand is None or not isinstance(ckpt, str) or not Path(ckpt).is_file():
         return
     unset = [logger.init_args for logger in loggers if logger.init_args.get("version") is None]
     run = checkpoint_run_dir(ckpt)
+    if subcommand == "fit":
+        if run is not None and unset:
+            continue_run(loggers, unset, run, ckpt)
+        return
     for index, args in enumerate(unset):
         if run is None:
             args.version = f"eval-{Path(ckpt).stem}"
@@ -74,6 +88,77 @@ def configure_loggers(trainer: Namespace, subcommand: str | None, ckpt: Any) -> 
             args.save_dir, args.name = str(run.parent.parent), run.parent.name
 
 
+def continue_run(loggers: list[Namespace], unset: list[Namespace], run: Path, ckpt: str) -> None:
+    """A fit resumed from ``ckpt``, written in the run folder ``run``, logs and checkpoints
+    there (module docstring): the loggers without a ``version`` (``unset``, their
+    ``init_args``) whose folder holds ``run`` take its version; the first one (which
+    ``ModelCheckpoint`` follows) names its folder as the run's ``ModelCheckpoint`` recorded
+    it (it compares the path's text: ``logs/ptb/...`` is not ``/home/.../logs/ptb/...``)."""
+    same = [args for args in unset if _runs_folder(args).resolve() == run.parent.resolve()]
+    if not same:
+        return
+    checkpoint = torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True)
+    step = int(checkpoint.get("global_step", 0))
+    recorded = _recorded_checkpoint_dir(checkpoint, run)
+    for logger in loggers:
+        args = logger.init_args
+        if not any(args is continued for continued in same):
+            continue
+        args.version = run.name
+        if args is loggers[0].init_args and recorded is not None:
+            names = recorded.parent.parent  # <save_dir>/<name>/<version>/checkpoints
+            args.save_dir, args.name = str(names.parent), names.name
+        folder = _runs_folder(args) / run.name
+        if logger.class_path.endswith("TensorBoardLogger"):
+            args.purge_step = step  # what the stopped run logged after ckpt
+        elif logger.class_path.endswith("CSVLogger") and rank_zero_only.rank == 0:
+            _keep_csv_metrics(folder, step)
+        # continuing a folder on purpose: Lightning's warnings that it is not empty (and,
+        # for a CSV logger, that its files will be deleted) are not news here
+        for message in (f"Checkpoint directory {folder}", f"Experiment logs directory {folder}"):
+            warnings.filterwarnings("ignore", message=re.escape(message) + r"\b.* not empty")
+    rank_zero_info(f"fit continues the run in {run} from step {step} (--ckpt_path {ckpt})")
+
+
+def _runs_folder(args: Namespace) -> Path:
+    """``<save_dir>/<name>`` of a logger's ``init_args``: where its ``version_N`` runs are."""
+    return Path(args.get("save_dir") or ".") / str(args.get("name") or "lightning_logs")
+
+
+def _recorded_checkpoint_dir(checkpoint: dict[str, Any], run: Path) -> Path | None:
+    """The ``dirpath`` a ``ModelCheckpoint`` of the checkpoint's run recorded, as written,
+    where it is ``run``'s ``checkpoints`` folder, else None."""
+    for key, state in (checkpoint.get("callbacks") or {}).items():
+        dirpath = state.get("dirpath") if key.startswith("ModelCheckpoint") else None
+        if isinstance(dirpath, str) and Path(dirpath).resolve() == (run / "checkpoints").resolve():
+            return Path(dirpath)
+    return None
+
+
+def _keep_csv_metrics(folder: Path, step: int) -> None:
+    """Lightning's CSV logger deletes the ``metrics.csv`` of a folder it starts in: the rows
+    logged before ``step`` are kept beside it, in ``metrics.before_step_<step>.csv``."""
+    metrics = folder / "metrics.csv"
+    if not metrics.is_file():
+        return
+    with metrics.open(newline="") as file:
+        reader = csv.DictReader(file)
+        rows = [row for row in reader if not row.get("step") or int(row["step"]) < step]
+        fields = list(reader.fieldnames or [])
+    kept = folder / f"metrics.before_step_{step}.csv"
+    if kept.is_file():  # resumed from this step before: the rows kept then come first
+        with kept.open(newline="") as file:
+            reader = csv.DictReader(file)
+            rows = [*reader, *rows]
+            fields += [name for name in reader.fieldnames or [] if name not in fields]
+    if rows:
+        with kept.open("w", newline="") as file:
+            writer = csv.DictWriter(file, fieldnames=fields)
+            writer.writeheader()
+            writer.writerows(rows)
+    metrics.unlink()
+
+
 def _version_number(run: Path) -> int:
     match = re.fullmatch(r"version_(\d+)", run.name)
     return int(match.group(1)) if match else -1
@@ -81,8 +166,7 @@ def _version_number(run: Path) -> int:
 
 def runs_folder(trainer: Namespace) -> Path:
     """``<save_dir>/<name>`` of the first logger: where its ``version_N`` runs are."""
-    args = _logger_configs(trainer)[0].init_args
-    return Path(args.get("save_dir") or ".") / str(args.get("name") or "lightning_logs")
+    return _runs_folder(_logger_configs(trainer)[0].init_args)
 
 
 def newest_checkpoint(runs: list[Path]) -> Path | None:

@@ -1,10 +1,17 @@
-"""The Transformer's inverse-square-root schedule, stepped per optimizer step."""
+"""The Transformer's inverse-square-root schedule, stepped per optimizer step; the plateau step
+taken at the validation that ends an epoch."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from lightning_modules.errors import ModelConfigError
-from lightning_modules.optimization import InverseSquareRootLR, configure_optimizers
+from lightning_modules.optimization import (
+    InverseSquareRootLR,
+    configure_optimizers,
+    step_plateau_schedulers,
+)
 
 
 def test_warm_up_then_inverse_square_root():
@@ -49,3 +56,43 @@ def test_float16_weights_refuse_an_adam_style_optimizer_whose_eps_is_zero_there(
         configure_optimizers(params, optimizer, None, precision)
     configure_optimizers(params, lambda p: optimizer(p, eps=1e-3), None, "16-true")
     configure_optimizers(params, lambda p: torch.optim.SGD(p, lr=1.0), None, "16-true")
+
+
+def plateau_fit(epoch: int, last_batch: bool, frequency: int = 1):
+    """A module in a fit at the end of a validation: a plateau scheduler stepped every
+    ``frequency`` epochs and a step-interval one; the steps it is given are recorded."""
+    configs = [
+        SimpleNamespace(scheduler="plateau", reduce_on_plateau=True, interval="epoch",
+                        frequency=frequency, monitor="val/loss"),
+        SimpleNamespace(scheduler="warmup", reduce_on_plateau=False, interval="step",
+                        frequency=1, monitor=None),
+    ]  # fmt: skip
+    progress = SimpleNamespace(is_last_batch=last_batch, current=SimpleNamespace(ready=3))
+    trainer = SimpleNamespace(
+        current_epoch=epoch, lr_scheduler_configs=configs, num_training_batches=6,
+        callback_metrics={"val/loss": torch.tensor(2.5)},
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
+    )  # fmt: skip
+    steps = []
+
+    def lr_scheduler_step(scheduler: str, value: torch.Tensor) -> None:
+        steps.append((scheduler, float(value)))
+
+    module = SimpleNamespace(trainer=trainer, automatic_optimization=True,
+                             lr_scheduler_step=lr_scheduler_step)  # fmt: skip
+    return module, steps
+
+
+def test_the_validation_that_ends_an_epoch_takes_its_plateau_step():
+    # (Lightning's own step comes after on_train_epoch_end, where ModelCheckpoint saves)
+    module, steps = plateau_fit(epoch=0, last_batch=True)
+    assert step_plateau_schedulers(module) is True
+    assert steps == [("plateau", 2.5)]
+    # a validation inside the epoch (val_check_interval) leaves it to the epoch's end
+    module, steps = plateau_fit(epoch=0, last_batch=False)
+    assert step_plateau_schedulers(module) is False and steps == []
+    # an epoch its frequency skips
+    module, steps = plateau_fit(epoch=0, last_batch=True, frequency=2)
+    assert step_plateau_schedulers(module) is True and steps == []
+    module, steps = plateau_fit(epoch=1, last_batch=True, frequency=2)
+    assert step_plateau_schedulers(module) is True and steps == [("plateau", 2.5)]

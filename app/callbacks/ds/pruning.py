@@ -132,8 +132,30 @@ class DSPruning(Callback):
         return dropped
 
     def state_dict(self) -> dict[str, Any]:
-        return {"pruned_rows": self.pruned_rows, "peak_rows": self.peak_rows}
+        # the loss window in progress too: a fit stopped inside it decides its next prune on
+        # the whole window, not on the batches since the resume (read back only here, when
+        # a checkpoint is written)
+        return {
+            "pruned_rows": self.pruned_rows,
+            "peak_rows": self.peak_rows,
+            "loss_sum": float(self._loss_sum),
+            "loss_count": self._loss_count,
+        }
+
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # Under DDP each rank sums its own losses (the same count on every rank) and the
+        # decision takes their mean: the checkpoint keeps the ranks' mean sum, which every
+        # rank continues from (every rank writes a checkpoint, so all take part)
+        state = checkpoint.get("callbacks", {}).get(self.state_key)
+        if state is not None and trainer.world_size > 1:
+            window = torch.as_tensor(self._loss_sum, dtype=torch.float32, device=pl_module.device)
+            state["loss_sum"] = float(trainer.strategy.reduce(window, reduce_op="mean"))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.pruned_rows = state_dict["pruned_rows"]
         self.peak_rows = state_dict.get("peak_rows", 0)
+        # (a checkpoint written before the window was saved: it starts afresh)
+        self._loss_sum = state_dict.get("loss_sum", 0.0)
+        self._loss_count = state_dict.get("loss_count", 0)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.callbacks import LightRNNTableReassignment, lightrnn
+from app.callbacks import LightRNNTableReassignment, ModelCheckpoint, lightrnn
 from app.callbacks.lightrnn import eq6_costs, eq6_costs_translation, word_of_each_code
 from datamodules import LanguageModelingDataModule, TranslationDataModule
 from datamodules.bptt import BPTTBatches
@@ -213,6 +213,31 @@ def test_resuming_from_an_epoch_end_checkpoint_uses_the_scheduled_table(corpus, 
         model3, data3, ckpt_path=first
     )
     assert torch.equal(data3.vocab.cells, scheduled)
+
+
+def test_a_fit_resumed_with_more_epochs_re_learns_the_table_its_last_epoch_skipped(
+    corpus, tmp_path
+):
+    """A 2-epoch fit re-learns no table after its last epoch; resumed from that epoch's
+    checkpoint with a third, it re-learns it as it starts, as a 3-epoch fit did after epoch
+    2: the third epoch trains with the same table (it trained with the first one's)."""
+    data, model = make(corpus)
+    whole = LightRNNTableReassignment(batch_size=4)
+    trainer(3, callbacks=[whole]).fit(model, data)
+
+    data2, model2 = make(corpus)
+    last = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)  # at each epoch end
+    first = LightRNNTableReassignment(batch_size=4)
+    trainer(2, callbacks=[first, last], enable_checkpointing=True).fit(model2, data2)
+    data3, model3 = make(corpus)
+    resumed = LightRNNTableReassignment(batch_size=4)
+    trainer(3, callbacks=[resumed]).fit(model3, data3, ckpt_path=tmp_path / "last.ckpt")
+    assert torch.equal(data3.vocab.cells, data.vocab.cells)
+    assert torch.equal(resumed.last_cells, whole.last_cells)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(model3.state_dict()[name], value, msg=name)
+    # (0-based) after epochs 0 and 1 in both; the 2-epoch fit skipped 1, its last
+    assert (whole.relearnt_after, first.relearnt_after, resumed.relearnt_after) == (1, 0, 1)
 
 
 def test_needs_a_lightrnn_vocabulary(corpus):

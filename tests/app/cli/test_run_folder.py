@@ -10,12 +10,18 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from jsonargparse import Namespace
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from app.cli.run_folder import FLUSH_SECS, checkpoint_run_dir, run_checkpoint
+from app.cli.run_folder import (
+    FLUSH_SECS,
+    checkpoint_run_dir,
+    configure_loggers,
+    run_checkpoint,
+)
 from cli import main
 from lightning_modules.errors import CheckpointPathError
 
@@ -264,3 +270,60 @@ def test_fit_ckpt_path_last_before_any_run_starts_from_scratch(ptb_path, tmp_pat
     second = main(["fit", *common, "--trainer.max_epochs", "2"])
     assert second.trainer.global_step == 4
     assert Path(second.trainer.ckpt_path) == tmp_path / "ptb/version_0/checkpoints/last.ckpt"
+
+
+def test_a_fit_resumed_from_a_runs_checkpoint_continues_its_folder(tmp_path, monkeypatch):
+    """``fit --ckpt_path`` of ``logs/ptb/version_3/checkpoints/x.ckpt`` with loggers in
+    ``logs/ptb`` logs and checkpoints in ``version_3`` (it made ``version_4``: ModelCheckpoint,
+    in another folder, forgot the run's best checkpoints), under the folder's name as the
+    run's ModelCheckpoint recorded it (it compares the text of the path); TensorBoard hides
+    what the stopped run logged after the checkpoint's step, and a CSV logger's earlier rows
+    (it deletes metrics.csv) are kept."""
+    monkeypatch.chdir(tmp_path)
+    run = Path("logs/ptb/version_3")
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.csv").write_text("epoch,step,train/loss\n0,10,6.5\n0,11,6.4\n1,12,6.3\n")
+    ckpt = run / "checkpoints" / "last.ckpt"
+    recorded = {"dirpath": "logs/ptb/version_3/checkpoints", "best_model_path": "x"}
+    callbacks = {"ModelCheckpoint{'monitor': 'val/loss'}": recorded}
+    torch.save({"global_step": 12, "callbacks": callbacks}, ckpt)
+
+    def loggers() -> Namespace:
+        absolute = str(tmp_path / "logs")  # the run's ModelCheckpoint recorded logs/...
+        return Namespace(logger=[
+            Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger",
+                      init_args=Namespace(save_dir=absolute, name="ptb", version=None)),
+            Namespace(class_path="lightning.pytorch.loggers.CSVLogger",
+                      init_args=Namespace(save_dir="logs", name="ptb", version=None)),
+        ])  # fmt: skip
+
+    trainer = loggers()
+    configure_loggers(trainer, "fit", str(ckpt))
+    board, table = (logger.init_args for logger in trainer.logger)
+    assert (board.save_dir, board.name, board.version) == ("logs", "ptb", "version_3")
+    assert board.purge_step == 12
+    assert (table.save_dir, table.name, table.version) == ("logs", "ptb", "version_3")
+    assert not (run / "metrics.csv").exists()
+    kept = ["epoch,step,train/loss", "0,10,6.5", "0,11,6.4"]
+    assert (run / "metrics.before_step_12.csv").read_text().splitlines() == kept
+    # stopped again before its next checkpoint and resumed from the same one: nothing lost
+    (run / "metrics.csv").write_text("epoch,step,train/loss\n1,12,6.3\n1,13,6.2\n")
+    configure_loggers(loggers(), "fit", str(ckpt))
+    assert (run / "metrics.before_step_12.csv").read_text().splitlines() == kept
+    # a logger's version, when set, is kept; a logger set to log elsewhere, a fresh fit, or
+    # a checkpoint outside a run folder starts a new version
+    trainer = loggers()
+    trainer.logger[0].init_args.version = 7
+    configure_loggers(trainer, "fit", str(ckpt))
+    assert trainer.logger[0].init_args.version == 7
+    assert trainer.logger[1].init_args.version == "version_3"
+    trainer = loggers()
+    trainer.logger[0].init_args.save_dir = str(tmp_path / "elsewhere")
+    configure_loggers(trainer, "fit", str(ckpt))
+    assert [logger.init_args.version for logger in trainer.logger] == [None, "version_3"]
+    foreign = tmp_path / "model.ckpt"
+    foreign.write_bytes(ckpt.read_bytes())
+    for given in (None, str(foreign)):
+        trainer = loggers()
+        configure_loggers(trainer, "fit", given)
+        assert [logger.init_args.version for logger in trainer.logger] == [None, None]

@@ -1,4 +1,5 @@
 from functools import partial
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -206,6 +207,44 @@ def test_a_fit_resumed_inside_a_stopped_epoch_trains_without_the_lasso(tmp_path)
         resumed, dm, ckpt_path=str(tmp_path / "epoch=0-step=2.ckpt")
     )
     assert seen and set(seen) == {(0.0, 0.0)}
+
+
+def checks(pruning: DSPruning, losses: dict[int, float], world_size: int = 1) -> list[int]:
+    """Feed ``pruning`` each step's logged task loss (``step -> loss``); the steps where it
+    pruned."""
+    pruned = []
+    pruning.prune = lambda trainer, module: pruned.append(trainer.global_step)
+    module = SimpleNamespace(device=torch.device("cpu"))
+    for step, loss in losses.items():
+        trainer = SimpleNamespace(
+            callback_metrics={"train/loss": torch.tensor(loss)}, global_step=step,
+            current_epoch=0, world_size=world_size,
+            strategy=SimpleNamespace(reduce=lambda value, reduce_op: value),
+        )  # fmt: skip
+        pruning.on_train_batch_end(trainer, module, None, None, step - 1)
+    return pruned
+
+
+def test_a_checkpoint_inside_a_loss_window_keeps_the_window(tmp_path):
+    """A fit stopped inside an ``every_n_steps`` window resumes with the losses the window
+    had summed: the next decision is the uninterrupted run's (the batches since the resume
+    alone read a mean of 9, above the threshold, where the window's is 6)."""
+    losses = {1: 5.0, 2: 5.0, 3: 5.0, 4: 9.0}
+    make = partial(DSPruning, loss_threshold=6.5, every_n_steps=4)
+    assert checks(make(), losses) == [4]
+    stopped = make()
+    assert checks(stopped, {step: losses[step] for step in (1, 2, 3)}) == []
+    torch.save({"DSPruning": stopped.state_dict()}, tmp_path / "state.pt")
+    resumed = make()
+    resumed.load_state_dict(torch.load(tmp_path / "state.pt")["DSPruning"])
+    assert checks(resumed, {4: losses[4]}) == [4]
+    # under DDP each rank's window goes on from the ranks' mean sum (every rank saves)
+    checkpoint = {"callbacks": {stopped.state_key: stopped.state_dict()}}
+    trainer = SimpleNamespace(
+        world_size=2, strategy=SimpleNamespace(reduce=lambda value, reduce_op: value * 0 + 14)
+    )
+    stopped.on_save_checkpoint(trainer, SimpleNamespace(device=torch.device("cpu")), checkpoint)
+    assert checkpoint["callbacks"][stopped.state_key]["loss_sum"] == 14.0
 
 
 def hierarchy_purity(head: DSSoftmaxHead, dm: SyntheticHierarchyDataModule) -> float:
