@@ -76,8 +76,8 @@ def cli_run(tmp_path_factory):
     """``cli_run(subcommand, *args, experiment=None, console=False)`` runs ``python cli.py
     subcommand --trainer.default_root_dir ROOT *EXPERIMENTS[experiment] *args`` in-process:
     ``cli.main`` (its ``AppCLI`` returned) or, with ``console``, ``cli.console_main`` (its exit
-    status returned, errors printed as one line). ROOT, where a run without a logger saves its
-    config.yaml, is a temporary folder of the test module, never the repository; ``sys.argv`` is
+    status returned, errors printed as one line). ROOT, where a run without a logger would
+    write its files, is a temporary folder of the test module, never the repository; ``sys.argv`` is
     ``python cli.py``'s during the run. Module-scoped, so module fixtures can train with it."""
     from cli import console_main, main
 

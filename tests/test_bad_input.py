@@ -319,6 +319,31 @@ COMMAND_LINE = [
      "data.name and data.revision need data.hub"),
     ("files_typo", ["fit", "--data.init_args.files", "{train: tiny.trian.txt}"],
      "train file "),
+    # a class-typed option given what is neither a file nor a class
+    ("head_short_name", ["fit", "--model.head", "mixtape"],
+     "model.init_args.head: no such file or class; did you mean configs/heads/mixtape.yaml or "
+     "heads.MixtapeHead? (given 'mixtape')"),
+    ("head_number", ["fit", "--model.head", "5"],
+     "model.init_args.head: no such file or class (given '5')"),
+    ("head_folder", ["fit", "--model.head", "configs/heads"],
+     "model.init_args.head: no such file or class: a folder, give one of its files"),
+    ("scheduler_without_its_required_option",
+     ["fit", "--model.scheduler", "torch.optim.lr_scheduler.StepLR"],
+     "model.init_args.scheduler: torch.optim.lr_scheduler.StepLR requires step_size: give "
+     "--model.init_args.scheduler.init_args.step_size"),
+    ("data_of_another_task", ["fit", "--data", "configs/data/multi30k.yaml"],
+     "data: TranslationDataModule is not data for LanguageModel, which reads "
+     "LanguageModelingDataModule or MarkovChainDataModule"),
+    # sizes and counts below one
+    *[(f"backbone_{option}_{value}",
+       ["fit", f"--model.init_args.backbone.init_args.{option}", value],
+       f"model.backbone.{option} must be a positive integer, got {value}")
+      for option, value in (("hidden_size", "0"), ("embedding_size", "-1"),
+                            ("output_size", "0"))],
+    *[(f"trainer_{option}_0", ["fit", f"--trainer.{option}", "0"],
+       f"trainer.{option} must be a positive ")
+      for option in ("accumulate_grad_batches", "val_check_interval",
+                     "check_val_every_n_epoch")],
 ]  # fmt: skip
 if not torch.cuda.is_available():
     COMMAND_LINE.append(
@@ -401,7 +426,81 @@ def test_every_command_line_mistake_in_a_real_process(corpus, broken, tmp_path):
         assert one_error_line(done.stderr).startswith(f"error: {expected}"), name
 
 
+def test_a_checkpoint_of_another_task_names_both(
+    cli_run, softmax_checkpoint, corpus, tmp_path, capsys
+):
+    """It printed the model's whole config as a file that does not exist (1,500 characters)."""
+    checkpoint = torch.load(softmax_checkpoint, weights_only=False)
+    checkpoint["hyper_parameters"]["_class_path"] = "lightning_modules.Translation"
+    other = tmp_path / "translation.ckpt"
+    torch.save(checkpoint, other)
+    code = cli_run("test", *tiny_lm(corpus), "--ckpt_path", str(other), console=True)
+    assert error_line(capsys, code) == (
+        f"error: ckpt_path '{other}' is a Translation checkpoint (lightning_modules.Translation), "
+        f"and this run's model is a LanguageModel (lightning_modules.LanguageModel): give a "
+        f"LanguageModel checkpoint, or the config the checkpoint was trained with"
+    )
+
+
+def test_language_model_data_for_translation_is_one_line(cli_run, corpus, capsys):
+    """A TypeError in the encoder's embedding (no source vocabulary) before."""
+    code = cli_run("fit", *QUIET, "--data", "configs/data/ptb.yaml", "--data.init_args.path",
+                   corpus, experiment="multi30k_softmax", console=True)  # fmt: skip
+    assert error_line(capsys, code) == (
+        "error: data: LanguageModelingDataModule is not data for Translation, which reads "
+        "TranslationDataModule: give --data a config of the model's task (or --config the "
+        "setting of the data's)"
+    )
+
+
+def test_a_parameter_shaping_option_other_than_the_checkpoints_is_refused(
+    cli_run, softmax_checkpoint, corpus, capsys
+):
+    """Lightning put the checkpoint's tie_weights over the command line's without a word."""
+    code = cli_run("test", *tiny_lm(corpus), "--ckpt_path", softmax_checkpoint,
+                   "--model.init_args.tie_weights", "false", console=True)  # fmt: skip
+    assert error_line(capsys, code) == (
+        "error: model.tie_weights: the checkpoint was trained with tie_weights true, and it "
+        "shapes the model's parameters: leave --model.tie_weights false out, or train anew "
+        "without --ckpt_path"
+    )
+
+
 # -- silently wrong no more: refused, or said in a line -------------------------------------
+def test_fit_from_a_checkpoint_freezes_the_backbone_the_command_line_freezes(
+    cli_run, softmax_checkpoint, corpus, capsys
+):
+    """The checkpoint's freeze_backbone (false) replaced the command line's: the backbone
+    trained on, without a word. Now the run's value, said in a warning line."""
+    saved = torch.load(softmax_checkpoint, weights_only=False)["state_dict"]
+    cli = cli_run("fit", *tiny_lm(corpus), "--ckpt_path", softmax_checkpoint,
+                  "--model.freeze_backbone", "true", "--trainer.max_steps", "2",
+                  "--trainer.max_epochs", "2")  # fmt: skip
+    assert cli.trainer.global_step == 2 and cli.model.hparams.freeze_backbone is True
+    for name, value in cli.model.backbone.state_dict().items():
+        assert torch.equal(value, saved[f"backbone.{name}"]), name
+    assert not torch.equal(cli.model.head.bias, saved["head.bias"])  # a step was trained
+    assert (
+        "warning: model.freeze_backbone: true, the run's, not the checkpoint's false (an option "
+        "a run from a checkpoint may change)"
+    ) in capsys.readouterr().err.splitlines()
+
+
+def test_a_fit_without_a_logger_leaves_the_working_folders_config_alone(
+    corpus, tmp_path, monkeypatch, capsys
+):
+    """Its config was saved as ./config.yaml over the user's own, their --config file too."""
+    monkeypatch.chdir(tmp_path)
+    mine = "# my experiment: keep this comment\ntrainer:\n  max_epochs: 1\n"
+    (tmp_path / "config.yaml").write_text(mine)
+    code = console_main(["fit", "--config", str(REPO / "configs/lm/ptb.yaml"), "--config",
+                         "config.yaml", "--data.init_args.path", corpus, *QUIET,
+                         *SMALL_LM])  # fmt: skip
+    assert code == 0, capsys.readouterr().err[-2000:]
+    assert (tmp_path / "config.yaml").read_text() == mine
+    assert list(tmp_path.iterdir()) == [tmp_path / "config.yaml"]
+
+
 def test_more_ds_experts_than_classes_is_refused(cli_run, corpus, capsys):
     code = cli_run("fit", *tiny_lm(corpus), "--model.head", "heads.DSSoftmaxHead",
                    "--model.init_args.head.init_args.num_experts", "64", console=True)  # fmt: skip

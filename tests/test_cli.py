@@ -2,11 +2,14 @@
 
 import copy
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 from jsonargparse import Namespace
 
+from app.callbacks.training.progress import IntervalTQDMProgressBar
 from app.cli.errors import CommandLineError
 from app.cli.lightning_cli import _predict_on_one_device, build
 from cli import main
@@ -17,7 +20,7 @@ from datamodules.vocab import vocab_from_state
 from heads import HeadConfigError, MixtapeHead, MoSHead, SoftmaxHead
 from heads.errors import user_error
 from lightning_modules import LanguageModel
-from tests.conftest import PTB
+from tests.conftest import EXPERIMENTS, PTB, REPO
 
 SMALL = [
     "--model.init_args.backbone.init_args.embedding_size", "32",
@@ -152,6 +155,37 @@ def test_predict_prints_each_prediction_once_with_or_without_a_writer(
             experiment="ptb_softmax")  # fmt: skip
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [json.loads(line)["prompt"] for line in lines] == ["the company said", "in new york"]
+
+
+def test_predict_output_is_json_lines_with_the_progress_bar_shown(trained, tmp_path):
+    """``python cli.py predict ... > predictions.jsonl`` (README): the progress bar drew on
+    stdout, and a line of it ended up in the file. It draws on stderr now."""
+    _, logs = trained
+    ckpt = str(next(logs.rglob("last.ckpt")))
+    command = [sys.executable, "cli.py", "predict", "--trainer.default_root_dir", str(tmp_path),
+               *EXPERIMENTS["ptb_softmax"], *ON_PTB, "--ckpt_path", ckpt,
+               "--trainer.logger", "false", "--trainer.enable_progress_bar", "true",
+               "--data.init_args.predict_prompts",
+               '["the company said", "in new york"]']  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines()]  # every line
+    assert [row["prompt"] for row in rows] == ["the company said", "in new york"]
+    assert "Predicting" in done.stderr  # (Rich where installed: the bar shown, elsewhere)
+
+
+def test_predict_prints_json_lines_alone_with_the_tqdm_bar(trained, cli_run, capsys, monkeypatch):
+    """Lightning's TQDM bars (where Rich is not installed) write to stdout too."""
+    _, logs = trained
+    ckpt = str(next(logs.rglob("last.ckpt")))
+    monkeypatch.setattr("app.cli.lightning_cli.interval_progress_bar", IntervalTQDMProgressBar)
+    capsys.readouterr()
+    cli_run("predict", *ON_PTB, "--ckpt_path", ckpt, "--trainer.logger", "false",
+            "--trainer.enable_progress_bar", "true", "--data.init_args.predict_prompts",
+            '["the company said"]', experiment="ptb_softmax")  # fmt: skip
+    out, err = capsys.readouterr()
+    assert [json.loads(line)["prompt"] for line in out.splitlines()] == ["the company said"]
+    assert "Predicting" in err
 
 
 def test_predict_with_a_multi_device_setting_prints_every_prompt_once(trained, cli_run, capsys):

@@ -39,6 +39,13 @@ class CommandLineError(UserError, ValueError):
 _GIVEN_NESTED = re.compile(r"Given value: NestedArg\(key='(?P<key>[^']*)', val='(?P<val>.*)'\)$")
 _GIVEN = re.compile(r"Given value: (?P<val>.*)$")
 _TOP_KEY = re.compile(r'^Parser key "(?P<key>[^"]+)":\s*(?P<rest>.*)$')
+_ANY_KEY = re.compile(r'^(?P<indent>\s*)(?:- )?Parser key "(?P<key>[^"]+)":\s*(?P<rest>.*)$')
+_GIVEN_CLASS = re.compile(r"^Namespace\(class_path='(?P<cls>[^']+)'")
+_REQUIRED = re.compile(r"the following arguments are required: (?P<names>.+)$")
+# a value that is neither an existing file nor an import path (a class)
+_UNRESOLVED = ("Expected a path but", "Expected a dot import path string")
+# the longest given value quoted in a line (a whole config is no help)
+_LONGEST_VALUE = 200
 _CLASS_PATH = re.compile(r"Problem with given class_path '(?P<cls>[^']+)'")
 _NOT_ACCEPTED = re.compile(r"Option '(?P<option>[^']+)' is not accepted")
 _NO_ATTRIBUTE = re.compile(r"module '(?P<module>[^']+)' has no attribute '(?P<name>[^']+)'")
@@ -121,8 +128,64 @@ def _sibling_files(value: str) -> list[str]:
     return [str(folder / p.name) for p in folder.glob("*")] if folder.is_dir() else []
 
 
-def _reason(lines: list[str], value: str) -> str:
-    """What is wrong, from the innermost lines of a jsonargparse block."""
+def _exists(value: str) -> bool:
+    try:
+        return Path(value).exists()
+    except (OSError, ValueError):  # a name too long to be a path, a NUL in it
+        return False
+
+
+def _is_dir(value: str) -> bool:
+    try:
+        return Path(value).is_dir()
+    except (OSError, ValueError):
+        return False
+
+
+# an option's shipped fragments (a folder of configs/) and the module of its classes, for "did
+# you mean" on a short name such as --model.head mixtape
+_FRAGMENTS = {
+    "head": ("heads", "heads"),
+    "backbone": ("backbones", "lightning_modules.backbones"),
+    "data": ("data", "datamodules"),
+    "optimizer": ("optimizers", "torch.optim"),
+    "scheduler": ("optimizers", "torch.optim.lr_scheduler"),
+}
+_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _fragment_folder(name: str) -> Path:
+    """``configs/<name>`` as the user can type it: relative where the working folder is the
+    project's, else absolute."""
+    relative = Path("configs") / name
+    return relative if (relative / "..").resolve() == _CONFIGS else _CONFIGS / name
+
+
+def _short_name_hint(key: str, value: str) -> str:
+    """The "did you mean" of a value that names a shipped fragment or a class of the option
+    ``key`` without its folder or module (configs/heads/mixtape.yaml or heads.MixtapeHead for
+    ``--model.head mixtape``)."""
+    option = key.rpartition(".")[2]
+    if option not in _FRAGMENTS or not value or "/" in value:
+        return ""
+    folder_name, module = _FRAGMENTS[option]
+    folder = _fragment_folder(folder_name)
+    stem = value.removesuffix(".yaml").removesuffix(".yml")
+    files = sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+    prefixed = [name for name in files if len(stem) >= 2 and name.startswith(stem)]
+    close = difflib.get_close_matches(stem, files, n=2, cutoff=0.7)
+    chosen = [stem] if stem in files else [*prefixed, *close][:2]
+    found = [str(folder / f"{name}.yaml") for name in chosen]
+    classes = _module_classes(module)
+    names = {c.rpartition(".")[2].lower(): c for c in classes}
+    found += [c for n, c in sorted(names.items()) if len(stem) >= 2 and n.startswith(stem.lower())]
+    chosen = list(dict.fromkeys(found))[:3]
+    return f"; did you mean {' or '.join(chosen)}?" if chosen else ""
+
+
+def _reason(lines: list[str], value: str, key: str = "") -> str:
+    """What is wrong, from the innermost lines of a jsonargparse block (``key``: the option,
+    for suggestions)."""
     reasons = [
         line.strip().removeprefix("- ").strip()
         for line in lines
@@ -140,10 +203,25 @@ def _reason(lines: list[str], value: str) -> str:
             return f"no class {name!r} in module {module!r}" + _did_you_mean(
                 f"{module}.{name}", _module_classes(module)
             )
-    if "/" in value or value.endswith((".yaml", ".yml")):
-        if not Path(value).exists():
-            return "no such file or class" + _did_you_mean(value, _sibling_files(value))
+    for reason in reasons:
+        if match := _REQUIRED.search(reason):
+            names = [name.strip() for name in match.group("names").split(",")]
+            owner = _GIVEN_CLASS.match(value)
+            what = owner.group("cls") if owner else "the class"
+            options = " and ".join(f"--{key}.init_args.{name}" for name in names if key)
+            return f"{what} requires {', '.join(names)}" + (f": give {options}" if key else "")
+    # a whole config given as the value (a model jsonargparse could not validate) is no path
+    path_like = not value.startswith("Namespace(") and (
+        "/" in value or value.endswith((".yaml", ".yml"))
+    )
+    if path_like and not _exists(value):
+        return "no such file or class" + _did_you_mean(value, _sibling_files(value))
     expected = _expectations(reasons)
+    unresolved = any(line.strip().removeprefix("- ").startswith(_UNRESOLVED) for line in lines)
+    if value and unresolved and expected is None:  # a class-typed option: a file or a class
+        if _is_dir(value):
+            return "no such file or class: a folder, give one of its files"
+        return "no such file or class" + _short_name_hint(key, value)
     if expected and "dict" in expected and _UNSPACED_COLON.search(value):
         # YAML reads {train:dev} as one string key: its mapping needs a space after the colon
         return f"{expected}; YAML needs a space after each colon, as in '{{train: train}}'"
@@ -178,7 +256,44 @@ def one_line(message: str, known_options: Iterable[str] = ()) -> str:
         key, value = f"{key}.init_args.{nested.group('key')}", nested.group("val")
     elif given := _GIVEN.match(last):
         value = given.group("val")
-    return f"{key}: {_reason(lines[1:], value)}" + (f" (given {value!r})" if value else "")
+    body = lines[1:]
+    if value.startswith("Namespace(") and (inner := _innermost(lines)) is not None:
+        # a whole config given (a model whose option failed): the option that failed, its own
+        # lines and value
+        key, body, value = inner
+    reason = _reason(body, value, key)
+    if owner := _GIVEN_CLASS.match(value):  # a class and its options: the class
+        value = "" if owner.group("cls") in reason else owner.group("cls")
+    shown = value and not value.startswith("Namespace(") and len(value) <= _LONGEST_VALUE
+    return f"{key}: {reason}" + (f" (given {value!r})" if shown else "")
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _innermost(lines: list[str]) -> tuple[str, list[str], str] | None:
+    """The deepest ``Parser key`` of a jsonargparse block: its whole key (``model.init_args.
+    scheduler``), its own lines and the value it was given."""
+    keys = [(len(m.group("indent")), m.group("key"), i)
+            for i, line in enumerate(lines) if (m := _ANY_KEY.match(line))]  # fmt: skip
+    if len(keys) < 2:
+        return None
+    depth = max(indent for indent, _, _ in keys)
+    indent, key, start = next(k for k in keys if k[0] == depth)
+    path, child = [key], start
+    for outer, name, at in reversed([k for k in keys if k[2] < start]):
+        if outer < indent:  # the key whose block holds the one found so far
+            subclass = any(_CLASS_PATH.search(line) for line in lines[at + 1 : child])
+            path.insert(0, f"{name}.init_args" if subclass else name)
+            indent, child = outer, at
+    own = [lines[start].split(":", 1)[1]] if _ANY_KEY.match(lines[start]).group("rest") else []
+    for line in lines[start + 1 :]:
+        if line.strip() and _indent(line) <= depth:
+            break
+        own.append(line)
+    values = [m.group("val") for line in own if (m := _GIVEN.match(line.strip()))]
+    return ".".join(path), own, values[-1] if values else ""
 
 
 class OneLineErrorParser(LightningArgumentParser):
@@ -244,18 +359,78 @@ def _config_keys(tree: Any, prefix: str = "") -> Iterable[str]:
         yield prefix[:-1]
 
 
+# options whose value may be a config file of their own (a fragment: ``class_path`` and
+# ``init_args``), keys without their ``init_args`` segments
+_FRAGMENT_OPTIONS = ("model", "model.head", "model.backbone", "data")
+
+
+def _is_file(value: str) -> bool:
+    try:
+        return "\n" not in value and Path(value).is_file()
+    except (OSError, ValueError):  # a YAML string longer than any path
+        return False
+
+
+def _file_keys(path: Path, prefix: str, seen: set[Path]) -> Iterable[tuple[str, Path]]:
+    """The keys a config file sets, under ``prefix``, with those of the fragments it names
+    (``head: ../heads/softmax.yaml``, relative to the file), each file once; each key with
+    the file that sets it."""
+    path = path.resolve()
+    if path in seen:
+        return
+    seen.add(path)
+    try:
+        tree = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):  # the parser names a broken file
+        return
+    for key in _config_keys(tree):
+        full = f"{prefix}.{key}" if prefix else key
+        yield full, path
+        value = _lookup(tree, key)
+        if isinstance(value, str) and value.endswith((".yaml", ".yml")):
+            fragment = path.parent / value
+            if _is_file(str(fragment)):
+                yield from _file_keys(fragment, full, seen)
+
+
+def _lookup(tree: Any, key: str) -> Any:
+    for part in key.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
+
+
 def check_linked_options(args: Sequence[str]) -> None:
-    """Refuse, naming the link, an option that the CLI sets from another (given on the command
-    line or in a ``--config`` file)."""
-    given = [a[2:].split("=")[0] for a in args if a.startswith("--")]
+    """Refuse, naming the link, an option that the CLI sets from another: given on the command
+    line, or in a config file (a ``--config`` file, a fragment given as the value of
+    ``--model.head``, ``--model.backbone``, ``--model`` or ``--data``, or one they name)."""
+    given: list[tuple[str, Path | None]] = [
+        (a[2:].split("=")[0], None) for a in args if a.startswith("--")
+    ]
+    seen: set[Path] = set()
     for value in _config_files(args):
-        given += list(_config_keys(yaml.safe_load(value.read_text())))
-    for key in given:
+        given += list(_file_keys(value, "", seen))
+    for i, arg in enumerate(args):
+        if not arg.startswith("--"):
+            continue
+        flag, equals, value = arg[2:].partition("=")
+        if not equals:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        if _plain_key(flag) not in _FRAGMENT_OPTIONS:
+            continue
+        if _is_file(value):
+            given += list(_file_keys(Path(value), flag, seen))
+        elif value.lstrip().startswith("{"):  # a fragment written out: {init_args: {...}}
+            try:
+                given += [(f"{flag}.{key}", None) for key in _config_keys(yaml.safe_load(value))]
+            except yaml.YAMLError:  # the parser names it
+                pass
+    for key, file in given:
         source = LINKED.get(_plain_key(key))
         if source is not None:
+            where = f" (in {str(file)!r})" if file is not None else ""
             raise CommandLineError(
-                f"{key}: set by the CLI from {source}; leave it out (a value given here would "
-                f"be replaced)"
+                f"{key}{where}: set by the CLI from {source}; leave it out (a value given here "
+                f"would be replaced)"
             )
 
 

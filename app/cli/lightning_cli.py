@@ -11,11 +11,14 @@ output size into ``head.hidden_size``.
 from __future__ import annotations
 
 import importlib
+import inspect
+import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 from jsonargparse import Namespace
 from lightning.pytorch.callbacks import (
@@ -118,6 +121,115 @@ def _predict_on_one_device(trainer: Namespace) -> str | None:
     return asked if several else None
 
 
+def _import_class(class_path: Any) -> type | None:
+    module, _, name = str(class_path).rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    return found if inspect.isclass(found) else None
+
+
+def _related(one: type | None, other: type | None, one_path: str, other_path: str) -> bool:
+    """Whether two classes (their paths where they do not import) are the same or one derives
+    from the other."""
+    if one is None or other is None:
+        return one_path.rpartition(".")[2] == other_path.rpartition(".")[2]
+    return issubclass(one, other) or issubclass(other, one)
+
+
+def _task_data() -> dict[type, tuple[type, ...]]:
+    """The data modules each task reads: another task's data fails deep inside the model (an
+    LM reading sentence pairs, a translation without a source vocabulary)."""
+    from datamodules import (
+        LanguageModelingDataModule,
+        MarkovChainDataModule,
+        SyntheticHierarchyDataModule,
+        TranslationDataModule,
+    )
+    from lightning_modules import Classifier, LanguageModel, Translation
+
+    return {
+        LanguageModel: (LanguageModelingDataModule, MarkovChainDataModule),
+        Translation: (TranslationDataModule,),
+        Classifier: (SyntheticHierarchyDataModule,),
+    }
+
+
+def check_task_data(model: Any, data: Any) -> None:
+    """Refuse, in one line, a model and a data module of different tasks (``model`` and
+    ``data``: their config entries, ``class_path`` + ``init_args``). Classes of neither the
+    app's tasks nor its data modules pass."""
+    model_path = getattr(model, "class_path", None)
+    data_path = getattr(data, "class_path", None)
+    model_class, data_class = _import_class(model_path), _import_class(data_path)
+    if model_class is None or data_class is None:
+        return
+    table = _task_data()
+    known = [cls for kinds in table.values() for cls in kinds]
+    if not issubclass(data_class, tuple(known)):
+        return
+    for task, kinds in table.items():
+        if issubclass(model_class, task) and not issubclass(data_class, kinds):
+            wanted = " or ".join(kind.__name__ for kind in kinds)
+            raise CommandLineError(
+                f"data: {data_class.__name__} is not data for {model_class.__name__}, which "
+                f"reads {wanted}: give --data a config of the model's task (or --config the "
+                f"setting of the data's)"
+            )
+
+
+def _option_names(args: Sequence[str]) -> set[str]:
+    """The options given on a command line, without their ``init_args`` segments
+    (``model.freeze_backbone``)."""
+    names = set()
+    for arg in args:
+        if isinstance(arg, str) and arg.startswith("--"):
+            key = arg[2:].split("=", 1)[0]
+            names.add(".".join(part for part in key.split(".") if part != "init_args"))
+    return names
+
+
+def _plain(value: Any) -> Any:
+    """A value as a config holds it, to compare (a checkpoint's tuple, a config's list)."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
+
+
+def _yaml(value: Any) -> str:
+    """A value as the command line writes it (``true``, not ``True``)."""
+    try:
+        return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
+    except yaml.YAMLError:  # not a plain value
+        return str(value)
+
+
+def _positive_trainer_options(trainer: Namespace) -> None:
+    """Trainer counts that Lightning divides by: 0 stopped the run with a ZeroDivisionError."""
+    for option, meaning in (
+        ("accumulate_grad_batches", "1: no accumulation"),
+        ("check_val_every_n_epoch", "or null to validate by val_check_interval alone"),
+        ("val_check_interval", "an int k: every k training batches; a float: a fraction of an "
+                               "epoch, in (0, 1]"),
+    ):  # fmt: skip
+        value = trainer.get(option)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
+            kind = "positive number" if option == "val_check_interval" else "positive integer"
+            raise CommandLineError(f"trainer.{option} must be a {kind} ({meaning}), got {value}")
+
+
+# A checkpoint's saved model options (its hyper-parameters) on --ckpt_path. Lightning puts them
+# over the run's: the model is built as it was trained. Where the run gives one of them another
+# value: options that only steer training or reporting (RESUME_CHANGEABLE: fine-tuning a
+# checkpoint with its backbone frozen) take the run's value when it is given on the command
+# line or set in a config (not the class default), with a warning line; the others shape the
+# parameters (tie_weights) and are refused in one line when the command line gives another
+# value (set only in a config, the checkpoint's wins, as Lightning has it: a test of an untied
+# checkpoint with a setting that ties).
+RESUME_CHANGEABLE = frozenset({"freeze_backbone", "label_smoothing", "top_k"})
+
+
 class AppCLI(LightningCLI):
     """LightningCLI over any LightningModule and LightningDataModule of the app."""
 
@@ -148,7 +260,71 @@ class AppCLI(LightningCLI):
             self.config[subcommand].ckpt_path = ckpt
         if isinstance(ckpt, str) and ckpt not in _CKPT_ALIASES and not _remote(ckpt):
             check_checkpoint_file(ckpt, "ckpt_path")
-        super()._parse_ckpt_path()
+        if not (isinstance(ckpt, str) and Path(ckpt).is_file()):
+            return  # (Lightning reads the hyper-parameters of a local file only)
+        # Lightning's _parse_ckpt_path, with the checkpoint's task checked and the options the
+        # run may change kept (RESUME_CHANGEABLE)
+        saved = torch.load(ckpt, weights_only=True, map_location="cpu", mmap=True)
+        hparams = dict(saved.get("hyper_parameters") or {})
+        hparams.pop("_instantiator", None)
+        if not hparams:
+            return
+        model = self.config[subcommand].get("model")
+        if "_class_path" in hparams:
+            self._check_checkpoint_task(ckpt, hparams["_class_path"], model)
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+            self._keep_run_options(hparams["dict_kwargs"], model)
+        self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        # the command line as given, to tell its options from a config's (_keep_run_options)
+        given = sys.argv[1:] if args is None else args
+        self._given_options = _option_names(given) if isinstance(given, (list, tuple)) else set()
+        super().parse_arguments(parser, args)
+
+    @staticmethod
+    def _check_checkpoint_task(ckpt: str, saved_path: str, model: Any) -> None:
+        """Refuse a checkpoint of another task than the run's model, naming both (jsonargparse
+        reported the whole model config as an unknown file)."""
+        ours_path = getattr(model, "class_path", None)
+        if ours_path is None:
+            return
+        saved, ours = _import_class(saved_path), _import_class(ours_path)
+        if not _related(saved, ours, saved_path, ours_path):
+            saved_name, ours_name = saved_path.rpartition(".")[2], ours_path.rpartition(".")[2]
+            raise CommandLineError(
+                f"ckpt_path {ckpt!r} is a {saved_name} checkpoint ({saved_path}), and this run's "
+                f"model is a {ours_name} ({ours_path}): give a {ours_name} checkpoint, or the "
+                f"config the checkpoint was trained with"
+            )
+
+    def _keep_run_options(self, hparams: dict[str, Any], model: Any) -> None:
+        """The checkpoint's ``hparams`` less the options the run gives another value that it
+        may change (RESUME_CHANGEABLE, said in a warning line); a command line's other value
+        of another option refused. See RESUME_CHANGEABLE."""
+        init_args = getattr(model, "init_args", None)
+        if init_args is None:
+            return
+        model_class = _import_class(getattr(model, "class_path", None))
+        defaults = inspect.signature(model_class).parameters if model_class else {}
+        for name, saved in list(hparams.items()):
+            if name not in init_args or _plain(init_args[name]) == _plain(saved):
+                continue
+            ours = init_args[name]
+            on_command_line = f"model.{name}" in getattr(self, "_given_options", set())
+            default = defaults[name].default if name in defaults else inspect.Parameter.empty
+            if name in RESUME_CHANGEABLE and (on_command_line or _plain(ours) != _plain(default)):
+                del hparams[name]
+                warn_line(
+                    f"model.{name}: {_yaml(ours)}, the run's, not the checkpoint's {_yaml(saved)} "
+                    f"(an option a run from a checkpoint may change)"
+                )
+            elif on_command_line and name not in RESUME_CHANGEABLE:
+                raise CommandLineError(
+                    f"model.{name}: the checkpoint was trained with {name} {_yaml(saved)}, and "
+                    f"it shapes the model's parameters: leave --model.{name} {_yaml(ours)} out, "
+                    f"or train anew without --ckpt_path"
+                )
 
     def before_predict(self) -> None:
         if self.config_init["predict"].get("ckpt_path") is None:
@@ -196,6 +372,8 @@ class AppCLI(LightningCLI):
                     f"--{given}: the model takes its optimizer and schedule as options: use "
                     f"--model.{ours} (e.g. --model.{ours} {example})"
                 )
+        check_task_data(config.get("model"), config.get("data"))
+        _positive_trainer_options(config.trainer)
         if self.subcommand == "predict" and (asked := _predict_on_one_device(config.trainer)):
             warn_line(
                 f"predict runs on one device, not the setting's {asked}: its output "
@@ -223,8 +401,9 @@ class AppCLI(LightningCLI):
         ):  # a config without the writer (the DS recipes') still prints its predictions
             ours.append(PredictionWriter())
         self.trainer_defaults = {**self.trainer_defaults, "callbacks": [*extra, *ours]}
-        if self.subcommand not in (None, "fit") and no_logger:
-            # no logger, no run folder: the config would land in the working folder
+        if self.subcommand is not None and no_logger:
+            # no logger, no run folder: the config would land in the working folder (the
+            # trainer's default_root_dir), over a config.yaml there, the user's own --config too
             self.save_config_callback = None
         elif self.subcommand not in (None, "fit"):  # the run folder's config.yaml is the fit's
             self.save_config_kwargs = {

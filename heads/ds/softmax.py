@@ -59,6 +59,10 @@ def _check_non_negative(name: str, value: float) -> None:
         raise HeadConfigError(f"{name} must be a non-negative number, got {value!r}")
 
 
+# the state of the SoftmaxHead a DS head can start from (load_pretrained)
+SOFTMAX_STATE = frozenset({"weight", "bias"})
+
+
 class DSSoftmaxHead(Head):
     """DS-Softmax with K experts, each starting over the full class space.
 
@@ -346,13 +350,17 @@ class DSSoftmaxHead(Head):
     def load_pretrained(self, state: Mapping[str, torch.Tensor]) -> bool:
         """A DS head's state as it is, whatever its structure (a pruned, split head: this one
         resizes to it, e.g. to fine-tune it with the backbone), or a softmax's (``weight
-        [V, d]``, optional ``bias``) as every expert's start: the pretrain-then-replace recipe
-        of appendix B."""
+        [V, d]``, optional ``bias``, nothing else) as every expert's start: the
+        pretrain-then-replace recipe of appendix B. Another head's state (Mixtape's and MoS's
+        hold a ``weight [V, d]`` too, beside their gates and projections) is not a softmax's:
+        not loaded (the run says the head starts untrained)."""
         if set(state) == set(self.state_dict()):
             self.load_state_dict(state)
             return True
         weight = state.get("weight")
-        if weight is None or weight.shape != (self.vocab_size, self.hidden_size):
+        if not set(state) <= SOFTMAX_STATE or weight is None:
+            return False
+        if weight.shape != (self.vocab_size, self.hidden_size):
             return False
         self.init_from_softmax(weight, state.get("bias"))
         return True

@@ -83,7 +83,8 @@ class AWDLSTMBackbone(LSTMBackbone):
 
     @classmethod
     def output_size_from(cls, init_args: Mapping[str, Any]) -> int:
-        return init_args.get("output_size") or init_args.get("embedding_size", 400)
+        output_size = init_args.get("output_size")  # (0 is not unset: see LSTMBackbone's)
+        return init_args.get("embedding_size", 400) if output_size is None else output_size
 
     def __init__(
         self,

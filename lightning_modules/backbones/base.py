@@ -11,6 +11,19 @@ from torch import nn
 from lightning_modules.errors import ModelConfigError
 
 
+def check_sizes(**sizes: Any) -> None:
+    """Refuse a size (``hidden_size=0``) that is not a positive integer, naming the backbone's
+    option: torch's own errors for it (a ZeroDivisionError, "hidden_size must be greater than
+    zero") name neither the option nor the config. ``None`` (unset, a default follows) passes."""
+    for name, value in sizes.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ModelConfigError(
+                f"model.backbone.{name} must be a positive integer, got {value!r}"
+            )
+
+
 def configured_output_size(backbone_class: type, init_args: Mapping[str, Any]) -> int:
     """The size of the context vectors a backbone built with ``init_args`` gives, read from
     its options before it is built: the CLI links it into ``head.hidden_size``, so that a

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import lightning_modules.backbones.rnn_flops  # noqa: F401  (the LSTM kernels' FLOP formulas)
-from lightning_modules.backbones.base import LMBackbone
+from lightning_modules.backbones.base import LMBackbone, check_sizes
 from lightning_modules.errors import ModelConfigError
 
 DROPOUT_KINDS = ("locked", "standard")
@@ -68,7 +68,9 @@ class LSTMBackbone(LMBackbone):
 
     @classmethod
     def output_size_from(cls, init_args: Mapping[str, Any]) -> int:
-        return init_args.get("output_size") or init_args.get("hidden_size", 200)
+        # (an output_size of 0 is not unset: the backbone refuses it, the head must not hide it)
+        output_size = init_args.get("output_size")
+        return init_args.get("hidden_size", 200) if output_size is None else output_size
 
     def __init__(
         self,
@@ -87,6 +89,7 @@ class LSTMBackbone(LMBackbone):
             raise ModelConfigError(
                 f"model.backbone.num_layers must be at least 1, got {num_layers}"
             )
+        check_sizes(embedding_size=embedding_size, hidden_size=hidden_size, output_size=output_size)
         if dropout_kind not in DROPOUT_KINDS:
             raise ModelConfigError(
                 f"backbone dropout_kind must be one of {', '.join(DROPOUT_KINDS)}, "

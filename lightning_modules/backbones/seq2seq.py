@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_modules.backbones.base import check_sizes
 from lightning_modules.errors import ModelConfigError
 
 
@@ -70,6 +71,14 @@ class Seq2SeqTransformer(nn.Module):
         share_embeddings: bool = False,
     ) -> None:
         super().__init__()
+        check_sizes(
+            model_size=model_size,
+            num_heads=num_heads,
+            encoder_layers=encoder_layers,
+            decoder_layers=decoder_layers,
+            feedforward_size=feedforward_size,
+            max_length=max_length,
+        )
         if model_size % num_heads:
             raise ModelConfigError(
                 f"model.backbone.model_size ({model_size}) must be divisible by "

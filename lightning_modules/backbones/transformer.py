@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_modules.backbones.base import LMBackbone
+from lightning_modules.backbones.base import LMBackbone, check_sizes
 from lightning_modules.errors import ModelConfigError
 
 
@@ -34,6 +34,13 @@ class TransformerBackbone(LMBackbone):
         max_length: int = 512,
     ) -> None:
         super().__init__()
+        check_sizes(
+            embedding_size=embedding_size,
+            num_heads=num_heads,
+            num_layers=num_layers,
+            feedforward_size=feedforward_size,
+            max_length=max_length,
+        )
         if embedding_size % num_heads:
             raise ModelConfigError(
                 f"model.backbone.embedding_size ({embedding_size}) must be divisible by "

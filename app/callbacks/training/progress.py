@@ -11,18 +11,25 @@ launch-bound, and that overlap is most of its speed. So the tasks log their per-
 counts move every batch as Lightning's do. :func:`interval_progress_bar` picks the kind Lightning
 would (Rich where installed, else TQDM); the app's CLI uses it unless the trainer is given
 another progress bar or none.
+
+The bars draw on stderr, not on Lightning's stdout, unless stdout is a terminal: stdout is the
+run's output (``predict``'s JSON lines, ``python cli.py predict ... > translations.jsonl``), and
+a bar there ended up in the file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+from unittest import mock
 
 import lightning as L
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks.progress import rich_progress
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
 from app.callbacks.training.logging_steps import logs_this_batch
@@ -64,11 +71,58 @@ class IntervalMetrics:
 
 
 class IntervalTQDMProgressBar(IntervalMetrics, TQDMProgressBar):
-    """Lightning's TQDM bar, its metrics read at the logging interval."""
+    """Lightning's TQDM bar, its metrics read at the logging interval, on stderr."""
+
+    # Lightning's bars name ``sys.stdout`` as their file when they are made: made while stdout
+    # is stderr, they write there
+    def init_sanity_tqdm(self) -> Tqdm:
+        with contextlib.redirect_stdout(sys.stderr):
+            return super().init_sanity_tqdm()
+
+    def init_train_tqdm(self) -> Tqdm:
+        with contextlib.redirect_stdout(sys.stderr):
+            return super().init_train_tqdm()
+
+    def init_predict_tqdm(self) -> Tqdm:
+        with contextlib.redirect_stdout(sys.stderr):
+            return super().init_predict_tqdm()
+
+    def init_validation_tqdm(self) -> Tqdm:
+        with contextlib.redirect_stdout(sys.stderr):
+            return super().init_validation_tqdm()
+
+    def init_test_tqdm(self) -> Tqdm:
+        with contextlib.redirect_stdout(sys.stderr):
+            return super().init_test_tqdm()
 
 
 class IntervalRichProgressBar(IntervalMetrics, RichProgressBar):
-    """Lightning's Rich bar, its metrics read at the logging interval."""
+    """Lightning's Rich bar, its metrics read at the logging interval, on stderr."""
+
+    def _init_progress(self, trainer: L.Trainer) -> None:
+        if _is_terminal(sys.stdout):  # output and bar share it, as Lightning draws them
+            super()._init_progress(trainer)
+            return
+        # Lightning draws on Rich's global console (stdout), and routes what is printed to
+        # stdout meanwhile through it: this bar draws on a console of its own on stderr and
+        # leaves stdout alone (and the global console, for Lightning's result tables)
+        console = rich_progress.Console(**{"stderr": True, **self._console_kwargs})
+        progress = functools.partial(rich_progress.CustomProgress, redirect_stdout=False)
+        with mock.patch.multiple(
+            rich_progress,
+            get_console=lambda: console,
+            reconfigure=lambda **_: None,
+            CustomProgress=progress,
+        ):
+            super()._init_progress(trainer)
+
+
+def _is_terminal(stream: Any) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except ValueError:  # a closed stream
+        return False
 
 
 def interval_progress_bar() -> ProgressBar:
@@ -96,7 +150,7 @@ def side_progress(trainer: L.Trainer, description: str, total: int) -> Iterator[
     elif isinstance(bar, TQDMProgressBar) and bar.is_enabled:
         position = 2 * bar.process_position + 1
         tqdm_bar = Tqdm(desc=description, total=total, position=position, leave=False,
-                        dynamic_ncols=True, file=sys.stdout)  # fmt: skip
+                        dynamic_ncols=True, file=sys.stderr)  # fmt: skip
         try:
             yield lambda: tqdm_bar.update(1)
         finally:

@@ -536,6 +536,26 @@ def test_load_pretrained_takes_a_ds_state_of_any_structure():
     assert not fresh.load_pretrained({"weight": torch.zeros(3, 3)})  # neither DS nor softmax
 
 
+@pytest.mark.parametrize("other", ["MixtapeHead", "MoSHead"])
+def test_load_pretrained_takes_a_softmax_not_another_head_with_a_weight_of_that_shape(other):
+    """Mixtape's and MoS's states hold a ``weight [V, d]`` (and ``bias [V]``) beside their
+    gates: every expert started from Mixtape's W and b, where README says a head that is not
+    a softmax starts untrained (the run says so when load_pretrained refuses)."""
+    import heads
+
+    torch.manual_seed(0)
+    state = getattr(heads, other)(HIDDEN, VOCAB, num_components=2).state_dict()
+    assert state["weight"].shape == (VOCAB, HIDDEN)
+    fresh = make_head(num_experts=2)
+    before = copy.deepcopy(fresh.state_dict())
+    assert not fresh.load_pretrained(state)
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    softmax = SoftmaxHead(HIDDEN, VOCAB).state_dict()
+    assert fresh.load_pretrained(softmax)  # the recipe's softmax (bias or none) still starts it
+    assert make_head(num_experts=2).load_pretrained({"weight": softmax["weight"]})
+
+
 def test_row_experts_are_kept_per_structure_not_rebuilt_per_step():
     """The ``[R]`` expert of every row (the expert lasso's groups) is computed when the
     structure changes and follows pruning, mitosis, loading and moves; never per step (a

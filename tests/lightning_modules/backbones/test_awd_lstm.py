@@ -114,3 +114,10 @@ def test_language_model_adds_the_backbone_term_to_the_training_loss():
 def test_bad_probability_is_one_clear_error(option):
     with pytest.raises(ModelConfigError, match=option):
         make(**{option: 1.0})
+
+
+def test_an_output_size_of_zero_is_refused_not_taken_for_unset():
+    assert AWDLSTMBackbone.output_size_from({"embedding_size": 8, "output_size": 0}) == 0
+    assert AWDLSTMBackbone.output_size_from({"embedding_size": 8}) == 8
+    with pytest.raises(ModelConfigError, match="model.backbone.output_size must be a positive"):
+        AWDLSTMBackbone(20, embedding_size=8, hidden_size=8, output_size=0)

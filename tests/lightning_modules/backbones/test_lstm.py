@@ -87,3 +87,25 @@ def test_fused_lstm_kernels_have_flop_formulas_on_cuda():
 
     counted, expected = _lstm_flops("cuda")
     assert counted == expected
+
+
+@pytest.mark.parametrize(
+    ("option", "value"), [("hidden_size", 0), ("embedding_size", -1), ("output_size", 0)]
+)
+def test_a_size_below_one_is_one_line_naming_the_option(option, value):
+    """torch said "hidden_size must be greater than zero" (for an output_size of 0 too) or
+    "negative dimension -1", naming no option, through a traceback."""
+    from lightning_modules.errors import ModelConfigError
+
+    with pytest.raises(
+        ModelConfigError,
+        match=rf"^model.backbone.{option} must be a positive integer, got {value}$",
+    ):
+        LSTMBackbone(20, **{option: value})
+
+
+def test_an_output_size_of_zero_is_not_taken_for_unset():
+    """The head's hidden_size (linked from it) was the hidden size: the backbone's error then
+    came from a head and a backbone that disagreed."""
+    assert LSTMBackbone.output_size_from({"hidden_size": 16, "output_size": 0}) == 0
+    assert LSTMBackbone.output_size_from({"hidden_size": 16, "output_size": None}) == 16

@@ -118,6 +118,19 @@ def test_sizes_that_cannot_work_are_one_line_naming_the_options():
         Seq2SeqTransformer(SRC_V, TGT_V, model_size=9, num_heads=3)
 
 
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("model_size", 0), ("num_heads", 0), ("feedforward_size", -1), ("decoder_layers", 0)],
+)
+def test_a_size_below_one_is_one_line_naming_the_option(option, value):
+    """``model_size: 0`` was a ZeroDivisionError in the position encodings' ``size**-0.5``."""
+    with pytest.raises(
+        ModelConfigError,
+        match=rf"^model.backbone.{option} must be a positive integer, got {value}$",
+    ):
+        Seq2SeqTransformer(SRC_V, TGT_V, **{option: value})
+
+
 def test_a_seed_fixes_the_model():
     """The same seed builds the same weights, wherever the modules land in memory: the two
     embedding tables were initialised in the order of a set of the two modules (by address),

@@ -21,3 +21,15 @@ def test_rejects_too_long_sequences():
     model = TransformerBackbone(30, embedding_size=8, num_heads=2, max_length=4)
     with pytest.raises(ValueError, match="max_length"):
         model(torch.zeros(1, 5, dtype=torch.long))
+
+
+@pytest.mark.parametrize(("option", "value"), [("embedding_size", 0), ("num_heads", 0)])
+def test_a_size_below_one_is_one_line_naming_the_option(option, value):
+    """``num_heads: 0`` was a ZeroDivisionError (``embedding_size % num_heads``)."""
+    from lightning_modules.errors import ModelConfigError
+
+    with pytest.raises(
+        ModelConfigError,
+        match=rf"^model.backbone.{option} must be a positive integer, got {value}$",
+    ):
+        TransformerBackbone(30, **{option: value})
