@@ -174,10 +174,12 @@ def test_side_work_shows_on_the_trainer_s_bar(kind, capsys):
                         enable_model_summary=False, enable_progress_bar=kind is not None,
                         callbacks=[*bars, work])  # fmt: skip
     trainer.fit(model, loader)
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out + captured.err  # the app's bars draw on stderr (stdout: predictions)
     if kind is IntervalRichProgressBar:
         assert work.shown == [("scoring", step, SideWork.STEPS) for step in range(1, 8)]
     elif kind is IntervalTQDMProgressBar:
+        assert "scoring" not in captured.out
         assert f"scoring:   0%|          | 0/{SideWork.STEPS}" in out  # a bar, total and all
     else:
         assert "scoring" not in out
