@@ -14,7 +14,7 @@ import importlib
 import inspect
 import re
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -128,16 +128,11 @@ def _sibling_files(value: str) -> list[str]:
     return [str(folder / p.name) for p in folder.glob("*")] if folder.is_dir() else []
 
 
-def _exists(value: str) -> bool:
+def _path_is(value: str, test: Callable[[Path], bool]) -> bool:
+    """``test(Path(value))``, False where ``value`` cannot be a path (a YAML string or a
+    config longer than any path, a line break or a NUL in it)."""
     try:
-        return Path(value).exists()
-    except (OSError, ValueError):  # a name too long to be a path, a NUL in it
-        return False
-
-
-def _is_dir(value: str) -> bool:
-    try:
-        return Path(value).is_dir()
+        return "\n" not in value and test(Path(value))
     except (OSError, ValueError):
         return False
 
@@ -214,12 +209,12 @@ def _reason(lines: list[str], value: str, key: str = "") -> str:
     path_like = not value.startswith("Namespace(") and (
         "/" in value or value.endswith((".yaml", ".yml"))
     )
-    if path_like and not _exists(value):
+    if path_like and not _path_is(value, Path.exists):
         return "no such file or class" + _did_you_mean(value, _sibling_files(value))
     expected = _expectations(reasons)
     unresolved = any(line.strip().removeprefix("- ").startswith(_UNRESOLVED) for line in lines)
     if value and unresolved and expected is None:  # a class-typed option: a file or a class
-        if _is_dir(value):
+        if _path_is(value, Path.is_dir):
             return "no such file or class: a folder, give one of its files"
         return "no such file or class" + _short_name_hint(key, value)
     if expected and "dict" in expected and _UNSPACED_COLON.search(value):
@@ -364,13 +359,6 @@ def _config_keys(tree: Any, prefix: str = "") -> Iterable[str]:
 _FRAGMENT_OPTIONS = ("model", "model.head", "model.backbone", "data")
 
 
-def _is_file(value: str) -> bool:
-    try:
-        return "\n" not in value and Path(value).is_file()
-    except (OSError, ValueError):  # a YAML string longer than any path
-        return False
-
-
 def _file_keys(path: Path, prefix: str, seen: set[Path]) -> Iterable[tuple[str, Path]]:
     """The keys a config file sets, under ``prefix``, with those of the fragments it names
     (``head: ../heads/softmax.yaml``, relative to the file), each file once; each key with
@@ -389,7 +377,7 @@ def _file_keys(path: Path, prefix: str, seen: set[Path]) -> Iterable[tuple[str, 
         value = _lookup(tree, key)
         if isinstance(value, str) and value.endswith((".yaml", ".yml")):
             fragment = path.parent / value
-            if _is_file(str(fragment)):
+            if _path_is(str(fragment), Path.is_file):
                 yield from _file_keys(fragment, full, seen)
 
 
@@ -417,7 +405,7 @@ def check_linked_options(args: Sequence[str]) -> None:
             value = args[i + 1] if i + 1 < len(args) else ""
         if _plain_key(flag) not in _FRAGMENT_OPTIONS:
             continue
-        if _is_file(value):
+        if _path_is(value, Path.is_file):
             given += list(_file_keys(Path(value), flag, seen))
         elif value.lstrip().startswith("{"):  # a fragment written out: {init_args: {...}}
             try:

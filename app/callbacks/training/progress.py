@@ -12,9 +12,9 @@ counts move every batch as Lightning's do. :func:`interval_progress_bar` picks t
 would (Rich where installed, else TQDM); the app's CLI uses it unless the trainer is given
 another progress bar or none.
 
-The bars draw on stderr, not on Lightning's stdout, unless stdout is a terminal: stdout is the
-run's output (``predict``'s JSON lines, ``python cli.py predict ... > translations.jsonl``), and
-a bar there ended up in the file.
+The bars draw on stderr, not on Lightning's stdout (the Rich one keeps stdout where it is a
+terminal): stdout is the run's output (``predict``'s JSON lines, ``python cli.py predict ... >
+translations.jsonl``), and a bar there ended up in the file.
 """
 
 from __future__ import annotations
@@ -70,30 +70,26 @@ class IntervalMetrics:
             self._read = True
 
 
+def _made_on_stderr(init: Callable[[Any], Tqdm]) -> Callable[[Any], Tqdm]:
+    """A TQDM bar maker whose bar writes to stderr: Lightning's name ``sys.stdout`` as their
+    file when they are made, so each is made while stdout is stderr."""
+
+    @functools.wraps(init)
+    def made(self: Any) -> Tqdm:
+        with contextlib.redirect_stdout(sys.stderr):
+            return init(self)
+
+    return made
+
+
 class IntervalTQDMProgressBar(IntervalMetrics, TQDMProgressBar):
     """Lightning's TQDM bar, its metrics read at the logging interval, on stderr."""
 
-    # Lightning's bars name ``sys.stdout`` as their file when they are made: made while stdout
-    # is stderr, they write there
-    def init_sanity_tqdm(self) -> Tqdm:
-        with contextlib.redirect_stdout(sys.stderr):
-            return super().init_sanity_tqdm()
-
-    def init_train_tqdm(self) -> Tqdm:
-        with contextlib.redirect_stdout(sys.stderr):
-            return super().init_train_tqdm()
-
-    def init_predict_tqdm(self) -> Tqdm:
-        with contextlib.redirect_stdout(sys.stderr):
-            return super().init_predict_tqdm()
-
-    def init_validation_tqdm(self) -> Tqdm:
-        with contextlib.redirect_stdout(sys.stderr):
-            return super().init_validation_tqdm()
-
-    def init_test_tqdm(self) -> Tqdm:
-        with contextlib.redirect_stdout(sys.stderr):
-            return super().init_test_tqdm()
+    init_sanity_tqdm = _made_on_stderr(TQDMProgressBar.init_sanity_tqdm)
+    init_train_tqdm = _made_on_stderr(TQDMProgressBar.init_train_tqdm)
+    init_predict_tqdm = _made_on_stderr(TQDMProgressBar.init_predict_tqdm)
+    init_validation_tqdm = _made_on_stderr(TQDMProgressBar.init_validation_tqdm)
+    init_test_tqdm = _made_on_stderr(TQDMProgressBar.init_test_tqdm)
 
 
 class IntervalRichProgressBar(IntervalMetrics, RichProgressBar):
