@@ -98,15 +98,21 @@ class TokenBucketBatchSampler(Sampler[list[int]]):
     The length-sorted order of ``sampler`` is cut into batches whose ``count * longest`` stays
     within ``max_tokens``, so padding is small. With a shuffling sampler the order of the
     batches is shuffled anew each epoch too. Under DDP each rank takes every
-    ``world_size``-th batch (in training the last few batches are dropped so that every rank
-    runs the same number of steps). In evaluation every line is kept, and a split cut into
-    fewer batches than there are ranks has its costliest batches cut in two until each rank
-    has one (Lightning stops on a rank with no batch). The ranks may evaluate different
-    numbers of batches: evaluation has no collective per batch (the metrics and translations
-    are gathered at the epoch's end; fit's DDP wrapper syncs buffers in the first batch
-    only, which every rank has). A pair longer than ``max_tokens`` is refused in training
-    (the budget bounds a step's memory); with ``longer_alone`` (evaluation, which keeps every
-    line) it is a batch of its own.
+    ``world_size``-th batch: in training the last few batches are dropped so that every rank
+    runs the same number of steps, and a split cut into fewer batches than there are ranks
+    is cut instead into one batch per rank, of balanced cost (an epoch of one step; a split
+    of fewer pairs than ranks is one clear error). In evaluation every line is kept, in
+    ``ceil(batches / ranks)`` rounds of one batch per rank: the length-sorted order is cut
+    into that many batches per rank, contiguous, of balanced cost (:func:`balanced_batches`:
+    the ranks' padded tokens within a few percent of each other, where cutting by the budget
+    and dealing left one rank with up to 1.7 times the mean); each is within the budget, and
+    the lines and their results are those of one process. The ranks may still evaluate
+    different numbers of batches (a split of fewer lines than rounds x ranks): evaluation
+    has no collective per batch (the metrics and translations are gathered at the epoch's
+    end; fit's DDP wrapper syncs buffers in the first batch only, which every rank has). A
+    pair longer than ``max_tokens`` is refused in training (the budget bounds a step's
+    memory); with ``longer_alone`` (evaluation, which keeps every line) it is a batch of its
+    own.
     """
 
     def __init__(
@@ -123,10 +129,11 @@ class TokenBucketBatchSampler(Sampler[list[int]]):
                 f"data.max_tokens ({max_tokens}) must hold the longest sequence ({longest} tokens)"
             )
         lines = len(sampler.source_lengths)
-        if not sampler.shuffle and lines < world_size:
+        if lines < world_size:
+            split = "a training split of" if sampler.shuffle else "an evaluation split of"
             raise DataConfigError(
-                f"an evaluation split of {lines} lines cannot give each of {world_size} DDP "
-                f"ranks a batch: run on at most {lines} devices"
+                f"{split} {lines} lines cannot give each of {world_size} DDP ranks a batch: "
+                f"run on at most {lines} devices (trainer.devices)"
             )
         self.sampler = sampler
         self.max_tokens = max_tokens
@@ -146,29 +153,22 @@ class TokenBucketBatchSampler(Sampler[list[int]]):
 
     def _cut_batches(self) -> list[list[int]]:
         src, tgt = self.sampler.source_lengths, self.sampler.target_lengths
-        batches, batch, longest = [], [], 0
-        for i in self.sampler:
-            size = max(src[i], tgt[i])
-            if batch and (len(batch) + 1) * max(longest, size) > self.max_tokens:
-                batches.append(batch)
-                batch, longest = [], 0
-            batch.append(i)
-            longest = max(longest, size)
-        if batch:
-            batches.append(batch)
-        shuffle = self.sampler.shuffle
+        order = list(self.sampler)
+        sizes = [max(src[i], tgt[i]) for i in order]
+        batches = _pieces(order, _greedy_cuts(sizes, self.max_tokens))
+        shuffle, world = self.sampler.shuffle, self.world_size
+        if world > 1 and (not shuffle or len(batches) < world):
+            # rounds of one batch per rank, balanced; limit_*_batches=k on each of n ranks
+            # keeps the lines of the first k * n batches, as on one process
+            rounds = -(-len(batches) // world)
+            batches = balanced_batches(order, sizes, min(rounds * world, len(order)))
         if shuffle:
             # a different stream than the tie-breaker's
             random.Random(self.sampler.seed + self.sampler.epoch + 7919).shuffle(batches)
-        if self.world_size > 1:
+        if world > 1:
             if shuffle:
-                batches = batches[: len(batches) - len(batches) % self.world_size]
-            else:
-                batches = split_for_ranks(batches, self.world_size, src, tgt)
-            # dealt in turn: the batches hold about max_tokens each, so the ranks' loads differ
-            # by one batch at most, and limit_*_batches=k on each of n ranks keeps the lines
-            # of the first k * n batches, as on one process
-            batches = batches[self.rank :: self.world_size]
+                batches = batches[: len(batches) - len(batches) % world]
+            batches = batches[self.rank :: world]
         return batches
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -178,32 +178,61 @@ class TokenBucketBatchSampler(Sampler[list[int]]):
         return len(self._batches())
 
 
-def split_for_ranks(
-    batches: list[list[int]],
-    world_size: int,
-    source_lengths: Sequence[int],
-    target_lengths: Sequence[int],
-) -> list[list[int]]:
-    """``batches`` (length-sorted) with the costliest (``lines x longest``, the padded tokens)
-    cut in two, in place in the order, until there are ``world_size`` of them: each DDP rank then
-    evaluates one, of similar cost. Needs ``world_size`` lines in all."""
-    batches = list(batches)
-    sizes = [[max(source_lengths[i], target_lengths[i]) for i in b] for b in batches]
-    while len(batches) < world_size:
-        j = max(
-            (j for j, b in enumerate(sizes) if len(b) > 1),
-            key=lambda j: len(sizes[j]) * max(sizes[j]),
-        )
-        batch, size = batches[j], sizes[j]
-        # the cut whose costlier side is the cheapest (not always the middle: the sizes are
-        # sorted by source length, the target's may be longer)
-        head = list(itertools.accumulate(size, max))
-        tail = list(itertools.accumulate(reversed(size), max))[::-1]
-        n = len(size)
-        cut = min(range(1, n), key=lambda k: max(k * head[k - 1], (n - k) * tail[k]))
-        batches[j : j + 1] = [batch[:cut], batch[cut:]]
-        sizes[j : j + 1] = [size[:cut], size[cut:]]
+def _greedy_cuts(sizes: Sequence[int], budget: float) -> list[int]:
+    """Where the token-budget cut ends each batch of ``sizes`` (in order): a batch grows while
+    ``lines x longest`` stays within ``budget`` (a line over it alone)."""
+    ends, count, longest = [], 0, 0
+    for n, size in enumerate(sizes):
+        if count and (count + 1) * max(longest, size) > budget:
+            ends.append(n)
+            count, longest = 0, 0
+        count += 1
+        longest = max(longest, size)
+    return [*ends, len(sizes)] if sizes else []
+
+
+def _pieces(order: list[int], ends: list[int]) -> list[list[int]]:
+    return [order[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+
+
+def balanced_batches(order: list[int], sizes: Sequence[int], count: int) -> list[list[int]]:
+    """``order`` (length-sorted; ``sizes`` its lines' longer sides) cut into ``count``
+    contiguous batches (``count <= len(order)``) whose costliest (``lines x longest``, the
+    padded tokens) costs the least possible: the smallest budget whose token-budget cut
+    needs at most ``count`` batches (found by bisection: the cut's batch count only falls as
+    the budget grows), then the costliest batches cut in two until there are ``count``.
+    Dealt in turn, each rank's rounds then cost about the same. No batch costs more than in
+    a cut into fewer batches by any budget (``max_tokens`` included)."""
+    low, high = max(sizes), len(sizes) * max(sizes)  # one line alone; everything in one
+    while low < high:
+        middle = (low + high) // 2
+        if len(_greedy_cuts(sizes, middle)) <= count:
+            high = middle
+        else:
+            low = middle + 1
+    ends = _greedy_cuts(sizes, low)
+    batches = _pieces(order, ends)
+    parts = [list(sizes[a:b]) for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+    while len(batches) < count:
+        _cut_costliest(batches, parts)
     return batches
+
+
+def _cut_costliest(batches: list[list[int]], sizes: list[list[int]]) -> None:
+    """Cut the costliest batch of several lines in two, in place in the order: at the cut
+    whose costlier side is the cheapest (not always the middle: the sizes are sorted by
+    source length, the target's may be longer)."""
+    j = max(
+        (j for j, b in enumerate(sizes) if len(b) > 1),
+        key=lambda j: len(sizes[j]) * max(sizes[j]),
+    )
+    batch, size = batches[j], sizes[j]
+    head = list(itertools.accumulate(size, max))
+    tail = list(itertools.accumulate(reversed(size), max))[::-1]
+    n = len(size)
+    cut = min(range(1, n), key=lambda k: max(k * head[k - 1], (n - k) * tail[k]))
+    batches[j : j + 1] = [batch[:cut], batch[cut:]]
+    sizes[j : j + 1] = [size[:cut], size[cut:]]
 
 
 def collate_pairs(items: list[dict[str, Any]], pad_id: int, bos_id: int) -> dict[str, torch.Tensor]:

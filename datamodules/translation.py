@@ -214,8 +214,12 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         joint_vocab: one vocabulary for both sides (needed to share embeddings).
         max_vocab_size: word vocabularies: keep this many most frequent tokens per side.
         bpe_vocab_size: BPE vocabularies: merges + alphabet + specials, per vocabulary.
-        max_tokens: padded tokens per side per training batch.
-        eval_max_tokens: the same for validation and test (default ``max_tokens``).
+        max_tokens: padded tokens per side per training batch (per DDP rank; a training
+            split that it cuts into fewer batches than ranks is cut into one batch per rank
+            instead, of balanced cost: an epoch of one step).
+        eval_max_tokens: the same for validation and test (default ``max_tokens``). Under
+            DDP the split is cut into rounds of one batch per rank, of balanced cost, each
+            within it (``datamodules/pair_batches.py``).
         max_length: training pairs longer than this (tokens, with ``<eos>``) on either side
             are dropped.
         seed: shuffling seed of the training batches.

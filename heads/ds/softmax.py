@@ -54,6 +54,30 @@ from heads.errors import HeadConfigError
 from heads.fused_cross_entropy import linear_lse
 
 
+def sum_over_ranks(local: torch.Tensor) -> torch.Tensor:
+    """``local`` summed over the DDP ranks of the default group, differentiably; ``local``
+    itself outside ``torch.distributed`` or in a world of one (no collective).
+
+    The load balance's expert importance goes through it: ``CV^2`` is not linear in the
+    importance, so the mean of the ranks' own terms is not the global batch's term. Summed,
+    every rank computes the global batch's term. Gradient: the all-reduce's backward sums the
+    ranks' upstream gradients, ``W g`` (every rank's ``g`` is the same: one term), and DDP
+    divides the parameter gradients' sum by ``W``: ``(1/W) sum_r W g d imp_r / d theta =
+    g d(sum_r imp_r) / d theta``, one process's gradient on the union of the batches, with
+    no extra scale. A functional collective (torch's replacement for the deprecated
+    ``torch.distributed.nn.functional.all_reduce``, which raises under ``torch.compile``;
+    the same sum in its backward), on the device: nothing is read back. Its backward runs
+    before any parameter's gradient is complete (autograd runs the nodes made later first,
+    and the load term is made after every use of a parameter), so on every rank it comes
+    before DDP's bucket all-reduces, in the same order."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return local
+    from torch.distributed import _functional_collectives as collectives
+
+    return collectives.all_reduce(local, "sum", dist.group.WORLD)
+
+
 def _check_non_negative(name: str, value: float) -> None:
     if not isinstance(value, (int, float)) or value < 0:
         raise HeadConfigError(f"{name} must be a non-negative number, got {value!r}")
@@ -74,7 +98,9 @@ class DSSoftmaxHead(Head):
             ``sum_k sum_c ||W^(k)_c||_2``.
         lambda_expert: weight of the expert-level group lasso,
             ``sum_k sqrt(sum_c ||W^(k)_c||_2^2)``.
-        lambda_load: weight of the load balance ``CV(sum_h G(h))^2`` (paper: 10).
+        lambda_load: weight of the load balance ``CV(sum_h G(h))^2`` (paper: 10). In a
+            training step under DDP, ``sum_h`` runs over the global batch (every rank's
+            tokens: :func:`sum_over_ranks`); in evaluation over the rank's own batch.
         init_std: std of the initial expert rows and gate. Default ``hidden_size ** -0.5``.
         bias: give every expert row a bias, ``G_k (W^(k)_c h + b^(k)_c)``. Not in Eq. 2, but it
             lets DS start exactly from a softmax with a bias (pretrain-then-replace). The bias
@@ -448,7 +474,9 @@ class DSSoftmaxHead(Head):
 
     # -- regularisers -------------------------------------------------------------------
     def aux_loss(self, expert: torch.Tensor, gate_value: torch.Tensor) -> torch.Tensor:
-        """``lambda_lasso L_lasso + lambda_expert L_expert + lambda_load L_load`` (section 3.3)."""
+        """``lambda_lasso L_lasso + lambda_expert L_expert + lambda_load L_load``: the DS
+        paper's section 3.3 (unnumbered: "Sparse expert" and "Loading balance"), summed in
+        Algorithm 1, line 3."""
         with float32_context(self.weight.device):
             weight = upcast(self.weight)
             total = weight.new_zeros(())
@@ -469,6 +497,11 @@ class DSSoftmaxHead(Head):
                 # importance of expert k: sum over the batch of the sparse gate G_k(h)
                 importance = upcast(gate_value).new_zeros(self.num_experts)
                 importance = importance.index_add(0, expert, upcast(gate_value))
+                if self.training and torch.is_grad_enabled():
+                    # the global batch's importance under DDP (once per training forward,
+                    # which every rank runs alike; evaluation batches differ in number per
+                    # rank, so a collective there could hang: they keep their own)
+                    importance = sum_over_ranks(importance)
                 # CV^2 = var / mean^2, without a square root (finite gradient when balanced);
                 # 0 for a batch without a kept row (no branch on it: nothing to sync)
                 mean_squared = importance.mean().square()

@@ -121,8 +121,10 @@ def trainer(devices: int, **kwargs) -> L.Trainer:
 
 
 def train_step(devices: int, folder: Path, head: str) -> None:
-    # DS: the lasso only (the load balance is a statistic of each rank's batch)
-    ds = functools.partial(DSSoftmaxHead, num_experts=2, lambda_lasso=0.05, lambda_load=0.0)
+    # DS: every regulariser (the load balance is the global batch's: heads/ds/softmax.py)
+    ds = functools.partial(
+        DSSoftmaxHead, num_experts=2, lambda_lasso=0.05, lambda_expert=0.05, lambda_load=10.0
+    )
     model = translation(VOCAB, VOCAB, ds if head == "ds" else SoftmaxHead)
     fit = trainer(devices, max_steps=1, limit_val_batches=0, callbacks=[SaveGradients(folder)])
     fit.fit(model, datamodule=RankData())
