@@ -20,6 +20,7 @@ through the hooks below, which have defaults here; it never tests a head's type:
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
@@ -202,12 +203,26 @@ class Head(nn.Module):
     (``heads/graphs.py``); ``capture_blocker`` says why not; :meth:`step_capturable` whether
     a given step is, :meth:`capture_key` what else its graph is built for (and
     :meth:`captured_as` builds it so).
+
+    ``takes_sequence_length``: whether :meth:`forward` takes the rows' layout
+    (``sequence_length``), read from its signature.
     """
 
     capturable: ClassVar[bool] = False
     capture_blocker: ClassVar[str] = (
         "it does not declare its step a function of the batch's shape alone (Head.capturable)"
     )
+    # whether forward takes ``sequence_length`` (set for each subclass from its signature: a
+    # head written before the keyword keeps working, the task then gives it no layout)
+    takes_sequence_length: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        parameters = inspect.signature(cls.forward).parameters.values()
+        cls.takes_sequence_length = any(
+            p.name == "sequence_length" or p.kind is inspect.Parameter.VAR_KEYWORD
+            for p in parameters
+        )
 
     def __init__(self, hidden_size: int, vocab_size: int) -> None:
         super().__init__()
@@ -223,10 +238,21 @@ class Head(nn.Module):
         raise NotImplementedError
 
     def forward(
-        self, hidden: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0
+        self,
+        hidden: torch.Tensor,
+        target: torch.Tensor,
+        label_smoothing: float = 0.0,
+        sequence_length: int | None = None,
     ) -> HeadOutput:
         """Loss of ``target`` (``-100`` ignored) from the full distribution; heads built for
-        speed override this."""
+        speed override this.
+
+        ``sequence_length``: the rows' layout where a task knows it, ``T`` when they are
+        sequences of ``T`` consecutive steps (row ``b T + t``; rows a task appends past the
+        ``B T`` real ones are padding, their targets ignored), else None. Only a head that draws
+        dropout masks over its rows uses it (MoS and Mixtape with ``locked_dropout``: one mask
+        a sequence); the others ignore it. A head whose ``forward`` does not take it
+        (:attr:`takes_sequence_length` false) is never given it."""
         self.check_inputs(hidden, target)
         check_label_smoothing(label_smoothing)
         log_probs = self.training_log_prob(hidden)

@@ -44,7 +44,9 @@ What a user sees:
   alike with and without graphs then draw different dropout masks.
 - Evaluation, ``no_grad`` steps and devices other than CUDA run eagerly, as do steps whose
   parameters were replaced (new storage: the graphs are captured again) or whose options
-  changed (label smoothing, precision, loss plan: each is part of the shape's key).
+  changed (label smoothing, precision, loss plan, the rows' sequence length: each is part of
+  the shape's key). A locked dropout's masks (MoS, Mixtape: ``locked_dropout``) are drawn
+  inside the graph from the generator, one per sequence, as any dropout's.
 - The outputs are copies: a graph's own outputs are overwritten by its next replay. A step is
   one forward then its backward, as the tasks run it: a second loss of the same shape before
   the first one's backward would overwrite what that backward reads, and is refused.
@@ -284,28 +286,35 @@ class GraphedTrainingLoss:
             and not torch.compiler.is_compiling()
         )
 
-    def __call__(self, hidden: torch.Tensor, target: torch.Tensor,
-                 label_smoothing: float = 0.0) -> HeadOutput:  # fmt: skip
+    def __call__(self, hidden: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0,
+                 sequence_length: int | None = None) -> HeadOutput:  # fmt: skip
+        """The head's loss; ``sequence_length``, the rows' layout (``Head.forward``), is
+        given to the head where not None (the task gives it only to a head that takes it) and
+        is part of the graph's key: a locked dropout's masks are drawn in the graph for it."""
+        options = {"label_smoothing": label_smoothing}
+        if sequence_length is not None:
+            options["sequence_length"] = sequence_length
         if not self.applies(hidden):
-            return self.head(hidden, target, label_smoothing=label_smoothing)
+            return self.head(hidden, target, **options)
         parameters = tuple(self.head.parameters())  # walked once a step: a host-bound path
         self._forget_replaced_parameters(parameters)
         head_key = self.head.capture_key(hidden, label_smoothing)
-        key = (*self._key(hidden, target, label_smoothing), head_key)
+        key = (*self._key(hidden, target, label_smoothing, sequence_length), head_key)
         graph = self._graphs.get(key)
         if graph is None:
             if key in self._eager_shapes or not self._may_capture(key, hidden, head_key):
-                return self.head(hidden, target, label_smoothing=label_smoothing)
-            graph = self._capture(hidden, target, label_smoothing, head_key)
+                return self.head(hidden, target, **options)
+            graph = self._capture(hidden, target, options, head_key)
             self._graphs[key] = graph
         return graph.replay(hidden, target, self.head, parameters)
 
-    def _key(self, hidden: torch.Tensor, target: torch.Tensor, label_smoothing: float) -> tuple:
+    def _key(self, hidden: torch.Tensor, target: torch.Tensor, label_smoothing: float,
+             sequence_length: int | None = None) -> tuple:  # fmt: skip
         device = hidden.device.type
         autocast = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device)
         return (tuple(hidden.shape), hidden.dtype, hidden.requires_grad, hidden.device,
                 tuple(target.shape), target.dtype, float(label_smoothing), autocast,
-                self.head.loss_options)  # fmt: skip
+                self.head.loss_options, sequence_length)  # fmt: skip
 
     def _forget_replaced_parameters(self, parameters: tuple[torch.Tensor, ...]) -> None:
         """Drop every graph once a parameter's storage or trainability changed (a graph
@@ -337,11 +346,12 @@ class GraphedTrainingLoss:
                         tuple(hidden.shape))  # fmt: skip
         return False
 
-    def _capture(self, hidden: torch.Tensor, target: torch.Tensor, label_smoothing: float,
+    def _capture(self, hidden: torch.Tensor, target: torch.Tensor, options: dict,
                  head_key: tuple) -> _Graph:  # fmt: skip
         """Warm up and capture the loss's forward and backward on copies of this batch and
         on fresh leaves sharing the parameters' storage (the graphs' static inputs), the head
-        building the step its ``head_key`` names."""
+        building the step its ``head_key`` names; ``options``: the head's keywords (label
+        smoothing, the rows' layout)."""
         names = [name for name, _ in self.head.named_parameters()]
         head, aux_requires_grad = self.head, []
 
@@ -349,7 +359,6 @@ class GraphedTrainingLoss:
             # the NLL detached: it feeds metrics, and the backward would otherwise run its own
             # pass with zeros
             swapped = dict(zip(names, parameters, strict=True))
-            options = {"label_smoothing": label_smoothing}
             with head.captured_as(head_key):  # the step the head's key names
                 out = torch.func.functional_call(head, swapped, (hidden, target), options)
             aux_requires_grad.append(out.aux_loss.requires_grad)

@@ -57,6 +57,7 @@ from heads.fused_cross_entropy import (
 from heads.kernels.chunks import compute_dtype
 from heads.kernels.compiled_lse import compiled_body
 from heads.kernels.compiled_mixtape import CompiledMixtapeFrequentLSE
+from heads.kernels.locked_dropout import locked_dropout
 from heads.kernels.mixtape_frequent import FrequentThenRareLogits, MixtapeFrequentLSE
 from heads.kernels.mixtape_rows import MixtapeRowsCrossEntropy, tile_logits_per_row
 from heads.kernels.sigmoid_tree import SigmoidTreeMix, sigmoid_tree_priors
@@ -84,6 +85,13 @@ class MixtapeHead(SingleSoftmaxHead):
         gate_noise: std of the Gaussian noise added to gate pre-activations in training.
         weight_norm_scale: if set, ``U_k`` is weight-normalised per row with this constant
             scale (the paper's choice for language modelling).
+        locked_dropout: where the task gives the rows' layout (``forward``'s
+            ``sequence_length``), one mask per sequence for each of ``gate_dropout`` and
+            ``context_dropout``, shared by its steps (``heads/kernels/locked_dropout.py``): the
+            MoS code's locked latent dropout, whose regularisation the paper follows for
+            language modelling ("follow the regularization and optimization techniques used
+            in [19]"; it states no mask layout itself); False, or without the layout: a mask
+            per row.
         zipf_bias_init: start the output bias ``b_x`` at the centred log-probabilities of a
             Zipf law over the frequency-sorted ids (``b_x = -log(x + 1) + const``) instead of
             zeros. Without it, the first updates fit the unigram through the bounded
@@ -107,6 +115,7 @@ class MixtapeHead(SingleSoftmaxHead):
         gate_noise: float = 0.0,
         weight_norm_scale: float | None = None,
         zipf_bias_init: bool = True,
+        locked_dropout: bool = False,
     ) -> None:
         super().__init__(hidden_size, vocab_size)
         embedding_size = hidden_size if embedding_size is None else embedding_size
@@ -138,6 +147,7 @@ class MixtapeHead(SingleSoftmaxHead):
         self.bias = output_bias(vocab_size, zipf_bias_init)
         self.gate_dropout = nn.Dropout(gate_dropout)
         self.context_dropout = nn.Dropout(context_dropout)
+        self.locked_dropout = locked_dropout
         nn.init.normal_(self.weight, std=embedding_size**-0.5)
         nn.init.normal_(self.gate_embedding, std=gate_embedding_size**-0.5)
         self.zipf_bias_init = zipf_bias_init
@@ -150,7 +160,12 @@ class MixtapeHead(SingleSoftmaxHead):
             return gate_logits + torch.randn_like(gate_logits) * self.gate_noise
         return gate_logits
 
-    def _pieces(self, hidden: torch.Tensor, target: torch.Tensor | None = None) -> tuple:
+    def _pieces(
+        self,
+        hidden: torch.Tensor,
+        target: torch.Tensor | None = None,
+        sequence_length: int | None = None,
+    ) -> tuple:
         """:func:`mixtape_pieces` of this head's parameters: ``(contexts, gate inputs, gate
         weights, shared pre-activations, mixed context or None, target ids, rare targets)``.
         On CUDA (the compiled plan) one compiled function: forward and backward each a few
@@ -158,15 +173,17 @@ class MixtapeHead(SingleSoftmaxHead):
         pieces = mixtape_pieces
         if target is not None and resolve_plan(self.loss_options.plan, hidden) == "compiled":
             pieces = compiled_body(mixtape_pieces)
-        return pieces(hidden, target, *self._piece_args())
+        return pieces(hidden, target, *self._piece_args(sequence_length))
 
-    def _piece_args(self) -> tuple:
-        """:func:`mixtape_pieces`' arguments after ``hidden`` and ``target``."""
+    def _piece_args(self, sequence_length: int | None = None) -> tuple:
+        """:func:`mixtape_pieces`' arguments after ``hidden`` and ``target``; the dropouts'
+        masks locked over sequences of ``sequence_length`` rows with ``locked_dropout``."""
+        locked = sequence_length if self.locked_dropout else None
         return (
             self.context.weight, self.context.bias, self.gate_context.weight,
             self.gate_projection.weight, self.gate_projection.bias, self.gate_embedding,
             self.gate_bias, self.num_frequent, self.vocab_size, self.weight_norm_scale,
-            self.gate_dropout.p, self.context_dropout.p, self._noise(), self.training,
+            self.gate_dropout.p, self.context_dropout.p, locked, self._noise(), self.training,
         )  # fmt: skip
 
     def _noise(self) -> float:
@@ -181,12 +198,13 @@ class MixtapeHead(SingleSoftmaxHead):
         return plain_step_fits(self.loss_options, hidden.device, hidden.size(0),
                                self.vocab_size, self.num_components, self.num_frequent)  # fmt: skip
 
-    def _plain_loss(self, hidden, target, label_smoothing: float) -> HeadOutput:
+    def _plain_loss(self, hidden, target, label_smoothing: float,
+                    sequence_length: int | None = None) -> HeadOutput:  # fmt: skip
         plain = mixtape_plain_nll
         if resolve_plan("auto", hidden) == "compiled":  # CUDA: one compiled function
             plain = compiled_body(mixtape_plain_nll)
         nll, smoothing = plain(hidden, target, self.weight, self.bias, label_smoothing > 0,
-                               *self._piece_args())  # fmt: skip
+                               *self._piece_args(sequence_length))  # fmt: skip
         return self.output(nll, target, smoothing=smoothing, label_smoothing=label_smoothing)
 
     def _rows_loss(self, contexts, gate_inputs, gate_weights, mixed, ids,
@@ -244,19 +262,24 @@ class MixtapeHead(SingleSoftmaxHead):
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def forward(
-        self, hidden: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0
+        self,
+        hidden: torch.Tensor,
+        target: torch.Tensor,
+        label_smoothing: float = 0.0,
+        sequence_length: int | None = None,
     ) -> HeadOutput:
         """The loss without the ``[N, V]`` logits: the frequent block (``mixtape_frequent_lse``)
         and the shared-gate block (one linear block on the mixed context) each give a partial
         log-sum-exp and their part of the target logit; Eq. 2's normaliser is their
-        ``logsumexp``."""
+        ``logsumexp``. ``sequence_length``: the rows' layout (``Head.forward``), for
+        ``locked_dropout``."""
         self.check_inputs(hidden, target)
         check_label_smoothing(label_smoothing)
         if self._plain(hidden):
-            return self._plain_loss(hidden, target, label_smoothing)
+            return self._plain_loss(hidden, target, label_smoothing, sequence_length)
         s, v = self.num_frequent, self.vocab_size
         contexts, gate_inputs, gate_weights, _, mixed, ids, rare_target = self._pieces(
-            hidden, target
+            hidden, target, sequence_length
         )
         rows = self.loss_options.plan == "rows"  # not a CPU's auto (below)
         if rows and mean_loss_plan(self.loss_options, contexts, v) == "rows":  # torch backend
@@ -324,14 +347,16 @@ def _mixed(contexts: torch.Tensor, shared: torch.Tensor, noise: float) -> torch.
 def mixtape_pieces(
     hidden, target, context_weight, context_bias, gate_context_weight, projection_weight,
     projection_bias, gate_embedding, gate_bias, num_frequent: int, vocab_size: int,
-    weight_norm_scale: float | None, gate_dropout: float, context_dropout: float, noise: float,
-    training: bool,
+    weight_norm_scale: float | None, gate_dropout: float, context_dropout: float,
+    sequence_length: int | None, noise: float, training: bool,
 ) -> tuple:  # fmt: skip
     """What the loss and the logits share, as one function of the head's parameters (so that
     CUDA runs it compiled): contexts ``[N, K, d]`` (Eq. 5), the two factors of the frequent
     tokens' gate pre-activations and the shared pre-activations ``[N, K-1]``; with a
     ``target``, also the rare tokens' mixed context ``[N, d]`` (None when every token is
     frequent), the target ids (-1 where ignored) and the rare block's targets (-1 outside).
+    The dropouts on ``h_{c,k}`` and ``tanh(U_k g)`` draw one mask per row, or with a
+    ``sequence_length`` one per sequence of that many rows (``locked_dropout``).
 
     Eq. 4, ``v_x . tanh(U_k g) + u_k . g + b_{x,k}``, is one product ``A B^T`` with
     ``A = [tanh(U_k g) | u_k . g | e_k | 0]`` ``[N, K-1, D]`` and
@@ -343,11 +368,13 @@ def mixtape_pieces(
     """
     n, kg = hidden.size(0), gate_bias.size(1)
     contexts = torch.tanh(F.linear(hidden, context_weight, context_bias)).view(n, kg + 1, -1)
-    contexts = F.dropout(contexts, context_dropout, training)
+    # F.dropout where sequence_length is None; else one mask a sequence (the MoS code's lockdrop)
+    contexts = locked_dropout(contexts, context_dropout, training, sequence_length)
     shared = F.linear(hidden, gate_context_weight)  # [N, K-1]: u_k . g_c (Eq. 6)
     projection = _normalised(projection_weight, weight_norm_scale)
     gate_hidden = torch.tanh(F.linear(hidden, projection, projection_bias))
-    gate_hidden = F.dropout(gate_hidden, gate_dropout, training).view(n, kg, -1)
+    gate_hidden = locked_dropout(gate_hidden, gate_dropout, training, sequence_length)
+    gate_hidden = gate_hidden.view(n, kg, -1)
     dtype = gate_hidden.dtype
     eye = torch.eye(kg, dtype=dtype, device=hidden.device).expand(n, kg, kg)
     pad = -(gate_embedding.size(1) + kg + 1) % 8  # zero columns: rows of a multiple of 8

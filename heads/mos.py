@@ -39,6 +39,7 @@ from heads.fused_cross_entropy import (
 )
 from heads.kernels.chunks import accumulation_dtype, compute_dtype, spans
 from heads.kernels.compiled_lse import CompiledMixtureLogProbSum
+from heads.kernels.locked_dropout import locked_dropout
 from heads.kernels.mixture_lse import MixtureLogProbSum, column_chunk
 
 # columns of the exact log_prob per block (evaluation): [N, K, block] at a time
@@ -55,6 +56,11 @@ class MoSHead(Head):
         embedding_size: size ``d`` of the per-component contexts ``h_{c,k}`` and of ``W``.
             Default: ``hidden_size``.
         context_dropout: dropout on ``h_{c,k}`` (MoS's "dropoutl").
+        locked_dropout: where the task gives the rows' layout (``forward``'s
+            ``sequence_length``), one ``context_dropout`` mask per sequence over its ``K d``
+            latent features, shared by its steps, as the MoS code's
+            ``self.lockdrop(latent, self.dropoutl)`` (``heads/kernels/locked_dropout.py``);
+            False, or without the layout: a mask per row.
         bias: per-class bias in each component softmax.
         zipf_bias_init: start the bias at the centred log-probabilities of a Zipf law over the
             frequency-sorted ids (``heads.base.zipf_log_prior``), as every head with a bias
@@ -72,6 +78,7 @@ class MoSHead(Head):
         context_dropout: float = 0.0,
         bias: bool = True,
         zipf_bias_init: bool = True,
+        locked_dropout: bool = False,
     ) -> None:
         super().__init__(hidden_size, vocab_size)
         check_positive_int("num_components", num_components)
@@ -83,16 +90,26 @@ class MoSHead(Head):
         self.context = nn.Linear(hidden_size, num_components * embedding_size)
         self.prior = nn.Linear(hidden_size, num_components, bias=False)  # U
         self.context_dropout = nn.Dropout(context_dropout)
+        self.locked_dropout = locked_dropout
         self.weight = nn.Parameter(torch.empty(vocab_size, embedding_size))
         self.bias = output_bias(vocab_size, zipf_bias_init) if bias else None
         self.zipf_bias_init = zipf_bias_init
         nn.init.normal_(self.weight, std=embedding_size**-0.5)
 
-    def _mixture(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Component contexts ``h_{c,k}`` ``[N, K, d]`` and ``log pi`` ``[N, K]`` (float32)."""
+    def _mixture(
+        self, hidden: torch.Tensor, sequence_length: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Component contexts ``h_{c,k}`` ``[N, K, d]`` and ``log pi`` ``[N, K]`` (float32).
+        The context dropout is applied here, before any plan: every plan (rows, columns,
+        compiled, captured) takes the dropped contexts."""
         n = hidden.size(0)
         contexts = torch.tanh(self.context(hidden)).view(n, self.num_components, -1)
-        contexts = self.context_dropout(contexts)
+        if self.locked_dropout and sequence_length is not None:
+            # the MoS code's lockdrop(latent, dropoutl): a mask [B, 1, K d] over the T steps
+            contexts = locked_dropout(contexts, self.context_dropout.p, self.training,
+                                      sequence_length)  # fmt: skip
+        else:
+            contexts = self.context_dropout(contexts)
         prior_logits = self.prior(hidden)
         with float32_no_autocast(hidden.device):
             return contexts, upcast(prior_logits).log_softmax(dim=-1)
@@ -126,13 +143,17 @@ class MoSHead(Head):
         return torch.cat(blocks, dim=-1) if len(blocks) > 1 else blocks[0]
 
     def forward(
-        self, hidden: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0
+        self,
+        hidden: torch.Tensor,
+        target: torch.Tensor,
+        label_smoothing: float = 0.0,
+        sequence_length: int | None = None,
     ) -> HeadOutput:
         # log P(t) = logsumexp_k(log pi_k - CE_k), CE_k = lse_k - z_{k,t}: K N rows of the
         # fused primitive, nothing [N, K, V]
         self.check_inputs(hidden, target)
         check_label_smoothing(label_smoothing)
-        contexts, log_prior = self._mixture(hidden)
+        contexts, log_prior = self._mixture(hidden, sequence_length)
         n, k, d = contexts.shape
         mean = mean_cross_entropy(
             contexts.reshape(n * k, d), self.weight, self.bias, target, log_prior=log_prior,

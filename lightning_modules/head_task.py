@@ -252,12 +252,19 @@ class HeadTask(L.LightningModule):
                        f"{device.type} it runs eagerly")  # fmt: skip
 
     def head_loss(
-        self, hidden: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0
+        self,
+        hidden: torch.Tensor,
+        target: torch.Tensor,
+        label_smoothing: float = 0.0,
+        sequence_length: int | None = None,
     ) -> HeadOutput:
         """``self.head(hidden, target, label_smoothing=...)``: what every task's step calls,
         through the CUDA graphs of ``cuda_graphs`` where they run (a training step on CUDA).
         Where the head is compiled or graphed, its rows are padded to one of a few sizes
         (:mod:`~lightning_modules.static_rows`) and its ``nll`` cut back to the batch's.
+        ``sequence_length``: the rows' layout where they are sequences of that many steps
+        (row ``b T + t``: a language model's), given to a head that takes it
+        (``Head.takes_sequence_length``; padded rows come after the ``B T`` real ones).
 
         The step's ``(hidden, target)`` stay in ``self.head_inputs`` (``hidden`` detached)
         for callbacks that look at what the head saw (DS-Softmax's, top-k accuracy) in their
@@ -268,10 +275,13 @@ class HeadTask(L.LightningModule):
         rows = hidden.size(0)
         if self._static_rows(hidden.device):
             hidden, target = pad_rows(hidden, target, padded_rows(rows))
+        options: dict[str, Any] = {"label_smoothing": label_smoothing}
+        if sequence_length is not None and self.head.takes_sequence_length:
+            options["sequence_length"] = sequence_length
         if self._graphed_loss is not None:
-            output = self._graphed_loss(hidden, target, label_smoothing)
+            output = self._graphed_loss(hidden, target, **options)
         else:
-            output = self.head(hidden, target, label_smoothing=label_smoothing)
+            output = self.head(hidden, target, **options)
         return output if hidden.size(0) == rows else replace(output, nll=output.nll[:rows])
 
     def _static_rows(self, device: torch.device) -> bool:

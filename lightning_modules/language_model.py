@@ -173,7 +173,9 @@ class LanguageModel(HeadTask):
         hidden, new_state = self.backbone(inputs, self._state.get(stage))
         # carry the recurrent state to the next window, without the graph
         self._state[stage] = LMBackbone.detach_state(new_state)
-        output = self.head_loss(hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1))
+        # rows b T + t: the head may lock its dropout masks over each stream's T steps
+        output = self.head_loss(hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1),
+                                sequence_length=targets.size(1))  # fmt: skip
         tokens = (targets != -100).sum()
         metric = self.metrics[f"{stage}_nll"]
         metric.update(output.loss.detach(), weight=tokens)
