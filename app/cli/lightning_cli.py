@@ -40,7 +40,13 @@ from app.cli.errors import (
     check_linked_options,
     warn_line,
 )
-from app.cli.run_folder import configure_loggers, run_checkpoint, run_hparams, runs_folder
+from app.cli.run_folder import (
+    RunConfigCallback,
+    configure_loggers,
+    run_checkpoint,
+    run_hparams,
+    runs_folder,
+)
 from lightning_modules.backbones.base import configured_output_size
 from lightning_modules.checkpoint_file import check_checkpoint_file
 
@@ -232,6 +238,11 @@ RESUME_CHANGEABLE = frozenset({"freeze_backbone", "label_smoothing", "top_k"})
 
 class AppCLI(LightningCLI):
     """LightningCLI over any LightningModule and LightningDataModule of the app."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # a resumed fit keeps the run's config.yaml and writes its own beside it
+        kwargs.setdefault("save_config_callback", RunConfigCallback)
+        super().__init__(*args, **kwargs)
 
     def init_parser(self, **kwargs: Any):
         # no prefix matching: a misspelt --trainer.max_epoch must not silently mean max_epochs

@@ -15,6 +15,11 @@ before they are built, and the hyper-parameters that tell runs apart.
 - ``--ckpt_path last`` / ``best`` name the newest run's ``last.ckpt`` / best checkpoint in the
   logger's folder (Lightning's own meaning, this process's earlier ``fit``, has nothing to
   find from the command line: ``last`` evaluated an untrained model with a warning).
+- A resumed fit keeps the run folder's ``config.yaml`` (how the run started: what
+  ``--config <run>/config.yaml`` reproduces and what the study runner, ``test`` and
+  ``app.rank`` read) and writes its own invocation beside it, as
+  ``config.resumed_at_step_<N>.yaml`` (its ``ckpt_path``, a changed ``max_epochs``), like the
+  CSV logger's ``metrics.before_step_<N>.csv``; LightningCLI's callback overwrote it.
 - TensorBoard writes every ``FLUSH_SECS`` (its own default, 120 s, leaves a fresh run blank
   for two minutes) and logs no placeholder ``hp_metric`` (``app.callbacks.RunRecord`` logs
   the real one).
@@ -32,6 +37,8 @@ from typing import Any
 
 import torch
 from jsonargparse import Namespace
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from lightning_modules.checkpoint_file import best_checkpoint_state
@@ -118,6 +125,40 @@ def continue_run(loggers: list[Namespace], unset: list[Namespace], run: Path, ck
         for message in (f"Checkpoint directory {folder}", f"Experiment logs directory {folder}"):
             warnings.filterwarnings("ignore", message=re.escape(message) + r"\b.* not empty")
     rank_zero_info(f"fit continues the run in {run} from step {step} (--ckpt_path {ckpt})")
+
+
+CONFIG = "config.yaml"  # LightningCLI's name for a run's config
+
+
+def resumed_config_name(ckpt: Any) -> str:
+    """The name a fit resumed from ``ckpt`` gives its config beside the run's ``config.yaml``:
+    ``config.resumed_at_step_<N>.yaml``, N the checkpoint's step (where the stopped run's
+    record ends, as in ``metrics.before_step_<N>.csv``); ``config.resumed.yaml`` for a
+    checkpoint that cannot be read here (a remote one)."""
+    try:
+        saved = torch.load(str(ckpt), map_location="cpu", weights_only=True, mmap=True)
+        return f"config.resumed_at_step_{int(saved['global_step'])}.yaml"
+    except Exception:  # noqa: BLE001 (what Lightning makes of the path is its own business)
+        return "config.resumed.yaml"
+
+
+class RunConfigCallback(SaveConfigCallback):
+    """LightningCLI's ``SaveConfigCallback``, which leaves a run folder's ``config.yaml`` to
+    the fit that started the run: a fit resumed there (``--ckpt_path``, in the folder it
+    continues or one whose logger ``version`` is given) writes its config as
+    :func:`resumed_config_name` says (module docstring)."""
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if not self.already_saved and self.save_to_log_dir and stage == "fit":
+            # (the fit's --ckpt_path, "last" resolved: trainer.ckpt_path is set after setup)
+            # (every rank: trainer.log_dir and broadcast are collective calls under DDP)
+            log_dir = trainer.log_dir
+            name, ckpt = self.config_filename, self.config.get("ckpt_path")
+            if name == CONFIG and ckpt is not None and trainer.is_global_zero:
+                if (Path(log_dir or ".") / CONFIG).is_file():
+                    name = resumed_config_name(ckpt)
+            self.config_filename = trainer.strategy.broadcast(name)
+        super().setup(trainer, pl_module, stage)
 
 
 def _runs_folder(args: Namespace) -> Path:
