@@ -1,10 +1,13 @@
-"""Contiguous truncated-BPTT batches: ``batch_size`` parallel streams x ``bptt`` steps."""
+"""Contiguous truncated-BPTT batches: ``batch_size`` parallel streams x ``bptt`` steps, or
+AWD-LSTM's variable windows (:class:`WindowSchedule`)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
@@ -32,6 +35,59 @@ def num_windows(stream_len: int, bptt: int) -> int:
     return math.ceil((stream_len - 1) / bptt)
 
 
+@dataclass(frozen=True)
+class WindowSchedule:
+    """AWD-LSTM's variable BPTT windows (Merity et al. 2018, Sec. 4.1; salesforce/awd-lstm-lm
+    ``main.py`` ``train()``; zihangdai/mos ``main.py`` adds the cap): each training window's
+    length is drawn as
+
+        bptt' = bptt if u < 1 - half_prob else bptt / 2,   u ~ U[0, 1)
+        T = min(max(min_len, int(N(bptt', std))), max_len)
+
+    and the next window starts T tokens later. The last window is cut to the targets left,
+    so every target of a stream is predicted once per pass (the reference's loop,
+    ``while i < len - 1 - 1``, skips a last window of one target).
+
+    The draws come from a generator of their own, ``numpy.random.default_rng([seed, epoch])``
+    (the reference draws from numpy's global one; the global generators are not touched here,
+    so dropout draws the masks a fixed-window run would): the lengths are a function of
+    ``(seed, epoch)`` and the stream's length, alike on every DDP rank (the ranks' streams are
+    equally long), so the ranks run the same number of steps.
+    """
+
+    bptt: int
+    seed: int
+    std: float = 5.0
+    half_prob: float = 0.05
+    min_len: int = 5
+    max_len: int | None = None
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def lengths(self, stream_len: int, epoch: int) -> list[int]:
+        """The window lengths of one pass over streams of ``stream_len`` tokens (``stream_len
+        - 1`` targets), in order; they sum to ``stream_len - 1``."""
+        key = (stream_len, epoch)
+        if key not in self._cache:
+            if len(self._cache) > 4:  # a pass asks a few times (len, iter): keep the recent
+                self._cache.clear()
+            self._cache[key] = self._draw(stream_len - 1, epoch)
+        return self._cache[key]
+
+    def _draw(self, targets: int, epoch: int) -> list[int]:
+        rng = np.random.default_rng([self.seed, epoch])
+        lengths, done = [], 0
+        while done < targets:
+            # the reference's two draws per window, in its order (awd-lstm-lm main.py train())
+            base = self.bptt if rng.random() < 1 - self.half_prob else self.bptt / 2
+            length = max(self.min_len, int(rng.normal(base, self.std)))
+            if self.max_len is not None:  # MoS main.py: min(seq_len, bptt + max_seq_len_delta)
+                length = min(length, self.max_len)
+            length = min(length, targets - done)
+            lengths.append(length)
+            done += length
+        return lengths
+
+
 class BPTTBatches(IterableDataset):
     """Cuts a token stream into ``batch_size`` contiguous streams and walks them in windows.
 
@@ -52,21 +108,36 @@ class BPTTBatches(IterableDataset):
         bptt: int,
         rank: int = 0,
         world_size: int = 1,
+        lengths: Sequence[int] | None = None,
     ) -> None:
+        """``lengths``: the windows' lengths in order (summing to the stream's targets,
+        ``stream_len - 1``: :meth:`WindowSchedule.lengths`) instead of ``bptt`` each."""
         super().__init__()
         if batch_size <= 0 or bptt <= 0:
             raise ValueError(f"batch_size and bptt must be positive, got {batch_size} and {bptt}")
         start, streams, stream_len = stream_layout(tokens.numel(), batch_size, rank, world_size)
         self.streams = tokens[start : start + streams * stream_len].view(streams, stream_len)
         self.bptt = bptt
+        if lengths is not None and sum(lengths) != stream_len - 1:
+            raise ValueError(
+                f"window lengths sum to {sum(lengths)}, not the streams' {stream_len - 1} targets"
+            )
+        self.lengths = lengths
 
     def __len__(self) -> int:
+        if self.lengths is not None:
+            return len(self.lengths)
         return num_windows(self.streams.size(1), self.bptt)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         length = self.streams.size(1) - 1
-        for start in range(0, length, self.bptt):
-            stop = min(start + self.bptt, length)
+        if self.lengths is None:
+            starts = range(0, length, self.bptt)
+            stops = (min(start + self.bptt, length) for start in starts)
+        else:
+            stops = np.cumsum(self.lengths).tolist()
+            starts = [0, *stops[:-1]]
+        for start, stop in zip(starts, stops, strict=True):
             yield (
                 self.streams[:, start:stop].long(),
                 self.streams[:, start + 1 : stop + 1].long(),
@@ -77,10 +148,12 @@ class StreamWindows(IterableDataset):
     """Contiguous BPTT batches over one split of a data module, this rank's share of the
     ``batch_size`` streams, re-read at every pass (``data.rank_streams``). ``tokens``: the
     split's length; ``before_pass``: called as each pass starts (a vocabulary's scheduled
-    state takes effect there)."""
+    state takes effect there); ``schedule``: variable windows, those of the pass ``epoch()``
+    (read when the length is asked and when a pass starts)."""
 
     def __init__(self, data, split: str, batch_size: int, bptt: int, tokens: int,
-                 before_pass=None) -> None:  # fmt: skip
+                 before_pass=None, schedule: WindowSchedule | None = None,
+                 epoch: Callable[[], int] | None = None) -> None:  # fmt: skip
         from datamodules.errors import DataConfigError
 
         super().__init__()
@@ -95,13 +168,23 @@ class StreamWindows(IterableDataset):
         except ValueError as exc:  # too few tokens for the streams, or streams vs. ranks
             option = "data.batch_size" if split == "train" else "data.eval_batch_size"
             raise DataConfigError(f"{split} split with {option}={batch_size}: {exc}") from exc
+        self.stream_len = stream_len
+        self.schedule, self.epoch = schedule, epoch or (lambda: 0)
         self._len = num_windows(stream_len, bptt)
 
+    def lengths(self) -> list[int] | None:
+        """The current pass's window lengths (variable windows), else None."""
+        if self.schedule is None:
+            return None
+        return self.schedule.lengths(self.stream_len, self.epoch())
+
     def __len__(self) -> int:
-        return self._len
+        lengths = self.lengths()
+        return self._len if lengths is None else len(lengths)
 
     def __iter__(self):
         if self.before_pass is not None:
             self.before_pass()
         streams = self.data.rank_streams(self.split, self.batch_size, self.rank, self.world_size)
-        yield from BPTTBatches(streams.reshape(-1), streams.size(0), self.bptt)
+        yield from BPTTBatches(streams.reshape(-1), streams.size(0), self.bptt,
+                               lengths=self.lengths())  # fmt: skip

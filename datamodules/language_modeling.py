@@ -4,6 +4,7 @@ of int32 token files that every run and rank memory-maps, truncated-BPTT batches
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from datamodules.bptt import StreamWindows, stream_layout
+from datamodules.bptt import StreamWindows, WindowSchedule, stream_layout
 from datamodules.cache import (
     CacheEntry,
     SourceIdentities,
@@ -45,6 +46,20 @@ log = logging.getLogger(__name__)
 
 # Above this share of a split's tokens, the unknown-word line is a warning.
 UNKNOWN_WARN_SHARE = 0.01
+
+
+def check_window_law(std: float, half_prob: float, min_len: int, max_len: int | None) -> None:
+    """Raises ``DataConfigError`` for a variable-window law that cannot work."""
+    if not std >= 0:
+        raise DataConfigError(f"data.bptt_std must be >= 0, got {std!r}")
+    if not 0 <= half_prob <= 1:
+        raise DataConfigError(f"data.bptt_half_prob must be in [0, 1], got {half_prob!r}")
+    if not isinstance(min_len, int) or min_len <= 0:
+        raise DataConfigError(f"data.min_bptt must be a positive integer, got {min_len!r}")
+    if max_len is not None and (not isinstance(max_len, int) or max_len < min_len):
+        raise DataConfigError(
+            f"data.max_bptt must be an integer >= data.min_bptt ({min_len}), got {max_len!r}"
+        )
 
 
 class _UnknownCounter:
@@ -92,7 +107,20 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
             (valid, then test); training reads what comes before them.
         batch_size: parallel streams in training (global, split across DDP ranks).
         eval_batch_size: parallel streams for validation and test.
-        bptt: time steps per batch.
+        bptt: time steps per batch (with ``variable_bptt``, in training: the mean window).
+        variable_bptt: AWD-LSTM's variable training windows (Merity et al. 2018, Sec. 4.1;
+            ``datamodules.bptt.WindowSchedule``): each window's length is drawn around
+            ``bptt`` (``bptt / 2`` with probability ``bptt_half_prob``), normal with standard
+            deviation ``bptt_std``, at least ``min_bptt``, at most ``max_bptt``; every training
+            target is still predicted once per epoch. The lengths are a function of the run's
+            seed (``seed_everything``; 0 without one; the checkpoint keeps it) and the epoch,
+            alike on every DDP rank. Validation and test keep windows of ``bptt``. The
+            reference also scales the learning rate by ``T / bptt`` for each window: add the
+            callback ``app.callbacks.WindowLR`` (without it the run says so). The number of
+            windows changes from epoch to epoch, so the trainer re-reads the training loader
+            every epoch (``trainer.reload_dataloaders_every_n_epochs`` is set to 1).
+        bptt_std, bptt_half_prob, min_bptt, max_bptt: the law of the variable windows: 5, 0.05,
+            5 and no cap in AWD-LSTM; the MoS code caps at ``bptt + 40``.
         max_vocab_size: keep only the most frequent words (others become ``<unk>``); for
             ``hybrid_lightrnn`` too (the words that get codes).
         predict_prompts: texts whose continuation ``predict`` reports.
@@ -127,6 +155,11 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         batch_size: int = 20,
         eval_batch_size: int = 10,
         bptt: int = 35,
+        variable_bptt: bool = False,
+        bptt_std: float = 5.0,
+        bptt_half_prob: float = 0.05,
+        min_bptt: int = 5,
+        max_bptt: int | None = None,
         max_vocab_size: int | None = None,
         predict_prompts: list[str] | None = None,
         predict_file: str | None = None,
@@ -147,6 +180,7 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         ):
             if not isinstance(value, int) or value <= 0:
                 raise DataConfigError(f"data.{option} must be a positive integer, got {value!r}")
+        check_window_law(bptt_std, bptt_half_prob, min_bptt, max_bptt)
         if vocab not in VOCABS:
             raise DataConfigError(f"data.vocab must be one of {', '.join(VOCABS)}, got {vocab!r}")
         if lightrnn_init not in ("frequency", "random"):
@@ -170,6 +204,11 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         # split -> (tokens that became <unk> without being written so, tokens): see
         # :meth:`_report_unknown`
         self.unknown_tokens: dict[str, tuple[int, int]] = {}
+        # the seed of the variable windows: fixed at the first training loader, kept in the
+        # checkpoint (a resumed run walks the windows the interrupted one walked)
+        self._window_seed: int | None = None
+        self._schedule: tuple[tuple, WindowSchedule] | None = None  # (its law, it)
+        self._warned_window_lr = False
 
     def __repr__(self) -> str:
         # Lightning's own __str__ builds every data loader (jsonargparse formats the data module
@@ -421,16 +460,65 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         # resumable: a mid-epoch checkpoint saves the position, `fit --ckpt_path` continues there
+        if self.hparams.variable_bptt:
+            self._check_variable_windows()
         return ResumableLoader(self._windows("train", self.hparams.batch_size))
 
     def _windows(self, split: str, batch_size: int) -> StreamWindows:
         """BPTT batches over the split's *current* token stream, re-read at every pass; the
         vocabulary is told when a training pass starts (``begin_training_pass``): state it
         scheduled (a re-assigned table) then takes effect, so the next epoch (also after a
-        resume) trains and validates with it."""
+        resume) trains and validates with it. Training windows vary with ``variable_bptt``."""
+        hp = self.hparams
         before = self.vocab.begin_training_pass if split == "train" else None
-        return StreamWindows(self, split, batch_size, self.hparams.bptt, self.num_tokens(split),
-                             before_pass=before)  # fmt: skip
+        schedule = self.window_schedule if split == "train" else None
+        return StreamWindows(self, split, batch_size, hp.bptt, self.num_tokens(split),
+                             before_pass=before, schedule=schedule,
+                             epoch=self._window_epoch)  # fmt: skip
+
+    @property
+    def window_schedule(self) -> WindowSchedule | None:
+        """The training windows' law (``variable_bptt``), else None (windows of ``bptt``)."""
+        hp = self.hparams
+        if not hp.variable_bptt:
+            return None
+        if self._window_seed is None:
+            # the run's seed (LightningCLI's seed_everything sets it, and DDP ranks inherit
+            # it): a study's seeds vary the windows, as the reference's seed does
+            self._window_seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        law = (hp.bptt, self._window_seed, hp.bptt_std, hp.bptt_half_prob, hp.min_bptt, hp.max_bptt)
+        if self._schedule is None or self._schedule[0] != law:
+            self._schedule = (law, WindowSchedule(*law))
+        return self._schedule[1]
+
+    def _window_epoch(self) -> int:
+        """The epoch whose windows a training pass walks: the trainer's (restored from a
+        checkpoint with the loops, so a resumed run continues the same epoch's windows), 0
+        without a trainer or with ``overfit_batches`` (the same batches every epoch)."""
+        trainer = self.trainer
+        if trainer is None or trainer.overfit_batches:
+            return 0
+        return trainer.current_epoch
+
+    def _check_variable_windows(self) -> None:
+        """Lightning reads a training loader's length once unless it reloads the loader, and
+        the count of windows changes with the epoch: it reloads it every epoch (else an epoch
+        with more windows than the first was cut short, and one with fewer ended without its
+        validation). And the run is told once if no callback scales the learning rate by the
+        window's length."""
+        trainer = self.trainer
+        if trainer is None:
+            return
+        if trainer.reload_dataloaders_every_n_epochs != 1:
+            trainer.reload_dataloaders_every_n_epochs = 1
+        scaled = any(getattr(c, "scales_lr_by_window", False) for c in trainer.callbacks)
+        if not scaled and not self._warned_window_lr and process_rank() in (None, 0):
+            log.warning(
+                "warning: data.variable_bptt draws the training windows' lengths, but no "
+                "callback scales the learning rate by T / bptt as AWD-LSTM does: add "
+                "app.callbacks.WindowLR to trainer.callbacks (configs/callbacks/lm_awd.yaml)"
+            )
+        self._warned_window_lr = True
 
     def val_dataloader(self) -> DataLoader:
         return self._batches("valid", self.hparams.eval_batch_size)
@@ -454,7 +542,10 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
 
     # -- checkpoint --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"vocab": self.vocab.state_dict()}
+        state: dict[str, Any] = {"vocab": self.vocab.state_dict()}
+        if self.hparams.variable_bptt:
+            state["window_seed"] = self.window_schedule.seed
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = vocab_from_state(state_dict["vocab"])
@@ -468,3 +559,5 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
                 f"and its options at the checkpoint's ({state_dict['vocab'].get('type')})"
             )
         current.load_state_dict(state_dict["vocab"])  # its training state (a learnt table)
+        if "window_seed" in state_dict:  # the windows the checkpointed run walked
+            self._window_seed = int(state_dict["window_seed"])

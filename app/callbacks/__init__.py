@@ -15,6 +15,7 @@ from app.callbacks.training.preemption import PreemptionCheckpoint
 from app.callbacks.training.run_record import RunRecord
 from app.callbacks.training.throughput import TokenThroughputMonitor
 from app.callbacks.training.unknown_words import UnknownWords
+from app.callbacks.training.window_lr import WindowLR
 
 __all__ = [
     "DataOptimum",
@@ -32,4 +33,5 @@ __all__ = [
     "TokenThroughputMonitor",
     "TopKAccuracy",
     "UnknownWords",
+    "WindowLR",
 ]
