@@ -318,6 +318,14 @@ def main(argv: list[str] | None = None) -> int:
                         "printed only; docs/results.md renders it)")  # fmt: skip
     parser.add_argument("--name", default="kernels_sm90", help="the JSON's file stem")
     args = parser.parse_args(argv)
+    try:
+        import triton  # noqa: F401 - only whether it is there
+    except ImportError:
+        parser.exit(
+            2,
+            "error: app.bench.kernels compiles the Triton kernels: it needs Triton "
+            "(pip install triton; CUDA builds of torch bring it)\n",
+        )
     usages = compile_all(args.arch)
     print(f"{'kernel':24} {'variant':46} {'regs':>5} {'spilled B':>9} {'shared B':>8} "
           f"{'warps':>5} {'warps/SM':>8} {'16B loads':>9} {'narrow':>6} "

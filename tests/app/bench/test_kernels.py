@@ -14,6 +14,7 @@ from app.bench.kernels import (
     Usage,
     instruction_counts,
     loop_barriers,
+    main,
     pipeline_counts,
     spill_stores,
 )
@@ -147,3 +148,12 @@ def test_every_fused_products_setting_the_sweep_times_compiles_without_spills():
     for kernel, spilled, wgmma in lines:
         assert spilled == "0", (kernel, run.stdout)
         assert kernel == "gemm.merge_blocks" or int(wgmma) > 0, (kernel, run.stdout)
+
+
+def test_without_triton_it_stops_with_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
+    with pytest.raises(SystemExit) as stop:
+        main([])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install triton" in err
