@@ -108,12 +108,15 @@ class Classifier(HeadTask):
         self.log("train/loss", output.loss)
         if output.aux_loss.requires_grad:
             self.log("train/aux_loss", output.aux_loss)
-        return output.loss + output.aux_loss
+        loss = output.loss + output.aux_loss
+        self.check_finite_loss(loss, "train")  # recorded on the device, read at log intervals
+        return loss
 
     def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> None:
         inputs, targets = batch
         hidden = self.backbone(inputs)
         output = self.head_loss(hidden, targets)
+        self.check_finite_loss(output.loss, stage)  # read back once, at the epoch's end
         self.metrics[f"{stage}_loss"].update(output.loss, weight=targets.numel())
         _, indices = self.head.topk(hidden, max(self.top_k))
         hits = indices == targets[:, None]
@@ -133,7 +136,9 @@ class Classifier(HeadTask):
                 metric.reset()
 
     def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()  # a non-finite loss stops the run before logging
         self._log_stage("val")
 
     def on_test_epoch_end(self) -> None:
+        super().on_test_epoch_end()
         self._log_stage("test")

@@ -51,10 +51,20 @@ from lightning_modules.module_configs import (
     build_modules,
     cli_module_configs,
 )
-from lightning_modules.optimization import configure_optimizers, step_plateau_schedulers
+from lightning_modules.optimization import (
+    configure_optimizers,
+    plateau_monitors,
+    step_plateau_schedulers,
+)
 from lightning_modules.static_rows import pad_rows, pad_target, padded_rows
 
 log = logging.getLogger(__name__)
+
+# row counts a compiled head's loss may be specialised to before Dynamo runs it eagerly
+COMPILED_ROW_COUNTS = 32
+
+# the plateau schedule's bookkeeping a checkpoint keeps (HeadTask.on_save_checkpoint)
+PLATEAU_KEY = "plateau_state"
 
 
 def _products(precision: str | None) -> torch.dtype:
@@ -176,8 +186,10 @@ class HeadTask(L.LightningModule):
         self._validations = self._plateau_validations = 0
         # the epoch whose plateau step was taken at its last validation's end (-1: none)
         self._plateau_epoch = -1
+        self._validating = False  # a validation of this module under way
         self._finite_loss = FiniteLossCheck()
         self._resumed_epoch: dict | None = None  # read_epoch_state's, until the first batch
+        self._resumed_monitored: dict[str, torch.Tensor] = {}  # a checkpoint's, until fit starts
         self.head_inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # head_loss's
         # what load_from_checkpoint rebuilds the two modules from (built by the CLI only)
         self._module_configs = cli_module_configs(head.hidden_size)
@@ -296,6 +308,12 @@ class HeadTask(L.LightningModule):
         # adaptive cluster and DS expert sizes are counted on the device: captured as
         # data-dependent sizes instead of breaking the graph
         torch._dynamo.config.capture_scalar_outputs = True
+        # the head's loss is specialised to its padded row count (static_rows): AWD-LSTM's
+        # variable windows give 13 to 16 counts an epoch (about 27 over 50, the epochs' last
+        # windows included), past Dynamo's default limit of 8, which sent the rest to eager
+        torch._dynamo.config.recompile_limit = max(
+            torch._dynamo.config.recompile_limit, COMPILED_ROW_COUNTS
+        )
         if any(isinstance(m, torch.nn.RNNBase) for m in self.backbone.modules()):
             # Dynamo does not trace nn.LSTM (it would skip the frame with a warning): the
             # recurrent backbone keeps its fused eager kernels
@@ -376,14 +394,32 @@ class HeadTask(L.LightningModule):
     def on_test_epoch_end(self) -> None:
         self._finite_loss.raise_if_non_finite(self.head)
 
+    def on_validation_start(self) -> None:
+        # a validation under way (until its on_validation_end): one that a checkpoint written
+        # at its end by a callback (ModelCheckpoint, before this module's hook) counts
+        self._validating = not self.trainer.sanity_checking
+
     def on_validation_end(self) -> None:
         trainer = self.trainer
         if trainer.sanity_checking:
             return
+        self._validating = False
         self._validations += 1
         # the validation that ends a training epoch takes the epoch's plateau step, before
         # the epoch's checkpoint is saved (lightning_modules/optimization.py)
         if trainer.state.fn == TrainerFn.FITTING and step_plateau_schedulers(self):
+            self._plateau_epoch = trainer.current_epoch
+
+    def on_train_epoch_end(self) -> None:
+        # An epoch that no validation ended (one inside it only: val_check_interval < 1 or a
+        # number of batches): its plateau step on that validation's val/loss, which Lightning's
+        # own call after this hook reads from callback_metrics, taken here instead: before the
+        # epoch's checkpoint, and in a fit resumed inside the epoch too, where Lightning takes
+        # none (FitLoop.on_advance_end: not while restarting). Subclasses call super().
+        trainer = self.trainer
+        if trainer.state.fn != TrainerFn.FITTING or self._plateau_epoch == trainer.current_epoch:
+            return
+        if step_plateau_schedulers(self):
             self._plateau_epoch = trainer.current_epoch
 
     def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
@@ -416,6 +452,12 @@ class HeadTask(L.LightningModule):
         """Take back the :meth:`epoch_state` of the checkpoint this run resumes mid-epoch."""
 
     def on_train_start(self) -> None:
+        # Resumed: the values the plateau step reads (val/loss) as the checkpoint's latest
+        # validation left them (Lightning saves no callback_metrics), for an epoch's end that
+        # no validation ends to step on, as the uninterrupted fit's does
+        monitored, self._resumed_monitored = self._resumed_monitored, {}
+        for name, value in monitored.items():
+            self.trainer.callback_metrics[name] = value.to(self.device)
         # Resumed at an epoch's end (the usual last.ckpt): the generators as the checkpoint
         # saved them, before the next epoch's dropout draws its masks. (Resumed mid-epoch,
         # on_train_batch_start gives them back with the epoch's sums.)
@@ -446,6 +488,19 @@ class HeadTask(L.LightningModule):
             checkpoint[MODULE_CONFIGS_KEY] = self._module_configs
         if resumable_loader(self._trainer) is not None:
             save_epoch_state(self, checkpoint, self.train_metrics(), self.epoch_state())
+        trainer = self._trainer
+        metrics = trainer.callback_metrics if trainer is not None else {}
+        checkpoint[PLATEAU_KEY] = {
+            "validations": self._validations + int(self._validating),
+            "plateau_validations": self._plateau_validations,
+            "plateau_epoch": self._plateau_epoch,
+            # a validation's value not yet stepped on (an epoch's end to come steps on it)
+            "monitored": {
+                name: metrics[name].detach().cpu()
+                for name in (plateau_monitors(trainer) if trainer is not None else ())
+                if isinstance(metrics.get(name), torch.Tensor)
+            },
+        }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # the vocabulary checked before the weights: a mismatch reported as such, not as a shape
@@ -453,3 +508,11 @@ class HeadTask(L.LightningModule):
         restore_data_state(datamodule, checkpoint)
         check_checkpoint_head(checkpoint, self.head)
         self._resumed_epoch = read_epoch_state(checkpoint, self._trainer)
+        plateau = checkpoint.get(PLATEAU_KEY)
+        trainer = self._trainer
+        if plateau is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            # the fit resumed: the validations since the last plateau step, as they were
+            self._validations = plateau["validations"]
+            self._plateau_validations = plateau["plateau_validations"]
+            self._plateau_epoch = plateau["plateau_epoch"]
+            self._resumed_monitored = dict(plateau["monitored"])

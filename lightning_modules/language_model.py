@@ -236,6 +236,7 @@ class LanguageModel(HeadTask):
 
     def on_train_epoch_end(self) -> None:
         self._log_split_perplexity("train")
+        super().on_train_epoch_end()  # the epoch's plateau step, where no validation took it
 
     def on_validation_epoch_end(self) -> None:
         super().on_validation_epoch_end()  # a non-finite loss stops the run before logging

@@ -64,8 +64,9 @@ def configure_optimizers(
     ``strict: False``: an epoch without ``val/loss`` (``limit_val_batches=0``, validation
     every n epochs) skips the plateau step with a warning instead of stopping the run; a
     stale ``val/loss`` of an earlier validation is skipped by ``HeadTask.lr_scheduler_step``.
-    ``HeadTask`` takes the plateau step at the end of the validation that ends the epoch
-    (:func:`step_plateau_schedulers`), before the epoch's checkpoint."""
+    ``HeadTask`` takes the plateau step at the end of the validation that ends the epoch, or at
+    the epoch's end where none ends it (:func:`step_plateau_schedulers`), before the epoch's
+    checkpoint."""
     built = optimizer(parameters)
     refuse_float16_adaptive_state(built, precision or "")
     if scheduler is None:
@@ -95,10 +96,17 @@ def due_plateau_schedulers(trainer: Any) -> list[Any]:
     ]
 
 
+def plateau_monitors(trainer: Any) -> list[str]:
+    """The values the fit's ``ReduceLROnPlateau`` schedulers step on (``val/loss``)."""
+    return [config.monitor for config in trainer.lr_scheduler_configs if config.reduce_on_plateau]
+
+
 def step_plateau_schedulers(module: Any) -> bool:
-    """At the end of a validation: if it ends the training epoch, take the epoch's
-    ``ReduceLROnPlateau`` steps now (through ``module.lr_scheduler_step``, as Lightning
-    does) and return True; else do nothing and return False.
+    """At the end of a validation or of the training epoch: if the epoch's last batch was
+    trained on, take the epoch's ``ReduceLROnPlateau`` steps now (through
+    ``module.lr_scheduler_step``, as Lightning does) and return True; else do nothing and
+    return False. (At an epoch's end that no validation ended, the value is that of the
+    epoch's latest validation, as Lightning's own call reads it from ``callback_metrics``.)
 
     Lightning (2.6) steps them only after ``on_train_epoch_end``, where ``ModelCheckpoint``
     saves: an epoch-end checkpoint (the usual ``last.ckpt``) held the scheduler before its

@@ -407,6 +407,7 @@ class Translation(HeadTask):
 
     def on_train_epoch_end(self) -> None:
         self._log_perplexity("train")
+        super().on_train_epoch_end()  # the epoch's plateau step, where no validation took it
 
     def on_validation_epoch_start(self) -> None:
         self._translations, self._decode_seconds = {}, 0.0

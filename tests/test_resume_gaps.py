@@ -32,10 +32,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 EPOCH = 6  # training batches per epoch
 
 
-def fit(data_path: str, folder: Path, ckpt_path: str | None = None, **options) -> L.Trainer:
+def fit(data_path: str, folder: Path, ckpt_path: str | None = None, *, batches: int = EPOCH,
+        every: int | None = None, last: dict | None = None, **options) -> L.Trainer:  # fmt: skip
     """A recurrent language model with dropout and a plateau schedule (``plateau``: every
-    step after the first halves the rate), logging every step to ``folder/csv``, ``last.ckpt``
-    in ``folder``."""
+    step after the first halves the rate), ``batches`` training batches an epoch, logging
+    every step to ``folder/csv``; ``last.ckpt`` in ``folder`` (the app's ModelCheckpoint with
+    ``last``'s options) and, with ``every``, ``step=N.ckpt`` every ``every`` steps."""
     data = LanguageModelingDataModule(path=data_path, batch_size=4, bptt=8)
     torch.manual_seed(0)
     backbone = LSTMBackbone(data.vocab_size, 16, 16, num_layers=1, input_dropout=0.3,
@@ -43,12 +45,15 @@ def fit(data_path: str, folder: Path, ckpt_path: str | None = None, **options) -
     model = LanguageModel(backbone, SoftmaxHead(16, data.vocab_size),
                           optimizer=lambda p: torch.optim.Adam(p, 0.05),
                           scheduler=plateau)  # fmt: skip
+    callbacks = [ModelCheckpoint(dirpath=folder, save_last=True, save_top_k=0, **(last or {}))]
+    if every:
+        callbacks.append(ModelCheckpoint(dirpath=folder, every_n_train_steps=every,
+                                         save_top_k=-1, filename="{step}"))  # fmt: skip
     trainer = L.Trainer(
         accelerator="cpu", enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, log_every_n_steps=1, limit_train_batches=EPOCH,
+        num_sanity_val_steps=0, log_every_n_steps=1, limit_train_batches=batches,
         limit_val_batches=2, logger=CSVLogger(folder, name="csv", version=0),
-        callbacks=[ModelCheckpoint(dirpath=folder, save_last=True, save_top_k=0)],
-        **options,
+        callbacks=callbacks, **options,
     )  # fmt: skip
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     return trainer

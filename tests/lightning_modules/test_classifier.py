@@ -105,3 +105,31 @@ def test_model_summary_counts_the_flops_of_a_training_batch():
     mlp = 2 * 7 * (5 * 8 + 8 * 8)  # two layers' products
     assert sum(flops["backbone"].values()) == mlp
     assert sum(flops["head"].values()) == 2 * 7 * 8 * dm.vocab_size  # the logits
+
+
+@pytest.mark.parametrize("stage", ["validate", "test"])
+def test_a_non_finite_evaluation_loss_stops_the_run(stage):
+    # the classifier's epoch ends call HeadTask's, which reads the finite-loss check back once
+    from lightning_modules.checks import NonFiniteLossError
+
+    dm = SyntheticHierarchyDataModule(num_super=2, num_sub=3)
+    head = SoftmaxHead(4, dm.vocab_size)
+    model = Classifier(MLPBackbone(dm.input_size, 4), head)
+    with torch.no_grad():
+        head.bias.fill_(float("nan"))
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    with pytest.raises(NonFiniteLossError, match=f"non-finite {stage[:3]}"):
+        getattr(trainer, stage)(model, dm, verbose=False)
+
+
+def test_a_non_finite_training_loss_stops_the_run():
+    from lightning_modules.checks import NonFiniteLossError
+
+    dm = SyntheticHierarchyDataModule(num_super=2, num_sub=3)
+    head = SoftmaxHead(4, dm.vocab_size)
+    model = Classifier(MLPBackbone(dm.input_size, 4), head)
+    with torch.no_grad():
+        head.bias.fill_(float("nan"))
+    with pytest.raises(NonFiniteLossError, match="non-finite train loss"):
+        fit(model, dm, epochs=1, num_sanity_val_steps=0)

@@ -24,6 +24,14 @@ with a larger ``max_steps`` continued an epoch that had been ended: its epoch fi
 batches after the stop only. ``last.ckpt`` is written before that end instead, at the last
 batch (or after the validation that follows it), as a preemption or a crash leaves it: the
 resumed fit continues the epoch as the uninterrupted one did.
+
+A save by step (``every_n_train_steps``, ``train_time_interval``) that falls on an epoch's last
+batch: Lightning writes it at that batch's end, before the epoch's validation, its end hooks and
+its plateau step, and a fit resumed from it counts the epoch finished (Lightning 2.6's
+``FitLoop.reset``: a save in ``on_train_batch_end`` with ``is_last_batch``): that validation,
+the epoch's end (its metrics, its plateau step) and the next epoch's start hooks were lost, and
+the generators were not given back. That save is made at the epoch's end instead, after all of
+them, as the epoch-ending validation's is: the same step, the same file name.
 """
 
 from __future__ import annotations
@@ -41,17 +49,23 @@ class ModelCheckpoint(LightningModelCheckpoint):
     """Lightning's ``ModelCheckpoint`` (same options), except that with ``save_last=True``
     every check it makes (each validation, or each training epoch's end with
     ``save_on_train_epoch_end``) leaves ``last.ckpt`` at the current step, improved or not; the
-    save of a validation that ends a training epoch is made at that epoch's end (module
-    docstring); and a ``fast_dev_run`` writes nothing."""
+    save of a validation that ends a training epoch, and a save by step due at an epoch's last
+    batch, are made at that epoch's end (module docstring); and a ``fast_dev_run`` writes
+    nothing."""
 
     # the global step whose validation ended its epoch, its save left to the epoch's end
     # (not an __init__ argument: LightningCLI reads the options from Lightning's signature)
     _saved_at_epoch_end: int | None = None
     # (step, the step saved before) when last.ckpt was written at the batch max_steps stopped
     _stopped_at: tuple[int, int] | None = None
+    # the index of an epoch's last batch, whose step save (if due) is left to the epoch's end
+    _last_batch: int | None = None
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:  # fmt: skip
+        if trainer.state.fn == TrainerFn.FITTING and epoch_batches_done(trainer):
+            self._last_batch = batch_idx  # its validation, end and plateau step to come
+            return
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self._stops_mid_epoch(trainer):
             previous = self._last_global_step_saved
@@ -72,6 +86,11 @@ class ModelCheckpoint(LightningModelCheckpoint):
             self._keep_last_current(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._last_batch is not None:
+            # the last batch's step save (if due), made now that the epoch has ended (Lightning
+            # reads nothing of the batch: trainer.global_step and the clock decide)
+            batch_idx, self._last_batch = self._last_batch, None
+            super().on_train_batch_end(trainer, pl_module, None, None, batch_idx)
         super().on_train_epoch_end(trainer, pl_module)
         if self._should_save_on_train_epoch_end(trainer):
             self._keep_last_current(trainer)
