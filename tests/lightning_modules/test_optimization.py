@@ -1,6 +1,7 @@
 """The Transformer's inverse-square-root schedule, stepped per optimizer step; the plateau step
 taken at the validation that ends an epoch."""
 
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -96,3 +97,40 @@ def test_the_validation_that_ends_an_epoch_takes_its_plateau_step():
     assert step_plateau_schedulers(module) is True and steps == []
     module, steps = plateau_fit(epoch=1, last_batch=True, frequency=2)
     assert step_plateau_schedulers(module) is True and steps == [("plateau", 2.5)]
+
+
+def test_asgd_keeps_its_state_on_an_accelerator_and_cpus_as_they_are():
+    # meta tensors stand in for a GPU's (capturable refuses CPU tensors); SGD is left alone
+    def build(optimizer, device):
+        params = [torch.nn.Parameter(torch.zeros(3, device=device))]
+        return configure_optimizers(params, optimizer, None)
+
+    asgd = functools.partial(torch.optim.ASGD, lr=30.0, lambd=0.0, t0=1e12)
+    assert build(asgd, "meta").param_groups[0]["capturable"] is True
+    assert build(asgd, "cpu").param_groups[0]["capturable"] is False
+    sgd = build(functools.partial(torch.optim.SGD, lr=1.0), "meta")
+    assert "capturable" not in sgd.param_groups[0]
+
+
+@pytest.mark.gpu
+def test_asgd_on_cuda_steps_without_reading_back_and_as_on_a_cpu():
+    """AWD-LSTM's optimizer on a GPU: no blocking read in its steps (averaging from step 3),
+    the weights and their average those of the CPU's (float64) steps."""
+    asgd = functools.partial(torch.optim.ASGD, lr=0.5, lambd=0.0, t0=3.0, weight_decay=1e-3)
+    torch.manual_seed(0)
+    start, grads = torch.randn(5, dtype=torch.float64), torch.randn(6, 5, dtype=torch.float64)
+    results = []
+    for device in ("cpu", "cuda"):
+        param = torch.nn.Parameter(start.to(device))
+        optimizer = configure_optimizers([param], asgd, None)
+        torch.cuda.set_sync_debug_mode("error" if device == "cuda" else "default")
+        try:
+            for grad in grads:
+                param.grad = grad.to(device)
+                optimizer.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        results.append((param.detach().cpu(), optimizer.state[param]["ax"].cpu()))
+    (cpu_param, cpu_ax), (gpu_param, gpu_ax) = results
+    torch.testing.assert_close(gpu_param, cpu_param)
+    torch.testing.assert_close(gpu_ax, cpu_ax)
