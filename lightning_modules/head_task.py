@@ -489,7 +489,8 @@ class HeadTask(L.LightningModule):
         if resumable_loader(self._trainer) is not None:
             save_epoch_state(self, checkpoint, self.train_metrics(), self.epoch_state())
         trainer = self._trainer
-        metrics = trainer.callback_metrics if trainer is not None else {}
+        fitting = getattr(getattr(trainer, "state", None), "fn", None) == TrainerFn.FITTING
+        metrics = trainer.callback_metrics if fitting else {}
         checkpoint[PLATEAU_KEY] = {
             "validations": self._validations + int(self._validating),
             "plateau_validations": self._plateau_validations,
@@ -497,7 +498,7 @@ class HeadTask(L.LightningModule):
             # a validation's value not yet stepped on (an epoch's end to come steps on it)
             "monitored": {
                 name: metrics[name].detach().cpu()
-                for name in (plateau_monitors(trainer) if trainer is not None else ())
+                for name in (plateau_monitors(trainer) if fitting else ())
                 if isinstance(metrics.get(name), torch.Tensor)
             },
         }

@@ -276,7 +276,7 @@ COMMAND_LINE = [
      "has no option 'hiden_size'; did you mean hidden_size?"),
     ("data_option_typo", ["fit", "--data.init_args.bptt_length", "5"],
      "data.init_args.bptt_length: datamodules.LanguageModelingDataModule has no option "
-     "'bptt_length'; did you mean bptt? (given '5')"),
+     "'bptt_length'; did you mean bptt or bptt_std? (given '5')"),
     ("trainer_option_prefix", ["fit", "--trainer.max_epoch", "1"],
      "unknown option --trainer.max_epoch; did you mean --trainer.max_epochs"),
     ("subcommand_typo", ["fitt"], "unknown subcommand 'fitt'; did you mean fit?"),

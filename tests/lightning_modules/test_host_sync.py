@@ -105,16 +105,6 @@ class SyncSentinel:
         for name in FUNCTIONS:
             monkeypatch.setattr(torch, name, self._wrap(f"torch.{name}", getattr(torch, name)))
         monkeypatch.setattr(
-            torch.Tensor, "__getitem__",
-            self._wrap("bool-mask []", torch.Tensor.__getitem__,
-                       lambda a, k: _is_bool_index(a[1])),
-        )  # fmt: skip
-        monkeypatch.setattr(
-            torch.Tensor, "__setitem__",
-            self._wrap("bool-mask []=", torch.Tensor.__setitem__,
-                       lambda a, k: _is_bool_index(a[1])),
-        )  # fmt: skip
-        monkeypatch.setattr(
             torch.Tensor, "repeat_interleave",
             self._wrap("repeat_interleave", torch.Tensor.repeat_interleave,
                        lambda a, k: _has_tensor_repeats(a[1:], k)),
@@ -133,7 +123,29 @@ class SyncSentinel:
             )  # fmt: skip
         monkeypatch.setattr(torch.Tensor, "new_tensor",
                             self._wrap("new_tensor", torch.Tensor.new_tensor))  # fmt: skip
-        yield self
+        # boolean-mask indexing seen through a torch-function mode: patching the class's
+        # __getitem__ leaves CPython's sequence slot on torch.Tensor once it is removed, and
+        # every later torch.tensor([0-d tensors, ...]) then fails ("len() of a 0-d tensor")
+        with _BoolMaskIndexing(self):
+            yield self
+
+
+class _BoolMaskIndexing(torch.overrides.TorchFunctionMode):
+    """Records ``t[mask]`` and ``t[mask] = v`` with a boolean mask on ``sentinel``."""
+
+    NAMES = {torch.Tensor.__getitem__: "bool-mask []", torch.Tensor.__setitem__: "bool-mask []="}
+
+    def __init__(self, sentinel: SyncSentinel) -> None:
+        super().__init__()
+        self.sentinel = sentinel
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = self.NAMES.get(func)
+        if name is not None and self.sentinel.active and _is_bool_index(args[1]):
+            self.sentinel.record(name)
+        # a patched read-back (``SyncSentinel._wrap``) comes here as itself: its call was
+        # recorded already, so the original runs
+        return getattr(func, "__wrapped__", func)(*args, **(kwargs or {}))
 
 
 class StepWindows:
