@@ -158,8 +158,8 @@ class TokenBucketBatchSampler(Sampler[list[int]]):
         batches = _pieces(order, _greedy_cuts(sizes, self.max_tokens))
         shuffle, world = self.sampler.shuffle, self.world_size
         if world > 1 and (not shuffle or len(batches) < world):
-            # rounds of one batch per rank, balanced; limit_*_batches=k on each of n ranks
-            # keeps the lines of the first k * n batches, as on one process
+            # rounds of one batch per rank, balanced: other batches than one process's cut
+            # (limit_*_batches=k on each of n ranks keeps the first k * n of these)
             rounds = -(-len(batches) // world)
             batches = balanced_batches(order, sizes, min(rounds * world, len(order)))
         if shuffle:

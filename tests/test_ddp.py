@@ -267,16 +267,17 @@ def test_translation_under_ddp_trains_and_reduces_validation_over_ranks(tmp_path
                 "--model.init_args.decode.val_beam_size", "0"]  # fmt: skip
     run_cli(tmp_path / "ddp", fit_args, 2, [ckpt, probe])
     assert_ranks_agree(tmp_path / "ddp")
-    # Evaluation: the same checkpoint on 1 and on 2 processes gives the same test loss, so
-    # the token-weighted NLL is reduced over both ranks' batches (none dropped or repeated).
-    # Rank r evaluates buckets r, r + 2, ...: 2 batches per rank cover the single run's 4.
+    # Evaluation: the same checkpoint on 1 and on 2 processes gives the same test loss over
+    # the whole split, so the token-weighted NLL is reduced over both ranks' batches (none
+    # dropped or repeated). Under DDP the split is cut anew, into balanced rounds of one batch
+    # per rank (datamodules/pair_batches.py): a batch limit would cover other lines.
     last = str(tmp_path / "ckpt" / "last.ckpt")
     results = {}
     for devices in (1, 2):
         out = tmp_path / f"test{devices}"
         run_cli(out, ["test", *MT_TINY, "--ckpt_path", last,
                       "--model.init_args.decode.beam_size", "1",
-                      "--trainer.limit_test_batches", str(4 // devices)], devices)  # fmt: skip
+                      "--trainer.limit_test_batches", "1.0"], devices)  # fmt: skip
         results[devices] = last_metrics(out)
     print(f"\nDDP-vs-single translation test/loss: {results[1]['test/loss']:.6f} (1 process), "
           f"{results[2]['test/loss']:.6f} (2 processes)")  # fmt: skip

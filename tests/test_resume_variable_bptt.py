@@ -4,7 +4,6 @@ with more epochs, walks the windows the uninterrupted run walked (each epoch's c
 so the position inside the epoch and the epoch's length must both be right) and ends in its
 state. Whole epochs (no ``limit_train_batches``) of a small corpus, with dropout."""
 
-import csv
 from pathlib import Path
 
 import lightning as L
@@ -14,6 +13,7 @@ import yaml
 
 from app.callbacks.training.fail_at_step import InjectedFailure
 from datamodules.bptt import WindowSchedule
+from tests.test_resume import logged
 
 EPOCHS = 3
 pytestmark = pytest.mark.slow  # five short fits: about a minute on 2 cores
@@ -62,16 +62,6 @@ def options(tmp: Path, corpus: str, *extra: dict, seed: int = 5, every: int = 0)
         "--trainer.logger.save_dir", str(tmp), "--trainer.logger.name", "csv",
         "--trainer.callbacks", yaml.safe_dump(callbacks),
     ]  # fmt: skip
-
-
-def logged(tmp: Path, key: str) -> dict[int, float]:
-    values: dict[int, float] = {}
-    for path in tmp.rglob("metrics.csv"):
-        with path.open() as f:
-            for row in csv.DictReader(f):
-                if row.get(key):
-                    values[int(row["step"])] = float(row[key])
-    return values
 
 
 @pytest.fixture(scope="module")
