@@ -104,12 +104,10 @@ class MoSHead(Head):
         compiled, captured) takes the dropped contexts."""
         n = hidden.size(0)
         contexts = torch.tanh(self.context(hidden)).view(n, self.num_components, -1)
-        if self.locked_dropout and sequence_length is not None:
-            # the MoS code's lockdrop(latent, dropoutl): a mask [B, 1, K d] over the T steps
-            contexts = locked_dropout(contexts, self.context_dropout.p, self.training,
-                                      sequence_length)  # fmt: skip
-        else:
-            contexts = self.context_dropout(contexts)
+        # a mask per row, or with locked_dropout the MoS code's lockdrop(latent, dropoutl):
+        # one mask [B, 1, K d] over each sequence's T steps
+        locked = sequence_length if self.locked_dropout else None
+        contexts = locked_dropout(contexts, self.context_dropout.p, self.training, locked)
         prior_logits = self.prior(hidden)
         with float32_no_autocast(hidden.device):
             return contexts, upcast(prior_logits).log_softmax(dim=-1)

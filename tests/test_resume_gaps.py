@@ -19,14 +19,9 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from app.callbacks import ModelCheckpoint
-from datamodules import LanguageModelingDataModule
-from heads import SoftmaxHead
-from lightning_modules import LanguageModel
-from lightning_modules.backbones import LSTMBackbone
 from tests.lightning_modules import test_epoch_resume
 
 markov = test_epoch_resume.markov  # the fixture: a small corpus (a Markov chain over 30 words)
-plateau = test_epoch_resume.plateau
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 EPOCH = 6  # training batches per epoch
@@ -38,13 +33,7 @@ def fit(data_path: str, folder: Path, ckpt_path: str | None = None, *, batches: 
     step after the first halves the rate), ``batches`` training batches an epoch, logging
     every step to ``folder/csv``; ``last.ckpt`` in ``folder`` (the app's ModelCheckpoint with
     ``last``'s options) and, with ``every``, ``step=N.ckpt`` every ``every`` steps."""
-    data = LanguageModelingDataModule(path=data_path, batch_size=4, bptt=8)
-    torch.manual_seed(0)
-    backbone = LSTMBackbone(data.vocab_size, 16, 16, num_layers=1, input_dropout=0.3,
-                            hidden_dropout=0.3, output_dropout=0.3)  # fmt: skip
-    model = LanguageModel(backbone, SoftmaxHead(16, data.vocab_size),
-                          optimizer=lambda p: torch.optim.Adam(p, 0.05),
-                          scheduler=plateau)  # fmt: skip
+    data, model = test_epoch_resume.plateau_language_model(data_path)
     callbacks = [ModelCheckpoint(dirpath=folder, save_last=True, save_top_k=0, **(last or {}))]
     if every:
         callbacks.append(ModelCheckpoint(dirpath=folder, every_n_train_steps=every,

@@ -100,6 +100,20 @@ def plateau(optimizer: torch.optim.Optimizer) -> ReduceLROnPlateau:
     return ReduceLROnPlateau(optimizer, factor=0.5, patience=0, threshold=0.5)
 
 
+def plateau_language_model(path: str) -> tuple[LanguageModelingDataModule, LanguageModel]:
+    """The resume tests' model: a small LSTM LM with dropout (the resumed run must draw the
+    masks the uninterrupted one drew) and the ``plateau`` schedule, over the corpus at ``path``
+    in windows of 4 x 8, its weights from seed 0."""
+    data = LanguageModelingDataModule(path=path, batch_size=4, bptt=8)
+    torch.manual_seed(0)
+    backbone = LSTMBackbone(data.vocab_size, 16, 16, num_layers=1, input_dropout=0.3,
+                            hidden_dropout=0.3, output_dropout=0.3)  # fmt: skip
+    model = LanguageModel(backbone, SoftmaxHead(16, data.vocab_size),
+                          optimizer=lambda p: torch.optim.Adam(p, 0.05),
+                          scheduler=plateau)  # fmt: skip
+    return data, model
+
+
 def fit_trainer(epochs: int, folder, **options) -> L.Trainer:
     """A trainer that writes ``folder/last.ckpt`` at each epoch's end (the app's
     ModelCheckpoint, as the CLI's configs do; Lightning's writes it at the fit's end), and
@@ -152,13 +166,7 @@ def test_a_fit_resumed_at_an_epoch_end_draws_the_same_dropout_and_takes_its_plat
     written, and a resumed fit counts the epoch finished: the step was lost)."""
 
     def fit(epochs: int, folder, ckpt_path=None) -> tuple[LanguageModel, L.Trainer]:
-        data = LanguageModelingDataModule(path=markov, batch_size=4, bptt=8)
-        torch.manual_seed(0)
-        backbone = LSTMBackbone(data.vocab_size, 16, 16, num_layers=1, input_dropout=0.3,
-                                hidden_dropout=0.3, output_dropout=0.3)  # fmt: skip
-        model = LanguageModel(backbone, SoftmaxHead(16, data.vocab_size),
-                              optimizer=lambda p: torch.optim.Adam(p, 0.05),
-                              scheduler=plateau)  # fmt: skip
+        data, model = plateau_language_model(markov)
         trainer = fit_trainer(epochs, folder, limit_train_batches=5, limit_val_batches=2)
         trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
         return model, trainer

@@ -111,9 +111,8 @@ class WindowLR(Callback):
             self._saved = [(group, group["lr"]) for group in optimizer.param_groups]
             for group in optimizer.param_groups:
                 group["lr"] = group["lr"] * factor
-            if isinstance(optimizer, torch.optim.ASGD):
-                for state in _asgd_states(optimizer):
-                    state["eta"].mul_(factor)  # the step size this step updates with
+            for _, state in _asgd_states(optimizer):
+                state["eta"].mul_(factor)  # the step size this step updates with
 
         return hook
 
@@ -124,17 +123,13 @@ class WindowLR(Callback):
             group["lr"] = lr
         self._saved = None
         self.windows = []
-        if isinstance(optimizer, torch.optim.ASGD):
-            # what ASGD computes after its step from the rate (torch/optim/asgd.py), from the
-            # unscaled one: the next step's scale then applies to the rate it would take.
-            # On the device (ASGD keeps ``step`` and ``eta`` there): nothing read back
-            for group in optimizer.param_groups:
-                lr, lambd, alpha = group["lr"], group["lambd"], group["alpha"]
-                for param in group["params"]:
-                    state = optimizer.state.get(param)
-                    if state and "eta" in state:
-                        step = state["step"].to(state["eta"].dtype)
-                        state["eta"].copy_(lr / (1 + lambd * lr * step).pow(alpha))
+        # what ASGD computes after its step from the rate (torch/optim/asgd.py), from the
+        # unscaled one: the next step's scale then applies to the rate it would take.
+        # On the device (ASGD keeps ``step`` and ``eta`` there): nothing read back
+        for group, state in _asgd_states(optimizer):
+            lr, lambd, alpha = group["lr"], group["lambd"], group["alpha"]
+            step = state["step"].to(state["eta"].dtype)
+            state["eta"].copy_(lr / (1 + lambd * lr * step).pow(alpha))
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         for pre, post in self._hooked.values():
@@ -143,9 +138,13 @@ class WindowLR(Callback):
         self._hooked = weakref.WeakKeyDictionary()
 
 
-def _asgd_states(optimizer: torch.optim.ASGD):
+def _asgd_states(optimizer: torch.optim.Optimizer):
+    """``(param group, parameter state)`` of each ASGD parameter that has stepped (has an
+    ``eta``); nothing for another optimizer."""
+    if not isinstance(optimizer, torch.optim.ASGD):
+        return
     for group in optimizer.param_groups:
         for param in group["params"]:
             state = optimizer.state.get(param)
             if state and "eta" in state:
-                yield state
+                yield group, state
