@@ -25,6 +25,7 @@ from app.bench.report import peer_speedups, row_figures, softmax_reference
 from app.bench.timing import interval_text
 
 RESULTS = Path("docs/results")
+REPO = Path(__file__).resolve().parents[1]
 OUT = Path("docs/results.md")
 
 # the sections in reading order: a file goes under the first topic one of whose file-name
@@ -195,6 +196,11 @@ def _figure(value: float, interval: str, unit: str = "x") -> str:
     return f"{value:.2f}{unit}" + ("" if interval == "-" else f" [{interval}]")
 
 
+def _clock_time(args: dict[str, Any]) -> str:
+    """What an inference run's clock measured (``--clock``: wall by default)."""
+    return "CPU time" if args.get("clock") == "cpu" else "wall time"
+
+
 def _inference_command(report: dict[str, Any]) -> str:
     args = report["args"]
     return command_of("app.bench", {**args, "svd": _svd_flag(args.get("svd"))},
@@ -226,7 +232,8 @@ def render_inference_bench(report: dict[str, Any], path: Path, doc_dir: Path) ->
               f"top-{k} vs {reference} (points)", "experts", "FLOP speed-up"]  # fmt: skip
     command = _inference_command(report)
     parts = [
-        f"Top-{k} latency (median CPU time per query; speed-ups against `{reference}` timed in "
+        f"Top-{k} latency (median {_clock_time(args)} per query; speed-ups against "
+        f"`{reference}` timed in "
         "the same run: the median of the blocks' paired ratios, each block of queries timed "
         f"for every model back to back, with its 95% CI) and test accuracy; {_machine(report)}.",
         *([f"Checkpoints: {report['recipe']}"] if report.get("recipe") else []),
@@ -288,12 +295,39 @@ def _is_study(report: dict[str, Any]) -> bool:
     return str(report.get("schema", "")).startswith("study/")
 
 
+def grid_changes(report: dict[str, Any], root: Path = REPO) -> list[str]:
+    """The keys of the grid a study ran (its JSON's ``grid``) that ``configs/studies/<name>.yaml``
+    now gives otherwise, ``["the grid file"]`` where it is gone: the command the docs print
+    runs the grid as it is now. Nothing for a study without its grid."""
+    import yaml
+
+    ran = report.get("grid")
+    if not isinstance(ran, dict):
+        return []
+    grid = root / "configs" / "studies" / f"{report['name']}.yaml"
+    if not grid.is_file():
+        return ["the grid file"]
+    now = yaml.safe_load(grid.read_text()) or {}
+    return [key for key in dict.fromkeys([*ran, *now]) if ran.get(key) != now.get(key)]
+
+
+def _grid_changed(report: dict[str, Any]) -> str:
+    """What a study's summary row adds where its grid has changed since it ran."""
+    changes = grid_changes(report)
+    return f" (**grid changed since the run: {', '.join(changes)}**)" if changes else ""
+
+
 def render_study(report: dict[str, Any], path: Path, doc_dir: Path) -> str:
     from app.study.report import render_markdown
 
     prefix = link(path.parent, doc_dir) + "/"
     text = render_markdown(report, path.parent, link_prefix=prefix)
-    return text.split("\n", 1)[1].lstrip("\n")  # the section already has its title
+    text = text.split("\n", 1)[1].lstrip("\n")  # the section already has its title
+    if changes := grid_changes(report):
+        text = (f"`configs/studies/{report['name']}.yaml` has changed since this run "
+                f"({', '.join(f'`{c}`' for c in changes)}): its command now runs another "
+                "grid; the run's own is in its JSON (`grid`).\n\n" + text)  # fmt: skip
+    return text
 
 
 # -- a study on a corpus with a known optimum (the synthetic Markov chain, issue 31) -------------
@@ -306,14 +340,24 @@ def render_optimum_study(report: dict[str, Any], path: Path, doc_dir: Path) -> s
     return render_study(report, path, doc_dir)  # the study report has the excess table
 
 
-def headline_optimum_study(report: dict[str, Any], path: Path) -> tuple[str, str]:
-    from app.study.report import mean_std_text, optimum_rows
+def _unfinished(row: dict[str, Any]) -> str:
+    """`` (2 of 3 runs)`` where some of a study label's runs failed or diverged."""
+    return "" if row["ok"] == row["runs"] else f" ({row['ok']} of {row['runs']} runs)"
 
+
+def headline_optimum_study(report: dict[str, Any], path: Path) -> tuple[str, str]:
+    from app.study.report import mean_std_text, optimum_rows, summarize
+
+    # 4 decimals as the excess table (3 read a std of 0.0004 as 0.000); unfinished runs said
+    rows = {row["label"]: row for row in summarize(report)}
     figures = [
-        f"{row['label']} {mean_std_text(row['mean_std'], 3)}" for row in optimum_rows(report)
+        f"{row['label']} {mean_std_text(row['mean_std'], 4)}{_unfinished(rows[row['label']])}"
+        for row in optimum_rows(report)
     ]
     return (
-        "excess over the optimum (nats, mean ± std over seeds): " + ", ".join(figures),
+        "excess over the optimum (nats, mean ± std over seeds): "
+        + ", ".join(figures)
+        + _grid_changed(report),
         f"python -m app.study run configs/studies/{report['name']}.yaml",
     )
 
@@ -486,7 +530,9 @@ def headline_training_bench(report: dict[str, Any], path: Path) -> tuple[str, st
     if report["args"].get("time") == "skip":
         # each at its token count where they differ (--tokens-for): MiB alone would compare
         # MoS at 2,048 tokens with softmax at 8,192
-        alike = len({r.get("tokens") for r in rows}) == 1
+        # (a same-memory search's tokens are what it found: always said)
+        alike = len({r.get("tokens") for r in rows}) == 1 and report["args"]["mode"] != (
+            "same-memory")  # fmt: skip
         figures = [f"{r['head']} {_format(r['extra_peak_mb'])}"
                    + ("" if alike or r.get("tokens") is None else f" ({r['tokens']:,} tokens)")
                    for r in rows]  # fmt: skip
@@ -532,10 +578,14 @@ def headline_data_bench(report: dict[str, Any], path: Path) -> tuple[str, str]:
 def headline_study(report: dict[str, Any], path: Path) -> tuple[str, str]:
     from app.study.report import mean_std_text, summarize
 
-    # (one seed: the mean alone, no "± nan")
-    figures = [f"{row['label']} {mean_std_text(row['metric'], 1)}" for row in summarize(report)]
+    # (one seed: the mean alone, no "± nan"; a label's unfinished runs said: the mean is of
+    # the others only)
+    figures = [f"{row['label']} {mean_std_text(row['metric'], 1)}{_unfinished(row)}"
+               for row in summarize(report)]  # fmt: skip
     return (
-        f"{report['metric']} (mean ± std over seeds): " + ", ".join(figures),
+        f"{report['metric']} (mean ± std over seeds): "
+        + ", ".join(figures)
+        + _grid_changed(report),
         f"python -m app.study run configs/studies/{report['name']}.yaml",
     )
 
@@ -580,6 +630,18 @@ HEADLINES: dict[Renderer, Headline] = {
 }
 
 
+def left_out(report: dict[str, Any]) -> str:
+    """What a summary row adds where its run measured less than its command asks (a run cut
+    short, subjects that failed): its figures alone would read as the whole run's."""
+    bits = []
+    if report.get("partial"):
+        # (the benchmark's mark starts with its own "partial: ")
+        bits.append(f"partial run: {str(report['partial']).removeprefix('partial: ')}")
+    if isinstance(report.get("failed"), dict) and report["failed"]:
+        bits.append("failed, left out: " + ", ".join(report["failed"]))
+    return f" (**{'; '.join(bits)}**)" if bits else ""
+
+
 def _place(path: Path) -> tuple[int, int, str]:
     """Where ``path`` goes: its topic's index in ``TOPICS`` (past the end: none claims it),
     the index of the prefix it matched, its name."""
@@ -613,7 +675,8 @@ def render(results: Path = RESULTS, doc_dir: Path = OUT.parent) -> str:
         if headline:
             anchor = path.stem.lower().replace(".", "")
             command = f"`{headline[1]}`" if headline[1] else "-"
-            summary.append([topic, f"[{path.stem}](#{anchor})", headline[0], command])
+            figures = headline[0] + left_out(report)
+            summary.append([topic, f"[{path.stem}](#{anchor})", figures, command])
     return "\n\n".join([
         "# Measured results",
         "Generated by `python -m app.results` from the JSON files in `docs/results/`; do not "
@@ -640,8 +703,9 @@ def gpu_targets(results: Path) -> list[str]:
             f"{t.low:.2f}-{t.high:.2f}")  # fmt: skip
         verdict = t.verdict.replace("not met", "**not met**")
         work = "-" if t.flops is None else f"{t.flops:.3g}"
-        rows.append([t.target, f"{t.figure:.4g}" if measured else "-", interval, work, verdict,
-                     t.source or "-"])  # fmt: skip
+        figure = "-" if not measured else (
+            f"{t.figure:,}" if isinstance(t.figure, int) else f"{t.figure:.4g}")  # fmt: skip
+        rows.append([t.target, figure, interval, work, verdict, t.source or "-"])
     command = "python -m app.bench.targets " + " ".join(f"docs/results/{p.name}" for p in paths)
     return [
         "## GPU targets",

@@ -109,10 +109,27 @@ def baseline_label(study: Mapping[str, Any], label: str) -> str:
     return f"{study['baseline']}+{variant}" if plus else study["baseline"]
 
 
+def paired_p_value(row: Mapping[str, Any], base: Mapping[str, Any]) -> tuple[float, int]:
+    """The paired t-test's p over the seeds both labels finished, and the number of pairs:
+    a grid runs every head with the same seeds (``--seed_everything``), so a seed's runs share
+    its draws where the heads draw alike (the backbone's initialisation, the data order) and
+    their errors go together; Welch's test takes the groups as independent. (nan, pairs)
+    below 2 pairs or where the differences do not vary."""
+    mine = dict(zip(row["seeds"], row["values"], strict=True))
+    theirs = dict(zip(base["seeds"], base["values"], strict=True))
+    common = [seed for seed in mine if seed in theirs]
+    differences = [mine[seed] - theirs[seed] for seed in common]
+    if len(common) < 2 or statistics.stdev(differences) == 0:
+        return math.nan, len(common)
+    result = stats.ttest_rel([mine[s] for s in common], [theirs[s] for s in common])
+    return float(result.pvalue), len(common)
+
+
 def compare(study: Mapping[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each label against the baseline at its own variant: difference of means, whether it
     exceeds one standard deviation (the larger of the two groups' that exist: a group of one
-    seed has none) in the better direction, Welch's t-test."""
+    seed has none) in the better direction, Welch's t-test, and the paired t-test over the
+    seeds both finished (``paired_p_value``)."""
     by_label = {r["label"]: r for r in rows}
     better = -1.0 if study["mode"] == "min" else 1.0
     out = []
@@ -127,6 +144,7 @@ def compare(study: Mapping[str, Any], rows: list[dict[str, Any]]) -> list[dict[s
         p_value = math.nan
         if row["ok"] > 1 and base["ok"] > 1:
             p_value = float(stats.ttest_ind(row["values"], base["values"], equal_var=False).pvalue)
+        paired_p, pairs = paired_p_value(row, base)
         out.append(
             {
                 "label": row["label"],
@@ -137,9 +155,16 @@ def compare(study: Mapping[str, Any], rows: list[dict[str, Any]]) -> list[dict[s
                     math.isfinite(spread) and better * delta > spread
                 ),
                 "p_value": p_value,
+                "paired_p_value": paired_p,
+                "pairs": pairs,
             }
         )
     return out
+
+
+def p_text_of(p_value: float) -> str:
+    """``= 0.063``, or ``< 0.001`` (``= 0.000`` would read as no chance at all)."""
+    return "< 0.001" if p_value < 0.001 else f"= {p_value:.3f}"
 
 
 def mean_std_text(pair: tuple[float, float], digits: int = 2) -> str:
@@ -240,6 +265,8 @@ def _where(study: Mapping[str, Any]) -> str:
     load = env.get("load_average")
     load_text = f", load average {load[0]} at the start" if load else ""
     commit = (env.get("git_commit") or "unknown")[:10]
+    if env.get("git_dirty"):  # (studies written before the flag: unknown, not said)
+        commit += " with uncommitted changes"
     return f"{device}, torch {env.get('torch', '?')}, commit {commit}{load_text}"
 
 
@@ -398,7 +425,8 @@ def _summary_table(study: Mapping[str, Any], rows: list[dict[str, Any]]) -> list
 
 
 def _comparison(study: Mapping[str, Any], rows: list[dict[str, Any]]) -> list[str]:
-    """Each head against the baseline: the difference, its spread and Welch's t-test."""
+    """Each head against the baseline: the difference, its spread, Welch's t-test and the
+    paired one over seeds."""
     comparisons = compare(study, rows)
     if not comparisons:
         return []
@@ -418,7 +446,9 @@ def _comparison(study: Mapping[str, Any], rows: list[dict[str, Any]]) -> list[st
             if c["better_by_more_than_one_std"]
             else f"not {direction} by more than one std"
         )
-        p_text = "" if math.isnan(c["p_value"]) else f", Welch's t-test p = {c['p_value']:.3f}"
+        p_text = "" if math.isnan(c["p_value"]) else f", Welch's t-test p {p_text_of(c['p_value'])}"
+        if not math.isnan(c["paired_p_value"]):
+            p_text += f", paired by seed ({c['pairs']} pairs) p {p_text_of(c['paired_p_value'])}"
         spread, delta = c["spread"], f"{c['delta']:+.{digits}f}"
         std = "no std: one seed each" if math.isnan(spread) else f"std {spread:.{digits}f}"
         against = f" against `{c['baseline']}`" if c["baseline"] != study["baseline"] else ""

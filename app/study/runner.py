@@ -487,6 +487,13 @@ def environment() -> dict[str, Any]:
         info["git_commit"] = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
         ).stdout.strip()
+        # edits to tracked files: the commit alone would name code that did not run
+        info["git_dirty"] = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=REPO, capture_output=True, text=True, check=True,
+            ).stdout.strip()
+        )  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
         info["git_commit"] = None
     return info

@@ -61,7 +61,8 @@ def test_ratios_bounds_and_our_fastest_plan():
 
 
 def test_memory_and_lm_parts_and_another_card():
-    memory = _report([_row("mos", 0.0, tokens=20_000, mode="same-memory")])
+    memory = {**_report([_row("mos", 0.0, tokens=20_000, mode="same-memory")]),
+              "args": {"memory_budget_mb": 12288.0}}  # fmt: skip
     lm = _report([_row("softmax", 10.0, vocab=10_000, scope="lm"),
                   _row("mixtape", 12.0, vocab=10_000, scope="lm")], card="NVIDIA H200")  # fmt: skip
     targets = _by_name(collect({"memory.json": memory, "lm.json": lm}))
@@ -69,7 +70,8 @@ def test_memory_and_lm_parts_and_another_card():
     assert fit.figure == 20_000 and fit.met
     step = targets["whole PTB LM step: Mixtape / softmax (<= 1.15) [NVIDIA H200]"]
     assert step.figure == pytest.approx(1.2) and not step.met
-    nothing = {**_report([]), "fits_nothing": [{"head": "mos", "vocab_size": 100_000}]}
+    nothing = {**_report([]), "fits_nothing": [{"head": "mos", "vocab_size": 100_000}],
+               "args": {"memory_budget_mb": 12288.0}}  # fmt: skip
     fit = _by_name(collect({"memory.json": nothing}))["MoS-15 tokens in 12 GiB at 100k (>= 16384)"]
     assert (fit.figure, fit.met) == (0, False)  # not one batch fitted: measured, not missing
 
@@ -176,3 +178,18 @@ def test_a_run_of_another_mos_is_not_held_to_mos_15s_floor():
     assert _by_name(collect({"run.json": report}))[name].figure == pytest.approx(50 / (15 * 7.5))
     report["options"] = {"heads": {"mos": {"init_args": {"num_components": 5}}}}
     assert _by_name(collect({"run.json": report}))[name].met is None  # unmeasured by this run
+
+
+def test_the_tokens_in_12_gib_come_from_a_search_within_12_gib_of_mos_15():
+    """The same-memory count of a search within another budget (48 GiB fits about 4x the
+    tokens) or of another MoS's K says nothing of MoS-15 in 12 GiB: unmeasured, not met."""
+    name = "MoS-15 tokens in 12 GiB at 100k (>= 16384)"
+    rows = [_row("mos", 0.0, tokens=20_000, mode="same-memory")]
+    for budget, components, met in ((12288.0, 15, True), (49152.0, 15, None),
+                                    (8192.0, 15, None), (12288.0, 5, None)):  # fmt: skip
+        report = {
+            **_report(rows),
+            "args": {"memory_budget_mb": budget},
+            "options": {"heads": {"mos": {"init_args": {"num_components": components}}}},
+        }
+        assert _by_name(collect({"memory.json": report}))[name].met is met, (budget, components)

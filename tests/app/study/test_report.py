@@ -154,3 +154,52 @@ def test_per_seed_line_keeps_the_place_of_a_failed_seed(study, tmp_path):
     study["runs"].insert(1, run("softmax", 4, 0.0, [], status="failed"))
     text = render_markdown(study, tmp_path)
     assert "softmax 100.00/-/102.00/101.00, mixtape 95.00/96.00/-, mos" in text
+
+
+def _paired_t_p(a, b):
+    """The paired t-test written out: the seeds' differences' mean over its standard error,
+    n - 1 degrees of freedom, two-sided."""
+    from scipy.stats import t as student
+
+    d = [x - y for x, y in zip(a, b, strict=True)]
+    n = len(d)
+    statistic = statistics.fmean(d) / (statistics.stdev(d) / math.sqrt(n))
+    return 2 * student.sf(abs(statistic), n - 1)
+
+
+def test_seeds_pair_the_runs_the_paired_test_beside_welchs(tmp_path):
+    """Every head runs with the same seeds, so a seed's runs share its draws: a head 1 lower
+    than softmax at every seed, the seeds 10 apart, is far from chance paired, not by Welch's
+    test (the groups as independent)."""
+    soft = {1: 100.0, 2: 110.0, 3: 120.0}
+    mix = {1: 98.9, 2: 109.0, 3: 119.1}
+    runs = [run("softmax", s, v, [v]) for s, v in soft.items()]
+    runs += [run("mixtape", s, v, [v]) for s, v in mix.items()]
+    runs.append(run("mixtape", 4, 0.0, [], status="failed"))  # no pair: left out
+    study = {"name": "paired", "metric": "test/ppl", "mode": "min", "curve_metric": "val/ppl",
+             "baseline": "softmax", "runs": runs}  # fmt: skip
+    result = compare(study, summarize(study))[0]
+    expected = _paired_t_p(list(mix.values()), list(soft.values()))
+    assert result["paired_p_value"] == pytest.approx(expected) and result["pairs"] == 3
+    assert result["paired_p_value"] < 0.01 < 0.5 < result["p_value"]
+    text = render_markdown(study, tmp_path)
+    assert f"Welch's t-test p = {result['p_value']:.3f}, paired by seed (3 pairs) p = " in text
+    assert f"p = {expected:.3f}\n" in text
+
+
+def test_a_tiny_p_is_not_printed_as_zero(study, tmp_path):
+    study["runs"] = [r for r in study["runs"] if r["label"] != "mos"]
+    for r in study["runs"]:
+        if r["label"] == "mixtape":
+            r["test"]["test/ppl"] += 500.0  # 5 std away: p far below 0.001
+    text = render_markdown(study, tmp_path)
+    assert "Welch's t-test p < 0.001" in text and "p = 0.000" not in text
+
+
+def test_a_study_run_on_uncommitted_changes_says_so(study, tmp_path):
+    from app.study.runner import environment
+
+    assert isinstance(environment()["git_dirty"], bool)  # (this checkout: a git repository)
+    assert "commit abc." in render_markdown(study, tmp_path)
+    study["environment"]["git_dirty"] = True
+    assert "commit abc with uncommitted changes." in render_markdown(study, tmp_path)
