@@ -26,7 +26,8 @@ frequent block too (``heads/kernels/triton_mixtape_gemm.py``); elsewhere plain
 tensor operations in the accumulation dtype (CPUs, and the float64 reference's equal). Gate
 noise is drawn per tile: in the kernels from one seed drawn on the device, or from the
 device's generator, whose state is kept for the backward's extra pass (when the NLL output is
-differentiated too, the tiles are walked again with its gradient as the rows' weights).
+differentiated too, the tiles are walked again with its gradient as the rows' weights); under
+``torch.compile``, which traces no generator state, the draws themselves are kept.
 """
 
 from __future__ import annotations
@@ -123,6 +124,10 @@ class _Walk:
         n, k, d = contexts.shape
         self.k, self.s, self.dtype = k, w_freq.size(0), dtype
         self.noise_std, self.seed = noise_std, seed
+        # the eager tiles' noise under torch.compile, which traces no generator state: drawn
+        # into ``kept`` by the forward's walk, taken back from ``replay`` by the backward's
+        self.kept: list[torch.Tensor] | None = None
+        self.replay: ReplayNoise | None = None
         self.rare = 0 if mixed is None else w_rare.size(0)
         self.v = self.s + self.rare
         self.acc = accumulation_dtype(contexts, w_freq)
@@ -262,7 +267,7 @@ class _Walk:
                        self.gate_weights.t())  # fmt: skip
         pre = pre.to(acc).view(rows, k - 1, s)
         if self.noise_std > 0:  # Eq. 4's training noise on the pre-activations
-            pre = pre + self.noise_std * torch.randn_like(pre)
+            pre = pre + self.noise_std * self._noise(pre)
         gammas = torch.sigmoid(pre)
         priors = leaf_priors(gammas)
         logits = [(priors * values).sum(1) + self.b_freq]  # Eq. 2
@@ -283,6 +288,16 @@ class _Walk:
         frequent = (dz[0][:, None] * priors).view(rows * k, s)
         gates = gate_gradients(dz[0], values, priors, gammas).view(rows * (k - 1), s)
         return terms, (frequent, gates, dz[1] if self.rare else None)
+
+    def _noise(self, pre: torch.Tensor) -> torch.Tensor:
+        """An eager tile's gate noise: drawn (and kept where ``kept`` is a list), or the
+        forward's own draw again (``replay``)."""
+        if self.replay is not None:
+            return self.replay.next(pre.shape, pre.dtype)
+        noise = torch.randn_like(pre)
+        if self.kept is not None:
+            self.kept.append(noise)
+        return noise
 
 
 def _picked(z: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -344,6 +359,9 @@ class MixtapeRowsCrossEntropy(torch.autograd.Function):
         state = None
         if noise_std > 0 and walk.triton and seed is None:  # one seed, drawn on the device
             seed = walk.seed = torch.randint(2**62, (1,), device=contexts.device)
+        elif noise_std > 0 and not walk.triton and torch.compiler.is_compiling():
+            walk.kept = []  # no generator state to trace: the tiles keep their noise (as the
+            # column plan's blocks do, mixtape_frequent.block_noise), [N, K-1, S] in all
         elif noise_std > 0 and not walk.triton and not capturing(contexts.device):
             state = rng_state(contexts.device)  # the generator's state replays the noise
         need = ctx.needs_input_grad[:8] if grad else (False,) * 8
@@ -353,22 +371,24 @@ class MixtapeRowsCrossEntropy(torch.autograd.Function):
         with torch.autocast(contexts.device.type, enabled=False):
             nll, row_loss = walk.run(row_weight, eps, grads)
         loss, nll = weighted_loss(row_weight, unit, nll, row_loss, eps > 0)
-        ctx.save_for_backward(*inputs, target, row_weight, unit, seed, state,
+        kept = walk.kept or []
+        ctx.save_for_backward(*inputs, target, row_weight, unit, seed, state, *kept,
                               *_grads_of(grads))  # fmt: skip
-        ctx.layout = noise_std, dtype, tile, fused
+        ctx.layout = noise_std, dtype, tile, fused, len(kept)
         return loss, nll
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, grad_nll):
         saved = ctx.saved_tensors
-        inputs, (target, row_weight, unit, seed, state), stored = saved[:8], saved[8:13], saved[13:]
-        noise_std, dtype, tile, fused = ctx.layout
+        noise_std, dtype, tile, fused, num_kept = ctx.layout
+        inputs, (target, row_weight, unit, seed, state) = saved[:8], saved[8:13]
+        kept, stored = list(saved[13 : 13 + num_kept]), saved[13 + num_kept :]
         need = ctx.needs_input_grad[:8]
         factor = None if grad_loss is None else as_dtype(grad_loss, unit.dtype) * unit
         out = scaled_gradients(stored, need, factor)
         if grad_nll is not None:  # the NLL output is differentiated too: walk again, w = g
-            if noise_std > 0 and seed is None and state is None:
+            if noise_std > 0 and seed is None and state is None and not kept:
                 raise RuntimeError(
                     "Mixtape's rows plan replays its gate noise for the NLL output's gradient "
                     "from the generator's state, which a CUDA graph's capture cannot read: "
@@ -378,7 +398,9 @@ class MixtapeRowsCrossEntropy(torch.autograd.Function):
             walk = _Walk(*inputs, target, dtype, tile, noise_std, seed, fused)
             extra = _gradients(walk, inputs, need, row_weight.dtype)
             device = inputs[0].device
-            with ReplayNoise(state, [], device), torch.autocast(device.type, enabled=False):
+            replay = ReplayNoise(state, kept, device)
+            with replay, torch.autocast(device.type, enabled=False):
+                walk.replay = replay if kept else None  # (a state: the generator's draws)
                 walk.run(g, 0.0, extra)
             out = [x if y is None or not wanted else (y if x is None else x + y)
                    for x, y, wanted in zip(out, _grads_of(extra), need, strict=True)]  # fmt: skip

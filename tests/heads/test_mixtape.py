@@ -311,14 +311,51 @@ def test_training_keeps_no_vocabulary_rows():
     )
 
 
-@pytest.mark.parametrize("plan", ["partly_kept", "plain"])
+@pytest.mark.parametrize("plan", ["partly_kept", "plain", "rows"])
 def test_compiles_without_graph_breaks(plan):
+    """With gate noise: the rows plan's eager tiles (a CPU's) once read the generator's state
+    for the backward's replay, a graph break per call under torch.compile."""
     check_compiles_without_graph_breaks(
         lambda: make_head(
             gate_noise=0.1, gate_dropout=0.1, context_dropout=0.1, weight_norm_scale=1.0
         ),  # fmt: skip
-        PARTLY_KEPT if plan == "partly_kept" else LossOptions(plan=plan),
+        PARTLY_KEPT if plan == "partly_kept" else LossOptions(plan=plan, rows=4),
     )
+
+
+def test_the_compiled_rows_plan_replays_its_kept_gate_noise():
+    """Traced by torch.compile, the rows plan keeps its tiles' gate noise for the backward's
+    second walk (the NLL output differentiated too) instead of the generator's state: the
+    loss, the NLL and the gradients of ``loss + nll.sum() / 2`` equal those of the plain
+    logits path (Eq. 2-4, ``SingleSoftmaxHead.forward``) drawing the same noise in float64.
+    Every token frequent (S = V) and one tile: both paths draw one ``[N, K-1, V]`` block."""
+    import torch._dynamo
+
+    head = make_head(frequent_ratio=1.0, gate_noise=0.5).double().train()
+    head.loss_options = LossOptions(plan="rows")
+    g = torch.randn(7, HIDDEN, dtype=torch.float64)
+    target = torch.tensor([0, VOCAB - 1, IGNORE_INDEX, 5, 3, 3, 11])
+
+    def step(h):
+        output = head(h, target)
+        return output.loss, output.nll
+
+    def reference(h):
+        output = SingleSoftmaxHead.forward(head, h, target)
+        return output.loss, output.nll
+
+    results = []
+    try:
+        for run in (torch.compile(step, backend="aot_eager", fullgraph=True), reference):
+            torch.manual_seed(3)
+            h = g.clone().requires_grad_(True)
+            loss, nll = run(h)
+            grads = torch.autograd.grad(loss + nll.sum() / 2, [h, *head.parameters()])
+            results.append((loss, nll, *grads))
+    finally:
+        torch._dynamo.reset()
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_bias_starts_at_the_centred_zipf_log_prior():
