@@ -73,6 +73,12 @@ class WindowSchedule:
             self._cache[key] = self._draw(stream_len - 1, epoch)
         return self._cache[key]
 
+    def count(self, stream_len: int, epoch: int) -> int:
+        """The number of windows of one pass (``len(lengths(...))``), drawn without keeping
+        them: what a schedule sized over many epochs reads."""
+        lengths = self._cache.get((stream_len, epoch))
+        return len(lengths if lengths is not None else self._draw(stream_len - 1, epoch))
+
     def _draw(self, targets: int, epoch: int) -> list[int]:
         rng = np.random.default_rng([self.seed, epoch])
         lengths, done = [], 0

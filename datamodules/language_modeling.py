@@ -118,7 +118,9 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
             reference also scales the learning rate by ``T / bptt`` for each window: add the
             callback ``app.callbacks.WindowLR`` (without it the run says so). The number of
             windows changes from epoch to epoch, so the trainer re-reads the training loader
-            every epoch (``trainer.reload_dataloaders_every_n_epochs`` is set to 1).
+            every epoch (``trainer.reload_dataloaders_every_n_epochs`` is set to 1), and the
+            fit's optimizer steps are :meth:`stepping_batches` (exact; Lightning's
+            ``trainer.estimated_stepping_batches`` takes the first epoch's count for all).
         bptt_std, bptt_half_prob, min_bptt, max_bptt: the law of the variable windows: 5, 0.05,
             5 and no cap in AWD-LSTM; the MoS code caps at ``bptt + 40``.
         max_vocab_size: keep only the most frequent words (others become ``<unk>``); for
@@ -490,6 +492,37 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         if self._schedule is None or self._schedule[0] != law:
             self._schedule = (law, WindowSchedule(*law))
         return self._schedule[1]
+
+    def stepping_batches(self, trainer: Any | None = None) -> int | float:
+        """The optimizer steps of the whole fit, what a schedule sized by the run's length
+        (OneCycle, a cosine decay) needs: Lightning's ``trainer.estimated_stepping_batches``
+        with fixed windows. With ``variable_bptt`` that property multiplies the length of the
+        loader it holds (the first epoch's) by ``max_epochs``, where each epoch has its own
+        count of windows: a schedule sized by it ends early or late (a OneCycle stepped past
+        its ``total_steps`` raises). Here the count is exact: the windows of every epoch are
+        a function of (seed, epoch) (:class:`WindowSchedule`), so each epoch's count is
+        drawn without data, and Lightning's arithmetic applied to each epoch
+        (``limit_train_batches``, ``ceil(batches / accumulate_grad_batches)`` steps, the
+        ``max_steps`` cap). ``trainer``: the fitting one (default: this module's)."""
+        trainer = trainer if trainer is not None else self.trainer
+        schedule = self.window_schedule
+        if schedule is None or trainer.overfit_batches:  # the same windows every epoch
+            return trainer.estimated_stepping_batches
+        max_epochs, max_steps = trainer.max_epochs, trainer.max_steps
+        if max_epochs == -1:
+            return float("inf") if max_steps == -1 else max_steps
+        # the streams' length, alike on every rank
+        stream_len = stream_layout(self.num_tokens("train"), self.hparams.batch_size)[2]
+        limit, accumulate = trainer.limit_train_batches, trainer.accumulate_grad_batches
+        total = 0
+        for epoch in range(max(max_epochs, 1)):
+            batches = schedule.count(stream_len, epoch)
+            # lightning's _parse_num_batches: an int caps, a fraction scales and truncates
+            batches = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+            total += -(-batches // accumulate)  # the epoch's last partial accumulation steps
+            if max_steps != -1 and total >= max_steps:
+                return max_steps
+        return total
 
     def _window_epoch(self) -> int:
         """The epoch whose windows a training pass walks: the trainer's (restored from a

@@ -349,8 +349,9 @@ class HeadTask(L.LightningModule):
     def configure_optimizers(self) -> Any:
         precision = str(self.trainer.precision) if self._trainer is not None else None
         return configure_optimizers(
-            self.parameters(), self.optimizer_factory, self.scheduler_factory, precision
-        )
+            self.parameters(), self.optimizer_factory, self.scheduler_factory, precision,
+            trainer=self._trainer,
+        )  # fmt: skip
 
     # -- the batch's targets told to the head while on the host ------------------------------
     def batch_targets(self, batch: Any) -> torch.Tensor | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -65,15 +67,63 @@ def keep_state_on_device(optimizer: torch.optim.Optimizer) -> None:
             group["capturable"] = True
 
 
+# torch's schedules made to step after every batch ("should be called after a batch has been
+# used for training", OneCycleLR's and CyclicLR's docs): stepped per epoch, as Lightning steps
+# a scheduler by default, a OneCycle of total_steps = the run's steps stayed in its warm-up
+PER_STEP_SCHEDULERS = (torch.optim.lr_scheduler.OneCycleLR, torch.optim.lr_scheduler.CyclicLR)
+
+
+def scheduler_class(factory: Any) -> type | None:
+    """The scheduler class a factory builds: the class itself, or the one a partial holds
+    (LightningCLI's ``model.scheduler`` is jsonargparse's partial of it); else None."""
+    if isinstance(factory, type):
+        return factory
+    if isinstance(factory, functools.partial):
+        for arg in (factory.func, *factory.args):
+            if isinstance(arg, type) and issubclass(arg, torch.optim.lr_scheduler.LRScheduler):
+                return arg
+    return None
+
+
+def stepping_batches(trainer: Any) -> int | float:
+    """The optimizer steps of the whole fit: the data module's exact count where it has one
+    (AWD-LSTM's variable windows: ``LanguageModelingDataModule.stepping_batches``, where
+    Lightning's ``estimated_stepping_batches`` takes the first epoch's count for every epoch),
+    else Lightning's."""
+    count = getattr(getattr(trainer, "datamodule", None), "stepping_batches", None)
+    return count(trainer) if callable(count) else trainer.estimated_stepping_batches
+
+
+def build_scheduler(scheduler: LRSchedulerCallable, optimizer: Any, trainer: Any = None) -> Any:
+    """``scheduler(optimizer)``; a ``OneCycleLR`` given neither ``total_steps`` nor ``epochs``
+    is sized to the fit's optimizer steps (:func:`stepping_batches`)."""
+    cls = scheduler_class(scheduler)
+    if cls is None or not issubclass(cls, torch.optim.lr_scheduler.OneCycleLR):
+        return scheduler(optimizer)
+    given = getattr(scheduler, "keywords", {})
+    if given.get("total_steps") is not None or given.get("epochs") is not None:
+        return scheduler(optimizer)
+    total = stepping_batches(trainer) if trainer is not None else math.inf
+    if not math.isfinite(total):
+        raise ModelConfigError(
+            "model.scheduler OneCycleLR needs the run's length: give its total_steps, or "
+            "trainer.max_epochs or trainer.max_steps to size it from"
+        )
+    return scheduler(optimizer, total_steps=int(total))
+
+
 def configure_optimizers(
     parameters: Iterable[torch.nn.Parameter],
     optimizer: OptimizerCallable,
     scheduler: LRSchedulerCallable | None,
     precision: str | None = None,
+    trainer: Any = None,
 ) -> Any:
     """The injected optimizer, and the scheduler stepped per epoch on ``val/loss`` (which
     ``ReduceLROnPlateau`` needs and other schedulers ignore), or per optimizer step for a
-    scheduler that says so (``interval = "step"``, e.g. :class:`InverseSquareRootLR`).
+    scheduler that says so (``interval = "step"``, e.g. :class:`InverseSquareRootLR`) and for
+    torch's per-batch ones (:data:`PER_STEP_SCHEDULERS`). A ``OneCycleLR`` without
+    ``total_steps`` is sized to the fit (``trainer``'s: :func:`build_scheduler`).
 
     ``strict: False``: an epoch without ``val/loss`` (``limit_val_batches=0``, validation
     every n epochs) skips the plateau step with a warning instead of stopping the run; a
@@ -86,8 +136,9 @@ def configure_optimizers(
     keep_state_on_device(built)
     if scheduler is None:
         return built
-    schedule = scheduler(built)
-    interval = getattr(schedule, "interval", "epoch")
+    schedule = build_scheduler(scheduler, built, trainer)
+    per_step = isinstance(schedule, PER_STEP_SCHEDULERS)
+    interval = getattr(schedule, "interval", "step" if per_step else "epoch")
     config = {"scheduler": schedule, "monitor": "val/loss", "interval": interval, "strict": False}
     return {"optimizer": built, "lr_scheduler": config}
 

@@ -4,7 +4,9 @@ lengths, every target once per epoch, the same count on every DDP rank, lengths 
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from app.callbacks import WindowLR
 from datamodules import LanguageModelingDataModule
 from datamodules.bptt import BPTTBatches, WindowSchedule
 from datamodules.errors import DataConfigError
@@ -208,6 +211,116 @@ def test_bad_window_laws_are_refused(corpus, option, value, message):
         module(corpus, **{option: value})
 
 
+@pytest.mark.parametrize(
+    ("epochs", "accumulate", "limit", "max_steps"),
+    [(6, 1, 1.0, -1), (6, 3, 1.0, -1), (7, 2, 0.5, -1), (5, 1, 9, -1), (6, 1, 1.0, 50)],
+)
+def test_the_fits_optimizer_steps_are_counted_exactly(
+    corpus, monkeypatch, epochs, accumulate, limit, max_steps
+):
+    """``stepping_batches`` (what a OneCycle is sized by) against every epoch's windows drawn
+    by the reference's loop and Lightning's per-epoch arithmetic, written plainly; Lightning's
+    ``estimated_stepping_batches`` takes the first epoch's count for all."""
+    monkeypatch.setenv("PL_GLOBAL_SEED", "3")
+    data = module(corpus, bptt_std=5.0)
+    stream_len = data.num_tokens("train") // 12
+    expected, first = 0, None
+    for epoch in range(epochs):
+        batches = len(reference_lengths(stream_len - 1, 10, 3, epoch))
+        batches = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+        first = batches if first is None else first
+        expected += math.ceil(batches / accumulate)
+    expected = expected if max_steps == -1 else min(expected, max_steps)
+    lightnings = math.ceil(first / accumulate) * epochs
+    lightnings = lightnings if max_steps == -1 else min(lightnings, max_steps)
+    trainer = SimpleNamespace(
+        overfit_batches=0, max_epochs=epochs, max_steps=max_steps, limit_train_batches=limit,
+        accumulate_grad_batches=accumulate, world_size=1, estimated_stepping_batches=lightnings,
+    )  # fmt: skip
+    assert data.stepping_batches(trainer) == expected
+    if limit != 9 and max_steps == -1:  # (a cap of 9 or max_steps make the epochs alike)
+        assert lightnings != expected  # the case the count is for
+    # fixed windows, overfit_batches (epoch 0's windows every epoch), no end: Lightning's
+    fixed = module(corpus, variable_bptt=False)
+    assert fixed.stepping_batches(trainer) == lightnings
+    assert data.stepping_batches(SimpleNamespace(**{**vars(trainer), "overfit_batches": 2})) == (
+        lightnings
+    )
+    endless = SimpleNamespace(**{**vars(trainer), "max_epochs": -1})
+    assert data.stepping_batches(endless) == (float("inf") if max_steps == -1 else max_steps)
+
+
+def one_cycle_lr(step: int, total: int, max_lr: float) -> float:
+    """torch's OneCycleLR (two phases, cosine; pct_start 0.3, div 25, final_div 1e4) at the
+    0-based optimizer step ``step``, written plainly."""
+    initial = max_lr / 25
+    peak_step, last_step = 0.3 * total - 1, total - 1
+    if step <= peak_step:
+        start, stop, done = initial, max_lr, step / peak_step
+    else:
+        start, stop, done = max_lr, initial / 1e4, (step - peak_step) / (last_step - peak_step)
+    return stop + (start - stop) / 2 * (1 + math.cos(math.pi * done))
+
+
+class OneCycleStub(L.LightningModule):
+    """A parameter vector trained on the data module's windows, under the app's optimizer
+    configuration with a OneCycle given no total_steps; each step's applied rate recorded
+    (a step pre-hook registered after WindowLR's) with the windows since the last step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(3))
+        self.applied: list[tuple[float, list[int]]] = []
+        self.windows: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        return (self.w * batch[0].float().mean()).sum()
+
+    def on_train_start(self) -> None:
+        self.hooked = False
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        if not self.hooked:  # (after the callbacks' hook: WindowLR's pre-hook runs first)
+            self.trainer.optimizers[0].register_step_pre_hook(self._record)
+            self.hooked = True
+        # (here, not in training_step: Lightning runs that in the step's closure, after the
+        # step's pre-hooks)
+        self.windows.append(batch[0].size(1))
+
+    def _record(self, optimizer, args, kwargs) -> None:
+        self.applied.append((optimizer.param_groups[0]["lr"], self.windows))
+        self.windows = []
+
+    def configure_optimizers(self):
+        from lightning_modules.optimization import configure_optimizers
+
+        sgd = functools.partial(torch.optim.SGD, lr=1.0, momentum=0.9)
+        one_cycle = functools.partial(torch.optim.lr_scheduler.OneCycleLR, max_lr=0.5)
+        return configure_optimizers(self.parameters(), sgd, one_cycle, trainer=self.trainer)
+
+
+def test_a_one_cycle_over_variable_windows_ends_on_the_fits_last_step(corpus, tmp_path):
+    """Sized by Lightning's estimate (the first epoch's windows times the epochs), this fit's
+    OneCycle would stop short or raise past its end; sized by the exact count it ends on the
+    last step, every step at the schedule's rate times its windows' mean over bptt."""
+    data, model = module(corpus, bptt_std=5.0), OneCycleStub()
+    trainer = L.Trainer(
+        max_epochs=4, accumulate_grad_batches=2, callbacks=[WindowLR()], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    L.seed_everything(7)
+    trainer.fit(model, datamodule=data)
+    schedule = trainer.lr_scheduler_configs[0].scheduler
+    assert trainer.global_step == schedule.total_steps == len(model.applied)
+    assert trainer.estimated_stepping_batches != trainer.global_step  # Lightning's is off
+    expected = [
+        one_cycle_lr(step, trainer.global_step, 0.5) * sum(windows) / len(windows) / 10
+        for step, (_, windows) in enumerate(model.applied)
+    ]
+    assert [lr for lr, _ in model.applied] == pytest.approx(expected, rel=1e-9)
+
+
 # -- a real fit --------------------------------------------------------------------------------
 class WindowRecorder(L.Callback):
     """Each training batch's window length, per epoch, and the loader's length Lightning
@@ -251,3 +364,28 @@ def test_a_fit_runs_each_epochs_windows_and_no_more(cli_run, tmp_path, ptb_text,
     assert [rec.counts[e] for e in range(3)] == [len(e) for e in expected]
     assert rec.validations == [0, 1, 2]  # each epoch ended on its last window and validated
     assert cli.trainer.global_step == sum(len(e) for e in expected)
+
+
+def test_the_cli_sizes_a_one_cycle_to_the_fits_variable_windows(cli_run, tmp_path, ptb_text):
+    """``--model.scheduler OneCycleLR`` without ``total_steps`` through the CLI: the task hands
+    its trainer to ``configure_optimizers``, which sizes the cycle to the fit's steps (the
+    epochs' window counts differ); it ends on the run's last optimizer step."""
+    corpus = small_corpus(tmp_path / "corpus", ptb_text, 120)
+    cli = cli_run(
+        "fit", "--data.init_args.path", corpus, "--data.init_args.batch_size", "4",
+        "--data.init_args.bptt", "10", "--data.init_args.variable_bptt", "true",
+        "--data.init_args.bptt_std", "6", "--data.init_args.eval_batch_size", "4",
+        "--model.init_args.backbone.init_args.embedding_size", "8",
+        "--model.init_args.backbone.init_args.hidden_size", "8",
+        "--model.init_args.scheduler", "torch.optim.lr_scheduler.OneCycleLR",
+        "--model.init_args.scheduler.max_lr", "0.01",
+        "--trainer.max_epochs", "3", "--trainer.accumulate_grad_batches", "2",
+        "--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps", "0",
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+        "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
+        "--seed_everything", "5", "--trainer.callbacks+", "app.callbacks.WindowLR",
+        experiment="ptb_softmax",
+    )  # fmt: skip
+    schedule = cli.trainer.lr_scheduler_configs[0].scheduler
+    assert cli.trainer.lr_scheduler_configs[0].interval == "step"
+    assert cli.trainer.global_step == schedule.total_steps == schedule.last_epoch

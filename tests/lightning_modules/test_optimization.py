@@ -1,5 +1,6 @@
-"""The Transformer's inverse-square-root schedule, stepped per optimizer step; the plateau step
-taken at the validation that ends an epoch."""
+"""The Transformer's inverse-square-root schedule and torch's per-batch ones (OneCycle, cyclic)
+stepped per optimizer step, a OneCycle sized to the fit; the plateau step taken at the
+validation that ends an epoch."""
 
 import functools
 from types import SimpleNamespace
@@ -13,6 +14,8 @@ from lightning_modules.optimization import (
     configure_optimizers,
     step_plateau_schedulers,
 )
+
+OneCycleLR = torch.optim.lr_scheduler.OneCycleLR
 
 
 def test_warm_up_then_inverse_square_root():
@@ -39,6 +42,59 @@ def test_configure_optimizers_steps_it_every_step_and_plateau_every_epoch():
     assert epoch["lr_scheduler"]["interval"] == "epoch"
     with pytest.raises(ValueError, match="warmup_steps"):
         InverseSquareRootLR(torch.optim.Adam(params), 0)
+
+
+def cli_scheduler(*args: str):
+    """``model.scheduler`` as LightningCLI gives it: jsonargparse's factory (a partial)."""
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch.cli import LRSchedulerCallable
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--scheduler", type=LRSchedulerCallable)
+    return parser.instantiate_classes(parser.parse_args(["--scheduler", *args])).scheduler
+
+
+def test_torchs_per_batch_schedules_step_every_optimizer_step():
+    # OneCycleLR and CyclicLR step after every batch (their docs); stepped per epoch, a
+    # OneCycle sized to the run's steps never left its warm-up
+    params = [torch.nn.Parameter(torch.zeros(1))]
+    sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    one_cycle = cli_scheduler(
+        "torch.optim.lr_scheduler.OneCycleLR", "--scheduler.max_lr", "0.1",
+        "--scheduler.total_steps", "10",
+    )  # fmt: skip
+    cyclic = functools.partial(torch.optim.lr_scheduler.CyclicLR, base_lr=0.01, max_lr=0.1)
+    for factory in (one_cycle, cyclic):
+        assert configure_optimizers(params, sgd, factory)["lr_scheduler"]["interval"] == "step"
+    cosine = functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=5)
+    assert configure_optimizers(params, sgd, cosine)["lr_scheduler"]["interval"] == "epoch"
+
+
+def test_a_one_cycle_without_total_steps_is_sized_to_the_fit():
+    params = [torch.nn.Parameter(torch.zeros(1))]
+    adam = torch.optim.Adam
+    one_cycle = cli_scheduler("torch.optim.lr_scheduler.OneCycleLR", "--scheduler.max_lr", "0.1")
+
+    def total(factory, trainer) -> int:
+        return configure_optimizers(params, adam, factory, trainer=trainer)["lr_scheduler"][
+            "scheduler"
+        ].total_steps
+
+    # the data module's exact count where it has one (variable windows), else Lightning's
+    exact = SimpleNamespace(stepping_batches=lambda trainer: 123)
+    trainer = SimpleNamespace(datamodule=exact, estimated_stepping_batches=120)
+    assert total(one_cycle, trainer) == 123
+    assert total(one_cycle, SimpleNamespace(datamodule=None, estimated_stepping_batches=77)) == 77
+    assert total(functools.partial(OneCycleLR, max_lr=0.1), trainer) == 123  # a plain partial
+    given = cli_scheduler(
+        "torch.optim.lr_scheduler.OneCycleLR", "--scheduler.max_lr", "0.1",
+        "--scheduler.total_steps", "9",
+    )  # fmt: skip
+    assert total(given, trainer) == 9
+    endless = SimpleNamespace(datamodule=None, estimated_stepping_batches=float("inf"))
+    for trainer in (None, endless):
+        with pytest.raises(ModelConfigError, match="OneCycleLR needs the run's length"):
+            configure_optimizers(params, adam, one_cycle, trainer=trainer)
 
 
 @pytest.mark.parametrize("optimizer", [torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam])
