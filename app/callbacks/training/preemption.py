@@ -16,6 +16,10 @@ Lightning stops an evaluation at its next batch, so a signal in an epoch's last 
 (or in a validation) lost that validation (no ``val/loss``, no best checkpoint, no plateau or
 NT-ASGD decision) and the epoch's end, and the resumed run went another way. Handed over at
 the validation's end, Lightning stops after the batch (mid-epoch) or after the epoch's end.
+Likewise over an accumulation window (``accumulate_grad_batches`` k): stopped after a batch that
+did not step, the checkpoint kept no gradient of the window's earlier batches, and the resumed
+run's next step was of its last batches alone; the signal is handed over after the batch that
+steps.
 """
 
 from __future__ import annotations
@@ -68,12 +72,14 @@ class PreemptionCheckpoint(Callback):
         self._trainer: L.Trainer | None = None
         self._previous: dict[int, Any] = {}
         self._validating = False  # a validation of the fit runs: a signal is held (docstring)
+        self._accumulating = False  # the last batch left gradients for the next: held too
         self._told = False  # Lightning's notifier called
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Lightning registered its SIGTERM handler before this hook; ours records the signal
         # and hands SIGTERM on to it, SIGINT to the same notifier
         self._trainer, self.received, self._validating, self._told = trainer, None, False, False
+        self._accumulating = False
         for signum in SIGNALS:
             self._previous[signum] = signal.signal(signum, self._on_signal)
 
@@ -84,7 +90,7 @@ class PreemptionCheckpoint(Callback):
         self.received = signum
         if first and signum == signal.SIGINT:
             rank_zero_info("SIGINT: saving a checkpoint after this batch (Ctrl+C again: stop now)")
-        if not self._validating:
+        if not (self._validating or self._accumulating):
             self._hand_over(frame)
 
     def _hand_over(self, frame: FrameType | None = None) -> None:
@@ -101,6 +107,19 @@ class PreemptionCheckpoint(Callback):
         with _quiet(_SIGNAL_LOG, "Received SIGTERM"):  # its notifier names every signal so
             connector._sigterm_notifier_fn(self.received, frame)
 
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any
+    ) -> None:
+        # (Lightning's own test whether this batch left its gradients to the next one's step;
+        # it reads the signal just after this hook)
+        self._accumulating = trainer.fit_loop.epoch_loop._should_accumulate()
+        if self.received is None or self._validating:
+            return
+        if self._accumulating:  # handed over in this batch: held to the window's end
+            trainer._signal_connector.received_sigterm = False
+        else:
+            self._hand_over()
+
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
             return
@@ -112,7 +131,7 @@ class PreemptionCheckpoint(Callback):
         if not self._validating:
             return
         self._validating = False
-        if self.received is not None:
+        if self.received is not None and not self._accumulating:
             self._hand_over()
 
     def on_exception(

@@ -105,3 +105,28 @@ def test_a_signal_before_a_validation_lets_it_run_then_stops(
     resumed.fit(model, ckpt_path=folder / "last.ckpt")
     for key, value in whole.lightning_module.state_dict().items():
         torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_a_signal_inside_an_accumulation_window_stops_after_the_window_steps(tmp_path):
+    """``accumulate_grad_batches 2``, the signal in the first batch of the epoch's second
+    window: the fit stops after the batch that steps (the checkpoint then holds no gradient
+    half accumulated), and resumed, ends where an uninterrupted fit does. Stopped after the
+    signalled batch, the checkpoint lost its gradient: the resumed step was of one batch."""
+    options = {"accumulate_grad_batches": 2}
+    L.seed_everything(1)
+    whole = _trainer(tmp_path, version="whole", **options)
+    whole.fit(LoggedBoringModel())
+    L.seed_everything(1)
+    # global_step 1 is reached after batch 1: the signal comes in batch 2, the window's first
+    stopped = _trainer(tmp_path, SignalAtStep(1, "SIGTERM"), **options)
+    with pytest.raises(SIGTERMException):
+        stopped.fit(LoggedBoringModel())
+    folder = tmp_path / "run" / "fit" / "checkpoints"
+    saved = torch.load(folder / "last.ckpt", map_location="cpu", weights_only=False)
+    assert saved["global_step"] == EPOCH // 2  # both windows of the epoch stepped
+    L.seed_everything(1)
+    resumed = _trainer(tmp_path, version="fit", **options)
+    model = LoggedBoringModel()
+    resumed.fit(model, ckpt_path=folder / "last.ckpt")
+    for key, value in whole.lightning_module.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0, msg=key)
