@@ -9,7 +9,7 @@ memory-maps those files. ``vocab_size``/``src_vocab_size`` (read by the CLI befo
 Empty-lines policy: a training pair with an empty side (a line with no token) is dropped (there
 is nothing to learn from it; the count is logged); validation and test keep every line, so the
 written translations stay line-aligned with the source and reference files (an empty source
-is translated from ``<eos>`` alone).
+is read as ``<eos>`` alone for the loss; its written translation is blank, as ``predict``'s).
 """
 
 from __future__ import annotations
@@ -603,7 +603,14 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
                 if not kept.all():
                     log.warning("dropped %d training pairs with an empty side", (~kept).sum())
                 limit = self.hparams.max_length
-                kept &= (source_lengths <= limit) & (target_lengths <= limit)
+                short = (source_lengths <= limit) & (target_lengths <= limit)
+                if (long := int((kept & ~short).sum())) > 0:  # said, not dropped silently
+                    log.warning(
+                        "dropped %d training pairs longer than data.max_length=%d tokens",
+                        long,
+                        limit,
+                    )
+                kept &= short
                 index = np.flatnonzero(kept)
                 if len(index) == 0:
                     raise DataConfigError(

@@ -81,8 +81,9 @@ class Translation(HeadTask):
     process would weigh their union (token buckets give the ranks unequal token counts).
     Validation and test report the token-weighted loss / perplexity of the reference and
     sacreBLEU of the decoded translations on detokenised text against the raw reference
-    lines; a few sample translations go to TensorBoard as text, and ``test`` writes all
-    translations (line-aligned with the test file) to ``translations_file``.
+    lines (a blank source line's translation blank, as ``predict`` gives it); a few sample
+    translations go to TensorBoard as text, and ``test`` writes all translations
+    (line-aligned with the test file) to ``translations_file``.
 
     Args:
         backbone: a :class:`~lightning_modules.backbones.seq2seq.Seq2SeqTransformer`.
@@ -364,7 +365,13 @@ class Translation(HeadTask):
         self._decode_seconds = 0.0
         data = self.trainer.datamodule
         indices = sorted(translations)
-        hypotheses = {i: data.detokenize(translations[i]) for i in indices}
+        # a blank source line's translation is blank, as predict writes it (a document's
+        # paragraph break), not what the model says after <eos> alone: the test file and its
+        # BLEU are then those of `predict --data.predict_file` on the same source file
+        sources = data.sources(split)
+        hypotheses = {
+            i: data.detokenize(translations[i]) if sources[i].strip() else "" for i in indices
+        }
         references = data.references(split)
         bleu = bleu_for(getattr(getattr(data, "hparams", None), "target_lang", None))
         # BLEU of the lines decoded (all of them unless limit_*_batches cuts the split)

@@ -192,6 +192,20 @@ def test_empty_lines_policy(tmp_path):
     assert data.references("valid")[-1] == ""
 
 
+def test_training_pairs_over_max_length_are_dropped_and_said(tmp_path, caplog):
+    """A pair longer than data.max_length on either side is left out of training, and the
+    run says how many (a corpus of long sentences must not shrink silently)."""
+    long = ("ein " * 9 + "Hund", "a dog")  # 11 source tokens with <eos>
+    pairs = TINY + [long, ("ein Hund", "a " * 9 + "dog"), ("", "a " * 20)]
+    path = write_corpus(tmp_path, {"train": pairs, "val": pairs, "test_2016_flickr": TINY})
+    data = TranslationDataModule(path=path, max_length=10)
+    with caplog.at_level(logging.WARNING, logger="datamodules.translation"):
+        assert len(data.encoded("train")) == len(TINY)
+    assert "dropped 2 training pairs longer than data.max_length=10 tokens" in caplog.text
+    assert "dropped 1 training pairs with an empty side" in caplog.text
+    assert len(data.encoded("valid")) == len(pairs)  # evaluation keeps every line
+
+
 def test_joint_vocabulary_and_checkpoint_state(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="datamodules")
     data = tiny(tmp_path, joint_vocab=True)

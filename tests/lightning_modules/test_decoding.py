@@ -232,3 +232,32 @@ def test_hypotheses_may_outgrow_the_position_table():
     assert max(len(g) for g in greedy) >= 2  # past the small table (<eos> not counted)
     beams = beam_search(small, head, source, padding, config, 0, 0, beam_size=3)
     assert beams == beam_search(backbone, head, source, padding, config, 0, 0, beam_size=3)
+
+
+@pytest.mark.parametrize("beam_size", [None, 1, 3])  # None: greedy_decode
+def test_decoding_reads_back_once_a_step(beam_size, monkeypatch):
+    """On a GPU every read-back waits for the queued step: a step may read back once (its
+    tokens, or the beams' candidates in one tensor), plus the length limits once a batch. No
+    boolean-mask indexing, ``bool(tensor)`` or read-back of the prefixes; the few host-to-device
+    copies are of the host's own decisions (rows that end or go on), once the step is read."""
+    from tests.lightning_modules.test_host_sync import SyncSentinel
+
+    backbone, head = make(9, 7, seed=0)
+    source, padding = sources(9, seed=0)
+    config = DecodeConfig(max_length_a=1.0, max_length_b=4, length_penalty=0.6)
+    steps = []
+    decode_step = backbone.decode_step
+    monkeypatch.setattr(backbone, "decode_step", lambda *a: steps.append(1) or decode_step(*a))
+    sentinel = SyncSentinel()
+    with sentinel.installed(monkeypatch):
+        sentinel.active = True
+        if beam_size is None:
+            greedy_decode(backbone, head, source, padding, config, 0, 0)
+        else:
+            beam_search(backbone, head, source, padding, config, 0, 0, beam_size=beam_size)
+        sentinel.active = False
+    names = [name for name, _ in sentinel.calls]
+    assert len(steps) >= 5  # several steps, some sentences ending before others
+    assert names.count("tolist") == len(steps) + 1, sentinel.calls
+    copies = names.count("torch.tensor(..., device=)")
+    assert copies <= 2 * len(steps) and len(names) == len(steps) + 1 + copies, sentinel.calls

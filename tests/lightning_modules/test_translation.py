@@ -160,6 +160,35 @@ def test_validation_bleu_and_test_translations_file(data, tmp_path):
     )
 
 
+def test_a_blank_test_line_is_translated_blank_as_predict_does(tmp_path):
+    """A blank source line (a document break) gets a blank translation in the test file and
+    its BLEU, as `predict` gives it, not what the model says after <eos> alone: the test
+    file is predict's output on the test source file, and BLEU is sacreBLEU of that file."""
+    test = [TINY[0], ("", ""), TINY[2], (" ", "")]
+    path = write_corpus(tmp_path, {"train": TINY, "val": TINY[:3], "test_2016_flickr": test})
+    data = TranslationDataModule(path=path, max_tokens=12)
+    model = make(data, decode=DecodeConfig(beam_size=2, val_beam_size=0))
+    out = tmp_path / "translations.txt"
+    model.translations_file = str(out)
+    trainer = L.Trainer(max_steps=30, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False, default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(model, datamodule=data)
+    (result,) = trainer.test(model, datamodule=data)
+    lines = out.read_text("utf-8").split("\n")[:-1]
+    assert lines[1] == lines[3] == "" and lines[0] and lines[2]
+    assert result["test/bleu"] == pytest.approx(
+        sacrebleu.corpus_bleu(lines, [data.references("test")]).score, abs=1e-4
+    )
+    data.hparams.predict_sentences = data.sources("test")
+    predicted = [row for batch in trainer.predict(model, datamodule=data) for row in batch]
+    assert [row["translation"] for row in predicted] == lines
+    # the model has words to say after <eos> alone: the blank lines are the policy's
+    batch = collate_pairs([data.encoded("test")[1]], data.bos_id, data.bos_id)
+    (blank,) = model.translate(batch, 2)
+    assert blank
+
+
 def test_model_summary_counts_the_flops_of_a_training_batch(data, tmp_path):
     """The summary's FLOPs column from ``example_input_array`` (this rank's first training
     batch, built by ``setup("fit")``): the head's product over every target position, not the
