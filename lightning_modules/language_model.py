@@ -264,10 +264,13 @@ class LanguageModel(HeadTask):
         else:
             log_probs, indices = self.head.topk(last, k)
             pairs = zip(log_probs[0].tolist(), indices[0].tolist(), strict=True)
-            names = [(lp, vocab.itos[i]) for lp, i in pairs]
+            # a DS-Softmax expert of fewer than k classes pads its answer with classes outside
+            # it at -inf (Head.topk): no candidates, so they are left out
+            names = [(lp, vocab.itos[i]) for lp, i in pairs if lp > -math.inf]
         result: dict[str, Any] = {
             "prompt": batch["prompt"],
-            "top_k": [{"token": name, "prob": round(math.exp(lp), 6)} for lp, name in names],
+            # 6 significant digits: rounded to 6 decimals, a deep top-k's tail read 0.0
+            "top_k": [{"token": name, "prob": float(f"{math.exp(lp):.6g}")} for lp, name in names],
         }
         if self.generate_tokens > 0:
             result["sample"] = " ".join(vocab.decode_words(self._sample(ids, last, state, grammar)))
@@ -312,6 +315,15 @@ class LanguageModel(HeadTask):
         data module's vocabulary is checked against the checkpoint's at :meth:`setup`."""
         parts, self._pretrained = read_pretrained(path)  # the weights let go once loaded
         self._pretrained.load_into(self.backbone, "backbone", parts.get("backbone", {}))
+        head_weight = parts.get("head", {}).get("weight")
+        embedding = parts.get("backbone", {}).get("embedding.weight")
+        tied = getattr(self.head, "weight", None) is self.backbone.embedding.weight
+        if tied and head_weight is not None and embedding is not None:
+            if not torch.equal(head_weight, embedding):  # loaded next, over the embedding
+                rank_zero_info(
+                    "the pretrained checkpoint is untied: the tied embedding starts from its "
+                    "output weights (head.weight), not its input embedding"
+                )
         if not self.head.load_pretrained(parts.get("head", {})):
             rank_zero_info(
                 f"{type(self.head).__name__} starts untrained: the pretrained checkpoint's "

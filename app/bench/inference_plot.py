@@ -86,7 +86,8 @@ def plot(report: dict[str, Any], out: Path) -> Path:
             ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7, loc="best")
     machine = report.get("machine", {})
-    load = machine.get("load_average", [float("nan")])[0]
+    # None where the OS has no load average (app.machine.load_average)
+    load = (machine.get("load_average") or [float("nan")])[0]
     fig.suptitle(f"top-{report['args'].get('k', 10)} latency vs accuracy; {machine.get('device')}, "
                  f"{machine.get('threads')} thread(s), load average "
                  f"{load:.2f}", fontsize=10)  # fmt: skip

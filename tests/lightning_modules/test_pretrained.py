@@ -167,3 +167,14 @@ def test_a_frozen_backbone_with_nothing_to_start_from_is_warned_of(tmp_path, cap
             model.on_fit_start()
         assert (warning in caplog.text) is warned, (options, ckpt_path)
         warn_once.cache_clear()
+
+
+def test_a_tied_model_from_an_untied_checkpoint_says_which_matrix_it_starts_from(tmp_path, caplog):
+    """Tied, the embedding and the output weights are one tensor: from an untied checkpoint
+    it takes the output weights (loaded after the backbone), which is said."""
+    corpus = data(write_corpus(tmp_path / "a"))
+    path, trained = save_trained(tmp_path, corpus)  # untied: every weight + 1, apart
+    with caplog.at_level("INFO"):
+        model = language_model(corpus.vocab_size, tie_weights=True, pretrained_checkpoint=path)
+    assert "the tied embedding starts from its output weights (head.weight)" in caplog.text
+    torch.testing.assert_close(model.backbone.embedding.weight, trained.head.weight)

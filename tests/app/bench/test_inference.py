@@ -69,7 +69,9 @@ def test_bad_svd_spec_is_one_clear_error(capsys):
     assert "same row twice" in capsys.readouterr().err
 
 
-def test_plot_of_a_report(tmp_path):
+# None: a machine without load averages (app.machine.load_average: Windows)
+@pytest.mark.parametrize("load_average", [[1.0, 1.0, 1.0], None])
+def test_plot_of_a_report(tmp_path, load_average):
     """The plot reads the JSON the benchmark writes (here shaped as a checkpoint run's) and
     refuses a report without accuracy."""
     from app.bench.inference_plot import main as plot_main
@@ -93,7 +95,7 @@ def test_plot_of_a_report(tmp_path):
             "ds": timings(16.0),
             "ds+svd16-50": timings(11.0),
         },
-        "machine": {"device": "cpu", "threads": 1, "load_average": [1.0, 1.0, 1.0]},
+        "machine": {"device": "cpu", "threads": 1, "load_average": load_average},
     }
     path = tmp_path / "report.json"
     path.write_text(json.dumps(report))
