@@ -7,6 +7,7 @@ Each case runs ``cli.console_main`` as ``python cli.py`` would and checks the li
 keep every case to about a second.
 """
 
+import errno
 import logging
 import os
 import re
@@ -247,6 +248,10 @@ COMMAND_LINE = [
      "LightRNNTableReassignment solver must be 'auto', 'exact' or 'separable', got 'sinkhorn'"),
     ("compile_mode_typo", ["fit", "--model.init_args.compile", "{mode: max-autotun}"],
      "model.compile {'mode': 'max-autotun'}: Unrecognized mode=max-autotun, should be one of"),
+    ("mixtape_gate_dropout_above_one",
+     ["fit", "--model.head", "configs/heads/mixtape.yaml",
+      "--model.init_args.head.init_args.gate_dropout", "1.5"],
+     "heads.mixtape.MixtapeHead: dropout probability has to be between 0 and 1, but got 1.5"),
     ("zero_temperature", ["fit", "--model.init_args.temperature", "0"],
      "model.temperature must be positive, got 0.0"),
     ("missing_checkpoint", ["test", "--ckpt_path", "/no/such.ckpt"],
@@ -313,6 +318,11 @@ COMMAND_LINE = [
      f"ckpt_path '{BROKEN}/empty.ckpt' is empty (0 bytes), not a checkpoint"),
     ("yaml_as_checkpoint", ["validate", "--ckpt_path", f"{BROKEN}/config.ckpt"],
      f"ckpt_path '{BROKEN}/config.ckpt' is not a checkpoint written by fit"),
+    ("log_folder_under_a_file",
+     ["fit", "--trainer.logger", "lightning.pytorch.loggers.TensorBoardLogger",
+      "--trainer.logger.init_args.save_dir", f"{BROKEN}/empty.ckpt/logs"],
+     f"trainer.logger.init_args.save_dir '{BROKEN}/empty.ckpt/logs': '{BROKEN}/empty.ckpt' "
+     f"is a file, not a folder; give a folder the run can write its logs and checkpoints in"),
     ("path_and_hub", ["fit", "--data.init_args.hub", "someone/corpus"],
      "data.path ("),
     ("name_without_hub", ["fit", "--data.init_args.name", "wikitext-2-v1"],
@@ -398,13 +408,58 @@ def test_an_unreachable_hub_is_one_line(cli_run, capsys, monkeypatch):
     assert "Point data.path at a local folder" in line
 
 
-def test_predict_without_a_checkpoint_says_the_model_is_untrained(cli_run, corpus, capsys):
-    code = cli_run("predict", *tiny_lm(corpus), "--data.init_args.predict_prompts",
+@pytest.mark.parametrize("subcommand", ["predict", "test", "validate"])
+def test_evaluating_without_a_checkpoint_says_the_model_is_untrained(
+    cli_run, corpus, capsys, subcommand
+):
+    """``test`` and ``validate`` printed an untrained model's perplexity without a word."""
+    code = cli_run(subcommand, *tiny_lm(corpus), "--data.init_args.predict_prompts",
                    '["the cat"]', console=True)  # fmt: skip
     assert code == 0
-    assert "warning: predict without --ckpt_path: the model is untrained" in (
+    assert f"warning: {subcommand} without --ckpt_path: the model is untrained" in (
         capsys.readouterr().err.splitlines()
     )
+
+
+def test_evaluating_a_pretrained_checkpoint_is_not_called_untrained(
+    cli_run, softmax_checkpoint, corpus, capsys
+):
+    code = cli_run("test", *tiny_lm(corpus), "--model.init_args.pretrained_checkpoint",
+                   softmax_checkpoint, console=True)  # fmt: skip
+    assert code == 0
+    assert "untrained" not in capsys.readouterr().err
+
+
+def test_fit_without_a_setting_names_one(capsys):
+    """It said "the following arguments are required: fit.model"."""
+    code = console_main(["fit", "--config", "configs/presets/bf16.yaml"])
+    assert error_line(capsys, code) == (
+        "error: fit has no model: give a setting first, e.g. --config configs/lm/ptb.yaml "
+        "(configs/lm, configs/mt and configs/ds hold them; presets stack after one)"
+    )
+
+
+def test_a_full_disk_when_a_checkpoint_is_written_is_one_line(
+    cli_run, corpus, tmp_path, capsys, monkeypatch
+):
+    """The disk filling up mid-run ended in an OSError traceback from fsspec."""
+    from lightning.fabric.plugins.io import torch_io
+
+    def full(checkpoint, path):  # a checkpoint moved into place from a temporary file
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/tmp/tmpx", None, str(path))
+
+    monkeypatch.setattr(torch_io, "_atomic_save", full)
+    code = cli_run("fit", *tiny_lm(corpus), "--trainer.max_steps", "1",
+                   "--trainer.enable_checkpointing", "true",
+                   "--trainer.callbacks", "lightning.pytorch.callbacks.ModelCheckpoint",
+                   "--trainer.callbacks.dirpath", str(tmp_path), console=True)  # fmt: skip
+    line = error_line(capsys, code)
+    assert re.fullmatch(
+        rf"error: '{re.escape(str(tmp_path))}/[^']+\.ckpt': No space left on device: free space "
+        r"on its disk or write elsewhere \(logs and checkpoints go under "
+        r"--trainer\.logger\.init_args\.save_dir, the data cache under \$OUTPUT_HEADS_CACHE\)",
+        line,
+    ), line
 
 
 def test_the_traceback_is_one_switch_away(cli_run, corpus, monkeypatch):

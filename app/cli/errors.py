@@ -10,6 +10,7 @@ the exceptions of Lightning, PyTorch and datasets that mean "fix your command".
 from __future__ import annotations
 
 import difflib
+import errno
 import importlib
 import inspect
 import re
@@ -239,6 +240,8 @@ def one_line(message: str, known_options: Iterable[str] = ()) -> str:
         return f"unknown subcommand {match.group('cmd')!r}" + (
             _did_you_mean(match.group("cmd"), commands) or f" (one of: {', '.join(commands)})"
         )
+    if (required := _REQUIRED.match(first)) and (missing := _missing_setting(required)):
+        return missing
     top = _TOP_KEY.match(first)
     if top is None:
         return first
@@ -261,6 +264,20 @@ def one_line(message: str, known_options: Iterable[str] = ()) -> str:
         value = "" if owner.group("cls") in reason else owner.group("cls")
     shown = value and not value.startswith("Namespace(") and len(value) <= _LONGEST_VALUE
     return f"{key}: {reason}" + (f" (given {value!r})" if shown else "")
+
+
+def _missing_setting(required: re.Match) -> str | None:
+    """``fit`` without a model (no ``--config`` setting, or a preset alone): the setting to
+    start from, not jsonargparse's "the following arguments are required: fit.model"."""
+    names = [name.strip() for name in required.group("names").split(",")]
+    model = next((name for name in names if name.rpartition(".")[2] == "model"), None)
+    if model is None:
+        return None
+    subcommand = model.rpartition(".")[0] or "the command"
+    return (
+        f"{subcommand} has no model: give a setting first, e.g. --config configs/lm/ptb.yaml "
+        f"(configs/lm, configs/mt and configs/ds hold them; presets stack after one)"
+    )
 
 
 def _indent(line: str) -> int:
@@ -457,7 +474,55 @@ def known_error_line(exc: BaseException) -> str | None:
     if isinstance(exc, ValueError) and "torch/optim/" in origin:
         kind = "scheduler" if "lr_scheduler" in origin else "optimizer"
         return f"model.init_args.{kind}: {message}"
+    if isinstance(exc, OSError) and exc.errno in _DISK_ERRORS:
+        return _disk_error_line(exc)
+    if isinstance(exc, ValueError) and "/torch/" in origin and _raised_while_parsing(exc):
+        # a class of the config that leaves a value to torch to check (nn.Dropout's p):
+        # raised while jsonargparse built it, so it is the config's value
+        return f"{_constructed_class(exc) or 'the config'}: {message}"
     return None
+
+
+# what the machine refuses to store: a full disk, a quota, a read-only or forbidden folder
+_DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
+
+
+def _disk_error_line(exc: OSError) -> str:
+    """A file the run could not write (a checkpoint when the disk filled up mid-run): the
+    file, the system's reason and where to point the run instead."""
+    # a rename's target (a checkpoint is written beside and moved into place) is the file
+    path = exc.filename2 if exc.filename2 is not None else exc.filename
+    where = f"{str(path)!r}: " if path is not None else ""
+    fix = {errno.EROFS: "write elsewhere", errno.EACCES: "check its permissions or write "
+           "elsewhere"}.get(exc.errno, "free space on its disk or write elsewhere")  # fmt: skip
+    return (
+        f"{where}{exc.strerror or exc}: {fix} (logs and checkpoints go under "
+        f"--trainer.logger.init_args.save_dir, the data cache under $OUTPUT_HEADS_CACHE)"
+    )
+
+
+def _frames(exc: BaseException) -> Iterable[Any]:
+    tb = exc.__traceback__
+    while tb is not None:
+        yield tb.tb_frame
+        tb = tb.tb_next
+
+
+def _raised_while_parsing(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while jsonargparse instantiated the config's classes."""
+    return any("jsonargparse/" in f.f_code.co_filename.replace("\\", "/") for f in _frames(exc))
+
+
+def _constructed_class(exc: BaseException) -> str | None:
+    """The innermost class outside torch whose ``__init__`` was running when ``exc`` was
+    raised (the head that gave ``nn.Dropout`` its probability), as ``module.Name``."""
+    found = None
+    for frame in _frames(exc):
+        owner = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None
+        name = frame.f_code.co_filename.replace("\\", "/")
+        if owner is not None and "/torch/" not in name and "jsonargparse/" not in name:
+            found = f"{type(owner).__module__}.{type(owner).__qualname__}"
+    return found
 
 
 def _raised_in(exc: BaseException) -> str:

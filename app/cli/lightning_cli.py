@@ -42,6 +42,7 @@ from app.cli.errors import (
 )
 from app.cli.run_folder import (
     RunConfigCallback,
+    check_log_folders,
     configure_loggers,
     run_checkpoint,
     run_hparams,
@@ -337,9 +338,22 @@ class AppCLI(LightningCLI):
                     f"or train anew without --ckpt_path"
                 )
 
+    def _warn_if_untrained(self, subcommand: str) -> None:
+        """A model evaluated without --ckpt_path or a pretrained_checkpoint is untrained: its
+        perplexity, BLEU or predictions are those of random weights (Lightning says nothing)."""
+        init_args = getattr(self.config[subcommand].get("model"), "init_args", None)
+        pretrained = init_args.get("pretrained_checkpoint") if init_args is not None else None
+        if self.config_init[subcommand].get("ckpt_path") is None and pretrained is None:
+            warn_line(f"{subcommand} without --ckpt_path: the model is untrained")
+
+    def before_validate(self) -> None:
+        self._warn_if_untrained("validate")
+
+    def before_test(self) -> None:
+        self._warn_if_untrained("test")
+
     def before_predict(self) -> None:
-        if self.config_init["predict"].get("ckpt_path") is None:
-            warn_line("predict without --ckpt_path: the model is untrained")
+        self._warn_if_untrained("predict")
 
     def add_arguments_to_parser(self, parser) -> None:
         for target in (
@@ -391,6 +405,8 @@ class AppCLI(LightningCLI):
                 f"comes once, in input order"
             )
         configure_loggers(config.trainer, self.subcommand, config.get("ckpt_path"))
+        if self.subcommand is not None:  # (build() writes nothing)
+            check_log_folders(config.trainer)
         no_logger = config.trainer.get("logger") in (False, [])
         # what the user turned off, the shipped callbacks go without: Lightning refuses a
         # learning-rate monitor with no logger and a ModelCheckpoint with no checkpointing

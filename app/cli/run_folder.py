@@ -30,7 +30,9 @@ from __future__ import annotations
 import csv
 import importlib
 import inspect
+import os
 import re
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
+from app.cli.errors import CommandLineError
 from lightning_modules.checkpoint_file import best_checkpoint_state
 from lightning_modules.errors import CheckpointPathError
 
@@ -159,6 +162,53 @@ class RunConfigCallback(SaveConfigCallback):
                     name = resumed_config_name(ckpt)
             self.config_filename = trainer.strategy.broadcast(name)
         super().setup(trainer, pl_module, stage)
+
+
+def _nearest_existing(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists (a file, a folder or a broken link)."""
+    path = path.absolute()
+    while not os.path.lexists(path) and path.parent != path:
+        path = path.parent
+    return path
+
+
+def _write_problem(folder: Path) -> str | None:
+    """Why the folders a run writes under ``folder`` could not be created, or None: the
+    nearest existing ancestor is a file, or creating a folder in it fails (read-only file
+    system, no permission; probed by creating and removing an empty folder, since
+    ``os.access`` says yes to root on a folder it cannot write to)."""
+    existing = _nearest_existing(folder)
+    if not existing.is_dir():
+        return f"{str(existing)!r} is a file, not a folder"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=existing))
+    except OSError as exc:
+        return f"cannot create a folder in {str(existing)!r} ({exc.strerror})"
+    return None
+
+
+def check_log_folders(trainer: Namespace) -> None:
+    """Refuse, in one line, a logger ``save_dir`` (or, without a logger, a
+    ``default_root_dir``) that the run could not write its logs, config and checkpoints under:
+    Lightning found out at setup, after the data was prepared, with an ``OSError``
+    traceback."""
+    loggers = _logger_configs(trainer)
+    folders = [
+        (f"trainer.logger{'' if len(loggers) == 1 else f'[{i}]'}.init_args.save_dir", args)
+        for i, logger in enumerate(loggers)
+        if (args := logger.init_args.get("save_dir")) is not None
+    ]
+    if not loggers and trainer.get("default_root_dir") is not None:
+        folders = [("trainer.default_root_dir", trainer.default_root_dir)]
+    for key, folder in folders:
+        if "://" in str(folder):  # remote storage (s3://...): its own client reports
+            continue
+        problem = _write_problem(Path(str(folder)))
+        if problem is not None:
+            raise CommandLineError(
+                f"{key} {str(folder)!r}: {problem}; give a folder the run can write its logs "
+                f"and checkpoints in"
+            )
 
 
 def _runs_folder(args: Namespace) -> Path:

@@ -164,3 +164,52 @@ def test_a_linked_option_in_a_fragment_named_by_a_config_or_written_out_is_refus
     with pytest.raises(CommandLineError, match="backbone.init_args.vocab_size: set by the CLI"):
         check_linked_options(["--model.backbone", backbone])
     check_linked_options(["--model.head", write_fragment(tmp_path / "ok.yaml", "bias: false")])
+
+
+def test_a_torch_value_error_is_one_line_only_while_the_config_is_built():
+    """nn.Dropout's check of a head option (given while jsonargparse builds the head) is the
+    user's; the same ValueError in a step is a bug and keeps its traceback."""
+    import torch
+    from jsonargparse import ArgumentParser
+
+    from app.cli.console import error_line
+
+    class Head(torch.nn.Module):
+        def __init__(self, gate_dropout: float = 0.0) -> None:
+            super().__init__()
+            self.gate_dropout = torch.nn.Dropout(gate_dropout)
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(Head, "head")
+    with pytest.raises(Exception) as built:
+        parser.instantiate_classes(parser.parse_args(["--head.gate_dropout", "1.5"]))
+    assert error_line(built.value) == (
+        f"{Head.__module__}.{Head.__qualname__}: dropout probability has to be between 0 and 1, "
+        f"but got 1.5"
+    )
+    with pytest.raises(ValueError) as stepped:
+        torch.nn.functional.dropout(torch.ones(2), 1.5)
+    assert error_line(stepped.value) is None
+
+
+def test_a_disk_error_names_the_file_written_and_other_os_errors_keep_their_traceback():
+    import errno
+    import os
+
+    from app.cli.console import error_line
+
+    def raised(exc: OSError) -> OSError:
+        try:
+            raise exc
+        except OSError as caught:
+            return caught
+
+    moved = raised(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/tmp/t", None, "/l/a.ckpt"))
+    assert error_line(moved) == (
+        "'/l/a.ckpt': No space left on device: free space on its disk or write elsewhere (logs "
+        "and checkpoints go under --trainer.logger.init_args.save_dir, the data cache under "
+        "$OUTPUT_HEADS_CACHE)"
+    )
+    read_only = raised(OSError(errno.EROFS, os.strerror(errno.EROFS), "/ro/x"))
+    assert error_line(read_only).startswith("'/ro/x': Read-only file system: write elsewhere (")
+    assert error_line(raised(FileNotFoundError(errno.ENOENT, "No such file", "/x"))) is None

@@ -327,3 +327,42 @@ def test_a_fit_resumed_from_a_runs_checkpoint_continues_its_folder(tmp_path, mon
         trainer = loggers()
         configure_loggers(trainer, "fit", given)
         assert [logger.init_args.version for logger in trainer.logger] == [None, None]
+
+
+def test_a_log_folder_the_run_cannot_create_is_refused_before_anything_is_built(
+    tmp_path, monkeypatch
+):
+    """Lightning met it at setup, after the data was prepared: an OSError traceback."""
+    import errno
+    import tempfile
+
+    from app.cli.errors import CommandLineError
+    from app.cli.run_folder import check_log_folders
+
+    def trainer(save_dir: str) -> Namespace:
+        logger = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger",
+                           init_args=Namespace(save_dir=save_dir, name="ptb"))  # fmt: skip
+        return Namespace(logger=logger)
+
+    fresh = tmp_path / "new" / "logs"
+    check_log_folders(trainer(str(fresh)))  # a folder still to be made is fine...
+    assert list(tmp_path.iterdir()) == []  # ...and nothing is left behind by the check
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CommandLineError) as under_a_file:
+        check_log_folders(trainer(str(tmp_path / "file" / "logs")))
+    assert str(under_a_file.value) == (
+        f"trainer.logger.init_args.save_dir '{tmp_path}/file/logs': '{tmp_path}/file' is a "
+        f"file, not a folder; give a folder the run can write its logs and checkpoints in"
+    )
+
+    def read_only(**kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), kwargs.get("dir"))
+
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    with pytest.raises(CommandLineError, match=re.escape(
+        f"'{fresh}': cannot create a folder in '{tmp_path}' (Read-only file system)"
+    )):  # fmt: skip
+        check_log_folders(trainer(str(fresh)))
+    no_logger = Namespace(logger=False, default_root_dir=str(fresh))
+    with pytest.raises(CommandLineError, match=r"^trainer\.default_root_dir "):
+        check_log_folders(no_logger)
