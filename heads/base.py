@@ -172,6 +172,12 @@ def check_positive_int(name: str, value: int) -> None:
         raise HeadConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
+def check_dropout(name: str, value: float) -> None:
+    """A dropout probability in [0, 1) (``nn.Dropout`` takes 1, which zeroes the values)."""
+    if not 0.0 <= value < 1.0:
+        raise HeadConfigError(f"{name} must be in [0, 1), got {value!r}")
+
+
 def check_label_smoothing(value: float) -> None:
     if not 0.0 <= value < 1.0:
         raise HeadConfigError(f"label_smoothing must be in [0, 1), got {value!r}")

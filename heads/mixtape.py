@@ -32,6 +32,7 @@ from torch import nn
 from heads.base import (
     HeadOutput,
     SingleSoftmaxHead,
+    check_dropout,
     check_label_smoothing,
     check_positive_int,
     float32_no_autocast,
@@ -145,6 +146,8 @@ class MixtapeHead(SingleSoftmaxHead):
         # Eq. 2: token embeddings w_x and bias
         self.weight = nn.Parameter(torch.empty(vocab_size, embedding_size))
         self.bias = output_bias(vocab_size, zipf_bias_init)
+        check_dropout("gate_dropout", gate_dropout)
+        check_dropout("context_dropout", context_dropout)
         self.gate_dropout = nn.Dropout(gate_dropout)
         self.context_dropout = nn.Dropout(context_dropout)
         self.locked_dropout = locked_dropout

@@ -23,6 +23,7 @@ from torch import nn
 from heads.base import (
     Head,
     HeadOutput,
+    check_dropout,
     check_label_smoothing,
     check_positive_int,
     float32_no_autocast,
@@ -89,6 +90,7 @@ class MoSHead(Head):
         # H_k, with a bias (Eq. 2 writes none; Yang et al.'s code has one)
         self.context = nn.Linear(hidden_size, num_components * embedding_size)
         self.prior = nn.Linear(hidden_size, num_components, bias=False)  # U
+        check_dropout("context_dropout", context_dropout)
         self.context_dropout = nn.Dropout(context_dropout)
         self.locked_dropout = locked_dropout
         self.weight = nn.Parameter(torch.empty(vocab_size, embedding_size))

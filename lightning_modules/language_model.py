@@ -314,6 +314,7 @@ class LanguageModel(HeadTask):
         """Backbone (and head, see ``pretrained_checkpoint``) weights from a checkpoint; the
         data module's vocabulary is checked against the checkpoint's at :meth:`setup`."""
         parts, self._pretrained = read_pretrained(path)  # the weights let go once loaded
+        self._pretrained.check_task(self)
         self._pretrained.load_into(self.backbone, "backbone", parts.get("backbone", {}))
         head_weight = parts.get("head", {}).get("weight")
         embedding = parts.get("backbone", {}).get("embedding.weight")

@@ -48,6 +48,21 @@ class Pretrained:
             where = "the shipped corpus (no data.path)"
         return f"{where} (data.vocab {hp.get('vocab')!r})" if hp else "data it does not record"
 
+    def check_task(self, model: Any) -> None:
+        """Refuse, naming both, a checkpoint of another task than ``model``'s (a translation
+        model's given to a language model: its weights' shapes were reported as a data
+        mismatch). Silent where the checkpoint names no task."""
+        saved = (self.entries.get("hyper_parameters") or {}).get("_class_path")
+        if not isinstance(saved, str):
+            return
+        saved_name, ours = saved.rpartition(".")[2], type(model)
+        if any(saved_name == cls.__name__ for cls in ours.__mro__):
+            return
+        raise ModelConfigError(
+            f"{OPTION} {self.path!r} is a {saved_name} checkpoint ({saved}), and this run's "
+            f"model is a {ours.__name__}: give a {ours.__name__} checkpoint"
+        )
+
     def load_into(self, module: torch.nn.Module, part: str, state: dict[str, torch.Tensor]) -> None:
         """Load ``part``'s weights ``state`` into ``module``; a mismatch in one line."""
         try:

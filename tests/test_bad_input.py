@@ -251,7 +251,7 @@ COMMAND_LINE = [
     ("mixtape_gate_dropout_above_one",
      ["fit", "--model.head", "configs/heads/mixtape.yaml",
       "--model.init_args.head.init_args.gate_dropout", "1.5"],
-     "heads.mixtape.MixtapeHead: dropout probability has to be between 0 and 1, but got 1.5"),
+     "gate_dropout must be in [0, 1), got 1.5"),
     ("zero_temperature", ["fit", "--model.init_args.temperature", "0"],
      "model.temperature must be positive, got 0.0"),
     ("missing_checkpoint", ["test", "--ckpt_path", "/no/such.ckpt"],

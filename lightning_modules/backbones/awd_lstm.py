@@ -25,13 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from lightning_modules.backbones.base import check_dropout
 from lightning_modules.backbones.lstm import LSTMBackbone
 from lightning_modules.errors import ModelConfigError
-
-
-def _check_probability(name: str, value: float) -> None:
-    if not 0.0 <= value < 1.0:
-        raise ModelConfigError(f"AWDLSTMBackbone {name} must be in [0, 1), got {value!r}")
 
 
 class WeightDroppedLSTM(nn.Module):
@@ -110,7 +106,7 @@ class AWDLSTMBackbone(LSTMBackbone):
             ("embedding_dropout", embedding_dropout),
             ("weight_dropout", weight_dropout),
         ):
-            _check_probability(name, value)
+            check_dropout(name, value)
         if ar_alpha < 0 or tar_beta < 0:
             raise ModelConfigError(
                 f"AWDLSTMBackbone ar_alpha and tar_beta must be >= 0, got {ar_alpha}, {tar_beta}"

@@ -11,6 +11,13 @@ from torch import nn
 from lightning_modules.errors import ModelConfigError
 
 
+def check_dropout(name: str, value: float) -> None:
+    """Refuse a dropout probability outside [0, 1), naming the backbone's option (``nn.Dropout``
+    raises for one above 1 with a traceback, and takes 1, which zeroes every value)."""
+    if isinstance(value, bool) or not 0.0 <= value < 1.0:
+        raise ModelConfigError(f"model.backbone.{name} must be in [0, 1), got {value!r}")
+
+
 def check_sizes(**sizes: Any) -> None:
     """Refuse a size (``hidden_size=0``) that is not a positive integer, naming the backbone's
     option: torch's own errors for it (a ZeroDivisionError, "hidden_size must be greater than

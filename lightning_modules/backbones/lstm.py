@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import lightning_modules.backbones.rnn_flops  # noqa: F401  (the LSTM kernels' FLOP formulas)
-from lightning_modules.backbones.base import LMBackbone, check_sizes
+from lightning_modules.backbones.base import LMBackbone, check_dropout, check_sizes
 from lightning_modules.errors import ModelConfigError
 
 DROPOUT_KINDS = ("locked", "standard")
@@ -21,7 +21,7 @@ class LockedDropout(nn.Module):
 
     def __init__(self, p: float, name: str = "dropout") -> None:
         super().__init__()
-        _check_dropout(p, name)
+        check_dropout(name, p)
         self.p = p
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, T, D]
@@ -31,18 +31,13 @@ class LockedDropout(nn.Module):
         return x * mask
 
 
-def _check_dropout(p: float, name: str) -> None:
-    if not 0.0 <= p < 1.0:
-        raise ModelConfigError(f"model.backbone.{name} must be in [0, 1), got {p}")
-
-
 def make_dropout(kind: str, p: float, name: str = "dropout") -> nn.Module:
     """``locked``: one mask per sequence (:class:`LockedDropout`); ``standard``: a new mask
     for every element, so every time step (``nn.Dropout``, Zaremba et al. 2014). ``name``:
     the backbone's option that gave ``p`` (for the error a bad one raises)."""
     if kind == "locked":
         return LockedDropout(p, name)
-    _check_dropout(p, name)
+    check_dropout(name, p)
     return nn.Dropout(p)
 
 

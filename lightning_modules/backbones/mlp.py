@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_modules.backbones.base import check_dropout
 from lightning_modules.errors import ModelConfigError
 
 
@@ -40,6 +41,7 @@ class MLPBackbone(nn.Module):
                 f"model.backbone input_size, hidden_size and num_layers must be positive, got "
                 f"{input_size}, {hidden_size}, {num_layers}"
             )
+        check_dropout("dropout", dropout)
         self.input_size = input_size
         self.output_size = hidden_size
         layers: list[nn.Module] = []

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_modules.backbones.base import check_sizes
+from lightning_modules.backbones.base import check_dropout, check_sizes
 from lightning_modules.errors import ModelConfigError
 
 
@@ -109,6 +109,7 @@ class Seq2SeqTransformer(nn.Module):
             "positions", sinusoidal_positions(max_length, model_size), persistent=False
         )
         self.scale = math.sqrt(model_size)
+        check_dropout("dropout", dropout)
         self.dropout = nn.Dropout(dropout)
 
         def layer_kwargs() -> dict:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_modules.backbones.base import LMBackbone, check_sizes
+from lightning_modules.backbones.base import LMBackbone, check_dropout, check_sizes
 from lightning_modules.errors import ModelConfigError
 
 
@@ -60,6 +60,7 @@ class TransformerBackbone(LMBackbone):
         )
         self.encoder = nn.TransformerEncoder(layer, num_layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(embedding_size)
+        check_dropout("dropout", dropout)
         self.dropout = nn.Dropout(dropout)
         self.scale = math.sqrt(embedding_size)
 

@@ -504,3 +504,9 @@ def test_a_step_runs_plainly_where_cuda_would_be_launch_bound():
     assert not plain_step_fits(LossOptions(plan="compiled"), cuda, 700, 10_000, 4, 1_000)
     assert not plain_step_fits(LossOptions(backend="liger"), cuda, 700, 10_000, 4, 1_000)
     assert plain_step_fits(LossOptions(plan="plain"), cpu, 16_384, 10_000, 4, 1_000)
+
+
+@pytest.mark.parametrize("option", ["gate_dropout", "context_dropout"])
+def test_a_dropout_outside_0_1_is_refused(option):
+    with pytest.raises(HeadConfigError, match=rf"{option} must be in \[0, 1\)"):
+        MixtapeHead(8, 20, **{option: 1.0})

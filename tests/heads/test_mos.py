@@ -100,3 +100,11 @@ def test_no_underflow_for_confident_components():
     log_probs = head.log_prob(torch.randn(4, HIDDEN))
     assert torch.isfinite(log_probs).all()
     assert log_probs.min() < -200  # far below float32's smallest probability
+
+
+@pytest.mark.parametrize("dropout", [1.0, 1.5])
+def test_a_context_dropout_outside_0_1_is_refused(dropout):
+    from heads.errors import HeadConfigError
+
+    with pytest.raises(HeadConfigError, match=r"context_dropout must be in \[0, 1\)"):
+        MoSHead(8, 20, num_components=2, context_dropout=dropout)

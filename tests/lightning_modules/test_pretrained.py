@@ -178,3 +178,18 @@ def test_a_tied_model_from_an_untied_checkpoint_says_which_matrix_it_starts_from
         model = language_model(corpus.vocab_size, tie_weights=True, pretrained_checkpoint=path)
     assert "the tied embedding starts from its output weights (head.weight)" in caplog.text
     torch.testing.assert_close(model.backbone.embedding.weight, trained.head.weight)
+
+
+def test_a_checkpoint_of_another_task_is_one_line_naming_both(tmp_path):
+    """A translation model's checkpoint given to a language model: its task named, not its
+    weights' shapes reported as other data options."""
+    corpus = data(write_corpus(tmp_path / "a"))
+    path, _ = save_trained(tmp_path, corpus)
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["hyper_parameters"] = {"_class_path": "lightning_modules.translation.Translation"}
+    torch.save(checkpoint, path)
+    with pytest.raises(ModelConfigError, match="is a Translation checkpoint .* LanguageModel"):
+        language_model(corpus.vocab_size, pretrained_checkpoint=path)
+    checkpoint["hyper_parameters"] = {"_class_path": "lightning_modules.LanguageModel"}
+    torch.save(checkpoint, path)
+    language_model(corpus.vocab_size, pretrained_checkpoint=path)  # its own task: loads

@@ -144,3 +144,10 @@ def test_a_seed_fixes_the_model():
     for model in models[1:]:
         for name, value in model.state_dict().items():
             assert torch.equal(value, first[name]), name
+
+
+@pytest.mark.parametrize("dropout", [1.0, 1.5, -0.1])
+def test_a_dropout_outside_0_1_is_one_line_naming_the_option(dropout):
+    # nn.Dropout raised for 1.5 with a traceback naming no option, and took 1 (all zeros)
+    with pytest.raises(ModelConfigError, match=r"model\.backbone\.dropout must be in \[0, 1\)"):
+        Seq2SeqTransformer(10, 10, model_size=8, num_heads=2, dropout=dropout)

@@ -33,3 +33,10 @@ def test_a_size_below_one_is_one_line_naming_the_option(option, value):
         match=rf"^model.backbone.{option} must be a positive integer, got {value}$",
     ):
         TransformerBackbone(30, **{option: value})
+
+
+def test_a_dropout_of_one_is_one_line_naming_the_option():
+    from lightning_modules.errors import ModelConfigError
+
+    with pytest.raises(ModelConfigError, match=r"model\.backbone\.dropout must be in \[0, 1\)"):
+        TransformerBackbone(10, embedding_size=8, num_heads=2, dropout=1.0)
