@@ -171,8 +171,10 @@ class LightRNNTableReassignment(L.Callback):
         max_batches: score only the first windows of the training stream (a sample), None
             for all of it; in translation, the first batches of the epoch's shuffled order.
             Words absent from the sample keep their cells.
-        batch_size: parallel streams while scoring (larger is faster, same costs); translation
-            scores in its training batches (``data.max_tokens``).
+        batch_size: parallel streams while scoring (larger is faster; the costs differ only
+            where a stream starts without context), rounded up to a multiple of the DDP ranks
+            (:func:`scoring_streams`); translation scores in its training batches
+            (``data.max_tokens``).
         solver: ``auto`` (exact for small tables), ``exact`` or ``separable``.
         log_rows: table rows shown in TensorBoard.
     """
@@ -189,6 +191,12 @@ class LightRNNTableReassignment(L.Callback):
             raise DataConfigError(
                 f"LightRNNTableReassignment every_n_epochs and batch_size must be positive, got "
                 f"{every_n_epochs} and {batch_size}"
+            )
+        if max_batches is not None and max_batches < 1:
+            # 0 or less scored nothing, so every word was 'unseen' and the table never moved
+            raise DataConfigError(
+                f"LightRNNTableReassignment max_batches must be positive (or null: all the "
+                f"training data), got {max_batches}"
             )
         if solver not in ("auto", "exact", "separable"):
             raise DataConfigError(
@@ -241,7 +249,12 @@ class LightRNNTableReassignment(L.Callback):
         # a table learnt after the last epoch would never be trained on; -1 (or None): the run
         # ends by steps or time, so no epoch is known to be the last
         last = trainer.max_epochs is not None and 0 <= trainer.max_epochs <= epoch
-        if epoch % self.every_n_epochs or last or trainer.should_stop:
+        # nor after the epoch that trainer.max_steps ends (Lightning ends the epoch there): the
+        # fit stops, and one resumed with more steps continues that epoch, re-learning at its
+        # end as the longer fit does (its last.ckpt was written before this hook)
+        max_steps = getattr(trainer, "max_steps", -1)
+        steps_done = max_steps is not None and 0 <= max_steps <= trainer.global_step
+        if epoch % self.every_n_epochs or last or steps_done or trainer.should_stop:
             return
         self.reassign_now(trainer, pl_module)
 
@@ -260,7 +273,8 @@ class LightRNNTableReassignment(L.Callback):
         else:
             codes = data.split_tokens("train")
             bptt, rank, world = data.hparams.bptt, trainer.global_rank, trainer.world_size
-            batches = BPTTBatches(codes, self.batch_size, bptt, rank, world)
+            streams = scoring_streams(self.batch_size, len(codes), world)
+            batches = BPTTBatches(codes, streams, bptt, rank, world)
         total = len(batches) if self.max_batches is None else min(len(batches), self.max_batches)
         description = f"Hybrid-LightRNN table: scoring (Eq. 6) {total} training batches"
         with side_progress(trainer, description, total) as advance:
@@ -271,7 +285,7 @@ class LightRNNTableReassignment(L.Callback):
                     )
                 else:
                     row_cost, col_cost = eq6_costs(
-                        pl_module, vocab, codes, self.batch_size, bptt, self.max_batches,
+                        pl_module, vocab, codes, streams, bptt, self.max_batches,
                         rank, world, advance,
                     )  # fmt: skip
         # every rank scored its own streams; the costs are summed over them
@@ -318,6 +332,17 @@ class LightRNNTableReassignment(L.Callback):
                 text = vocab.with_cells(new_cells).table_text(self.log_rows).replace("\n", "  \n")
                 logger.experiment.add_text("lightrnn/table", text, trainer.global_step)
         return self.last
+
+
+def scoring_streams(batch_size: int, num_tokens: int, world_size: int) -> int:
+    """The number of BPTT streams the scoring pass cuts the training codes into:
+    ``batch_size`` rounded up to a multiple of the ranks (each scores its own block of streams,
+    and ``BPTTBatches`` splits them evenly: the default 64 on 3 or 6 ranks raised after the
+    first epoch's training), and no more than the codes fill with 2 tokens each (a small
+    corpus), whatever ``batch_size``."""
+    streams = -(-batch_size // world_size) * world_size
+    most = num_tokens // 2 // world_size * world_size
+    return max(world_size, min(streams, most))
 
 
 def _translates(data: object) -> bool:

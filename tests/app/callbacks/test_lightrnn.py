@@ -402,3 +402,49 @@ def test_cli_fit_then_test_restores_the_learnt_table(ptb_path, tmp_path, monkeyp
                  "--trainer.logger", "false"])  # fmt: skip
     assert torch.equal(test.datamodule.vocab.cells, learnt)
     assert math.isfinite(test.trainer.callback_metrics["test/word_ppl"])
+
+
+def test_the_scoring_streams_split_evenly_over_any_number_of_ranks(corpus, monkeypatch):
+    """The scoring pass's 64 streams (``batch_size``) on 3 ranks raised after the first epoch
+    (``BPTTBatches`` splits streams evenly): rounded up to 66, rank 0 scores its 22. Here one
+    process plays rank 0 of 3; its costs are those of a plain call with 6 streams (4 rounded
+    up), its share of them."""
+    monkeypatch.setattr(L.Trainer, "world_size", property(lambda self: 3))
+    data, model = make(corpus, batch_size=6, eval_batch_size=6)
+    callback = LightRNNTableReassignment(batch_size=4)
+    expected = []
+
+    class Reference(L.Callback):  # after the callback: the table it scored is still installed
+        def on_train_epoch_end(self, trainer, pl_module):
+            if callback.last:
+                codes, vocab = data.split_tokens("train"), data.vocab
+                row, col = eq6_costs(pl_module, vocab, codes, 6, data.hparams.bptt, None, 0, 3)
+                expected.append(objective(row, col, vocab.cells))
+
+    trainer(2, callbacks=[callback, Reference()]).fit(model, data)
+    assert callback.relearnt_after == 0
+    assert callback.last["lightrnn/objective_before"] == pytest.approx(expected[0], rel=1e-9)
+    assert lightrnn.scoring_streams(64, 10_000, 3) == 66
+    assert lightrnn.scoring_streams(64, 40, 3) == 18  # 2 codes a stream at least
+
+
+@pytest.mark.parametrize("max_batches", [0, -1])
+def test_a_max_batches_that_scores_nothing_is_refused(max_batches):
+    """0 scored no batch: every rare word looked unseen and the table silently never moved."""
+    with pytest.raises(ValueError, match="max_batches must be positive"):
+        LightRNNTableReassignment(max_batches=max_batches)
+
+
+def test_no_table_is_re_learnt_at_the_max_steps_stop(corpus, caplog):
+    """``trainer.max_steps`` ends the fit inside an epoch, whose end hooks then run: the table
+    re-learnt there (a whole scoring pass and solve) was never trained on, and a fit resumed
+    with more steps continues that epoch from a last.ckpt written before it."""
+    data, model = make(corpus)
+    per_epoch = len(data.train_dataloader())
+    callback = LightRNNTableReassignment(batch_size=4)
+    trainer(-1, max_steps=per_epoch + 2, callbacks=[callback]).fit(model, data)
+    lines = [r.getMessage() for r in caplog.records if "table re-learnt" in r.getMessage()]
+    assert [line.split(" in ")[0] for line in lines] == [
+        "Hybrid-LightRNN table re-learnt after epoch 0"
+    ]
+    assert callback.relearnt_after == 0 and data.vocab.scheduled_cells is None
