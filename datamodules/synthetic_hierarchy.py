@@ -8,11 +8,14 @@ ground-truth hierarchy is ``label // num_sub``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sized
+
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from datamodules.errors import DataConfigError
+from datamodules.resumable import ResumableLoader
 
 SPLITS = ("train", "valid", "test")
 
@@ -31,6 +34,25 @@ def make_hierarchy(
         points = subs[labels] + torch.randn(labels.numel(), dim, generator=gen) * dim**0.5  # Eq. 5
         out[split] = (points, labels)
     return out
+
+
+class EpochShuffle(RandomSampler):
+    """A random order of the dataset's indices drawn from ``seed + epoch``: Lightning calls
+    ``set_epoch`` at every epoch start, so a fit resumed from a checkpoint sees the order its
+    epoch had in the uninterrupted run (a generator carried from epoch to epoch would start
+    over at epoch 0's order). A ``RandomSampler``, so that under DDP Lightning replaces it by
+    its ``DistributedSampler``, shuffled from its seed and the epoch as well."""
+
+    def __init__(self, dataset: Sized, seed: int) -> None:
+        super().__init__(dataset)
+        self.seed, self.epoch = seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        yield from torch.randperm(len(self.data_source), generator=generator).tolist()
 
 
 class SyntheticHierarchyDataModule(L.LightningDataModule):
@@ -100,20 +122,24 @@ class SyntheticHierarchyDataModule(L.LightningDataModule):
             self._data = data
         return self._data
 
-    def _loader(self, split: str, batch_size: int, shuffle: bool) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(
-            TensorDataset(*self.data[split]),
-            batch_size=batch_size,
-            shuffle=shuffle,
-            generator=generator if shuffle else None,
-        )
-
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", self.batch_size, shuffle=True)
+        """Shuffled anew each epoch from ``seed + epoch``, and resumable mid-epoch
+        (``datamodules/resumable.py``): ``fit --ckpt_path`` continues the epoch's order where
+        the checkpoint stopped, as the language model's and translation's loaders do."""
+        dataset = TensorDataset(*self.data["train"])
+        order = EpochShuffle(dataset, self.seed)
+        trainer = self.trainer
+        if trainer is not None:  # a resumed fit starts in its checkpoint's epoch
+            order.set_epoch(trainer.current_epoch)
+        # sampler and batch_size, not a batch sampler: under DDP Lightning rebuilds the loader
+        # around its distributed sampler, keeping batch_size only where it is the loader's own
+        return ResumableLoader(dataset, sampler=order, batch_size=self.batch_size)
+
+    def _eval_loader(self, split: str) -> DataLoader:
+        return DataLoader(TensorDataset(*self.data[split]), batch_size=self.eval_batch_size)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader("valid", self.eval_batch_size, shuffle=False)
+        return self._eval_loader("valid")
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader("test", self.eval_batch_size, shuffle=False)
+        return self._eval_loader("test")

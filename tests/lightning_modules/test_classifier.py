@@ -133,3 +133,30 @@ def test_a_non_finite_training_loss_stops_the_run():
         head.bias.fill_(float("nan"))
     with pytest.raises(NonFiniteLossError, match="non-finite train loss"):
         fit(model, dm, epochs=1, num_sanity_val_steps=0)
+
+
+@pytest.mark.parametrize("checkpoint", ["epoch=0-step=20.ckpt", "epoch=1-step=28.ckpt"])
+def test_a_resumed_fit_trains_the_weights_of_the_uninterrupted_one(tmp_path, checkpoint):
+    """``fit --ckpt_path`` from an epoch's end or from inside an epoch: the resumed epochs see
+    the batches, in the order, and the dropout masks of the uninterrupted run. (The shuffle's
+    generator was carried from epoch to epoch: a resumed fit started over at epoch 0's order,
+    and one resumed mid-epoch replayed the epoch's first batches.)"""
+    from app.callbacks import ModelCheckpoint  # the app's: a save on an epoch's last batch
+
+    dm = SyntheticHierarchyDataModule(num_super=4, num_sub=4, train_per_sub=20, batch_size=16)
+
+    def trainer(*callbacks: ModelCheckpoint) -> L.Trainer:
+        return L.Trainer(max_epochs=2, accelerator="cpu", logger=False, limit_val_batches=0,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=list(callbacks),
+                         enable_checkpointing=bool(callbacks))  # fmt: skip
+
+    torch.manual_seed(0)
+    whole = _classifier(dm)
+    trainer(ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)).fit(whole, dm)
+    torch.manual_seed(1)  # the checkpoint gives the weights and the generators back
+    resumed = _classifier(dm)
+    (resumed_fit := trainer()).fit(resumed, dm, ckpt_path=str(tmp_path / checkpoint))
+    assert resumed_fit.global_step == 40  # 20 batches an epoch
+    for name, value in whole.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[name], value, rtol=0, atol=0)

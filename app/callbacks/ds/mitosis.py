@@ -103,13 +103,20 @@ class Mitosis(Callback):
             self.max_experts = head.vocab_size
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if resumed_mid_epoch(trainer):  # this epoch gets no on_train_epoch_start: its split
-            self.on_train_epoch_start(trainer, pl_module)  # is done, its figures are not
+        if resumed_mid_epoch(trainer):  # this epoch gets no on_train_epoch_start (its split,
+            self.on_train_epoch_start(trainer, pl_module)  # if any, is done)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         _, head = find_ds_head(pl_module)
         if self._due(trainer, head) and self._fits(head):
             self.split(trainer, pl_module)
+        self._record_peak(head)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # logged at the epoch's end, not its start: a split that the memory budget postponed
+        # into the epoch counts in the epoch's figures (logged at its start, they showed the
+        # experts before it, over DSMonitor's count of the validation just run)
+        _, head = find_ds_head(pl_module)
         self._record_peak(head)
         pl_module.log("ds/num_experts", float(head.num_experts), on_epoch=True, on_step=False)
         pl_module.log(

@@ -156,3 +156,43 @@ def test_an_epoch_resumed_inside_logs_its_experts_without_splitting_again(tmp_pa
     assert mitosis.splits == 1 and fresh.head.num_experts == 4
     assert float(resumed.callback_metrics["ds/num_experts"]) == 4.0
     assert "ds/peak_memory_softmaxes" in resumed.callback_metrics
+
+
+def test_a_split_postponed_into_an_epoch_counts_in_the_epochs_logged_figures():
+    """A split the memory budget postponed happens inside an epoch (here at step 21, once a
+    prune at step 20 made room): that epoch's ``ds/num_experts`` and
+    ``ds/peak_memory_softmaxes`` include it. (Logged at the epoch's start, they showed the
+    experts before it, over DSMonitor's count after the validation, and the split's peak
+    only an epoch later.)"""
+    from app.callbacks import DSMonitor
+    from app.callbacks.ds.optim import change_structure
+
+    torch.manual_seed(0)
+    dm = SyntheticHierarchyDataModule(num_super=2, num_sub=4, train_per_sub=16, batch_size=8)
+    vocab = dm.vocab_size  # 8 classes, 16 batches an epoch
+
+    def keep_a_quarter_of_the_second_expert(head):
+        with torch.no_grad():
+            head.weight[vocab:][torch.arange(vocab) % 4 != 0] = 0.0
+        return head.prune(gamma=1e-6)
+
+    class PruneAtStep20(Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+            if trainer.global_step == 20:
+                change_structure(trainer, pl_module, keep_a_quarter_of_the_second_expert)
+
+    logged = []
+
+    class Logged(Callback):  # after Mitosis: what the epoch logged, against the head
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            metrics = trainer.callback_metrics
+            logged.append((pl_module.head.num_experts, float(metrics["ds/num_experts"]),
+                           float(metrics["ds/peak_memory_softmaxes"])))  # fmt: skip
+
+    mitosis = Mitosis(max_experts=4, every_n_epochs=1, max_peak_softmaxes=4.0,
+                      check_every_n_steps=1)  # fmt: skip
+    t = trainer(3, [mitosis, PruneAtStep20(), DSMonitor(), Logged()])
+    t.fit(make_model(dm), dm)
+    # rows before the split: 8 + 2; after it 20: the peak 30 rows, 3.75 softmax layers
+    assert mitosis.peak_rows == 30
+    assert logged == [(2, 2.0, 2.0), (4, 4.0, 3.75), (4, 4.0, 3.75)]
