@@ -6,15 +6,14 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
 
-from app.callbacks.ds.optim import change_structure, find_ds_head
+from app.callbacks.ds.optim import DSCallback, change_structure, find_ds_head
 from app.callbacks.training.resume import resumed_mid_epoch
 from app.cli.errors import warn_line
 from heads.errors import HeadConfigError
 
 
-class Mitosis(Callback):
+class Mitosis(DSCallback):
     """Double the experts every ``every_n_epochs`` epochs until ``max_experts``.
 
     Algorithm 2 splits once Algorithm 1 (training with pruning) has made the experts sparse:

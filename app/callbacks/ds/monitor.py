@@ -8,7 +8,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from app.callbacks.ds.optim import find_ds_head, head_inputs
+from app.callbacks.ds.optim import DSCallback, find_ds_head, head_inputs
 from heads.cross_entropy import IGNORE_INDEX
 from heads.errors import HeadConfigError
 from lightning_modules.weighted_mean import WeightedMean
@@ -17,7 +17,7 @@ from lightning_modules.weighted_mean import WeightedMean
 ON_THE_BAR = ("ds/speedup", "ds/num_experts")
 
 
-class DSMonitor(Callback):
+class DSMonitor(DSCallback):
     """After each validation epoch logs ``ds/speedup`` (``|V| / (sum_k |v_k| u_k + K)``),
     ``ds/num_experts`` (both on the progress bar), ``ds/rows`` (``sum_k |v_k|``),
     ``ds/mean_expert_size``, ``ds/max_utilisation``, and to TensorBoard the histograms of

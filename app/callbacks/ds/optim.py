@@ -20,9 +20,20 @@ def find_ds_head(pl_module: L.LightningModule) -> tuple[str, DSSoftmaxHead]:
     found = [(n, m) for n, m in pl_module.named_modules() if isinstance(m, DSSoftmaxHead)]
     if len(found) != 1:
         raise HeadConfigError(
-            f"DS-Softmax callbacks need exactly one DSSoftmaxHead in the model, found {len(found)}"
+            f"DS-Softmax callbacks need exactly one DSSoftmaxHead in the model, found "
+            f"{len(found)}: give --model.head heads.DSSoftmaxHead (configs/ds/ holds DS "
+            f"settings) or leave out the DS callbacks"
         )
     return found[0]
+
+
+class DSCallback(L.Callback):
+    """A callback that works on the model's DS-Softmax head: the head checked once the model is
+    set up, before any data is read or step run (found missing at the first pruning, a run
+    had trained for hours)."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        find_ds_head(pl_module)
 
 
 def head_inputs(pl_module: L.LightningModule) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,14 +7,13 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
 
-from app.callbacks.ds.optim import change_structure, find_ds_head
+from app.callbacks.ds.optim import DSCallback, change_structure, find_ds_head
 from app.callbacks.training.resume import resumed_mid_epoch
 from heads.errors import HeadConfigError
 
 
-class DSPruning(Callback):
+class DSPruning(DSCallback):
     """Zero and drop expert rows whose norm is below ``gamma`` once the task loss is low.
 
     Every ``every_n_steps`` training batches, if the mean task loss (``loss_key`` as logged by

@@ -6,15 +6,14 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
 
-from app.callbacks.ds.optim import change_structure, find_ds_head, head_inputs
+from app.callbacks.ds.optim import DSCallback, change_structure, find_ds_head, head_inputs
 from app.callbacks.training.resume import resumed_mid_epoch
 from heads.cross_entropy import IGNORE_INDEX
 from heads.errors import HeadConfigError
 
 
-class DSTargetClasses(Callback):
+class DSTargetClasses(DSCallback):
     """Re-select each expert's classes from the targets of the training tokens routed to it.
 
     The group lasso decides which rows survive by their norms; on PTB that left the target

@@ -278,3 +278,33 @@ def test_ds_recovers_the_synthetic_hierarchy():
 def test_bad_options():
     with pytest.raises(ValueError, match="every_n_steps"):
         DSPruning(every_n_steps=0)
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [("DSPruning", {}), ("Mitosis", {}), ("DSMonitor", {}), ("DSTargetClasses", {"epoch": 0})],
+)
+def test_a_ds_callback_on_a_model_without_a_ds_head_stops_before_any_step(tmp_path, name, options):
+    """Found at the first pruning, a run had trained until then: refused at setup, naming the
+    head option."""
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    import app.callbacks as callbacks
+    from heads.errors import HeadConfigError
+
+    class Counting(BoringModel):
+        steps = 0
+
+        def training_step(self, batch, batch_idx):
+            Counting.steps += 1
+            return super().training_step(batch, batch_idx)
+
+    trainer = L.Trainer(
+        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path,
+        callbacks=[getattr(callbacks, name)(**options)],
+    )  # fmt: skip
+    with pytest.raises(HeadConfigError, match="--model.head heads.DSSoftmaxHead"):
+        trainer.fit(Counting())
+    assert Counting.steps == 0
