@@ -183,7 +183,8 @@ def test_quick_measures_every_target(tmp_path):
     ]
     rows.append({"head": "mos", "vocab_size": 100_000, "scope": "head", "mode": "same-memory",
                  "tokens": 20_000})  # the memory search's  # fmt: skip
-    report = {"results": rows, "machine": {"cuda": "NVIDIA H100 80GB HBM3"}}
+    report = {"results": rows, "machine": {"cuda": "NVIDIA H100 80GB HBM3"},
+              "args": {"memory_budget_mb": float(memory.memory_budget_mb)}}  # fmt: skip
     assert [t.target for t in collect({"quick.json": report}) if t.met is None] == []
     benches = {
         **report,
@@ -230,6 +231,10 @@ def test_quick_runs_end_to_end_on_a_cpu(tmp_path):
         assert json.loads((out / name).read_text())["results"], name
     assert "MEASURED_FASTEST = " in printed["app.bench.fastest"]
     lines = printed["app.bench.targets"].splitlines()
-    assert not [line for line in lines if line.endswith("unmeasured")], lines
+    # the toy memory search (64 MiB, at most 256 tokens) cannot meet the 12 GiB target nor
+    # fail it: unmeasured by design; every other target is measured
+    mos = "MoS-15 tokens in 12 GiB"
+    assert not [line for line in lines if line.endswith("unmeasured")
+                and not line.startswith(mos)], lines  # fmt: skip
     assert sum("met (bench_gpu_" in line for line in lines) >= 9
-    assert any(line.startswith("MoS-15 tokens in 12 GiB") for line in lines)
+    assert any(line.startswith(mos) for line in lines)
