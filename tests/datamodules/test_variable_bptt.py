@@ -340,11 +340,11 @@ class WindowRecorder(L.Callback):
             self.validations.append(trainer.current_epoch)
 
 
-def test_a_fit_runs_each_epochs_windows_and_no_more(cli_run, tmp_path, ptb_text, monkeypatch):
-    corpus = small_corpus(tmp_path / "corpus", ptb_text, 120)
-    recorder = "tests.datamodules.test_variable_bptt.WindowRecorder"
-    cli = cli_run(
-        "fit", "--data.init_args.path", corpus, "--data.init_args.batch_size", "4",
+def tiny_variable_fit(corpus: str) -> list[str]:
+    """A 3-epoch CLI fit of a tiny LSTM over ``corpus`` with variable windows (bptt 10, std 6,
+    4 streams, seed 5) and WindowLR: options after ``fit``."""
+    return [
+        "--data.init_args.path", corpus, "--data.init_args.batch_size", "4",
         "--data.init_args.bptt", "10", "--data.init_args.variable_bptt", "true",
         "--data.init_args.bptt_std", "6", "--data.init_args.eval_batch_size", "4",
         "--model.init_args.backbone.init_args.embedding_size", "8",
@@ -353,9 +353,15 @@ def test_a_fit_runs_each_epochs_windows_and_no_more(cli_run, tmp_path, ptb_text,
         "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false",
         "--trainer.enable_model_summary", "false", "--trainer.logger", "false",
         "--trainer.enable_checkpointing", "false", "--seed_everything", "5",
-        "--trainer.callbacks+", "app.callbacks.WindowLR", "--trainer.callbacks+", recorder,
-        experiment="ptb_softmax",
-    )  # fmt: skip
+        "--trainer.callbacks+", "app.callbacks.WindowLR",
+    ]  # fmt: skip
+
+
+def test_a_fit_runs_each_epochs_windows_and_no_more(cli_run, tmp_path, ptb_text, monkeypatch):
+    corpus = small_corpus(tmp_path / "corpus", ptb_text, 120)
+    recorder = "tests.datamodules.test_variable_bptt.WindowRecorder"
+    cli = cli_run("fit", *tiny_variable_fit(corpus), "--trainer.callbacks+", recorder,
+                  experiment="ptb_softmax")  # fmt: skip
     (rec,) = [c for c in cli.trainer.callbacks if isinstance(c, WindowRecorder)]
     stream_len = cli.datamodule.num_tokens("train") // 4
     expected = [WindowSchedule(10, seed=5, std=6.0).lengths(stream_len, e) for e in range(3)]
@@ -372,19 +378,9 @@ def test_the_cli_sizes_a_one_cycle_to_the_fits_variable_windows(cli_run, tmp_pat
     epochs' window counts differ); it ends on the run's last optimizer step."""
     corpus = small_corpus(tmp_path / "corpus", ptb_text, 120)
     cli = cli_run(
-        "fit", "--data.init_args.path", corpus, "--data.init_args.batch_size", "4",
-        "--data.init_args.bptt", "10", "--data.init_args.variable_bptt", "true",
-        "--data.init_args.bptt_std", "6", "--data.init_args.eval_batch_size", "4",
-        "--model.init_args.backbone.init_args.embedding_size", "8",
-        "--model.init_args.backbone.init_args.hidden_size", "8",
+        "fit", *tiny_variable_fit(corpus), "--trainer.accumulate_grad_batches", "2",
         "--model.init_args.scheduler", "torch.optim.lr_scheduler.OneCycleLR",
-        "--model.init_args.scheduler.max_lr", "0.01",
-        "--trainer.max_epochs", "3", "--trainer.accumulate_grad_batches", "2",
-        "--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps", "0",
-        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-        "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
-        "--seed_everything", "5", "--trainer.callbacks+", "app.callbacks.WindowLR",
-        experiment="ptb_softmax",
+        "--model.init_args.scheduler.max_lr", "0.01", experiment="ptb_softmax",
     )  # fmt: skip
     schedule = cli.trainer.lr_scheduler_configs[0].scheduler
     assert cli.trainer.lr_scheduler_configs[0].interval == "step"
