@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sized
 
 import lightning as L
 import torch
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from datamodules.errors import DataConfigError
@@ -136,7 +137,19 @@ class SyntheticHierarchyDataModule(L.LightningDataModule):
         return ResumableLoader(dataset, sampler=order, batch_size=self.batch_size)
 
     def _eval_loader(self, split: str) -> DataLoader:
-        return DataLoader(TensorDataset(*self.data[split]), batch_size=self.eval_batch_size)
+        """Under DDP each rank evaluates its own points, every point once: Lightning would give
+        the loader its ``DistributedSampler``, which pads a split the ranks do not divide with
+        repeated points (counted twice in the loss, the accuracies and DS utilisation). The
+        ranks may then run one batch fewer or more: evaluation makes no collective per batch."""
+        dataset = TensorDataset(*self.data[split])
+        trainer = self.trainer
+        if trainer is None or trainer.world_size == 1:
+            return DataLoader(dataset, batch_size=self.eval_batch_size)
+        # a DistributedSampler already: Lightning keeps it
+        sampler = UnrepeatedDistributedSampler(
+            dataset, num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False
+        )
+        return DataLoader(dataset, sampler=sampler, batch_size=self.eval_batch_size)
 
     def val_dataloader(self) -> DataLoader:
         return self._eval_loader("valid")
