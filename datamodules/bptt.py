@@ -12,23 +12,35 @@ import torch
 from torch.utils.data import IterableDataset
 
 
-def stream_layout(num_tokens: int, batch_size: int, rank: int = 0, world_size: int = 1):
+def stream_layout(
+    num_tokens: int, batch_size: int, rank: int = 0, world_size: int = 1, uneven: bool = False
+):
     """Where a rank's streams lie in a token stream: ``(start, streams, stream_len)``, its
     ``streams`` rows of ``stream_len`` tokens being ``tokens[start : start + streams *
     stream_len]`` (a contiguous block: the global ``[batch_size, stream_len]`` layout is row
-    major). Raises ``ValueError`` for sizes that cannot work."""
+    major). ``uneven`` (evaluation): ``batch_size`` need not divide by ``world_size``, the
+    first ``batch_size % world_size`` ranks take one stream more (10 on 4 ranks: 3, 3, 2, 2;
+    every rank still walks the same windows, and the metrics weigh tokens, not ranks).
+    Training keeps equal shares: DDP averages the ranks' gradients with equal weights. Raises
+    ``ValueError`` for sizes that cannot work."""
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
-    if batch_size % world_size:
+    if batch_size % world_size and not uneven:
         raise ValueError(
             f"batch_size {batch_size} must be divisible by the number of processes "
             f"{world_size}: the streams are split evenly across ranks"
         )
+    if batch_size < world_size:
+        raise ValueError(
+            f"batch_size {batch_size} must be at least the number of processes {world_size}: "
+            f"each rank walks at least one stream"
+        )
     stream_len = num_tokens // batch_size
     if stream_len < 2:
         raise ValueError(f"{num_tokens} tokens are too few for {batch_size} streams of at least 2")
-    per_rank = batch_size // world_size
-    return rank * per_rank * stream_len, per_rank, stream_len
+    per_rank, extra = divmod(batch_size, world_size)
+    first = rank * per_rank + min(rank, extra)  # the rank's first stream
+    return first * stream_len, per_rank + (rank < extra), stream_len
 
 
 def num_windows(stream_len: int, bptt: int) -> int:
@@ -169,8 +181,12 @@ class StreamWindows(IterableDataset):
         )
         self.data, self.split, self.batch_size, self.bptt = data, split, batch_size, bptt
         self.before_pass = before_pass
+        # evaluation shares streams unevenly where the data module's rank_streams does
+        uneven = split != "train" and getattr(data, "uneven_eval_streams", False)
         try:
-            _, _, stream_len = stream_layout(tokens, batch_size, self.rank, self.world_size)
+            _, _, stream_len = stream_layout(
+                tokens, batch_size, self.rank, self.world_size, uneven=uneven
+            )
         except ValueError as exc:  # too few tokens for the streams, or streams vs. ranks
             option = "data.batch_size" if split == "train" else "data.eval_batch_size"
             raise DataConfigError(f"{split} split with {option}={batch_size}: {exc}") from exc

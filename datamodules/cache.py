@@ -57,6 +57,8 @@ FORMAT_VERSION = 3  # 2: a text file's byte-order mark dropped; 3: BPE <unk_char
 IDS_DTYPE = np.dtype("<i4")
 # Ids re-mapped at a time (:meth:`CacheEntry.remap`).
 _REMAP_CHUNK = 1 << 24
+# Ends the name of a file being written (:meth:`CacheEntry._atomic`).
+_TEMP_SUFFIX = ".tmp"
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -174,7 +176,7 @@ class CacheEntry:
     @contextmanager
     def _atomic(self, name: str) -> Iterator[Path]:
         """A temporary path that becomes ``name`` if the block succeeds (removed otherwise)."""
-        temp = self.path / f".{name}.{uuid.uuid4().hex}.tmp"
+        temp = self.path / f".{name}.{uuid.uuid4().hex}{_TEMP_SUFFIX}"
         try:
             yield temp
             os.replace(temp, self.path / name)
@@ -234,6 +236,14 @@ class CacheEntry:
         self.remove(temp)
         return count
 
+    def _remove_orphans(self) -> None:
+        """Delete the temporary files of a build that was killed (SIGKILL, or SIGTERM, which
+        runs no ``finally``): every write happens under the lock, which the caller holds, so
+        none of them is being written. One was left per kill, as large as the split it wrote
+        (400 MB for WikiText-103's training ids), and nothing else ever removed it."""
+        for temp in self.path.glob(f".*{_TEMP_SUFFIX}"):
+            temp.unlink(missing_ok=True)
+
     def remove(self, part: str) -> None:
         """Delete a part's files (temporary parts of a build)."""
         for suffix in (".json", ".ids", ".offsets.npy"):
@@ -266,6 +276,7 @@ class CacheEntry:
                 _say("data cache hit: %s from %s (prepared by another process)", what, self.path)
                 return False
             _say("data cache miss: preparing %s into %s", what, self.path)
+            self._remove_orphans()
             start = time.perf_counter()
             if not self.has("key.json"):
                 self.write_json("key.json", self.material)  # what this entry is, for people

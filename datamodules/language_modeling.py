@@ -397,6 +397,9 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         else:
             why = "words not in the training vocabulary"
             fix = "check that the splits are tokenised alike (case, punctuation, numbers)"
+            limit = self.hparams.max_vocab_size
+            if limit and len(self.vocab.base) >= limit:  # the cap dropped training words too
+                fix = f"raise data.max_vocab_size (the vocabulary is cut to {limit:,}), or {fix}"
         line = (
             f"{split}: {unknown:,} of {tokens:,} tokens ({share:.2%}) became {token} ({why}; "
             f"{token} written in the text not counted)"
@@ -441,11 +444,17 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
             raise DataConfigError(f"data.vocab={self.hparams.vocab} has no word ids")
         return self._split_ids(split)
 
+    # validation and test streams are shared out unevenly where the ranks do not divide them
+    # (``stream_layout``): eval_batch_size 10 runs on 4 or 8 GPUs
+    uneven_eval_streams = True
+
     def rank_streams(self, split: str, batch_size: int, rank: int, world_size: int) -> torch.Tensor:
         """This rank's ``[batch_size / world_size, stream_len]`` block of BPTT streams, int32:
-        a view of the token file (no copy), or this rank's share of the codes."""
+        a view of the token file (no copy), or this rank's share of the codes. Validation and
+        test: ``batch_size`` need not divide by ``world_size`` (``stream_layout``'s
+        ``uneven``)."""
         start, streams, stream_len = stream_layout(
-            self.num_tokens(split), batch_size, rank, world_size
+            self.num_tokens(split), batch_size, rank, world_size, uneven=split != "train"
         )
         stop = start + streams * stream_len
 

@@ -101,6 +101,23 @@ def test_a_failed_preparation_leaves_nothing_to_trust(tmp_path, monkeypatch):
         fresh.vocab.encode_line("b c") + fresh.vocab.encode_line("c")  # fmt: skip
 
 
+def test_a_killed_preparations_temporary_file_is_removed_by_the_next(tmp_path):
+    # SIGKILL or SIGTERM runs no `finally`: the part being written stays as a temporary file
+    # (400 MB for WikiText-103's training ids), which the next build in the entry removes
+    path, cache = write_corpus(tmp_path / "c"), tmp_path / "cache"
+    data = LanguageModelingDataModule(path=path, cache_dir=str(cache))
+    _ = data.vocab
+    orphan = data.cache.path / ".train.ids.0123456789abcdef0123456789abcdef.tmp"
+    orphan.write_bytes(b"\0" * 64)
+    kept = data.cache.path / "notes.txt"  # not the cache's: left alone
+    kept.write_text("mine")
+    fresh = LanguageModelingDataModule(path=path, cache_dir=str(cache))
+    assert fresh.split_tokens("train").tolist() == fresh.vocab.encode_line("a b c") + \
+        fresh.vocab.encode_line("b c") + fresh.vocab.encode_line("c")  # fmt: skip
+    assert not orphan.exists() and kept.read_text() == "mine"
+    assert not list(data.cache.path.glob(".*"))
+
+
 def test_cache_location(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "env"))
     assert cache_root() == tmp_path / "env" / "data"

@@ -3,6 +3,7 @@ import logging
 import lzma
 import pickle
 from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from datasets import Dataset, DatasetDict, load_dataset
 import datamodules.text_source as text_source
 import datamodules.vocab.hybrid_lightrnn as hybrid_module
 from datamodules import LanguageModelingDataModule
+from datamodules.bptt import BPTTBatches
 from datamodules.errors import (
     DataConfigError,
     DataFormatError,
@@ -406,6 +408,29 @@ def test_lightrnn_ranks_encode_only_their_share(ptb_lightrnn, world_size, monkey
     assert torch.equal(torch.cat(shares), full[: 8 * stream_len].view(8, stream_len))
 
 
+@pytest.mark.parametrize("world_size", [3, 4, 8])
+def test_evaluation_streams_are_shared_by_ranks_that_do_not_divide_them(ptb_data, world_size):
+    # WikiText-103's eval_batch_size 10 under the DDP preset on 4 or 8 GPUs was refused at the
+    # first validation: now the first ranks take a stream more, and the ranks' loaders
+    # together walk exactly the one-process windows (the same count on every rank)
+    streams = 10
+    single = list(BPTTBatches(ptb_data.split_tokens("valid"), streams, 35))
+    ranks = []
+    for rank in range(world_size):
+        ptb_data.trainer = SimpleNamespace(global_rank=rank, world_size=world_size)
+        ranks.append(list(ptb_data.val_dataloader()))
+    ptb_data.trainer = None
+    assert [len(batches) for batches in ranks] == [len(single)] * world_size
+    sizes = [batches[0][0].size(0) for batches in ranks]
+    assert sizes == sorted(sizes, reverse=True) and max(sizes) - min(sizes) <= 1
+    for step, (inputs, targets) in enumerate(single):
+        assert torch.equal(torch.cat([batches[step][0] for batches in ranks]), inputs)
+        assert torch.equal(torch.cat([batches[step][1] for batches in ranks]), targets)
+    # training keeps equal shares (DDP averages the ranks' gradients with equal weights)
+    with pytest.raises(ValueError, match="divisible by the number of processes"):
+        ptb_data.rank_streams("train", streams, 0, world_size)
+
+
 def test_pickling_maps_the_token_files_again_instead_of_copying_them(ptb_data):
     """ddp_spawn and spawned loader workers pickle the data module: 930k tokens would be
     3.7 MB of int32; the vocabulary alone is what travels."""
@@ -494,6 +519,23 @@ def test_unknown_words_are_counted_per_split_and_read_back_on_a_cache_hit(tmp_pa
     data.setup("validate")
     assert data.unknown_tokens == {"valid": (1, 1203)}
     assert unknown_lines(caplog)["valid"].levelno == logging.INFO
+
+
+def test_evaluation_unknowns_under_a_vocabulary_cap_advise_raising_it(tmp_path, caplog):
+    # a WikiText-103-like corpus cut to 100,000 words: 3.9% of valid became <unk>, nearly all
+    # words the cap dropped, and the warning only said to check the splits' tokenisation
+    caplog.set_level(logging.INFO, logger="datamodules")
+    path, cache = unk_corpus(tmp_path / "text"), str(tmp_path / "cache")
+    for cap, advice in ((5, "over 1%, raise data.max_vocab_size (the vocabulary is cut to 5), "
+                            "or check that the splits are tokenised alike"),
+                        (None, "over 1%, check that the splits are tokenised alike")):  # fmt: skip
+        caplog.clear()
+        LanguageModelingDataModule(path=path, cache_dir=cache, max_vocab_size=cap).setup("validate")
+        assert (
+            unknown_lines(caplog)["valid"]
+            .getMessage()
+            .endswith(advice + " (case, punctuation, numbers)")
+        )
 
 
 def test_bpe_counts_unseen_characters_only(tmp_path, caplog):
