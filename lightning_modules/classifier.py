@@ -11,6 +11,7 @@ from torch import nn
 from heads import Head
 from lightning_modules.errors import ModelConfigError
 from lightning_modules.head_task import HeadTask
+from lightning_modules.optimization import SchedulerInterval
 from lightning_modules.weighted_mean import WeightedMean
 
 
@@ -35,6 +36,11 @@ class Classifier(HeadTask):
             the torch backend (eager, compiled, rows, plain, checkpoint, fused); see ``HeadTask``.
         cuda_graphs: capture the head's training step as CUDA graphs, one per batch shape
             (not DS-Softmax; CUDA only: elsewhere it runs eagerly); see ``HeadTask``.
+        scheduler_interval: when ``scheduler`` steps: ``step`` (after every optimizer step),
+            ``epoch``, or unset: the scheduler's own (every step for ``InverseSquareRootLR``,
+            ``WarmupCosineLR``, ``OneCycleLR``, ``CyclicLR``; else every epoch). Set ``step``
+            for a torch schedule whose lengths count optimizer steps (``CosineAnnealingLR``'s
+            ``T_max``, ``LinearLR``'s ``total_iters``, the count a ``LambdaLR`` is given).
     """
 
     def __init__(
@@ -47,8 +53,12 @@ class Classifier(HeadTask):
         compile: bool | dict[str, Any] = False,
         loss_backend: str = "auto",
         cuda_graphs: bool = False,
+        scheduler_interval: SchedulerInterval | None = None,
     ) -> None:
-        super().__init__(backbone, head, optimizer, scheduler, compile, loss_backend, cuda_graphs)
+        super().__init__(
+            backbone, head, optimizer, scheduler, compile, loss_backend, cuda_graphs,
+            scheduler_interval=scheduler_interval,
+        )  # fmt: skip
         top_k = tuple(k for k in top_k if k <= head.vocab_size)
         if not top_k:
             raise ModelConfigError(

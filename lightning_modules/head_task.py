@@ -52,6 +52,9 @@ from lightning_modules.module_configs import (
     cli_module_configs,
 )
 from lightning_modules.optimization import (
+    SchedulerInterval,
+    check_resumed_sizes,
+    check_scheduler_interval,
     configure_optimizers,
     plateau_monitors,
     step_plateau_schedulers,
@@ -153,6 +156,10 @@ class HeadTask(L.LightningModule):
       interval, at the end of a training epoch and of each validation and test
       (:class:`~lightning_modules.checks.FiniteLossCheck`); subclasses that override
       ``on_validation_epoch_end`` / ``on_test_epoch_end`` call ``super()`` first.
+    - ``scheduler_interval`` (every task's option): when the scheduler steps, ``step`` (every
+      optimizer step) or ``epoch``; unset, the scheduler's own
+      (:func:`~lightning_modules.optimization.default_interval`). Saved with the
+      hyper-parameters: a fit resumed without it steps as the checkpoint's did.
 
     Each task calls ``super().__init__`` first (which checks the head against the backbone's
     ``output_size`` and records the options common to every task), then saves its own
@@ -163,6 +170,7 @@ class HeadTask(L.LightningModule):
     head: Head
     optimizer_factory: OptimizerCallable
     scheduler_factory: LRSchedulerCallable | None
+    scheduler_interval: SchedulerInterval | None = None
     compile_options: dict[str, Any] | None = None
 
     def __init__(
@@ -174,14 +182,19 @@ class HeadTask(L.LightningModule):
         compile: CompileOption,
         loss_backend: str,
         cuda_graphs: bool = False,
+        scheduler_interval: SchedulerInterval | None = None,
     ) -> None:
         super().__init__()
         check_hidden_sizes(head, getattr(backbone, "output_size", None))
+        # (a plateau schedule per step is refused when it is built, in fit only: a test of a
+        # checkpoint trained per step gets its scheduler_interval over the config's plateau)
+        check_scheduler_interval(None, scheduler_interval)
         self.backbone = backbone
         self.head = head
         self.configure_training(compile, loss_backend, cuda_graphs)
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
+        self.scheduler_interval = scheduler_interval
         # validations ended in fit, and that count at the plateau scheduler's last step
         self._validations = self._plateau_validations = 0
         # the epoch whose plateau step was taken at its last validation's end (-1: none)
@@ -350,7 +363,7 @@ class HeadTask(L.LightningModule):
         precision = str(self.trainer.precision) if self._trainer is not None else None
         return configure_optimizers(
             self.parameters(), self.optimizer_factory, self.scheduler_factory, precision,
-            trainer=self._trainer,
+            trainer=self._trainer, interval=self.scheduler_interval,
         )  # fmt: skip
 
     # -- the batch's targets told to the head while on the host ------------------------------
@@ -453,6 +466,8 @@ class HeadTask(L.LightningModule):
         """Take back the :meth:`epoch_state` of the checkpoint this run resumes mid-epoch."""
 
     def on_train_start(self) -> None:
+        # a schedule sized to the fit, resumed: the checkpoint's length against this fit's
+        check_resumed_sizes(config.scheduler for config in self.trainer.lr_scheduler_configs)
         # Resumed: the values the plateau step reads (val/loss) as the checkpoint's latest
         # validation left them (Lightning saves no callback_metrics), for an epoch's end that
         # no validation ends to step on, as the uninterrupted fit's does

@@ -17,6 +17,7 @@ from lightning_modules.backbones import LMBackbone
 from lightning_modules.checks import HEAD_KEY, tie_head
 from lightning_modules.errors import ModelConfigError
 from lightning_modules.head_task import HeadTask, warn_once
+from lightning_modules.optimization import SchedulerInterval
 from lightning_modules.pretrained import Pretrained, read_pretrained
 from lightning_modules.weighted_mean import WeightedMean
 from lightning_modules.word_perplexity import (
@@ -78,6 +79,11 @@ class LanguageModel(HeadTask):
             plain, checkpoint); see ``HeadTask``.
         cuda_graphs: capture the head's training step as CUDA graphs, one per batch shape
             (not DS-Softmax; CUDA only: elsewhere it runs eagerly); see ``HeadTask``.
+        scheduler_interval: when ``scheduler`` steps: ``step`` (after every optimizer step),
+            ``epoch``, or unset: the scheduler's own (every step for ``InverseSquareRootLR``,
+            ``WarmupCosineLR``, ``OneCycleLR``, ``CyclicLR``; else every epoch). Set ``step``
+            for a torch schedule whose lengths count optimizer steps (``CosineAnnealingLR``'s
+            ``T_max``, ``LinearLR``'s ``total_iters``, the count a ``LambdaLR`` is given).
     """
 
     # the run's quality in TensorBoard's HPARAMS tab (hp_metric): its best validation perplexity
@@ -98,8 +104,12 @@ class LanguageModel(HeadTask):
         compile: bool | dict[str, Any] = False,
         loss_backend: str = "auto",
         cuda_graphs: bool = False,
+        scheduler_interval: SchedulerInterval | None = None,
     ) -> None:
-        super().__init__(backbone, head, optimizer, scheduler, compile, loss_backend, cuda_graphs)
+        super().__init__(
+            backbone, head, optimizer, scheduler, compile, loss_backend, cuda_graphs,
+            scheduler_interval=scheduler_interval,
+        )  # fmt: skip
         if tie_weights:
             tie_head(head, backbone.embedding.weight)
         _check_predict_options(predict_top_k, generate_tokens, temperature)

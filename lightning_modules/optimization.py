@@ -3,14 +3,31 @@
 from __future__ import annotations
 
 import functools
+import logging
 import math
+import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_modules.errors import ModelConfigError
+
+log = logging.getLogger(__name__)
+
+# when a scheduler steps: Lightning's lr_scheduler "interval" (None: the scheduler's own default)
+SchedulerInterval = Literal["epoch", "step"]
+INTERVALS = ("epoch", "step")
+
+
+@functools.cache
+@rank_zero_only
+def _warn_once(message: str) -> None:
+    """A ``warning:`` line (the CLI's shape), once a process, from rank 0 under DDP (a DS
+    mitosis rebuilds the optimizers, and the schedule with them: said once)."""
+    log.warning(f"warning: {message}")
 
 
 class InverseSquareRootLR(torch.optim.lr_scheduler.LRScheduler):
@@ -32,6 +49,79 @@ class InverseSquareRootLR(torch.optim.lr_scheduler.LRScheduler):
     def get_lr(self) -> list[float]:
         step = max(1, self.last_epoch + 1)  # the step about to be taken, 1-based
         factor = min(step / self.warmup_steps, (self.warmup_steps / step) ** 0.5)
+        return [base * factor for base in self.base_lrs]
+
+
+class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
+    """Linear warm-up then cosine decay to a floor, stepped after every optimizer step
+    (``interval = "step"``): the transformer language models' schedule (GPT-2/3, Chinchilla;
+    the cosine of SGDR, Loshchilov & Hutter 2017, Eq. 5, with one cycle). After ``k`` optimizer
+    steps (``k = last_epoch``) the rate is ``lr * f(k)``, with ``s = warmup_start_factor``,
+    ``W = warmup_steps``, ``T = total_steps``, ``m = min_lr_ratio``:
+
+    - ``k < W``: ``s + (1 - s) k / W`` (from ``s lr`` at the first step to ``lr`` at step W;
+      torch's ``LinearLR(start_factor=s, total_iters=W)``);
+    - ``W <= k < T``: ``m + (1 - m) (1 + cos(pi (k - W) / (T - W))) / 2`` (torch's
+      ``CosineAnnealingLR(T_max=T - W, eta_min=m lr)`` started at step W);
+    - ``k >= T``: ``m`` (constant at the floor).
+
+    ``total_steps`` unset: the task sizes it to the fit's optimizer steps, as it sizes a
+    ``OneCycleLR`` (:func:`build_scheduler`). A fit shorter than the warm-up ends in it (with
+    a warning line)."""
+
+    interval = "step"
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        warmup_steps: int = 0,
+        total_steps: int | None = None,
+        min_lr_ratio: float = 0.0,
+        warmup_start_factor: float = 0.0,
+        last_epoch: int = -1,
+    ) -> None:
+        if not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ModelConfigError(
+                f"model.scheduler.warmup_steps must be 0 (no warm-up) or more, got {warmup_steps}"
+            )
+        if total_steps is None:
+            raise ModelConfigError(
+                "WarmupCosineLR needs total_steps: give model.scheduler.total_steps, or let the "
+                "task size it to the fit (trainer.max_epochs or trainer.max_steps)"
+            )
+        if not isinstance(total_steps, int) or total_steps < 1:
+            raise ModelConfigError(
+                f"model.scheduler.total_steps must be a positive integer, got {total_steps}"
+            )
+        for name, value in (("min_lr_ratio", min_lr_ratio),
+                            ("warmup_start_factor", warmup_start_factor)):  # fmt: skip
+            if not 0.0 <= value <= 1.0:
+                raise ModelConfigError(f"model.scheduler.{name} must be in [0, 1], got {value}")
+        if total_steps <= warmup_steps:
+            _warn_once(
+                f"WarmupCosineLR: the warm-up ({warmup_steps} optimizer steps) is not shorter "
+                f"than the schedule's {total_steps} steps: the rate never reaches the cosine "
+                f"(lower model.scheduler.warmup_steps, or train longer)"
+            )
+        self.warmup_steps = warmup_steps
+        self.total_steps = total_steps
+        self.min_lr_ratio = min_lr_ratio
+        self.warmup_start_factor = warmup_start_factor
+        super().__init__(optimizer, last_epoch)
+
+    def factor(self, step: int) -> float:
+        """The rate's factor after ``step`` optimizer steps (the class docstring's ``f``)."""
+        warmup, total, floor = self.warmup_steps, self.total_steps, self.min_lr_ratio
+        if step < warmup:
+            start = self.warmup_start_factor
+            return start + (1.0 - start) * step / warmup
+        if step >= total:
+            return floor
+        progress = (step - warmup) / (total - warmup)  # total > step >= warmup: no 0 / 0
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def get_lr(self) -> list[float]:
+        factor = self.factor(max(self.last_epoch, 0))
         return [base * factor for base in self.base_lrs]
 
 
@@ -94,22 +184,163 @@ def stepping_batches(trainer: Any) -> int | float:
     return count(trainer) if callable(count) else trainer.estimated_stepping_batches
 
 
-def build_scheduler(scheduler: LRSchedulerCallable, optimizer: Any, trainer: Any = None) -> Any:
-    """``scheduler(optimizer)``; a ``OneCycleLR`` given neither ``total_steps`` nor ``epochs``
-    is sized to the fit's optimizer steps (:func:`stepping_batches`)."""
+def default_interval(scheduler: Any) -> SchedulerInterval:
+    """When a scheduler (a class or one built) steps unless ``model.scheduler_interval`` says:
+    its own ``interval`` (:class:`InverseSquareRootLR`, :class:`WarmupCosineLR`), every
+    optimizer step for torch's per-batch ones (:data:`PER_STEP_SCHEDULERS`), else once an
+    epoch (Lightning's default)."""
+    own = getattr(scheduler, "interval", None)
+    if own in INTERVALS:
+        return own
+    cls = scheduler if isinstance(scheduler, type) else type(scheduler)
+    return "step" if issubclass(cls, PER_STEP_SCHEDULERS) else "epoch"
+
+
+def check_scheduler_interval(scheduler: Any, interval: Any) -> None:
+    """``model.scheduler_interval``: epoch, step or None (the scheduler's default); a
+    ``ReduceLROnPlateau`` (which steps on a validation's ``val/loss``) refused per step."""
+    if interval is not None and interval not in INTERVALS:
+        raise ModelConfigError(
+            f"model.scheduler_interval must be epoch, step or null (the scheduler's own), got "
+            f"{interval!r}"
+        )
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
     cls = scheduler_class(scheduler)
-    if cls is None or not issubclass(cls, torch.optim.lr_scheduler.OneCycleLR):
+    if interval == "step" and (cls is plateau or isinstance(scheduler, plateau)):
+        raise ModelConfigError(
+            "model.scheduler_interval step: ReduceLROnPlateau steps on a validation's val/loss, "
+            "once an epoch; give scheduler_interval epoch (or leave it unset), or another "
+            "scheduler"
+        )
+
+
+# torch's schedules whose arguments count scheduler steps: stepped once an epoch, a length
+# meant in optimizer steps (a cosine of T_max 20000) barely moves in a fit of a few epochs
+STEP_COUNT_ARGUMENTS = {
+    torch.optim.lr_scheduler.CosineAnnealingLR: ("T_max",),
+    torch.optim.lr_scheduler.CosineAnnealingWarmRestarts: ("T_0",),
+    torch.optim.lr_scheduler.LinearLR: ("total_iters",),
+    torch.optim.lr_scheduler.ConstantLR: ("total_iters",),
+    torch.optim.lr_scheduler.PolynomialLR: ("total_iters",),
+    torch.optim.lr_scheduler.StepLR: ("step_size",),
+    torch.optim.lr_scheduler.MultiStepLR: ("milestones",),
+}
+
+
+def fit_epochs(trainer: Any) -> float:
+    """The epochs the fit will train at most (``inf`` where unknown): ``max_epochs``, or as many
+    as ``max_steps`` optimizer steps take where that ends the fit first."""
+    epochs = getattr(trainer, "max_epochs", None)
+    epochs = epochs if isinstance(epochs, int) and epochs > 0 else math.inf
+    max_steps = getattr(trainer, "max_steps", -1)
+    if isinstance(max_steps, int) and max_steps > 0:
+        try:
+            steps = stepping_batches(trainer)  # (sets num_training_batches up)
+            batches = trainer.num_training_batches
+            accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1)), 1)
+        except Exception:  # noqa: BLE001 - a warning's estimate: no estimate, no warning
+            return epochs
+        if math.isfinite(batches) and batches > 0 and math.isfinite(steps):
+            epochs = min(epochs, math.ceil(steps / math.ceil(batches / accumulate)))
+    return epochs
+
+
+def warn_step_sized_arguments(scheduler: Any, trainer: Any) -> None:
+    """A torch scheduler stepped once an epoch by default whose length (``T_max``,
+    ``total_iters``, ...) is more than the fit's epochs: likely meant in optimizer steps. One
+    warning line naming ``--model.scheduler_interval step``."""
+    cls = scheduler_class(scheduler)
+    names = STEP_COUNT_ARGUMENTS.get(cls) if cls is not None else None
+    given = getattr(scheduler, "keywords", None)
+    if not names or not isinstance(given, dict) or trainer is None:
+        return
+    lengths = {}
+    for name in names:
+        value = given.get(name)
+        value = max(value, default=None) if isinstance(value, (list, tuple)) else value
+        if isinstance(value, int) and not isinstance(value, bool):
+            lengths[name] = value
+    if not lengths:
+        return
+    epochs = fit_epochs(trainer)
+    name, length = max(lengths.items(), key=lambda item: item[1])
+    if not math.isfinite(epochs) or length <= epochs:
+        return
+    _warn_once(
+        f"model.scheduler {cls.__name__} steps once an epoch, and its {name} {length} is more "
+        f"than the fit's {epochs} epochs: if it counts optimizer steps, give "
+        f"--model.scheduler_interval step (--model.scheduler_interval epoch: meant so)"
+    )
+
+
+def scheduler_steps(trainer: Any, interval: SchedulerInterval) -> int | float:
+    """How many times the fit steps a schedule of ``interval``: its optimizer steps
+    (:func:`stepping_batches`), or its epochs (``inf`` where unknown)."""
+    if trainer is None:
+        return math.inf
+    if interval == "step":
+        return stepping_batches(trainer)
+    epochs = getattr(trainer, "max_epochs", None)
+    return epochs if isinstance(epochs, int) and epochs > 0 else math.inf
+
+
+# the schedules build_scheduler sized to the fit -> the fit's count (what a resumed fit's
+# checkpoint state replaces: check_resumed_sizes)
+_SIZED_TO_FIT: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def build_scheduler(
+    scheduler: LRSchedulerCallable,
+    optimizer: Any,
+    trainer: Any = None,
+    interval: SchedulerInterval | None = None,
+) -> Any:
+    """``scheduler(optimizer)``; a ``OneCycleLR`` given neither ``total_steps`` nor ``epochs``,
+    or a :class:`WarmupCosineLR` given no ``total_steps``, is sized to the fit: its optimizer
+    steps (:func:`stepping_batches`), or its epochs where it steps once an epoch
+    (``interval``, else the class's :func:`default_interval`)."""
+    cls = scheduler_class(scheduler)
+    sized = (torch.optim.lr_scheduler.OneCycleLR, WarmupCosineLR)
+    if cls is None or not issubclass(cls, sized):
         return scheduler(optimizer)
     given = getattr(scheduler, "keywords", {})
     if given.get("total_steps") is not None or given.get("epochs") is not None:
         return scheduler(optimizer)
-    total = stepping_batches(trainer) if trainer is not None else math.inf
+    total = scheduler_steps(trainer, interval or default_interval(cls))
     if not math.isfinite(total):
         raise ModelConfigError(
-            "model.scheduler OneCycleLR needs the run's length: give its total_steps, or "
-            "trainer.max_epochs or trainer.max_steps to size it from"
+            f"model.scheduler {cls.__name__} needs the run's length: give its total_steps, or "
+            f"trainer.max_epochs or trainer.max_steps to size it from"
         )
-    return scheduler(optimizer, total_steps=int(total))
+    # (a fit of no training batch steps none: 1, not torch's refusal of 0)
+    built = scheduler(optimizer, total_steps=max(int(total), 1))
+    _SIZED_TO_FIT[built] = built.total_steps
+    return built
+
+
+def check_resumed_sizes(schedules: Iterable[Any]) -> None:
+    """At the start of a resumed fit (the schedules' states restored): a schedule sized to the
+    fit keeps the checkpoint's length (torch restores ``total_steps``), not this fit's. A
+    longer fit (more epochs or steps than the checkpoint's) would take a ``OneCycleLR`` past
+    its end, which raises at that step: refused in one line now. A ``WarmupCosineLR`` stays at
+    its floor past its end (or a shorter fit ends above it): said in a warning line."""
+    for schedule in schedules:
+        sized = _SIZED_TO_FIT.get(schedule)
+        kept = getattr(schedule, "total_steps", None)
+        if sized is None or kept is None or kept == sized:
+            continue
+        name = type(schedule).__name__
+        where = (
+            f"model.scheduler {name} was sized to the checkpoint's fit ({kept} optimizer "
+            f"steps), and a schedule resumes with its length; this fit has {sized}"
+        )
+        if isinstance(schedule, torch.optim.lr_scheduler.OneCycleLR) and sized > kept:
+            raise ModelConfigError(
+                f"{where}: OneCycleLR cannot step past its end. Resume with the checkpoint's "
+                f"trainer.max_epochs / max_steps, or train anew from its weights"
+            )
+        past = "its rate stays at its floor past them" if sized > kept else "it ends first"
+        _warn_once(f"{where}: {past}")
 
 
 def configure_optimizers(
@@ -118,12 +349,17 @@ def configure_optimizers(
     scheduler: LRSchedulerCallable | None,
     precision: str | None = None,
     trainer: Any = None,
+    interval: SchedulerInterval | None = None,
 ) -> Any:
     """The injected optimizer, and the scheduler stepped per epoch on ``val/loss`` (which
-    ``ReduceLROnPlateau`` needs and other schedulers ignore), or per optimizer step for a
-    scheduler that says so (``interval = "step"``, e.g. :class:`InverseSquareRootLR`) and for
-    torch's per-batch ones (:data:`PER_STEP_SCHEDULERS`). A ``OneCycleLR`` without
-    ``total_steps`` is sized to the fit (``trainer``'s: :func:`build_scheduler`).
+    ``ReduceLROnPlateau`` needs and other schedulers ignore), or per optimizer step: where
+    ``interval`` (``model.scheduler_interval``) says ``step``, and by default for a scheduler
+    that says so (``interval = "step"``, e.g. :class:`InverseSquareRootLR`,
+    :class:`WarmupCosineLR`) and for torch's per-batch ones (:data:`PER_STEP_SCHEDULERS`):
+    :func:`default_interval`. A ``OneCycleLR`` without ``total_steps`` (a ``WarmupCosineLR``
+    too) is sized to the fit (``trainer``'s: :func:`build_scheduler`). A torch schedule left
+    per epoch whose length looks like optimizer steps is warned of
+    (:func:`warn_step_sized_arguments`).
 
     ``strict: False``: an epoch without ``val/loss`` (``limit_val_batches=0``, validation
     every n epochs) skips the plateau step with a warning instead of stopping the run; a
@@ -136,9 +372,13 @@ def configure_optimizers(
     keep_state_on_device(built)
     if scheduler is None:
         return built
-    schedule = build_scheduler(scheduler, built, trainer)
-    per_step = isinstance(schedule, PER_STEP_SCHEDULERS)
-    interval = getattr(schedule, "interval", "step" if per_step else "epoch")
+    check_scheduler_interval(scheduler, interval)
+    schedule = build_scheduler(scheduler, built, trainer, interval)
+    check_scheduler_interval(schedule, interval)  # (a factory whose class was not known)
+    if interval is None:
+        interval = default_interval(schedule)
+        if interval == "epoch":
+            warn_step_sized_arguments(scheduler, trainer)
     config = {"scheduler": schedule, "monitor": "val/loss", "interval": interval, "strict": False}
     return {"optimizer": built, "lr_scheduler": config}
 

@@ -234,7 +234,7 @@ def _positive_trainer_options(trainer: Namespace) -> None:
 # parameters (tie_weights) and are refused in one line when the command line gives another
 # value (set only in a config, the checkpoint's wins, as Lightning has it: a test of an untied
 # checkpoint with a setting that ties).
-RESUME_CHANGEABLE = frozenset({"freeze_backbone", "label_smoothing", "top_k"})
+RESUME_CHANGEABLE = frozenset({"freeze_backbone", "label_smoothing", "top_k", "scheduler_interval"})
 
 
 class AppCLI(LightningCLI):
