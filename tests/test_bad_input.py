@@ -1,4 +1,4 @@
-"""Bad input stops with one line naming what to fix (README, "Scale and reliability"), through
+"""Bad input stops with one line naming what to fix (README, "Train, test, predict"), through
 cli.py.
 
 Each case runs ``cli.console_main`` as ``python cli.py`` would and checks the line it prints
