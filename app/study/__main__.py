@@ -1,6 +1,7 @@
-"""``python -m app.study run|render|check``: the experiment runner's command line.
+"""``python -m app.study run|status|render|check``: the experiment runner's command line.
 
 python -m app.study run configs/studies/ptb_medium_gpu.yaml --parallel 3
+python -m app.study status configs/studies/ptb_medium_gpu.yaml
 python -m app.study render runs/studies/ptb_medium_gpu/study.json --images docs/results
 python -m app.study check configs/studies/*.yaml
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 from app.cli.console import exit_status
 from app.study.grid import load_grid
 from app.study.report import render_markdown
-from app.study.runner import StudyInterrupted, run_study
+from app.study.runner import StudyInterrupted, run_study, study_status
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,6 +64,11 @@ def _parser() -> argparse.ArgumentParser:
         help="prefix of the image links (default: the way from --markdown's folder to the PNGs)",
     )
     render.add_argument("--markdown", default=None, help="write the markdown here (else print)")
+    status = commands.add_parser(
+        "status", help="what a study's folder holds: each run's state, counts, time left"
+    )
+    status.add_argument("grid", help="the study grid YAML the runs were run from")
+    status.add_argument("--out", default="runs/studies", help="the run command's --out")
     check = commands.add_parser("check", help="validate grid files")
     check.add_argument("grids", nargs="+")
     return parser
@@ -88,6 +94,9 @@ def _command(args: argparse.Namespace) -> int:
                 f"{path}: {len(grid.runs())} runs ({len(grid.heads)} heads x "
                 f"{max(1, len(grid.variants))} variants x {len(grid.seeds)} seeds)"
             )
+        return 0
+    if args.command == "status":
+        print("\n".join(study_status(load_grid(args.grid), Path(args.out))))
         return 0
     if args.command == "run":
         grid = load_grid(args.grid)

@@ -303,7 +303,7 @@ def parse_grid(content: Any, path: Path | str = "<grid>", root: Path = REPO) -> 
         if spec.finetune.configs else [],
         "overrides": dict((content["finetune"] or {}).get("overrides") or {}),
     }  # fmt: skip
-    return Grid(
+    grid = Grid(
         name=spec.name,
         description=spec.description,
         base=[] if spec.base is None else _config_list(spec.base, "base", path, root),
@@ -325,6 +325,33 @@ def parse_grid(content: Any, path: Path | str = "<grid>", root: Path = REPO) -> 
         instability_threshold=float(spec.instability_threshold),
         raw=dict(content),
     )
+    # a head "a__b" and head "a" with variant "b" share the folder a__b/ (labels keep "_")
+    folders: dict[Path, str] = {}
+    for run in grid.runs():
+        if (other := folders.setdefault(run.relative_dir.parent, run.label)) != run.label:
+            raise _fail(path, f"runs {other!r} and {run.label!r} would share the folder "
+                        f"{run.relative_dir.parent}: rename a head or a variant")  # fmt: skip
+    return grid
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the last
+    silently, so a head label pasted twice (``softmax: a.yaml`` then ``softmax: b.yaml``) ran
+    one of them and said nothing."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str | int | float | bool) and key in seen:
+                line = key_node.start_mark.line + 1
+                raise _DuplicateKey(f"key {key!r} is given twice in one mapping (line {line})")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def load_grid(path: str | Path, root: Path = REPO) -> Grid:
@@ -333,7 +360,9 @@ def load_grid(path: str | Path, root: Path = REPO) -> Grid:
     if not path.is_file():
         raise StudyConfigError(f"study grid {path} does not exist")
     try:
-        content = yaml.safe_load(path.read_text())
+        content = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader
+    except _DuplicateKey as exc:
+        raise _fail(path, str(exc)) from None
     except yaml.YAMLError as exc:
         raise _fail(path, f"is not valid YAML: {exc}") from exc
     return parse_grid(content, path, root)

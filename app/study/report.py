@@ -264,10 +264,12 @@ def _where(study: Mapping[str, Any]) -> str:
     device = ", ".join(gpus) if gpus else f"CPU ({env.get('cpu_count', '?')} cores)"
     load = env.get("load_average")
     load_text = f", load average {load[0]} at the start" if load else ""
-    commit = (env.get("git_commit") or "unknown")[:10]
+    commit = "commit " + (env.get("git_commit") or "unknown")[:10]
+    if runs := env.get("run_commits"):  # a study resumed on other code: each commit's runs
+        commit = "commits " + ", ".join(f"{c[:10]} ({n} runs)" for c, n in runs.items())
     if env.get("git_dirty"):  # (studies written before the flag: unknown, not said)
         commit += " with uncommitted changes"
-    return f"{device}, torch {env.get('torch', '?')}, commit {commit}{load_text}"
+    return f"{device}, torch {env.get('torch', '?')}, {commit}{load_text}"
 
 
 # -- corpora with a known optimum (the synthetic Markov chain, app.callbacks.DataOptimum) --------

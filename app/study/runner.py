@@ -7,13 +7,17 @@ subprocess, TensorBoard and CSV logs, checkpoints, ``spec.json`` (what the run c
 configs, options) and ``result.json``. A run with a ``result.json`` whose status is ``ok`` or
 ``diverged`` is finished and skipped when the study is run again; a fit that was cut short
 resumes from its last checkpoint. A run folder whose ``spec.json`` differs from the grid's run
-(the grid was edited since) is refused, not reused. A stage stopped by Ctrl+C or ``SIGTERM`` (a
-scheduler's preemption) writes no ``result.json``: the study starts no other run, and running
-it again continues where it stopped.
+(the grid, or a config file it reads, was edited since) is refused, not reused. One runner at
+a time uses a study folder (``.lock``, held by its stages too). Each result records the commit
+it ran on; the study JSON names every commit its runs ran on. A stage stopped by Ctrl+C or
+``SIGTERM`` (a scheduler's preemption) writes no ``result.json``: the study starts no other
+run, and running it again continues where it stopped.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import math
 import os
@@ -114,6 +118,19 @@ def _saved_config(run_dir: Path, version: str) -> Path:
     return run_dir / "tensorboard" / version / "config.yaml"
 
 
+def device_used(log: str, pinned: str) -> str:
+    """The device a fit trained on, from Lightning's ``GPU available: ..., used: ...`` line
+    in its log: ``--devices none`` pins nothing, and a fit on a GPU machine took the GPU while
+    the run was recorded as on ``cpu``; a config's ``accelerator: cpu`` on a pinned slot is
+    the converse. ``pinned`` (the slot's ``cuda:N``, or ``cpu``) where the line is missing."""
+    found = re.findall(r"^GPU available: .*, used: (True|False)\s*$", log, re.MULTILINE)
+    if not found:
+        return pinned
+    if found[-1] == "False":
+        return "cpu"
+    return pinned if pinned.startswith("cuda") else "cuda"
+
+
 class StaleRunError(UserError):
     """A run folder that holds a run of other settings than the grid's (the grid was edited
     after it ran): reusing its result or resuming its fit would report the new settings over
@@ -130,6 +147,7 @@ def run_spec(grid: Grid, run: RunSpec) -> dict[str, Any]:
         "overrides": grid.run_overrides(run),
         "finetune": grid.finetune,
         "rank": grid.rank,
+        "configs": config_digests(grid, run),
     }
     return json.loads(json.dumps(spec, default=str))
 
@@ -163,6 +181,8 @@ def check_run_folder(grid: Grid, run: RunSpec, run_dir: Path) -> None:
             stored = json.loads(path.read_text())
         except ValueError:
             stored = None  # edited by hand? nothing to hold against: the run rewrites it
+        if isinstance(stored, dict) and "configs" not in stored:
+            wanted.pop("configs")  # a folder of before the digests: its files unknown
         if stored is None or stored == wanted:
             return
     else:
@@ -177,6 +197,49 @@ def check_run_folder(grid: Grid, run: RunSpec, run_dir: Path) -> None:
         f"({'; '.join(_differences(stored, wanted))}): give a new --out, or delete that "
         "folder to run it again"
     )
+
+
+def config_digests(grid: Grid, run: RunSpec) -> dict[str, str]:
+    """Every config file a run reads (its base configs, head fragment, fine-tuning configs,
+    option values naming a file, and the files these name in turn, relative to the naming
+    file as jsonargparse reads them), each with a digest of its parsed content: a run folder's
+    spec names the files alone, so an edited ``configs/lm/ptb.yaml`` (another learning rate)
+    went unnoticed and its old results were reported beside the new ones. Comments and
+    layout do not count."""
+    digests: dict[str, str] = {}
+
+    def visit(path: Path) -> None:
+        path = path.resolve()
+        key = os.path.relpath(path, REPO)
+        if key in digests or not path.is_file():
+            return
+        try:
+            content = yaml.safe_load(path.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError):
+            content = path.read_text(errors="replace")
+        text = json.dumps(content, sort_keys=True, default=str)
+        digests[key] = hashlib.sha256(text.encode()).hexdigest()[:16]
+        for value in _strings(content):
+            if value.endswith((".yaml", ".yml")):
+                visit(path.parent / value)
+
+    named = [*grid.run_base(run), *(grid.finetune or {}).get("configs", [])]
+    named += [run.head.fragment] if run.head.fragment else []
+    named += [v for v in _strings(grid.run_overrides(run)) if v.endswith((".yaml", ".yml"))]
+    for name in named:
+        visit(REPO / name)
+    return dict(sorted(digests.items()))
+
+
+def _strings(value: Any) -> list[str]:
+    """The strings in a YAML value, nested ones too."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
 
 
 class StageFailed(Exception):
@@ -210,10 +273,13 @@ class _StageProcesses:
     def __init__(self) -> None:
         self._live: set[subprocess.Popen] = set()
         self._lock = threading.Lock()
+        # the study folder's lock (StudyLock): held by the stages too, so that a runner killed
+        # with SIGKILL leaves its folder locked while the fits it started still write there
+        self.pass_fds: tuple[int, ...] = ()
 
     def call(self, args: list[str], **options: Any) -> int:
         with self._lock:  # started and listed at once: a SIGTERM between would miss it
-            process = subprocess.Popen(args, **options)
+            process = subprocess.Popen(args, pass_fds=self.pass_fds, **options)
             self._live.add(process)
         try:
             return process.wait()
@@ -229,6 +295,53 @@ class _StageProcesses:
 
 _STAGES = _StageProcesses()
 
+LOCK = ".lock"
+
+
+class StudyBusyError(UserError):
+    """The study folder is in use: another runner (or the stages one left running) would
+    fit the same runs in the same folders at once, each resuming and overwriting the other's
+    checkpoints and results."""
+
+
+class StudyLock:
+    """An exclusive ``flock`` on ``<study folder>/.lock`` for as long as the runner or any
+    stage it started lives (the stages inherit it); the file names the holder."""
+
+    def __init__(self, study_dir: Path) -> None:
+        self.path = study_dir / LOCK
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = self.path.read_text().strip() or "unknown"
+            os.close(self.fd)
+            raise StudyBusyError(
+                f"study folder {study_dir} is in use by another runner or the runs it "
+                f"started ({holder}): wait for it to stop, or give another --out"
+            ) from None
+        os.ftruncate(self.fd, 0)
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.write(self.fd, f"pid {os.getpid()} on {platform.node()}, since {started}\n".encode())
+
+    def release(self) -> None:
+        os.close(self.fd)  # (stages still running keep it locked until they exit)
+
+
+def study_busy(study_dir: Path) -> bool:
+    """Whether a runner (or a stage it started) holds the study folder's lock now."""
+    path = study_dir / LOCK
+    if not path.is_file():
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
 
 class RunExecutor:
     """Runs the stages of one run in subprocesses, in the repository root."""
@@ -237,12 +350,14 @@ class RunExecutor:
         self.grid, self.run, self.run_dir, self.env = grid, run, run_dir, env
         self.commands: dict[str, list[str]] = {}
         self.wall_s: dict[str, float] = {}
+        self.device = env.get("STUDY_DEVICE", "cpu")  # the slot's; what the fit said wins
 
     def _call(self, stage: str, args: list[str]) -> None:
         self.commands[stage] = args
         start = time.perf_counter()
+        header = " ".join(args) + "\n\n"
         with (self.run_dir / f"{stage}.log").open("w") as log:
-            log.write(" ".join(args) + "\n\n")
+            log.write(header)
             log.flush()
             code = _STAGES.call(args, cwd=REPO, env=self.env, stdout=log, stderr=log)
         self.wall_s[stage] = round(time.perf_counter() - start, 2)
@@ -250,8 +365,13 @@ class RunExecutor:
             signum = code - 128 if code > 0 else -code
             raise StageInterrupted(f"{stage} stopped by a signal (exit status {code})", signum)
         if code != 0:
-            tail = (self.run_dir / f"{stage}.log").read_text().strip().splitlines()[-1:]
+            # the stage's own last line (not the command line above it, when it printed none)
+            output = (self.run_dir / f"{stage}.log").read_text().removeprefix(header)
+            tail = output.strip().splitlines()[-1:]
             message = tail[0] if tail else f"exit status {code}"
+            if code < 0:  # killed: its last line is whatever it printed before
+                name = signal.Signals(-code).name if -code in signal.valid_signals() else -code
+                message = f"killed by {name}" + (" (out of memory?)" if code == -9 else "")
             status = "diverged" if _DIVERGED in message else "failed"
             raise StageFailed(stage, status, f"{stage} exited with {code}: {message[-500:]}")
 
@@ -273,6 +393,7 @@ class RunExecutor:
         args += [*extra, "--config", loggers, "--seed_everything", str(self.run.seed), *resume]
         args += ["--trainer.enable_progress_bar", "false"]
         self._call(version, args)
+        self.device = device_used((run_dir / f"{version}.log").read_text(), self.device)
         last = last_checkpoint(checkpoints)
         if last is None:
             raise StageFailed(version, "failed", f"{version} wrote no {checkpoints / 'last.ckpt'}")
@@ -363,6 +484,7 @@ def execute_run(grid: Grid, run: RunSpec, run_dir: Path, env: dict[str, str]) ->
         "variant": run.variant,
         "seed": run.seed,
         "overrides": overrides,
+        "code": code_version(),  # as the stages import it (a resumed study may differ)
     }
     head = [] if run.head.fragment is None else ["--model.head", run.head.fragment]
     try:
@@ -379,11 +501,18 @@ def execute_run(grid: Grid, run: RunSpec, run_dir: Path, env: dict[str, str]) ->
             final_version, best = "finetune", stage["best_checkpoint"]
         result["test"] = executor.test(final_version, best)
         result["tested_checkpoint"] = best
+        if not math.isfinite(value := result["test"][grid.metric]):
+            # a loss too large for exp (1e31 nats: inf perplexity) raises no non-finite loss
+            # in training, yet the run diverged: counted as one, not as ok with no number
+            raise StageFailed("test", "diverged", f"test: {grid.metric} is {value}")
         if grid.rank is not None:
             result["rank"] = executor.rank(final_version, best)
         result["status"] = "ok"
     except StageFailed as failure:
         result.update(status=failure.status, error=str(failure), failed_stage=failure.stage)
+        # the whole story (its last line, the error above, may be anything: a kill leaves a
+        # progress line); local, so kept out of the study JSON
+        result["log"] = str(run_dir / f"{failure.stage}.log")
     stages = [result[s] for s in ("fit", "finetune") if s in result]
     result["train_s"] = sum(s["train_s"] or 0.0 for s in stages) if stages else None
     result["max_regression"] = max((s["max_regression"] for s in stages), default=None)
@@ -391,7 +520,7 @@ def execute_run(grid: Grid, run: RunSpec, run_dir: Path, env: dict[str, str]) ->
         result["unstable"] = result["max_regression"] > grid.instability_threshold
     result["commands"] = executor.commands
     result["wall_s"] = executor.wall_s
-    result["device"] = env.get("STUDY_DEVICE", "cpu")
+    result["device"] = executor.device
     result = finite_json(result)
     write_atomic(run_dir / RESULT, json.dumps(result, indent=1, allow_nan=False))
     return result
@@ -429,11 +558,14 @@ def load_result(run_dir: Path, echo: Callable[[str], None] = print) -> dict[str,
 def progress_line(index: int, total: int, result: dict[str, Any], grid: Grid, note: str) -> str:
     head = f"[{index}/{total}] {result['label']} seed {result['seed']}:"
     if result["status"] != "ok":
-        return f"{head} {result['status'].upper()} ({result.get('error', '')}) {note}".rstrip()
+        log = f", log {result['log']}" if result.get("log") else ""
+        return f"{head} {result['status'].upper()} ({result.get('error', '')}{log}) {note}".rstrip()
     curve = result.get("finetune", result.get("fit", {})).get("curve", [])
+    curve = [p for p in curve if p.get(grid.curve_metric) is not None]  # (non-finite: None)
     pick = min if grid.mode == "min" else max
     best = pick(curve, key=lambda p: p[grid.curve_metric]) if curve else None
-    text = f"{head} {grid.metric} {result['test'][grid.metric]:.2f}"
+    value = result["test"].get(grid.metric)  # None: non-finite, in an older runner's "ok"
+    text = f"{head} {grid.metric} {'non-finite' if value is None else f'{value:.2f}'}"
     if best is not None:
         text += f", best {grid.curve_metric} {best[grid.curve_metric]:.2f} @ epoch {best['epoch']}"
     if result.get("train_s"):
@@ -483,20 +615,42 @@ def environment() -> dict[str, Any]:
     }
     if (load := load_average()) is not None:
         info["load_average"] = load
+    return {**info, **code_version()}
+
+
+def code_version() -> dict[str, Any]:
+    """The commit the repository is at now and whether tracked files differ from it."""
     try:
-        info["git_commit"] = subprocess.run(
+        commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
         ).stdout.strip()
         # edits to tracked files: the commit alone would name code that did not run
-        info["git_dirty"] = bool(
+        dirty = bool(
             subprocess.run(
                 ["git", "status", "--porcelain", "--untracked-files=no"],
                 cwd=REPO, capture_output=True, text=True, check=True,
             ).stdout.strip()
         )  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
-        info["git_commit"] = None
-    return info
+        return {"git_commit": None}
+    return {"git_commit": commit, "git_dirty": dirty}
+
+
+def _code_of_runs(env: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any]:
+    """``env`` with the code the runs ran: a study resumed after a ``git pull`` (or run
+    across one: every stage imports the code afresh) holds runs of several commits, which the
+    commit of the last runner's start alone would hide. Runs of before the per-run record
+    count as of unknown code."""
+    commits: dict[str, int] = {}
+    for result in results:
+        commit = result.get("code", {}).get("git_commit") or "unknown"
+        commits[commit] = commits.get(commit, 0) + 1
+    env = dict(env)
+    if commits and set(commits) != {env.get("git_commit") or "unknown"}:
+        env["run_commits"] = commits  # commit -> runs
+    if any(result.get("code", {}).get("git_dirty") for result in results):
+        env["git_dirty"] = True
+    return env
 
 
 def study_document(grid: Grid, results: list[dict[str, Any]], env: dict[str, Any]) -> dict:
@@ -514,7 +668,7 @@ def study_document(grid: Grid, results: list[dict[str, Any]], env: dict[str, Any
         "reference": grid.reference,
         "instability_threshold": grid.instability_threshold,
         "grid": grid.raw,
-        "environment": env,
+        "environment": _code_of_runs(env, results),
         # studies written before this flag timed epochs with validation inside (issue 33)
         "epoch_time_excludes_validation": True,
         "runs": [_compact(r) for r in results],
@@ -523,7 +677,7 @@ def study_document(grid: Grid, results: list[dict[str, Any]], env: dict[str, Any
 
 def _compact(result: dict[str, Any]) -> dict[str, Any]:
     """A run as the study JSON keeps it: no command lines or local paths."""
-    drop = {"commands", "tested_checkpoint", "schema", "study"}
+    drop = {"commands", "tested_checkpoint", "schema", "study", "log"}
     compact = {k: v for k, v in result.items() if k not in drop}
     for stage in ("fit", "finetune"):
         if stage in compact:
@@ -559,6 +713,24 @@ def run_study(
         raise ValueError(f"parallel must be >= 1, got {parallel}")
     study_dir = out / grid.name
     study_dir.mkdir(parents=True, exist_ok=True)
+    lock = StudyLock(study_dir)
+    _STAGES.pass_fds = (lock.fd,)
+    try:
+        return _run_locked(grid, study_dir, parallel, devices, threads, rerun_failed, echo)
+    finally:
+        _STAGES.pass_fds = ()
+        lock.release()
+
+
+def _run_locked(
+    grid: Grid,
+    study_dir: Path,
+    parallel: int,
+    devices: Sequence[str] | None,
+    threads: int | None,
+    rerun_failed: bool,
+    echo: Callable[[str], None],
+) -> dict[str, Any]:
     runs = grid.runs()
     for run in runs:  # all checked before any run starts
         check_run_folder(grid, run, study_dir / run.relative_dir)
@@ -648,3 +820,48 @@ def run_study(
             stopped_by[0],
         )
     return document
+
+
+def study_status(grid: Grid, out: Path) -> list[str]:
+    """What a study folder holds, as lines: each run's state (finished with its metric,
+    failed with its log, started, to do, or of other settings), then the counts, whether a
+    runner holds the folder, and the time left at the finished runs' mean time."""
+    study_dir = out / grid.name
+    busy = study_busy(study_dir)
+    counts: dict[str, int] = {}
+    seconds: list[float] = []
+    lines = []
+    runs = grid.runs()
+    for index, run in enumerate(runs, 1):
+        run_dir = study_dir / run.relative_dir
+        head = f"[{index}/{len(runs)}] {run.label} seed {run.seed}:"
+        try:
+            check_run_folder(grid, run, run_dir)
+        except StaleRunError:
+            state, text = "stale", "STALE (a run of other settings: `run` refuses the folder)"
+        else:
+            result = load_result(run_dir, echo=lambda line: None)
+            if result is not None:
+                state = result["status"]
+                text = progress_line(index, len(runs), result, grid, "")[len(head) + 1 :]
+                if state in FINISHED:
+                    seconds.append(sum((result.get("wall_s") or {}).values()))
+            elif (run_dir / SPEC).is_file():
+                state = "started"
+                text = "running" if busy else "cut short (`run` resumes it)"
+            else:
+                state, text = "to do", "to do"
+        counts[state] = counts.get(state, 0) + 1
+        lines.append(f"{head} {text}")
+    order = ("ok", "diverged", "failed", "started", "to do", "stale")
+    summary = ", ".join(f"{counts[s]} {s}" for s in order if counts.get(s))
+    holder = (study_dir / LOCK).read_text().strip() if busy else ""
+    lines.append(f"{summary}; {f'a runner is at work ({holder})' if busy else 'no runner at work'}")
+    left = counts.get("started", 0) + counts.get("to do", 0)
+    if left and seconds:
+        mean = sum(seconds) / len(seconds)
+        lines.append(
+            f"left: {left} runs, ~{left * mean / 60:.0f} min one at a time "
+            f"(the {len(seconds)} finished runs' mean, {mean / 60:.1f} min)"
+        )
+    return lines

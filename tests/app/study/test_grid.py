@@ -106,3 +106,25 @@ def test_override_values_read_back_as_the_same_yaml():
     assert args[::2] == [f"--{k}" for k in values]
     assert [yaml.safe_load(v) for v in args[1::2]][:5] == [True, None, 0.5, [1, 2], {"x": 1}]
     assert cli_value("00:01:00:00") == "00:01:00:00"
+
+
+def test_a_key_given_twice_is_refused_not_silently_dropped(tmp_path):
+    """PyYAML keeps the second of two equal keys: a head label pasted twice ran one head."""
+    path = tmp_path / "g.yaml"
+    path.write_text(
+        "name: g\nbase: configs/lm/ptb.yaml\nseeds: [1]\nheads:\n"
+        "  softmax: configs/heads/softmax.yaml\n  softmax: configs/heads/mixtape.yaml\n"
+    )
+    with pytest.raises(StudyConfigError, match=r"key 'softmax' is given twice .*line 6") as error:
+        load_grid(path)
+    assert "\n" not in str(error.value)
+
+
+def test_two_runs_sharing_a_folder_are_refused():
+    """``+`` becomes ``__`` in a folder name: head ``a`` with variant ``b__c`` and head
+    ``a__b`` with variant ``c`` would resume and overwrite each other's runs."""
+    content = {**VALID, "heads": {"a": "configs/heads/softmax.yaml",
+                                  "a__b": "configs/heads/mixtape.yaml"},
+               "variants": {"b__c": {}, "c": {}}}  # fmt: skip
+    with pytest.raises(StudyConfigError, match=r"'a\+b__c' and 'a__b\+c' would share the folder"):
+        parse_grid(content, "grid.yaml")

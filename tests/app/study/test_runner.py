@@ -402,3 +402,181 @@ def test_a_result_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         runner.execute_run(grid, grid.runs()[0], tmp_path, {})
     assert not (tmp_path / "result.json").exists()
+
+
+# -- what makes a run folder the grid's, and who may use it ----------------------------------
+def test_an_edited_config_file_refuses_the_run_folder_but_a_comment_does_not(tmp_path, monkeypatch):
+    """The spec named the config files alone: an edited base config (or a file it names, as
+    ``data: data.yaml``) reused the old results beside new ones."""
+    monkeypatch.setattr(runner._STAGES, "call", _stage_fails)
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    (configs / "base.yaml").write_text("trainer: {max_epochs: 2}\ndata: data.yaml\n")
+    (configs / "data.yaml").write_text("init_args: {batch_size: 20}\n")
+    grid = parse_grid({"name": "cfg", "base": str(configs / "base.yaml"), "seeds": [1],
+                       "heads": {"softmax": "configs/heads/softmax.yaml"}})  # fmt: skip
+
+    def study():
+        run_study(grid, tmp_path / "out", rerun_failed=True, echo=lambda line: None)
+
+    study()
+    (configs / "base.yaml").write_text("# a comment\ntrainer: {max_epochs: 2}\ndata: data.yaml\n")
+    study()  # the same settings
+    (configs / "data.yaml").write_text("init_args: {batch_size: 40}\n")
+    with pytest.raises(runner.StaleRunError, match=r"data\.yaml: \"[0-9a-f]+\" -> \"[0-9a-f]+\""):
+        study()
+
+
+def test_a_second_runner_on_the_same_folder_is_refused_while_any_stage_lives(tmp_path, monkeypatch):
+    """Two runners on one folder fitted the same run at once. The lock is the runner's and
+    its stages': a runner killed with SIGKILL leaves its fits running, and they hold it."""
+    popen, orphans = subprocess.Popen, []
+
+    def stage(args, **options):  # a fit that outlives the runner (as after its SIGKILL)
+        orphans.append(popen([sys.executable, "-c", "import time; time.sleep(60)"], **options))
+        return popen([sys.executable, "-c", "raise SystemExit(1)"])
+
+    monkeypatch.setattr(runner.subprocess, "Popen", stage)
+    grid = _two_seeds("busy", [1])
+    inside = []
+
+    def echo(line):  # a second runner while the first runs
+        with pytest.raises(runner.StudyBusyError, match=r"in use by another runner .*pid \d+"):
+            run_study(grid, tmp_path, rerun_failed=True, echo=inside.append)
+        inside.append(line)
+
+    run_study(grid, tmp_path, echo=echo)
+    assert inside and "FAILED" in inside[0]
+    assert runner.study_busy(tmp_path / "busy")  # the orphan holds it
+    with pytest.raises(runner.StudyBusyError):
+        run_study(grid, tmp_path, rerun_failed=True, echo=lambda line: None)
+    for orphan in orphans:
+        orphan.kill()
+        orphan.wait()
+    assert not runner.study_busy(tmp_path / "busy")
+    run_study(grid, tmp_path, rerun_failed=True, echo=lambda line: None)
+
+
+def test_a_failed_run_names_its_log_and_the_study_json_keeps_no_local_path(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner._STAGES, "call", _stage_fails)
+    lines = []
+    document = run_study(_two_seeds("logged", [1]), tmp_path, echo=lines.append)
+    log = tmp_path / "logged" / "softmax" / "seed1" / "fit.log"
+    assert f"log {log})" in lines[0] and log.is_file()
+    assert str(tmp_path) not in json.dumps(document)
+
+
+def test_runs_of_other_code_are_labelled_with_their_commits(tmp_path, monkeypatch):
+    """A study resumed after a ``git pull`` held runs of two commits; the study JSON and the
+    report named the one of the last runner's start."""
+    monkeypatch.setattr(runner._STAGES, "call", _stage_fails)
+    for commit, seeds in (("a" * 40, [1]), ("b" * 40, [1, 2])):
+        version = {"git_commit": commit, "git_dirty": False}
+        monkeypatch.setattr(runner, "code_version", lambda v=version: dict(v))
+        document = run_study(_two_seeds("pulled", seeds), tmp_path, echo=lambda line: None)
+    assert document["environment"]["run_commits"] == {"a" * 40: 1, "b" * 40: 1}
+    assert document["environment"]["git_commit"] == "b" * 40
+    markdown = render_markdown(document, str(tmp_path), "")
+    assert "commits aaaaaaaaaa (1 runs), bbbbbbbbbb (1 runs)" in markdown
+
+
+def test_a_stage_killed_by_a_signal_says_so_not_its_last_line(tmp_path, monkeypatch):
+    """A fit killed by the out-of-memory killer: its last printed line was reported as the
+    error (a progress line, or the command line when it had printed none)."""
+
+    def killed(args, stdout, **options):
+        stdout.write("Epoch 0: 40%\n")
+        return -signal.SIGKILL
+
+    monkeypatch.setattr(runner._STAGES, "call", killed)
+    document = run_study(_two_seeds("killed", [1]), tmp_path, echo=lambda line: None)
+    assert document["runs"][0]["error"] == "fit exited with -9: killed by SIGKILL (out of memory?)"
+
+
+def test_status_says_what_is_done_started_failed_and_left(tmp_path, monkeypatch, capsys):
+    from app.study.__main__ import main
+
+    grid = _two_seeds("state", [1, 2, 3, 4])
+    runs, study_dir = grid.runs(), tmp_path / "state"
+    monkeypatch.setattr(runner._STAGES, "call", _stage_fails)
+    run_study(_two_seeds("state", [4]), tmp_path, echo=lambda line: None)  # seed 4 failed
+    for run, wall in ((runs[0], 120.0), (runs[1], None)):
+        run_dir = study_dir / run.relative_dir
+        run_dir.mkdir(parents=True)
+        (run_dir / "spec.json").write_text(json.dumps(runner.run_spec(grid, run)))
+        if wall:  # seed 1 finished in 2 min; seed 2 started, no result
+            result = {"label": "softmax", "seed": 1, "status": "ok", "test": {"test/ppl": 99.0},
+                      "wall_s": {"fit": wall - 20, "test": 20.0}}  # fmt: skip
+            (run_dir / "result.json").write_text(json.dumps(result))
+    path = tmp_path / "state.yaml"
+    path.write_text(yaml.safe_dump({**grid.raw, "seeds": [1, 2, 3, 4]}))
+
+    def status():
+        assert main(["status", str(path), "--out", str(tmp_path)]) == 0
+        return capsys.readouterr().out.splitlines()
+
+    lines = status()
+    assert lines[0] == "[1/4] softmax seed 1: test/ppl 99.00"
+    assert lines[1] == "[2/4] softmax seed 2: cut short (`run` resumes it)"
+    assert lines[2] == "[3/4] softmax seed 3: to do"
+    assert lines[3].startswith("[4/4] softmax seed 4: FAILED (fit exited with 1")
+    assert "softmax/seed4/fit.log" in lines[3]
+    assert lines[4] == "1 ok, 1 failed, 1 started, 1 to do; no runner at work"
+    assert lines[5] == "left: 2 runs, ~4 min one at a time (the 1 finished runs' mean, 2.0 min)"
+    lock = runner.StudyLock(study_dir)
+    try:
+        lines = status()
+    finally:
+        lock.release()
+    assert lines[1] == "[2/4] softmax seed 2: running"
+    assert f"; a runner is at work (pid {os.getpid()} on " in lines[4]
+
+
+@pytest.mark.parametrize(
+    ("said", "slot", "device"),
+    [("True (cuda), used: True", None, "cuda"), ("True (cuda), used: True", "1", "cuda:1"),
+     ("True (cuda), used: False", "1", "cpu"), (None, None, "cpu")],
+)  # fmt: skip
+def test_the_recorded_device_is_the_one_the_fit_used(tmp_path, monkeypatch, said, slot, device):
+    """``--devices none`` on a GPU machine: the fits took the GPU, the runs said ``cpu``."""
+    run_dir = tmp_path / "run"
+    fake = FakeCli(run_dir)
+
+    def fit(args, stdout, **options):
+        if said is not None and args[2] == "fit":
+            stdout.write(f"GPU available: {said}\n")
+        return fake(args, **options)
+
+    monkeypatch.setattr(runner._STAGES, "call", fit)
+    grid = _tiny("device")
+    env = {} if slot is None else runner._run_env(slot, None)
+    assert runner.execute_run(grid, grid.runs()[0], run_dir, env)["device"] == device
+
+
+def test_an_infinite_test_perplexity_is_a_diverged_run_not_a_crash(tmp_path, monkeypatch):
+    """Adam at lr 1e30: losses of 1e31 nats, finite (no non-finite-loss stop), perplexities
+    inf. The run was "ok" with no number and its progress line raised a TypeError that
+    ended the study, again at every rerun (the line of the skipped run)."""
+    run_dir = tmp_path / "inf" / "softmax" / "seed1"
+    fake = FakeCli(run_dir)
+
+    def stage(args, **options):
+        code = fake(args, **options)
+        csv = run_dir / "csv" / ("test" if args[2] == "test" else "fit")
+        if args[2] == "test":
+            (csv / "metrics.csv").write_text("test/loss,test/ppl\n3e31,inf\n")
+        else:
+            (csv / "metrics.csv").write_text("epoch,step,val/loss,val/ppl\n0,9,3e31,inf\n")
+        return code
+
+    monkeypatch.setattr(runner._STAGES, "call", stage)
+    lines = []
+    grid = _tiny("inf")
+    run = run_study(grid, tmp_path, echo=lines.append)["runs"][0]
+    assert run["status"] == "diverged" and run["error"] == "test: test/ppl is inf"
+    assert "DIVERGED (test: test/ppl is inf" in lines[0]
+    # a result an older runner wrote: "ok", its values None (finite_json)
+    result = json.loads((run_dir / "result.json").read_text())
+    result.update(status="ok", test={"test/ppl": None})
+    line = runner.progress_line(1, 1, result, grid, "")
+    assert line.startswith("[1/1] softmax seed 1: test/ppl non-finite")
