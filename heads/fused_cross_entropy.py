@@ -283,7 +283,8 @@ def linear_lse(
         (_, width), tile, saved = plan_tiles(row_bound, v, hidden.device, options), None, 0
     if options.plan == "checkpoint":  # plain maths per chunk: the hand-written plans' yardstick
         target = own_targets(target, v)
-        lse, target_logit = checkpointed_lse(hidden, weight, bias, target, width)
+        dtype = compute_dtype(hidden, weight)
+        lse, target_logit = checkpointed_lse(hidden, weight, bias, target, width, dtype)
         return LinearLSE(lse, target_logit, logit_sums(hidden, weight, bias) if logit_sum else None)
     if resolve_plan(options.plan, hidden) == "compiled":
         acc = accumulation_dtype(hidden, weight)

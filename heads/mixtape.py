@@ -256,12 +256,11 @@ class MixtapeHead(SingleSoftmaxHead):
         tokens' ``[rows, K, S]`` products stay bounded however large N is."""
         self.check_inputs(hidden)
         parts = []
-        for start in range(0, hidden.size(0), _EVAL_ROWS):
+        # N = 0: one slice of no rows, so that the answer stays a function of the parameters
+        for start in range(0, max(hidden.size(0), 1), _EVAL_ROWS):
             logits = self.logits(hidden[start : start + _EVAL_ROWS])
             with float32_no_autocast(hidden.device):
                 parts.append(upcast(logits).log_softmax(dim=-1))
-        if not parts:
-            return hidden.new_zeros(0, self.vocab_size, dtype=upcast(hidden).dtype)
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def forward(
@@ -370,14 +369,16 @@ def mixtape_pieces(
     ``d2 = 64``, K = 4 the gate products would otherwise have 68-element rows.
     """
     n, kg = hidden.size(0), gate_bias.size(1)
-    contexts = torch.tanh(F.linear(hidden, context_weight, context_bias)).view(n, kg + 1, -1)
+    # sizes named, not -1: a batch of no rows (N = 0) has no size to infer
+    d, d2 = context_weight.size(0) // (kg + 1), gate_embedding.size(1)
+    contexts = torch.tanh(F.linear(hidden, context_weight, context_bias)).view(n, kg + 1, d)
     # F.dropout where sequence_length is None; else one mask a sequence (the MoS code's lockdrop)
     contexts = locked_dropout(contexts, context_dropout, training, sequence_length)
     shared = F.linear(hidden, gate_context_weight)  # [N, K-1]: u_k . g_c (Eq. 6)
     projection = _normalised(projection_weight, weight_norm_scale)
     gate_hidden = torch.tanh(F.linear(hidden, projection, projection_bias))
     gate_hidden = locked_dropout(gate_hidden, gate_dropout, training, sequence_length)
-    gate_hidden = gate_hidden.view(n, kg, -1)
+    gate_hidden = gate_hidden.view(n, kg, d2)
     dtype = gate_hidden.dtype
     eye = torch.eye(kg, dtype=dtype, device=hidden.device).expand(n, kg, kg)
     pad = -(gate_embedding.size(1) + kg + 1) % 8  # zero columns: rows of a multiple of 8

@@ -105,7 +105,9 @@ class MoSHead(Head):
         The context dropout is applied here, before any plan: every plan (rows, columns,
         compiled, captured) takes the dropped contexts."""
         n = hidden.size(0)
-        contexts = torch.tanh(self.context(hidden)).view(n, self.num_components, -1)
+        # sizes named, not -1: a batch of no rows (N = 0) has no size to infer
+        contexts = torch.tanh(self.context(hidden))
+        contexts = contexts.view(n, self.num_components, self.embedding_size)
         # a mask per row, or with locked_dropout the MoS code's lockdrop(latent, dropoutl):
         # one mask [B, 1, K d] over each sequence's T steps
         locked = sequence_length if self.locked_dropout else None
@@ -130,7 +132,7 @@ class MoSHead(Head):
         shift = (log_prior - lse).unsqueeze(-1)  # log pi_k - log Z_k
         # the products as the primitive computed them (its dtype, float32 bias), so that
         # each component's block log-probabilities use exactly the normaliser above
-        flat = contexts.reshape(n * k, -1).to(compute_dtype(contexts, self.weight))
+        flat = contexts.reshape(n * k, self.embedding_size).to(compute_dtype(contexts, self.weight))
         acc = accumulation_dtype(contexts, self.weight)
         width = max(1, _EVAL_ENTRIES // max(n * k, 1))
         blocks = []

@@ -275,9 +275,14 @@ class DSSoftmaxHead(Head):
     def _groups(self, expert: torch.Tensor):
         """Tokens grouped by selected expert: ``(k, token indices)`` for each used expert, and
         under ``torch.compile`` for every expert (an empty group costs little; skipping it
-        would branch on the data)."""
+        would branch on the data). A batch of no rows (N = 0, known from its shape) gets
+        expert 0 on zero rows: the loss then has its parts, and every parameter its zero
+        gradient (the packed rows' ``split`` backward writes all of them), as DDP needs."""
         order, sizes = sort_into_groups(expert, self.num_experts)
         compiling, start = torch.compiler.is_compiling(), 0
+        if expert.numel() == 0 and not compiling:
+            yield 0, order
+            return
         for k, size in enumerate(sizes):
             if compiling or size:
                 yield k, order[start : start + size]

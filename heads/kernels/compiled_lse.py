@@ -88,7 +88,7 @@ def mixture_forward_chunk(flat, w, b, shift, total):
     """MoS's label-smoothing term over one chunk: ``total + sum_x logsumexp_k(a_k + z_{k,x})``
     (``flat`` the ``[N K, d]`` component contexts, ``shift`` ``a`` as ``[N, K, 1]``)."""
     n, k = shift.shape[:2]
-    z = _logits(flat, w, b, total.dtype).view(n, k, -1)
+    z = _logits(flat, w, b, total.dtype).view(n, k, w.size(0))  # N = 0: no -1
     return total + torch.logsumexp(z + shift, dim=1).sum(1)
 
 
@@ -96,9 +96,9 @@ def mixture_backward_chunk(flat, w, b, shift, g, grad_flat, grad_shift):
     """Its gradient: the responsibilities ``r = softmax_k(a + z) g`` into the products;
     returns ``(grad_flat + r W_c, r^T h, sum_rows r, grad_shift + sum_x r)``."""
     n, k = shift.shape[:2]
-    z = _logits(flat, w, b, grad_flat.dtype).view(n, k, -1)
+    z = _logits(flat, w, b, grad_flat.dtype).view(n, k, w.size(0))
     r = torch.softmax(z + shift, dim=1) * g
-    r_flat = r.view(n * k, -1)
+    r_flat = r.view(n * k, w.size(0))
     r_c = r_flat.to(flat.dtype)
     grad_flat = grad_flat + torch.mm(r_c, w).to(grad_flat.dtype)
     return grad_flat, torch.mm(r_c.t(), flat), r_flat.sum(0), grad_shift + r.sum(-1)

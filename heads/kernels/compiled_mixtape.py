@@ -46,7 +46,8 @@ def _tree(inputs, contexts, gate_w, w, b, noise, noise_std: float, acc):
     of it in float32."""
     n, k = inputs.size(0), inputs.size(1) + 1  # contexts: [N K, d]
     width = w.size(0)
-    pre = torch.mm(inputs.reshape(n * (k - 1), -1), gate_w.t()).view(n, k - 1, width)  # Eq. 4
+    flat = inputs.reshape(n * (k - 1), inputs.size(2))  # sizes named: N = 0 infers no -1
+    pre = torch.mm(flat, gate_w.t()).view(n, k - 1, width)  # Eq. 4
     if noise is not None:
         pre = pre.to(acc) + noise_std * noise
     gammas = [torch.sigmoid(pre[:, j].to(acc)) for j in range(k - 1)]
@@ -94,7 +95,7 @@ def frequent_backward_block(inputs, contexts_ext, gate_w, w, b, noise, noise_std
     dtype, width = contexts.dtype, z.size(1)
     d_leaves = torch.stack([x.to(dtype) for x in grads[k - 1 :]], 1).view(n * k, width)
     d_pre = torch.stack([x.to(dtype) for x in gate_grads], 1).view(n * (k - 1), width)
-    flat_inputs = inputs.reshape(n * (k - 1), -1)
+    flat_inputs = inputs.reshape(n * (k - 1), inputs.size(2))
     return (
         grad_inputs + torch.mm(d_pre, gate_w).to(grad_inputs.dtype),
         grad_contexts + torch.mm(d_leaves, w).to(grad_contexts.dtype),
@@ -129,7 +130,7 @@ class CompiledMixtapeFrequentLSE(torch.autograd.Function):
         n, k, _ = contexts.shape
         inputs, gate_w, w, b = _detached_inputs(gate_inputs, gate_weights, weight, bias, dtype,
                                                 acc)  # fmt: skip
-        flat = contexts.detach().to(dtype).reshape(n * k, -1)
+        flat = contexts.detach().to(dtype).reshape(n * k, contexts.size(2))
         top = contexts.new_full((n,), -math.inf, dtype=acc)
         total, picked = contexts.new_zeros(n, dtype=acc), contexts.new_zeros(n, dtype=acc)
         logit_sum = contexts.new_zeros(n, dtype=acc) if want_sum else None

@@ -14,6 +14,8 @@ ignored. Its shapes come from ``N`` and ``T`` alone and it reads nothing back, s
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -46,10 +48,11 @@ def locked_dropout(
     n = x.size(0)
     sequences = -(-n // sequence_length)
     padded = sequences * sequence_length
-    rows = x.reshape(n, -1)
+    features = math.prod(x.shape[1:])  # named, not -1: N = 0 rows have no size to infer
+    rows = x.reshape(n, features)
     acc = torch.float32 if x.dtype in HALF_DTYPES else x.dtype
     mask = locked_mask(sequences, rows.size(1), p, acc, x.device)
     if padded != n:  # a last, partial sequence: padded to whole ones and cut back
         rows = F.pad(rows, (0, 0, 0, padded - n))
-    dropped = (rows.view(sequences, sequence_length, -1) * mask).to(x.dtype)
-    return dropped.view(padded, -1)[:n].view(x.shape)
+    dropped = (rows.view(sequences, sequence_length, features) * mask).to(x.dtype)
+    return dropped.view(padded, features)[:n].view(x.shape)

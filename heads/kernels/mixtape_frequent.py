@@ -175,7 +175,7 @@ class MixtapeFrequentLSE(torch.autograd.Function):
         acc = accumulation_dtype(contexts, weight)
         n, k, d = contexts.shape
         s = weight.size(0)
-        flat_inputs = gate_inputs.reshape(n * (k - 1), -1).to(dtype)
+        flat_inputs = gate_inputs.reshape(n * (k - 1), gate_inputs.size(2)).to(dtype)
         flat_contexts = contexts.reshape(n * k, d).to(dtype)
         top = contexts.new_full((n,), -math.inf, dtype=acc)
         total, target_logit, logit_sum = (contexts.new_zeros(n, dtype=acc) for _ in range(3))
@@ -228,7 +228,7 @@ class MixtapeFrequentLSE(torch.autograd.Function):
         acc = lse.dtype
         n, k, d = contexts.shape
         s = weight.size(0)
-        flat_inputs = gate_inputs.reshape(n * (k - 1), -1).to(dtype)
+        flat_inputs = gate_inputs.reshape(n * (k - 1), gate_inputs.size(2)).to(dtype)
         flat_contexts = contexts.reshape(n * k, d).to(dtype)
         g = grad_lse.to(acc).unsqueeze(1)
         inside_any = (target >= 0) & (target < s)

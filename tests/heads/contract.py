@@ -4,6 +4,7 @@ registry ``HEADS`` by ``tests/heads/test_contract.py``; a new head joins them wi
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable
 from functools import partial
 
@@ -194,9 +195,9 @@ def check_loss_matches_reference(
 ) -> None:
     """The training loss against a plain reference in float64, at the fused loss's edges:
     chunked (V not a multiple of the chunk, row tiles), kept and recomputed chunks; one row,
-    every row ignored, ignored rows mixed in; with and without label smoothing. ``loss``,
-    ``nll`` and the gradients of the input and of every parameter equal those of the formula
-    written on ``reference(head, hidden)`` (``[N, V]`` log-probabilities; default the head's
+    every row ignored, ignored rows mixed in, no row at all; with and without label smoothing.
+    ``loss``, ``nll`` and the gradients of the input and of every parameter equal those of the
+    formula written on ``reference(head, hidden)`` (``[N, V]`` log-probabilities; default the head's
     ``training_log_prob``). ``log_prob`` and ``topk`` equal a given ``reference``'s too unless
     ``inference=False`` (a head whose inference distribution is another one, DS-Softmax)."""
     head = make().double().eval()
@@ -207,6 +208,7 @@ def check_loss_matches_reference(
         "mixed": (ROWS, [1, 4]),
         "one_row": (1, []),
         "all_ignored": (4, [0, 1, 2, 3]),
+        "no_rows": (0, []),
     }
     params = [p for p in head.parameters() if p.requires_grad]
     for loss_options in options:
@@ -229,7 +231,10 @@ def check_loss_matches_reference(
                 torch.testing.assert_close(output.nll, nll, **FLOAT64)
                 # the task loss's gradients (aux_loss, a regulariser, is checked elsewhere)
                 got = torch.autograd.grad(output.loss, [hidden, *params], allow_unused=True)
-                want = torch.autograd.grad(expected, [hidden, *params], allow_unused=True)
+                # a reference written row by row has no graph at all without rows: zero
+                want = [None] * (1 + len(params))
+                if expected.requires_grad:
+                    want = torch.autograd.grad(expected, [hidden, *params], allow_unused=True)
                 for g, w, p in zip(got, want, [hidden, *params], strict=True):
                     g = torch.zeros_like(p) if g is None else g
                     w = torch.zeros_like(p) if w is None else w
@@ -241,6 +246,57 @@ def check_loss_matches_reference(
                     values, indices = head.topk(hidden, k)
                     torch.testing.assert_close(values, reference(head, hidden).topk(k).values)
                     torch.testing.assert_close(reference(head, hidden).gather(1, indices), values)
+
+
+# every plan a CPU runs (the compiled one: test_contract's GPU-plan tests, and slow below)
+CPU_PLANS = tuple(
+    LossOptions(plan=plan) for plan in ("auto", "eager", "checkpoint", "rows", "plain")
+)
+
+
+def check_empty_batch(make: Callable[[], Head], options: tuple[LossOptions, ...] = CPU_PLANS):
+    """A batch of no rows (N = 0: an empty batch, or every row dropped before the head), in
+    evaluation and training (dropout, gate noise), with and without label smoothing, given the
+    rows' layout where the head takes it, on every plan of ``options``: ``loss`` is 0 (the mean
+    over no kept row, as for an all-ignored batch: ``Head.output``), ``nll`` is ``[0]``,
+    ``aux_loss`` finite; the loss reaches every parameter a batch with rows reaches, with a zero
+    gradient in the parameter's dtype (DDP reduces them all: a rank's empty batch may leave
+    none out); ``log_prob`` is ``[0, V]`` and ``topk`` ``[0, k]``."""
+    torch.manual_seed(0)
+    head = make().double()
+    params = {name: p for name, p in head.named_parameters() if p.requires_grad}
+    layout = {"sequence_length": 3} if head.takes_sequence_length else {}
+    gen = torch.Generator().manual_seed(5)
+    for loss_options, training, eps in itertools.product(options, (False, True), (0.0, 0.2)):
+        head.loss_options = loss_options
+        head.train(training)
+        reached = set()
+        for rows in (5, 0):
+            hidden = torch.randn(rows, HIDDEN, generator=gen, dtype=torch.float64)
+            hidden.requires_grad_(True)
+            target = torch.randint(0, VOCAB, (rows,), generator=gen)
+            output = head(hidden, target, label_smoothing=eps, **layout)
+            grads = torch.autograd.grad(output.loss, [hidden, *params.values()], allow_unused=True)
+            got = {name for name, g in zip(params, grads[1:], strict=True) if g is not None}
+            if rows:
+                reached = got
+                continue
+            case = (loss_options.plan, training, eps)
+            assert output.loss.shape == () and output.loss.dtype == torch.float64, case
+            assert output.loss.item() == 0, case
+            assert output.nll.shape == (0,) and output.nll.dtype == torch.float64, case
+            assert output.aux_loss.shape == () and torch.isfinite(output.aux_loss), case
+            assert got >= reached, (case, reached - got)
+            for g, p in zip(grads, [hidden, *params.values()], strict=True):
+                assert g is None or (g.dtype == p.dtype and g.shape == p.shape), case
+                assert g is None or not g.any(), case
+    head.eval()
+    with torch.no_grad():
+        hidden = torch.zeros(0, HIDDEN, dtype=torch.float64)
+        assert head.log_prob(hidden).shape == (0, VOCAB)
+        values, indices = head.topk(hidden, 4)
+        assert values.shape == (0, 4) and indices.shape == (0, 4)
+        assert indices.dtype == torch.long
 
 
 def saved_tensor_sizes(fn: Callable[[], object]) -> list[int]:
@@ -436,6 +492,7 @@ CPU_CHECKS = [
     check_label_smoothing,
     check_checkpoint_hooks,
     check_loss_matches_reference,
+    check_empty_batch,
 ]
 # Skipped (by tests/conftest.py) where no CUDA device is present; run with `pytest -m gpu`.
 CUDA_CHECKS = [check_cuda_matches_cpu, check_cuda_bf16_mixed, check_cuda_16_mixed]

@@ -9,7 +9,13 @@ import heads.kernels.chunks as chunks
 import heads.kernels.compiled_lse as compiled_lse
 from heads import AdaptiveSoftmaxHead, DSSoftmaxHead, MixtapeHead, MoSHead, SoftmaxHead
 from heads.fused_cross_entropy import LossOptions
-from tests.heads.contract import HEADS, check_loss_matches_reference, each_check, run_check
+from tests.heads.contract import (
+    HEADS,
+    check_empty_batch,
+    check_loss_matches_reference,
+    each_check,
+    run_check,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,6 +42,20 @@ def test_the_gpu_plans_loss_matches_the_reference(head, monkeypatch):
     gpu_plan = LossOptions(plan="compiled", columns=5, rows=4)
     try:
         run_check(partial(check_loss_matches_reference, options=(gpu_plan,)), HEADS[head])
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.slow  # 10-85 s a head of aot_eager tracing (row counts 5 and 0, both modes)
+@pytest.mark.parametrize("head", GPU_PLAN_HEADS)
+def test_the_gpu_plans_take_a_batch_of_no_rows(head, monkeypatch):
+    """N = 0 through the compiled chunk and block bodies (aot_eager), in training and
+    evaluation, with label smoothing: loss 0, zero gradients (``check_empty_batch``)."""
+    import torch._dynamo
+
+    monkeypatch.setattr(compiled_lse, "COMPILE_BACKEND", "aot_eager")
+    try:
+        run_check(partial(check_empty_batch, options=(LossOptions(plan="compiled"),)), HEADS[head])
     finally:
         torch._dynamo.reset()
 

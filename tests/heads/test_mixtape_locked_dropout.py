@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from heads import MixtapeHead
 from heads.fused_cross_entropy import LossOptions
+from tests.heads.contract import check_empty_batch
 
 HIDDEN, VOCAB, K, D, D2 = 6, 23, 4, 5, 3
 B, T, P_CONTEXT, P_GATE = 3, 4, 0.4, 0.3
@@ -149,3 +150,9 @@ def test_by_default_and_without_a_layout_a_mask_per_row_as_before(plan):
         results.append(outputs(out.loss, out.nll, h, head))
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other, strict=True))
+
+
+def test_a_batch_of_no_rows():
+    """N = 0 with the rows' layout (an empty batch), both dropouts locked and gate noise on:
+    loss 0 and zero gradients on every plan (the contract's ``check_empty_batch``)."""
+    check_empty_batch(lambda: make_head(gate_noise=0.1))

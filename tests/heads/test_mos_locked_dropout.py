@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from heads import MoSHead
 from heads.fused_cross_entropy import LossOptions
 from heads.graphs import GRAPH_DEVICES, GraphedTrainingLoss
+from tests.heads.contract import check_empty_batch
 
 HIDDEN, VOCAB, K, D = 6, 23, 3, 5
 B, T, P = 3, 4, 0.4
@@ -240,3 +241,10 @@ def test_the_locked_step_is_the_same_operators_on_the_same_shapes_for_any_batch(
 def test_a_copy_of_the_head_keeps_the_option():
     head = make_head()
     assert copy.deepcopy(head).locked_dropout and MoSHead.takes_sequence_length
+
+
+def test_a_batch_of_no_rows():
+    """N = 0 with the rows' layout (an empty batch): the locked mask of no sequence reshaped
+    rows of no size (``view(0, -1)``) and failed; now loss 0 and zero gradients, as the
+    contract's ``check_empty_batch`` states, on every plan, in training and evaluation."""
+    check_empty_batch(make_head)
