@@ -47,11 +47,19 @@ def locked_dropout(
         raise ValueError(f"sequence_length must be positive, got {sequence_length}")
     n = x.size(0)
     sequences = -(-n // sequence_length)
-    padded = sequences * sequence_length
     features = math.prod(x.shape[1:])  # named, not -1: N = 0 rows have no size to infer
     rows = x.reshape(n, features)
     acc = torch.float32 if x.dtype in HALF_DTYPES else x.dtype
     mask = locked_mask(sequences, rows.size(1), p, acc, x.device)
+    if torch.compiler.is_compiling():
+        # row r takes its sequence's mask, r // T (a last, partial sequence included): the
+        # eager padding below tests whether T divides N, a guard that compiled a head's loss
+        # twice for one padded row count (AWD-LSTM's windows hit both). Eagerly the gathered
+        # [N, F] mask would be saved for the backward; the broadcast [S, 1, F] one is not
+        sequence = torch.arange(n, device=x.device) // sequence_length
+        dropped = (rows * mask.view(sequences, features)[sequence]).to(x.dtype)
+        return dropped.view(x.shape)
+    padded = sequences * sequence_length
     if padded != n:  # a last, partial sequence: padded to whole ones and cut back
         rows = F.pad(rows, (0, 0, 0, padded - n))
     dropped = (rows.view(sequences, sequence_length, features) * mask).to(x.dtype)

@@ -78,3 +78,25 @@ def test_gradients_flow_through_the_kept_entries_only():
     out = locked_dropout(x, 0.5, True, T)
     (grad,) = torch.autograd.grad(out.sum(), x)
     torch.testing.assert_close(grad, (out / x).detach())
+
+
+def test_compiled_locked_dropout_is_one_graph_whether_or_not_t_divides_the_rows():
+    """A compiled head's padded row count N with AWD-LSTM's varying T: after the first T,
+    one graph symbolic in T, whether T divides N (no partial sequence) or not; the masks
+    those of the eager function. The rows padded to whole sequences only where T did not
+    divide N were a guard, a second compilation of the loss per padded row count."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(locked_dropout)
+    x = torch.randn(288, 6)
+    for t in (64, 65, 66, 72, 70, 96, 71, 48):  # 288 = 4 x 72 = 3 x 96 = 6 x 48
+        torch.manual_seed(0)
+        got = compiled(x, 0.3, True, t)
+        torch.manual_seed(0)
+        want = locked_dropout(x, 0.3, True, t)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    torch._dynamo.reset()
