@@ -18,9 +18,9 @@ class Mitosis(DSCallback):
 
     Algorithm 2 splits once Algorithm 1 (training with pruning) has made the experts sparse:
     that is what keeps mitosis cheap in memory. With ``max_peak_softmaxes`` a due split waits
-    (checked every ``check_every_n_steps`` batches) until pruning has shrunk the experts enough
-    that the split stays within that many softmax layers, parent and children counted
-    together; the next split is then due ``every_n_epochs`` after this one.
+    (checked every ``check_every_n_steps`` optimizer steps) until pruning has shrunk the
+    experts enough that the split stays within that many softmax layers, parent and children
+    counted together; the next split is then due ``every_n_epochs`` after this one.
 
     Each split clones every expert's surviving rows (plus Gaussian noise) and its gate row
     (see :meth:`heads.ds.softmax.DSSoftmaxHead.split_experts`), then rebuilds the optimizer
@@ -102,6 +102,7 @@ class Mitosis(DSCallback):
             self.max_experts = head.vocab_size
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
         if resumed_mid_epoch(trainer):  # this epoch gets no on_train_epoch_start (its split,
             self.on_train_epoch_start(trainer, pl_module)  # if any, is done)
 
@@ -127,8 +128,11 @@ class Mitosis(DSCallback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         _, head = find_ds_head(pl_module)
-        # a split postponed for memory happens as soon as pruning has made room
-        if trainer.global_step % self.check_every_n_steps == 0 and self._due(trainer, head):
+        # a split postponed for memory happens as soon as pruning has made room (after an
+        # optimizer step: not inside an accumulation window)
+        stepped = self.optimizer_stepped(trainer)
+        due = stepped and trainer.global_step % self.check_every_n_steps == 0
+        if due and self._due(trainer, head):
             if self._fits(head):
                 self.split(trainer, pl_module)
         self._record_peak(head)

@@ -32,8 +32,25 @@ class DSCallback(L.Callback):
     set up, before any data is read or step run (found missing at the first pruning, a run
     had trained for hours)."""
 
+    # the global step at the previous train batch's end (optimizer_stepped)
+    _last_step = 0
+
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         find_ds_head(pl_module)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._last_step = trainer.global_step
+
+    def optimizer_stepped(self, trainer: L.Trainer) -> bool:
+        """Whether the batch that just ended ran an optimizer step; call it at every train
+        batch's end. Under ``accumulate_grad_batches`` the other batches end inside a window
+        whose gradients are not applied yet: a structure changed there replaces the
+        parameters that hold them, and the window's step loses those batches' gradient for
+        the head (Algorithm 1 changes the experts after the update, lines 4-11). Its global
+        step also repeats the previous batch's, so a check due at that step ran twice."""
+        stepped = trainer.global_step != self._last_step
+        self._last_step = trainer.global_step
+        return stepped
 
 
 def head_inputs(pl_module: L.LightningModule) -> tuple[torch.Tensor, torch.Tensor]:

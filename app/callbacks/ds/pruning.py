@@ -16,7 +16,7 @@ from heads.errors import HeadConfigError
 class DSPruning(DSCallback):
     """Zero and drop expert rows whose norm is below ``gamma`` once the task loss is low.
 
-    Every ``every_n_steps`` training batches, if the mean task loss (``loss_key`` as logged by
+    Every ``every_n_steps`` optimizer steps, if the mean task loss (``loss_key`` as logged by
     the module, averaged over those batches and over DDP ranks) is below ``loss_threshold``,
     the head drops rows with ``||W^(k)_c||_2 < gamma``. The row norms are parameters, identical
     on every rank after DDP's all-reduce, so all ranks take the same decision.
@@ -80,6 +80,7 @@ class DSPruning(DSCallback):
         return self.stop_epoch is not None and trainer.current_epoch >= self.stop_epoch
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
         if resumed_mid_epoch(trainer):  # this epoch gets no on_train_epoch_start
             self.on_train_epoch_start(trainer, pl_module)
 
@@ -95,7 +96,8 @@ class DSPruning(DSCallback):
         if loss is not None:  # summed on the device: read back only when a check is due
             self._loss_sum = loss.detach().float() + self._loss_sum
             self._loss_count += 1
-        if self._stopped(trainer) or (trainer.global_step % self.every_n_steps):
+        stepped = self.optimizer_stepped(trainer)  # not inside an accumulation window
+        if self._stopped(trainer) or not stepped or (trainer.global_step % self.every_n_steps):
             return
         if not self._loss_count:
             return

@@ -196,3 +196,27 @@ def test_a_split_postponed_into_an_epoch_counts_in_the_epochs_logged_figures():
     # rows before the split: 8 + 2; after it 20: the peak 30 rows, 3.75 softmax layers
     assert mitosis.peak_rows == 30
     assert logged == [(2, 2.0, 2.0), (4, 4.0, 3.75), (4, 4.0, 3.75)]
+
+
+def test_under_gradient_accumulation_a_postponed_split_waits_for_an_optimizer_step():
+    """A split due inside an epoch (postponed for memory) happens at the end of an
+    accumulation window, not on a batch whose gradient is accumulated but not yet applied
+    (the split replaces the head's parameters, and the window's step would lose it)."""
+    torch.manual_seed(0)
+    dm = SyntheticHierarchyDataModule(num_super=2, num_sub=4, train_per_sub=16, batch_size=8)
+    model = make_model(dm)  # 128 points: 16 batches an epoch, 8 optimizer steps
+    splits = []
+
+    class Postponed(Mitosis):
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            pass  # as if the budget postponed it: the split comes from the batch checks
+
+        def split(self, trainer, pl_module) -> None:
+            splits.append((trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx))
+            super().split(trainer, pl_module)
+
+    mitosis = Postponed(max_experts=4, every_n_epochs=1, check_every_n_steps=1)
+    t = trainer(2, [mitosis], accumulate_grad_batches=2)
+    t.fit(model, dm)
+    assert splits == [(1, 1)]  # epoch 1's first window ends at its batch 1
+    assert model.head.num_experts == 4

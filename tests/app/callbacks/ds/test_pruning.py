@@ -308,3 +308,24 @@ def test_a_ds_callback_on_a_model_without_a_ds_head_stops_before_any_step(tmp_pa
     with pytest.raises(HeadConfigError, match="--model.head heads.DSSoftmaxHead"):
         trainer.fit(Counting())
     assert Counting.steps == 0
+
+
+def test_under_gradient_accumulation_pruning_checks_only_after_an_optimizer_step():
+    """With ``accumulate_grad_batches`` a batch inside a window has its gradient accumulated
+    but not applied: a prune there replaces the head's parameters and the window's step
+    loses that batch's gradient (Algorithm 1 prunes after the update). Its global step also
+    repeats the previous batch's, which ran the same check. Checks come only at windows'
+    last batches, once per due step."""
+    torch.manual_seed(0)
+    dm = SyntheticHierarchyDataModule(num_super=4, num_sub=4, train_per_sub=20, batch_size=8)
+    model = make_model(dm)
+    checks = []
+
+    class Record(DSPruning):
+        def prune(self, trainer, pl_module) -> int:
+            checks.append((trainer.fit_loop.epoch_loop.batch_idx, trainer.global_step))
+            return super().prune(trainer, pl_module)
+
+    t = trainer(1, [Record(gamma=0.01, every_n_steps=2)], accumulate_grad_batches=2)
+    t.fit(model, dm)  # 40 batches: 20 optimizer steps
+    assert checks == [(4 * i + 3, 2 * i + 2) for i in range(10)]
