@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from app.cli.console import exit_status
-from app.study.grid import load_grid
+from app.study.grid import Grid, load_grid
+from app.study.preflight import check_grid
 from app.study.report import render_markdown
 from app.study.runner import StudyInterrupted, run_study, study_status
 
@@ -49,6 +50,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run again the runs that failed (not the diverged ones)",
     )
+    run.add_argument(
+        "--skip-check",
+        action="store_true",
+        help="start without first parsing every cell's command (see `check`)",
+    )
     run.add_argument("--json", default=None, help="also copy the study JSON here")
     run.add_argument(
         "--images",
@@ -69,7 +75,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     status.add_argument("grid", help="the study grid YAML the runs were run from")
     status.add_argument("--out", default="runs/studies", help="the run command's --out")
-    check = commands.add_parser("check", help="validate grid files")
+    check = commands.add_parser(
+        "check",
+        help="validate grid files and parse every cell's cli.py fit command (no data, no "
+        "training): one line per bad cell, exit status 2",
+    )
     check.add_argument("grids", nargs="+")
     return parser
 
@@ -86,20 +96,39 @@ def main(argv: list[str] | None = None) -> int:
     return exit_status(lambda: _command(args))
 
 
+def _bad_cells(grid: Grid) -> list[str]:
+    """The grid's cells whose command the CLI refuses, each said on stderr as found."""
+    return check_grid(
+        grid,
+        echo=lambda line: print(line, flush=True),
+        report=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+
+
 def _command(args: argparse.Namespace) -> int:
     if args.command == "check":
-        for path in args.grids:
-            grid = load_grid(path)
+        grids = [(path, load_grid(path)) for path in args.grids]  # every file's structure first
+        bad = []
+        for path, grid in grids:
             print(
                 f"{path}: {len(grid.runs())} runs ({len(grid.heads)} heads x "
                 f"{max(1, len(grid.variants))} variants x {len(grid.seeds)} seeds)"
             )
-        return 0
+            bad += _bad_cells(grid)
+        return 2 if bad else 0
     if args.command == "status":
         print("\n".join(study_status(load_grid(args.grid), Path(args.out))))
         return 0
     if args.command == "run":
         grid = load_grid(args.grid)
+        # a bad override in one cell: found now, not when that cell comes up days later
+        if not args.skip_check and _bad_cells(grid):
+            print(
+                "error: the cells above would fail; nothing was started (fix them, or "
+                "--skip-check)",
+                file=sys.stderr,
+            )
+            return 2
         devices = None
         if args.devices is not None:
             devices = [] if args.devices == "none" else args.devices.split(",")

@@ -7,7 +7,9 @@ subprocess, TensorBoard and CSV logs, checkpoints, ``spec.json`` (what the run c
 configs, options) and ``result.json``. A run with a ``result.json`` whose status is ``ok`` or
 ``diverged`` is finished and skipped when the study is run again; a fit that was cut short
 resumes from its last checkpoint. A run folder whose ``spec.json`` differs from the grid's run
-(the grid, or a config file it reads, was edited since) is refused, not reused. One runner at
+(the grid, or a config file it reads, was edited since) is refused, not reused; but with
+``--rerun-failed`` a failed run's folder starts afresh (its stage logs kept as
+``<stage>.failed-<n>.log``, as every failed attempt's are when it is run again). One runner at
 a time uses a study folder (``.lock``, held by its stages too). Each result records the commit
 it ran on; the study JSON names every commit its runs ran on. A stage stopped by Ctrl+C or
 ``SIGTERM`` (a scheduler's preemption) writes no ``result.json``: the study starts no other
@@ -24,6 +26,7 @@ import os
 import platform
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -171,9 +174,10 @@ def _differences(stored: dict[str, Any], wanted: dict[str, Any], prefix: str = "
     return lines
 
 
-def check_run_folder(grid: Grid, run: RunSpec, run_dir: Path) -> None:
-    """Refuse a run folder that holds a run of other settings (its ``spec.json``; for a folder
-    from before spec.json, the options its ``result.json`` recorded)."""
+def stale_settings(grid: Grid, run: RunSpec, run_dir: Path) -> list[str] | None:
+    """``key: old -> new`` for each setting in which the run folder's run (its ``spec.json``;
+    for a folder from before spec.json, the options its ``result.json`` recorded) differs from
+    the grid's run; None where it does not."""
     wanted = run_spec(grid, run)
     path = run_dir / SPEC
     if path.is_file():
@@ -184,19 +188,60 @@ def check_run_folder(grid: Grid, run: RunSpec, run_dir: Path) -> None:
         if isinstance(stored, dict) and "configs" not in stored:
             wanted.pop("configs")  # a folder of before the digests: its files unknown
         if stored is None or stored == wanted:
-            return
+            return None
     else:
         result = load_result(run_dir, echo=lambda line: None)
         if result is None or "overrides" not in result:
-            return
+            return None
         stored, wanted = {"overrides": result["overrides"]}, {"overrides": wanted["overrides"]}
         if stored == wanted:
-            return
-    raise StaleRunError(
-        f"run folder {run_dir} holds a run of other settings than the grid's now "
-        f"({'; '.join(_differences(stored, wanted))}): give a new --out, or delete that "
-        "folder to run it again"
-    )
+            return None
+    return _differences(stored, wanted)
+
+
+def check_run_folder(grid: Grid, run: RunSpec, run_dir: Path) -> None:
+    """Refuse a run folder that holds a run of other settings (:func:`stale_settings`)."""
+    changed = stale_settings(grid, run, run_dir)
+    if changed is not None:
+        raise StaleRunError(
+            f"run folder {run_dir} holds a run of other settings than the grid's now "
+            f"({'; '.join(changed)}): give a new --out, or delete that folder to run it again"
+        )
+
+
+_STAGE_LOGS = ("fit", "finetune", "test", "rank")
+
+
+def keep_failed_logs(run_dir: Path) -> list[str]:
+    """Rename a failed attempt's stage logs ``<stage>.log`` to ``<stage>.failed-<n>.log``
+    (``n``: the attempt, 1 first), before a rerun writes its own; the new names."""
+    taken = [re.fullmatch(r"\w+\.failed-(\d+)\.log", p.name) for p in run_dir.glob("*.log")]
+    n = 1 + max((int(m[1]) for m in taken if m), default=0)
+    kept = []
+    for stage in _STAGE_LOGS:
+        if (run_dir / f"{stage}.log").is_file():
+            os.replace(run_dir / f"{stage}.log", run_dir / f"{stage}.failed-{n}.log")
+            kept.append(f"{stage}.failed-{n}.log")
+    return kept
+
+
+def replace_failed_folder(run_dir: Path) -> list[str]:
+    """Empty the folder of a failed run of other settings for a fresh start (its checkpoints,
+    logs of metrics and spec would be resumed or read as the new run's), keeping its stage
+    logs (:func:`keep_failed_logs`); the kept logs' names. Only for a ``failed`` result: a
+    finished run's folder is never emptied."""
+    result = load_result(run_dir, echo=lambda line: None)
+    if result is None or result["status"] != "failed":
+        raise ValueError(f"{run_dir} holds no failed run")
+    kept = keep_failed_logs(run_dir)
+    for path in run_dir.iterdir():
+        if re.fullmatch(r"\w+\.failed-\d+\.log", path.name):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return kept
 
 
 def config_digests(grid: Grid, run: RunSpec) -> dict[str, str]:
@@ -538,6 +583,11 @@ def finite_json(value: Any) -> Any:
     return value
 
 
+def _failed(run_dir: Path) -> bool:
+    result = load_result(run_dir, echo=lambda line: None)
+    return result is not None and result["status"] == "failed"
+
+
 def load_result(run_dir: Path, echo: Callable[[str], None] = print) -> dict[str, Any] | None:
     """A run's ``result.json``, or None where there is none or it cannot be read (one written
     by a runner of before the atomic writes, killed while writing: said, and run again)."""
@@ -732,19 +782,32 @@ def _run_locked(
     echo: Callable[[str], None],
 ) -> dict[str, Any]:
     runs = grid.runs()
-    for run in runs:  # all checked before any run starts
-        check_run_folder(grid, run, study_dir / run.relative_dir)
+    replaced: dict[int, list[str]] = {}  # failed runs of other settings, to start afresh
+    for index, run in enumerate(runs, 1):  # all checked before any run starts or folder changes
+        run_dir = study_dir / run.relative_dir
+        changed = stale_settings(grid, run, run_dir) if rerun_failed else None
+        if changed is not None and _failed(run_dir):
+            replaced[index] = changed  # the user fixed the failed run's settings
+        else:
+            check_run_folder(grid, run, run_dir)
     total = len(runs)
     results: dict[int, dict[str, Any]] = {}
     pending = []
     for index, run in enumerate(runs, 1):
-        previous = load_result(study_dir / run.relative_dir, echo)
+        run_dir = study_dir / run.relative_dir
+        if index in replaced:
+            kept = replace_failed_folder(run_dir)
+            logs = f", its logs kept as {', '.join(kept)}" if kept else ""
+            changed = "; ".join(replaced[index])
+            echo(f"[{index}/{total}] {run.label} seed {run.seed}: the failed run's settings "
+                 f"changed ({changed}): its folder starts afresh{logs}")  # fmt: skip
+        previous = load_result(run_dir, echo)
         done = previous is not None and previous["status"] in FINISHED
         if previous is not None and (done or not rerun_failed):
             results[index] = previous
             echo(progress_line(index, total, previous, grid, "(finished before: skipped)"))
         else:
-            pending.append((index, run))
+            pending.append((index, run, previous is not None))
     env_info = environment()
     slots: queue.Queue[str | None] = queue.Queue()
     for slot in _device_slots(parallel, devices):
@@ -760,7 +823,7 @@ def _run_locked(
     stop = threading.Event()  # Ctrl+C, or a run stopped by a signal: start no other run
     stopped_by = [signal.SIGINT]  # the signal that stopped the study
 
-    def work(index: int, run: RunSpec) -> None:
+    def work(index: int, run: RunSpec, failed_before: bool) -> None:
         slot = slots.get()
         try:
             if stop.is_set():
@@ -768,6 +831,8 @@ def _run_locked(
             start = time.perf_counter()
             try:
                 env = _run_env(slot, threads)
+                if failed_before:  # the failed attempt's logs stay beside the rerun's
+                    keep_failed_logs(study_dir / run.relative_dir)
                 result = execute_run(grid, run, study_dir / run.relative_dir, env)
             except StageInterrupted as interrupted:
                 if not stop.is_set():
@@ -796,8 +861,8 @@ def _run_locked(
         with ThreadPoolExecutor(max_workers=parallel) as pool:
             futures: list[Future] = []
             try:  # (a Ctrl+C may come while the runs are still being queued)
-                for index, run in pending:
-                    futures.append(pool.submit(work, index, run))
+                for index, run, failed_before in pending:
+                    futures.append(pool.submit(work, index, run, failed_before))
                 _wait_all(futures)
             except KeyboardInterrupt:
                 # the terminal's Ctrl+C reached the runs under way too: they save and stop
@@ -839,6 +904,8 @@ def study_status(grid: Grid, out: Path) -> list[str]:
             check_run_folder(grid, run, run_dir)
         except StaleRunError:
             state, text = "stale", "STALE (a run of other settings: `run` refuses the folder)"
+            if _failed(run_dir):
+                text = "STALE (a failed run of other settings: `run --rerun-failed` replaces it)"
         else:
             result = load_result(run_dir, echo=lambda line: None)
             if result is not None:

@@ -357,12 +357,70 @@ def test_a_run_folder_of_other_settings_is_refused_not_reused(tmp_path, monkeypa
     if state == "before spec.json":
         (run_dir / "spec.json").unlink(missing_ok=True)
     with pytest.raises(UserError) as refused:  # one line from the command, no traceback
-        study(new, rerun_failed=True)
+        study(new, rerun_failed=state == "cut short")  # (a failed one: replaced, see below)
     message = str(refused.value)
     assert "\n" not in message and str(run_dir) in message
     assert "trainer.max_epochs: 2 -> 5" in message
     assert "give a new --out, or delete that folder" in message
     study(old, rerun_failed=True)  # the grid as it was: the folder is its own
+
+
+def _failing_stage(said):
+    """A stage that prints ``said`` into its log and fails."""
+
+    def stage(args, **options):
+        options["stdout"].write(f"{said}\n")
+        return 1
+
+    return stage
+
+
+def test_rerun_failed_keeps_each_failed_attempts_logs(tmp_path, monkeypatch):
+    """--rerun-failed opened the failed attempt's fit.log for writing: its error was lost."""
+    grid = _tiny("attempts")
+    run_dir = tmp_path / "attempts" / grid.runs()[0].relative_dir
+    for attempt in (1, 2, 3):
+        monkeypatch.setattr(runner._STAGES, "call", _failing_stage(f"attempt {attempt}"))
+        run_study(grid, tmp_path, rerun_failed=True, echo=lambda line: None)
+    assert (run_dir / "fit.log").read_text().endswith("attempt 3\n")
+    for attempt in (1, 2):
+        assert (run_dir / f"fit.failed-{attempt}.log").read_text().endswith(f"attempt {attempt}\n")
+
+
+def test_rerun_failed_replaces_a_failed_run_whose_settings_were_fixed(tmp_path, monkeypatch):
+    """A failed cell's overrides fixed, --rerun-failed refused the whole study (its folder
+    was stale); it now starts that folder afresh, its failed log kept, and says so. A
+    finished run's folder of other settings is still refused, untouched."""
+    old = _tiny("fixed", budget={"max_epochs": 2})
+    new = _tiny("fixed", budget={"max_epochs": 5})
+    run_dir = tmp_path / "fixed" / old.runs()[0].relative_dir
+    monkeypatch.setattr(runner._STAGES, "call", _failing_stage("the old error"))
+    run_study(old, tmp_path, echo=lambda line: None)
+    stale = run_dir / "tensorboard" / "fit" / "checkpoints" / "last.ckpt"
+    _checkpoint(stale, 3)  # the failed fit's: must not be resumed by the new settings
+    assert runner.study_status(new, tmp_path)[0] == (
+        "[1/1] softmax seed 1: STALE (a failed run of other settings: `run --rerun-failed` "
+        "replaces it)"
+    )
+    lines = []
+    monkeypatch.setattr(runner._STAGES, "call", _failing_stage("the new error"))
+    run_study(new, tmp_path, rerun_failed=True, echo=lines.append)
+    assert lines[0] == (
+        "[1/1] softmax seed 1: the failed run's settings changed (overrides.trainer.max_epochs: "
+        "2 -> 5): its folder starts afresh, its logs kept as fit.failed-1.log"
+    )
+    assert "FAILED" in lines[1] and not stale.exists()
+    assert (run_dir / "fit.failed-1.log").read_text().endswith("the old error\n")
+    assert "--trainer.max_epochs 5" in (run_dir / "fit.log").read_text()
+    assert json.loads((run_dir / "spec.json").read_text()) == runner.run_spec(new, new.runs()[0])
+    # a finished run of other settings: refused, even with --rerun-failed
+    done = tmp_path / "done"
+    monkeypatch.setattr(runner._STAGES, "call", FakeCli(done / "fixed" / "softmax" / "seed1"))
+    assert run_study(old, done, echo=lambda line: None)["runs"][0]["status"] == "ok"
+    before = sorted(p.relative_to(done) for p in done.rglob("*"))
+    with pytest.raises(runner.StaleRunError):
+        run_study(new, done, rerun_failed=True, echo=lambda line: None)
+    assert sorted(p.relative_to(done) for p in done.rglob("*")) == before
 
 
 def test_a_grid_with_a_new_seed_keeps_the_finished_runs(tmp_path, monkeypatch):
@@ -416,15 +474,16 @@ def test_an_edited_config_file_refuses_the_run_folder_but_a_comment_does_not(tmp
     grid = parse_grid({"name": "cfg", "base": str(configs / "base.yaml"), "seeds": [1],
                        "heads": {"softmax": "configs/heads/softmax.yaml"}})  # fmt: skip
 
-    def study():
-        run_study(grid, tmp_path / "out", rerun_failed=True, echo=lambda line: None)
+    def study(rerun_failed=True):
+        run_study(grid, tmp_path / "out", rerun_failed=rerun_failed, echo=lambda line: None)
 
     study()
     (configs / "base.yaml").write_text("# a comment\ntrainer: {max_epochs: 2}\ndata: data.yaml\n")
     study()  # the same settings
     (configs / "data.yaml").write_text("init_args: {batch_size: 40}\n")
+    # (--rerun-failed would replace the failed run: test_rerun_failed_replaces_a_failed_run...)
     with pytest.raises(runner.StaleRunError, match=r"data\.yaml: \"[0-9a-f]+\" -> \"[0-9a-f]+\""):
-        study()
+        study(rerun_failed=False)
 
 
 def test_a_second_runner_on_the_same_folder_is_refused_while_any_stage_lives(tmp_path, monkeypatch):
