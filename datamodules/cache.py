@@ -37,7 +37,7 @@ import numpy as np
 import tokenizers
 from filelock import FileLock, Timeout
 
-from datamodules.errors import DataCacheError
+from datamodules.errors import DataCacheError, DataConfigError
 from heads.user_cache import CACHE_ENV
 from heads.user_cache import cache_root as user_cache_root
 
@@ -68,12 +68,36 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return user_cache_root("data")
 
 
-def vocab_options(level: str, bpe_vocab_size: int, max_vocab_size: int | None) -> dict[str, Any]:
+def vocab_options(
+    level: str, bpe_vocab_size: int, max_vocab_size: int | None, min_freq: int = 1
+) -> dict[str, Any]:
     """The vocabulary options a cache entry is keyed by: ``level`` ``bpe`` (size, tokenizers
-    version) or ``word`` (maximum size)."""
+    version) or ``word`` (maximum size, and the minimum count when it is not 1)."""
     if level == "bpe":
         return {"type": "bpe", "size": bpe_vocab_size, "tokenizers": tokenizers.__version__}
-    return {"type": "word", "max_size": max_vocab_size}
+    options: dict[str, Any] = {"type": "word", "max_size": max_vocab_size}
+    if min_freq != 1:  # keyed only when set: the default keeps the entries made before it
+        options["min_freq"] = min_freq
+    return options
+
+
+def check_min_freq(min_freq: int, vocab: str) -> None:
+    """Raises ``DataConfigError`` for a ``data.min_freq`` that cannot work: below 1, or set
+    (not 1) for a BPE vocabulary, which it does not apply to (BPE has no ``<unk>`` words)."""
+    if isinstance(min_freq, bool) or not isinstance(min_freq, int) or min_freq < 1:
+        raise DataConfigError(f"data.min_freq must be an integer >= 1, got {min_freq!r}")
+    if vocab == "bpe" and min_freq != 1:
+        raise DataConfigError(
+            f"data.min_freq={min_freq} applies to word vocabularies (data.vocab word or "
+            "hybrid_lightrnn); a BPE vocabulary is sized by data.bpe_vocab_size"
+        )
+
+
+def min_freq_text(min_freq: int) -> str:
+    """The minimum count for a vocabulary log line ("" for the default 1)."""
+    if min_freq == 1:
+        return ""
+    return f" (data.min_freq={min_freq}: words seen under {min_freq} times in training are <unk>)"
 
 
 class SourceIdentities:

@@ -19,6 +19,8 @@ from datamodules.cache import (
     CacheEntry,
     SourceIdentities,
     cache_root,
+    check_min_freq,
+    min_freq_text,
     process_rank,
     splits_to_prepare,
     vocab_options,
@@ -125,6 +127,9 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
             5 and no cap in AWD-LSTM; the MoS code caps at ``bptt + 40``.
         max_vocab_size: keep only the most frequent words (others become ``<unk>``); for
             ``hybrid_lightrnn`` too (the words that get codes).
+        min_freq: words seen fewer than this many times in the training split become
+            ``<unk>`` (torchtext's ``min_freq``; raw corpora's long tail); with
+            ``max_vocab_size`` both limits apply. Word and ``hybrid_lightrnn`` vocabularies.
         predict_prompts: texts whose continuation ``predict`` reports.
         predict_file: a UTF-8 text file (plain or compressed; ``-``: standard input) of
             prompts, one a line, instead of ``predict_prompts``.
@@ -163,6 +168,7 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         min_bptt: int = 5,
         max_bptt: int | None = None,
         max_vocab_size: int | None = None,
+        min_freq: int = 1,
         predict_prompts: list[str] | None = None,
         predict_file: str | None = None,
         vocab: str = "word",
@@ -185,6 +191,7 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         check_window_law(bptt_std, bptt_half_prob, min_bptt, max_bptt)
         if vocab not in VOCABS:
             raise DataConfigError(f"data.vocab must be one of {', '.join(VOCABS)}, got {vocab!r}")
+        check_min_freq(min_freq, vocab)
         if lightrnn_init not in ("frequency", "random"):
             raise DataConfigError(
                 f"data.lightrnn_init must be 'frequency' or 'random', got {lightrnn_init!r}"
@@ -256,7 +263,7 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         (each split's ids also record the identity of the file they come from)."""
         if self._cache is None:
             hp = self.hparams
-            options = vocab_options(self._level, hp.bpe_vocab_size, hp.max_vocab_size)
+            options = vocab_options(self._level, hp.bpe_vocab_size, hp.max_vocab_size, hp.min_freq)
             material = {"task": "lm", "train": self._identity_of("train"), "vocab": options}
             label = f"{self.source.label}-{self._level}"
             self._cache = CacheEntry(cache_root(hp.cache_dir), label, material)
@@ -272,7 +279,7 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
     def _load_vocab(self) -> Vocab:
         hp = self.hparams
         options = {
-            "word": "data.max_vocab_size",
+            "word": "data.max_vocab_size, data.min_freq",
             "bpe": "data.bpe_vocab_size",
             "hybrid_lightrnn": "data.lightrnn_*",
         }
@@ -287,7 +294,13 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         except ValueError as exc:  # sizes that cannot work: one line naming the options
             raise DataConfigError(f"data.vocab={hp.vocab} ({options[hp.vocab]}): {exc}") from exc
         if process_rank() in (None, 0):  # the size the head and embeddings are built for
-            log.info("vocabulary (%s): %s ids%s", hp.vocab, f"{len(vocab):,}", codes_text(vocab))
+            log.info(
+                "vocabulary (%s): %s ids%s%s",
+                hp.vocab,
+                f"{len(vocab):,}",
+                codes_text(vocab),
+                min_freq_text(hp.min_freq),
+            )
         return vocab
 
     def _build_vocab(self) -> None:
@@ -296,7 +309,7 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         hp, cache, source = self.hparams, self.cache, self.source
         if self._level == "word":
             counts = count_words(source.line_batches("train", desc="counting words (train)"))
-            vocab = WordVocab.from_counts(counts, hp.max_vocab_size)
+            vocab = WordVocab.from_counts(counts, hp.max_vocab_size, hp.min_freq)
         else:
             start = time.perf_counter()
             lines = source.line_batches("train", desc="training BPE (train)")
@@ -378,8 +391,9 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
     def _report_unknown(self, split: str, meta: dict[str, Any]) -> None:
         """One line per split (from the cache entry's counts, so also on a cache hit): the
         tokens that became ``<unk>`` without being written ``<unk>`` in the text: in training,
-        the words ``max_vocab_size`` dropped; elsewhere, words the training split lacks (BPE:
-        characters it never saw). A warning above 1%."""
+        the words ``max_vocab_size`` or ``min_freq`` dropped; elsewhere, words the training
+        split lacks or the limits dropped (BPE: characters it never saw). A warning above 1%,
+        whose advice names the limit that cut the vocabulary."""
         unknown, tokens = int(meta["unknown"]), int(meta["tokens"])
         self.unknown_tokens[split] = (unknown, tokens)
         if process_rank() not in (None, 0):
@@ -391,15 +405,19 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
             if getattr(self._vocab, "unk_char_id", None) is not None:
                 token = "<unk_char>"  # a piece inside its word (an older BPE's: <unk>)
         elif split == "train":
-            limit = self.hparams.max_vocab_size
-            why = f"words beyond data.max_vocab_size={limit}" if limit else "no max_vocab_size"
-            fix = "raise data.max_vocab_size"
+            limit, min_freq = self.hparams.max_vocab_size, self.hparams.min_freq
+            why = " or ".join(
+                [f"words beyond data.max_vocab_size={limit}"] * bool(limit)
+                + [f"words seen fewer than data.min_freq={min_freq} times"] * (min_freq > 1)
+            )
+            why = why or "no max_vocab_size"
+            fix = self._raise_limits() or "raise data.max_vocab_size"
         else:
             why = "words not in the training vocabulary"
             fix = "check that the splits are tokenised alike (case, punctuation, numbers)"
-            limit = self.hparams.max_vocab_size
-            if limit and len(self.vocab.base) >= limit:  # the cap dropped training words too
-                fix = f"raise data.max_vocab_size (the vocabulary is cut to {limit:,}), or {fix}"
+            raise_limits = self._raise_limits(explain=True)
+            if raise_limits:  # the limits dropped training words too
+                fix = f"{raise_limits}, or {fix}"
         line = (
             f"{split}: {unknown:,} of {tokens:,} tokens ({share:.2%}) became {token} ({why}; "
             f"{token} written in the text not counted)"
@@ -408,6 +426,22 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
             log.warning("warning: %s: over %.0f%%, %s", line, 100 * UNKNOWN_WARN_SHARE, fix)
         else:
             log.info("%s", line)
+
+    def _raise_limits(self, explain: bool = False) -> str:
+        """Advice for ``<unk>`` that the word vocabulary's limits made ("" if none cut it):
+        raise ``max_vocab_size`` if the cap is reached (it then dropped every word the minimum
+        count did, and more), lower ``min_freq`` if it is above 1 (with the cap reached: as
+        well, once the cap is raised)."""
+        limit, min_freq = self.hparams.max_vocab_size, self.hparams.min_freq
+        capped = bool(limit) and len(self.vocab.base) >= limit
+        advice = []
+        if capped:
+            cut = f" (the vocabulary is cut to {limit:,})" if explain else ""
+            advice.append(f"raise data.max_vocab_size{cut}")
+        if min_freq > 1:
+            seen = f" (words seen fewer than {min_freq} times in training)" if explain else ""
+            advice.append(f"lower data.min_freq{seen}")
+        return " and ".join(advice)
 
     def num_tokens(self, split: str) -> int:
         """Length of a split's stream (the vocabulary's: e.g. codes), without encoding it."""

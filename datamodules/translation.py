@@ -30,6 +30,8 @@ from datamodules.cache import (
     CacheEntry,
     SourceIdentities,
     cache_root,
+    check_min_freq,
+    min_freq_text,
     process_rank,
     splits_to_prepare,
     vocab_options,
@@ -213,6 +215,10 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
             follow the installed table.
         joint_vocab: one vocabulary for both sides (needed to share embeddings).
         max_vocab_size: word vocabularies: keep this many most frequent tokens per side.
+        min_freq: word vocabularies (and ``hybrid_lightrnn``'s words): words seen fewer than
+            this many times on their side of the training pairs (both sides with
+            ``joint_vocab``) become ``<unk>`` (fairseq's ``--thresholdsrc/--thresholdtgt``);
+            with ``max_vocab_size`` both limits apply.
         bpe_vocab_size: BPE vocabularies: merges + alphabet + specials, per vocabulary.
         max_tokens: padded tokens per side per training batch (per DDP rank; a training
             split that it cuts into fewer batches than ranks is cut into one batch per rank
@@ -247,6 +253,7 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         vocab: Literal["word", "bpe", "hybrid_lightrnn"] = "word",
         joint_vocab: bool = False,
         max_vocab_size: int | None = None,
+        min_freq: int = 1,
         bpe_vocab_size: int = 8000,
         max_tokens: int = 4096,
         eval_max_tokens: int | None = None,
@@ -279,6 +286,7 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
                 "data.joint_vocab needs one vocabulary for both sides, and hybrid_lightrnn codes "
                 "the target side only: set data.joint_vocab false (or data.vocab word or bpe)"
             )
+        check_min_freq(min_freq, vocab)
         if source_lang == target_lang:
             raise DataConfigError(f"source and target language are both {source_lang!r}")
         check_held_out(held_out)
@@ -346,7 +354,7 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         """This corpus's cache entry: keyed by the training files and the vocabulary options."""
         if self._cache is None:
             hp = self.hparams
-            options = vocab_options(self._level, hp.bpe_vocab_size, hp.max_vocab_size)
+            options = vocab_options(self._level, hp.bpe_vocab_size, hp.max_vocab_size, hp.min_freq)
             options["joint"] = hp.joint_vocab
             train = {side: self._identity_of(f"train.{side}") for side in SIDES}
             material = {"task": "mt", "train": train, "vocab": options}
@@ -393,7 +401,7 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
                 raise
             except ValueError as exc:
                 option = {"bpe": "data.bpe_vocab_size", "hybrid_lightrnn": "data.lightrnn_*"}
-                option = option.get(hp.vocab, "data.max_vocab_size")
+                option = option.get(hp.vocab, "data.max_vocab_size, data.min_freq")
                 raise DataConfigError(f"data.vocab={hp.vocab} ({option}): {exc}") from exc
             self._vocabs = (source, target)
             if process_rank() in (None, 0):  # the sizes the model is built for
@@ -403,7 +411,8 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
                     else f"source {len(source):,}, target {len(target):,}"
                 )
                 codes = codes_text(target)
-                log.info("vocabularies (%s): %s ids%s", hp.vocab, sizes, codes)
+                limits = min_freq_text(hp.min_freq)
+                log.info("vocabularies (%s): %s ids%s%s", hp.vocab, sizes, codes, limits)
         return self._vocabs
 
     def _train_batches(self, side: str, desc: str, lines: dict[str, int]) -> Iterator[list[str]]:
@@ -430,7 +439,8 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
                 batches = (
                     b for side in sides for b in self._train_batches(side, "counting", lines)
                 )
-                vocab = WordVocab.from_counts(count_words(batches), hp.max_vocab_size)
+                counts = count_words(batches)
+                vocab = WordVocab.from_counts(counts, hp.max_vocab_size, hp.min_freq)
             else:
                 vocab = self._build_bpe(sides, lines)
             built.update(dict.fromkeys(sides, vocab))

@@ -139,10 +139,12 @@ class HybridLightRNNVocab:
         init: str = "frequency",
         seed: int = 0,
         max_size: int | None = None,
+        min_freq: int = 1,
     ) -> HybridLightRNNVocab:
-        """Word vocabulary from ``lines``, then the table (see :meth:`from_words`)."""
+        """Word vocabulary from ``lines`` (``max_size``, ``min_freq``: see
+        :meth:`WordVocab.from_counts`), then the table (see :meth:`from_words`)."""
         return cls.from_words(
-            WordVocab.build(lines, max_size), num_frequent, rows, cols, init, seed
+            WordVocab.build(lines, max_size, min_freq), num_frequent, rows, cols, init, seed
         )
 
     @classmethod

@@ -66,23 +66,40 @@ class WordVocab(CachedIdsVocab):
         self.eos_id = self.stoi[EOS]
 
     @classmethod
-    def build(cls, lines: Iterable[str], max_size: int | None = None) -> WordVocab:
-        """Count words (plus one ``<eos>`` per line) and keep the ``max_size`` most frequent."""
-        return cls.from_counts(count_words([list(lines)]), max_size)
+    def build(
+        cls, lines: Iterable[str], max_size: int | None = None, min_freq: int = 1
+    ) -> WordVocab:
+        """Count words (plus one ``<eos>`` per line) and keep the ``max_size`` most frequent of
+        those seen at least ``min_freq`` times."""
+        return cls.from_counts(count_words([list(lines)]), max_size, min_freq)
 
     @classmethod
-    def from_counts(cls, counter: Counter[str], max_size: int | None = None) -> WordVocab:
+    def from_counts(
+        cls, counter: Counter[str], max_size: int | None = None, min_freq: int = 1
+    ) -> WordVocab:
         """The vocabulary of :func:`count_words`'s counts (in first-occurrence order, the tie
-        rule) keeping the ``max_size`` most frequent tokens."""
+        rule). Both limits apply: words seen fewer than ``min_freq`` times (torchtext's
+        ``min_freq``, fairseq's ``--thresholdsrc/--thresholdtgt``) are dropped, then only the
+        ``max_size`` most frequent tokens are kept; every dropped word becomes ``<unk>``.
+        ``<eos>`` and ``<unk>`` are always kept, whatever their counts."""
+        if isinstance(min_freq, bool) or not isinstance(min_freq, int) or min_freq < 1:
+            raise ValueError(f"min_freq must be an integer >= 1, got {min_freq!r}")
         counter = Counter(counter)  # ours to change
         if not counter or counter[EOS] == 0:
             raise ValueError("cannot build a vocabulary from an empty corpus")
         counter.setdefault(UNK, 0)
-        if max_size is not None and len(counter) > max_size:
+        specials = (EOS, UNK)
+        words = [t for t, c in counter.most_common() if t not in specials and c >= min_freq]
+        if not words and len(counter) > len(specials):
+            most = max(c for t, c in counter.items() if t not in specials)
+            raise ValueError(
+                f"min_freq={min_freq} leaves no word: the most frequent is seen {most} times"
+            )
+        if max_size is not None and len(words) + len(specials) > max_size:
             if max_size < 3:
                 raise ValueError(f"max_size must leave room for {EOS}, {UNK} and a word")
-            specials = (EOS, UNK)
-            words = [t for t, _ in counter.most_common() if t not in specials][: max_size - 2]
+            words = words[: max_size - len(specials)]
+        if len(words) + len(specials) < len(counter):  # a limit dropped words
             kept = Counter({t: counter[t] for t in words})
             kept[EOS] = counter[EOS]
             # every dropped word becomes <unk>
@@ -113,11 +130,16 @@ class WordVocab(CachedIdsVocab):
 
     def encode_batch_unknown(self, lines: list[str]) -> tuple[np.ndarray, int]:
         """``encode_batch(lines)`` and how many of its ids are ``<unk>`` for a word outside the
-        vocabulary (a ``<unk>`` written in the text is not counted)."""
-        ids = self.encode_batch(lines)
-        # only the lines that hold the string are split again
-        written = sum(line.split().count(UNK) for line in lines if UNK in line)
-        return ids, int(np.count_nonzero(ids == self.unk_id)) - written
+        vocabulary (a ``<unk>`` written in the text is not counted). Looked up with -1 for a
+        missing word, which marks exactly those (a written ``<unk>`` is in ``stoi``): no line
+        is split twice, no word compared as a string again."""
+        words = words_of(lines)
+        ids = np.fromiter(map(self.stoi.get, words, repeat(-1)), dtype=np.int32, count=len(words))
+        missing = ids < 0
+        unknown = int(np.count_nonzero(missing))
+        if unknown:
+            ids[missing] = self.unk_id
+        return ids, unknown
 
     def line_lengths(self, lines: list[str], ids: np.ndarray) -> np.ndarray:
         """Ids per line of ``ids = encode_batch(lines)`` (``<eos>`` included)."""

@@ -46,7 +46,8 @@ def test_a_second_run_reads_the_cache_and_computes_nothing(tmp_path, cache_log, 
         raise AssertionError("recomputed although cached")
 
     monkeypatch.setattr(lm_module, "count_words", fail)
-    monkeypatch.setattr(WordVocab, "encode_batch", fail)
+    for encode in ("encode_batch", "encode_batch_unknown"):
+        monkeypatch.setattr(WordVocab, encode, fail)
     second = prepared(path, tmp_path / "cache")
     assert len(cache_log("hit")) == 4 and len(cache_log("miss")) == 4
     assert second.vocab == first.vocab and second.vocab.counts == first.vocab.counts
@@ -81,7 +82,8 @@ def test_a_changed_file_or_option_is_prepared_anew(tmp_path, cache_log):
 def test_a_failed_preparation_leaves_nothing_to_trust(tmp_path, monkeypatch):
     path, cache = write_corpus(tmp_path / "c"), tmp_path / "cache"
     monkeypatch.setattr(text_source, "BATCH_BYTES", 4)  # a batch per line
-    real, calls = WordVocab.encode_batch, []
+    # the language-modelling data module encodes with encode_batch_unknown
+    real, calls = WordVocab.encode_batch_unknown, []
 
     def interrupted(self, lines):
         calls.append(lines)
@@ -89,13 +91,13 @@ def test_a_failed_preparation_leaves_nothing_to_trust(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(self, lines)
 
-    monkeypatch.setattr(WordVocab, "encode_batch", interrupted)
+    monkeypatch.setattr(WordVocab, "encode_batch_unknown", interrupted)
     data = LanguageModelingDataModule(path=path, cache_dir=str(cache))
     with pytest.raises(KeyboardInterrupt):
         data.split_tokens("train")
     entry = data.cache.path
     assert sorted(p.name for p in entry.iterdir()) == ["key.json", "vocab.json"]  # no ids
-    monkeypatch.setattr(WordVocab, "encode_batch", real)
+    monkeypatch.setattr(WordVocab, "encode_batch_unknown", real)
     fresh = LanguageModelingDataModule(path=path, cache_dir=str(cache))
     assert fresh.split_tokens("train").tolist() == fresh.vocab.encode_line("a b c") + \
         fresh.vocab.encode_line("b c") + fresh.vocab.encode_line("c")  # fmt: skip

@@ -14,6 +14,7 @@ import datamodules.text_source as text_source
 import datamodules.vocab.hybrid_lightrnn as hybrid_module
 from datamodules import LanguageModelingDataModule
 from datamodules.bptt import BPTTBatches
+from datamodules.cache import CacheEntry, cache_root
 from datamodules.errors import (
     DataConfigError,
     DataFormatError,
@@ -24,7 +25,7 @@ from datamodules.vocab import EOS, UNK, WordVocab
 from datamodules.vocab.hybrid_lightrnn import HybridLightRNNVocab
 from tests.datamodules.test_text_source import WIKI_ROWS, write_hub_layout
 from tests.datamodules.vocab.test_bpe import plain_build as plain_bpe
-from tests.datamodules.vocab.test_word import plain_build
+from tests.datamodules.vocab.test_word import plain_build, plain_min_freq
 
 
 def test_ptb_vocabulary_and_token_counts(ptb_data):
@@ -237,6 +238,9 @@ def ptb_data_word_state():
     [
         ({"vocab": "chars"}, "data.vocab must be one of word, bpe, hybrid_lightrnn"),
         ({"vocab": "hybrid_lightrnn", "lightrnn_init": "sorted"}, "data.lightrnn_init"),
+        ({"min_freq": 0}, r"data.min_freq must be an integer >= 1, got 0"),
+        ({"min_freq": 2.5}, r"data.min_freq must be an integer >= 1, got 2.5"),
+        ({"vocab": "bpe", "min_freq": 2}, "data.min_freq=2 applies to word vocabularies"),
     ],
 )
 def test_bad_vocab_options(options, message):
@@ -568,3 +572,86 @@ def test_an_older_cache_entry_without_counts_is_encoded_again(tmp_path, caplog):
     again.setup("validate")
     assert again.unknown_tokens == {"valid": (10, 30)}
     assert any("cache miss: preparing valid" in r.getMessage() for r in caplog.records)
+
+
+# -- data.min_freq: words seen fewer times in training become <unk> -----------------------------
+def zipf_corpus(folder, seed: int = 0) -> dict[str, list[str]]:
+    """A long-tailed corpus (Zipf-distributed types, many seen once or twice), written as
+    files; returns its lines."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(exist_ok=True)
+    lines = {}
+    for split, count in (("train", 2000), ("valid", 200), ("test", 200)):
+        draws = np.minimum(rng.zipf(1.3, size=(count, 8)), 5000)
+        lines[split] = [" ".join(f"w{n}" for n in row) for row in draws]
+        (folder / f"z.{split}.txt").write_text("".join(line + "\n" for line in lines[split]))
+    return lines
+
+
+@pytest.mark.parametrize("vocab", ["word", "hybrid_lightrnn"])
+@pytest.mark.parametrize(("min_freq", "cap"), [(3, None), (3, 60), (1, 60), (2, None)])
+def test_min_freq_vocabulary_ids_and_unknowns_are_plain_counts(tmp_path, vocab, min_freq, cap):
+    lines = zipf_corpus(tmp_path / "text")
+    data = LanguageModelingDataModule(
+        path=str(tmp_path / "text"), cache_dir=str(tmp_path / "cache"), vocab=vocab,
+        min_freq=min_freq, max_vocab_size=cap, lightrnn_frequent=10,
+    )  # fmt: skip
+    data.prepare_data()
+    words = data.vocab.base  # (Hybrid-LightRNN: the words the table codes)
+    itos, counts = plain_min_freq(lines["train"], cap, min_freq)
+    assert (words.itos, words.counts) == (itos, counts)
+    assert len(itos) < len({w for line in lines["train"] for w in line.split()})  # cut
+    stoi = {t: i for i, t in enumerate(itos)}
+    for split, text in lines.items():
+        tokens = [w for line in text for w in [*line.split(), EOS]]
+        expected = [stoi.get(w, stoi[UNK]) for w in tokens]
+        assert data.split_word_ids(split).tolist() == expected
+        assert data.unknown_tokens[split] == (sum(w not in stoi for w in tokens), len(tokens))
+
+
+def test_min_freq_is_said_and_advised_and_keys_its_own_cache_entry(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="datamodules")
+    path, cache = unk_corpus(tmp_path / "text"), str(tmp_path / "cache")
+    # train counts: a 30, b 20, <unk> 10 (written), <eos> 10, c 5, d 5
+    default = LanguageModelingDataModule(path=path, cache_dir=cache)
+    data = LanguageModelingDataModule(path=path, cache_dir=cache, min_freq=6)
+    data.prepare_data()
+    assert data.vocab.itos == ["a", "b", UNK, EOS]  # c and d: <unk> (10 written + 10)
+    assert data.unknown_tokens == {"train": (10, 80), "valid": (10, 30), "test": (6, 16)}
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("vocabulary")]
+    assert said == [
+        "vocabulary (word): 4 ids (data.min_freq=6: words seen under 6 times in training are <unk>)"
+    ]
+    lines = {split: record.getMessage() for split, record in unknown_lines(caplog).items()}
+    assert "became <unk> (words seen fewer than data.min_freq=6 times;" in lines["train"]
+    assert lines["train"].endswith("over 1%, lower data.min_freq")
+    assert "over 1%, lower data.min_freq (words seen fewer than 6 times in training), or " \
+           "check that the splits are tokenised alike" in lines["valid"]  # fmt: skip
+    # both limits: the cap (a only) drops b too, and raising it alone stops at min_freq
+    caplog.clear()
+    both = LanguageModelingDataModule(path=path, cache_dir=cache, min_freq=6, max_vocab_size=3)
+    both.setup("fit")
+    assert both.vocab.itos == [UNK, "a", EOS] and both.unknown_tokens["train"] == (30, 80)
+    lines = {split: record.getMessage() for split, record in unknown_lines(caplog).items()}
+    assert "(words beyond data.max_vocab_size=3 or words seen fewer than data.min_freq=6 " \
+           "times;" in lines["train"]  # fmt: skip
+    assert lines["train"].endswith("raise data.max_vocab_size and lower data.min_freq")
+    # each its own cache entry; the default's key is the one made before the option existed
+    # (its material has no min_freq), so its cache is still found
+    entries = {default.cache.path, data.cache.path, both.cache.path}
+    assert len(entries) == 3 and data.cache.material["vocab"]["min_freq"] == 6
+    old_material = {"task": "lm", "train": default._identity_of("train"),
+                    "vocab": {"type": "word", "max_size": None}}  # fmt: skip
+    old = CacheEntry(cache_root(cache), f"{default.source.label}-word", old_material)
+    assert default.cache.path == old.path
+    explicit = LanguageModelingDataModule(path=path, cache_dir=cache, min_freq=1)
+    assert explicit.cache.path == default.cache.path
+
+
+def test_a_min_freq_that_leaves_no_word_is_one_clear_error(tmp_path):
+    data = LanguageModelingDataModule(path=unk_corpus(tmp_path / "text"), min_freq=31,
+                                      cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    with pytest.raises(DataConfigError, match=r"data.vocab=word \(data.max_vocab_size, "
+                       r"data.min_freq\): min_freq=31 leaves no word: the most frequent is seen "
+                       r"30 times"):  # fmt: skip
+        _ = data.vocab_size

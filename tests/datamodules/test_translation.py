@@ -2,6 +2,7 @@ import logging
 from collections import Counter
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from datasets import Dataset, DatasetDict
@@ -12,6 +13,7 @@ from datamodules.errors import DataConfigError, DataPathError, VocabularyMismatc
 from datamodules.translation import ParallelDataError
 from datamodules.vocab import EOS, UNK, WordVocab
 from tests.conftest import MULTI30K
+from tests.datamodules.vocab.test_word import plain_build, plain_min_freq
 
 
 @pytest.fixture(scope="module")
@@ -384,3 +386,52 @@ def test_an_unknown_files_key_is_refused(tmp_path):
     path = write_corpus(tmp_path, {"train": TINY, "val": TINY[:3], "test_2016_flickr": TINY[:2]})
     with pytest.raises(DataConfigError, match="unknown split 'eval'; use train, valid"):
         _ = TranslationDataModule(path=path, files={"eval": "val"}).vocab_size
+
+
+# -- data.min_freq: words seen fewer times on their training side become <unk> ----------------
+def zipf_pairs(count: int, seed: int) -> list[tuple[str, str]]:
+    rng = np.random.default_rng(seed)
+    draws = np.minimum(rng.zipf(1.4, size=(count, 2, 6)), 3000)
+    return [(" ".join(f"s{n}" for n in s), " ".join(f"t{n}" for n in t)) for s, t in draws]
+
+
+@pytest.mark.parametrize(
+    ("vocab", "joint", "min_freq", "cap"),
+    [("word", False, 3, None), ("word", True, 3, None), ("word", False, 2, 40),
+     ("hybrid_lightrnn", False, 3, None)],
+)  # fmt: skip
+def test_min_freq_vocabularies_per_side_and_joint_are_plain_counts(
+    tmp_path, caplog, vocab, joint, min_freq, cap
+):
+    caplog.set_level(logging.INFO, logger="datamodules")
+    train, valid = zipf_pairs(600, 1), zipf_pairs(50, 2)
+    path = write_corpus(tmp_path, {"train": train, "val": valid, "test_2016_flickr": valid})
+    options = dict(path=path, vocab=vocab, joint_vocab=joint, max_vocab_size=cap,
+                   lightrnn_frequent=5, cache_dir=str(tmp_path / "c"))  # fmt: skip
+    data = TranslationDataModule(**options, min_freq=min_freq)
+    sources, targets = [s for s, _ in train], [t for _, t in train]
+    if joint:  # one count over both sides (the source's lines first)
+        expected = (plain_min_freq(sources + targets, cap, min_freq),) * 2
+    else:
+        expected = (plain_min_freq(sources, cap, min_freq), plain_min_freq(targets, cap, min_freq))
+    words = (data.source_vocab, getattr(data.target_vocab, "words", data.target_vocab))
+    assert [(v.itos, v.counts) for v in words] == list(expected)
+    assert all(len(v) < len(plain_build(sources + targets)[0]) for v in words)  # cut
+    said = [r.getMessage() for r in caplog.records if "vocabularies (" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith(
+        f"(data.min_freq={min_freq}: words seen under {min_freq} times in training are <unk>)"
+    )
+    pairs = data.encoded("valid")
+    for i, (source, target) in enumerate(valid):
+        assert pairs[i]["source_ids"].tolist() == data.source_vocab.encode_line(source)
+        assert pairs[i]["target_ids"].tolist() == data.target_vocab.encode_line(target)
+    default = TranslationDataModule(**options)
+    assert default.cache.path != data.cache.path
+    assert "min_freq" not in default.cache.material["vocab"]  # the key made before the option
+
+
+def test_min_freq_errors():
+    with pytest.raises(DataConfigError, match="data.min_freq must be an integer >= 1, got 0"):
+        TranslationDataModule(min_freq=0)
+    with pytest.raises(DataConfigError, match="data.min_freq=3 applies to word vocabularies"):
+        TranslationDataModule(vocab="bpe", min_freq=3)

@@ -9,10 +9,10 @@ from lightning.pytorch.callbacks import Callback
 class UnknownWords(Callback):
     """Logs ``data/<split>_unk_tokens`` and ``data/<split>_unk_share`` (step 0) for the splits the
     data module prepared: the tokens that became ``<unk>`` without being written ``<unk>`` in
-    the text (training: words dropped by ``max_vocab_size``; validation: words the training
-    split lacks; BPE: unseen characters). The data module read the counts from its cache entry
-    (``LanguageModelingDataModule.unknown_tokens``) and printed them; a data module without
-    them logs nothing."""
+    the text (training: words dropped by ``max_vocab_size`` or ``min_freq``; validation: words
+    the training split lacks; BPE: unseen characters). The data module read the counts from
+    its cache entry (``LanguageModelingDataModule.unknown_tokens``) and printed them; a data
+    module without them logs nothing."""
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         counts = getattr(trainer.datamodule, "unknown_tokens", None) or {}
