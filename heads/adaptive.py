@@ -363,9 +363,17 @@ class AdaptiveSoftmaxHead(Head):
         for i, (tail, size) in enumerate(zip(self.tail, sizes[2:], strict=True), start=1):
             rows = slice(start, start + size)
             projected = tail[0](tail_hidden[rows])  # d -> d / div^i
+            weight = tail[1].weight
+            if compiling and weight.size(1) == 1:
+                # a [rows, 1] projection has strides (1, 1), so autograd's mm backward asks
+                # whether its rows == 1 (its column-major test, mm_mat1_backward), a guard on
+                # the cluster's data-dependent size that Inductor cannot compile; a zero
+                # column more changes no logit and no gradient
+                projected = torch.nn.functional.pad(projected, (0, 1))
+                weight = torch.nn.functional.pad(weight, (0, 1))
             relative = tail_target[rows] - self.cutoffs[i - 1]  # all in the cluster
             part, part_nll, _ = self._classify(
-                projected, tail[1].weight, None, relative,
+                projected, weight, None, relative,
                 None if weights is None else tail_weights.rows(rows),
                 row_bound=hidden.size(0) if compiling else None,
             )  # fmt: skip

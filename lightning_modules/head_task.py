@@ -316,7 +316,10 @@ class HeadTask(L.LightningModule):
         return self.compile_options is not None or graphed
 
     def configure_model(self) -> None:
-        if self.compile_options is None or self._compiled:
+        if self.compile_options is None:
+            return
+        self._evaluate_under_no_grad()
+        if self._compiled:
             return
         # adaptive cluster and DS expert sizes are counted on the device: captured as
         # data-dependent sizes instead of breaking the graph
@@ -335,6 +338,20 @@ class HeadTask(L.LightningModule):
             self.backbone.compile(**self.compile_options)
         self.head.compile(**self.compile_options)
         self._compiled = True
+
+    def _evaluate_under_no_grad(self) -> None:
+        """Compiled, ``validate``, ``test`` and ``predict`` run under ``torch.no_grad`` as
+        fit's validation does, not Lightning's default ``torch.inference_mode``: Dynamo
+        guards on its inputs' dispatch keys (an inference tensor has no autograd key), so
+        ``trainer.test`` after ``trainer.fit`` in one process recompiled the head and the
+        backbone (a graph each per padded row count; minutes on a GPU). Both modes compute
+        the same numbers; set on every run's trainer (a new one's loops start in inference
+        mode), and ``Trainer(inference_mode=False)`` does the same."""
+        trainer = self._trainer
+        if trainer is None:
+            return
+        for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+            loop.inference_mode = False
 
     def setup(self, stage: str) -> None:
         if self._trainer is None:

@@ -105,10 +105,20 @@ def test_compiles_without_graph_breaks():
 def test_inductor_compiles_every_batch_size():
     """Regression: after validation's batch size, a training batch recompiled with a symbolic
     size failed in Inductor (the tail's slice by the captured cluster sizes not provably in
-    bounds), so `fit` with the compile preset stopped at its first training step. (Tail
-    projections of at least 2: autograd's mm backward guards on a size-1 projection's rows.)"""
+    bounds), so `fit` with the compile preset stopped at its first training step."""
     check_inductor_compiles_every_batch_size(
         lambda: AdaptiveSoftmaxHead(8, VOCAB, cutoffs=[4, 11], div_value=2.0)
+    )
+
+
+def test_inductor_compiles_a_tail_projection_of_one_dimension():
+    """Regression: a cluster projected to ``d // div^i = 1`` dimension (hidden 4, div 2, the
+    second cluster; the Markov LM's d = 4 with one cluster at div 4) stopped `fit` under the
+    compile preset at its first training step: autograd's mm backward tested whether the
+    ``[rows, 1]`` projection (strides (1, 1)) has one row, a guard on a data-dependent size.
+    The compiled head gives the eager losses and gradients."""
+    check_inductor_compiles_every_batch_size(
+        lambda: AdaptiveSoftmaxHead(4, VOCAB, cutoffs=[4, 11], div_value=2.0)
     )
 
 
