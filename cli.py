@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> AppCLI:
 
 
 def console_main(argv: list[str] | None = None) -> int:
-    return exit_status(lambda: main(argv))
+    return exit_status(lambda: main(argv), signals=True)
 
 
 if __name__ == "__main__":

@@ -12,15 +12,19 @@ the uninterrupted one would have.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.apply_func import apply_to_collection
 from torchmetrics import Metric
 
 from datamodules.resumable import ResumableLoader
+
+log = logging.getLogger(__name__)
 
 TRAIN_STATE_KEY = "train_epoch_state"
 # the same entry as the language model wrote it before translation resumed mid-epoch too
@@ -76,11 +80,17 @@ def save_epoch_state(module: L.LightningModule, checkpoint: dict[str, Any],
 
 def read_epoch_state(checkpoint: dict[str, Any], trainer: L.Trainer | None) -> dict | None:
     """This rank's ``{"state", "metrics", "rng"}`` from a checkpoint written by as many
-    processes as this run has, else None (another world size starts the epoch's sums afresh).
+    processes as this run has, else None (another world size starts the epoch's sums afresh;
+    a fit resumed mid-epoch says so in a warning line).
     ``rng`` is None in a checkpoint written before the generators were saved."""
     saved = next((checkpoint[k] for k in (TRAIN_STATE_KEY, *_EARLIER_KEYS) if k in checkpoint),
                  None)  # fmt: skip
-    if saved is None or trainer is None or saved["world_size"] != trainer.world_size:
+    if saved is None or trainer is None:
+        return None
+    if saved["world_size"] != trainer.world_size:
+        fitting = getattr(getattr(trainer, "state", None), "fn", None) == TrainerFn.FITTING
+        if fitting and (batch := _saved_position(checkpoint)):
+            _warn_other_world_size(saved["world_size"], trainer.world_size, batch)
         return None
     if saved["world_size"] == 1:
         return {"rng": None, **saved}
@@ -94,6 +104,28 @@ def read_epoch_state(checkpoint: dict[str, Any], trainer: L.Trainer | None) -> d
             for name, values in saved["metrics"].items()
         },
     }
+
+
+def _saved_position(checkpoint: dict[str, Any]) -> int:
+    """The batch of its epoch a checkpoint stopped at (the training loader's saved position:
+    0 at an epoch's end or without one)."""
+    fit_loop = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+    loaders = (fit_loop.get("state_dict") or {}).get("combined_loader") or []
+    return max((int(s.get("batches_served", 0)) for s in loaders if isinstance(s, dict)),
+               default=0)  # fmt: skip
+
+
+@rank_zero_only
+def _warn_other_world_size(saved: int, ours: int, batch: int) -> None:
+    """A mid-epoch resume on another number of processes: what it does not carry over."""
+    processes = {n: f"{n} process{'es' if n > 1 else ''}" for n in (saved, ours)}
+    log.warning(
+        f"warning: resumed at batch {batch} of an epoch from a checkpoint of "
+        f"{processes[saved]}, on {processes[ours]}: the epoch's train/ppl sums, the recurrent "
+        f"state carried between windows and dropout's generators start afresh (each process "
+        f"saved its own, for its share of the data): this epoch's train/ppl counts its batches "
+        f"from here, and the run is not the one an uninterrupted fit makes"
+    )
 
 
 def restore_metrics(metrics: dict[str, Metric], saved: dict[str, dict],

@@ -618,3 +618,43 @@ def test_under_ddp_one_process_prints_the_error(corpus, tmp_path):
                           timeout=600)  # fmt: skip
     assert done.returncode == 2, done.stderr[-3000:]
     assert one_error_line(done.stderr).startswith("error: non-finite train loss (nan) at step 1")
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--trainer.val_check_interval", "50"],  # QUIET: limit_train_batches 2
+         "error: trainer.val_check_interval 50 is more training batches than an epoch has "
+         "(trainer.limit_train_batches 2): give a fraction of an epoch, e.g. "
+         "--trainer.val_check_interval 1.0"),
+        (["--trainer.val_check_interval", "50", "--trainer.overfit_batches", "3"],
+         "error: trainer.val_check_interval 50 is more training batches than an epoch has "
+         "(trainer.overfit_batches 3)"),
+        (["--model.scheduler_interval", "step"],  # the setting's ReduceLROnPlateau
+         "error: model.scheduler_interval step: ReduceLROnPlateau steps on a validation's "
+         "val/loss"),
+    ],
+    ids=["val_check_interval_over_the_epoch", "over_overfit_batches", "plateau_per_step"],
+)  # fmt: skip
+def test_fit_options_lightning_refuses_late_are_refused_before_the_data(
+    cli_run, corpus, capsys, monkeypatch, args, expected
+):
+    """Lightning (and configure_optimizers) refused these only after the data was prepared: a
+    large corpus tokenised first."""
+    from datamodules import LanguageModelingDataModule
+
+    def prepared(self):
+        raise AssertionError("the data was prepared before the refusal")
+
+    monkeypatch.setattr(LanguageModelingDataModule, "prepare_data", prepared)
+    code = cli_run("fit", *tiny_lm(corpus), *args, console=True)
+    assert error_line(capsys, code).startswith(expected)
+
+
+def test_an_interval_over_the_epoch_counts_across_epochs_without_check_val_every_n_epoch(
+    cli_run, corpus
+):
+    """Lightning's own meaning of check_val_every_n_epoch null: not refused."""
+    across = ["--trainer.check_val_every_n_epoch", "null", "--trainer.max_epochs", "2"]
+    cli = cli_run("fit", *tiny_lm(corpus), "--trainer.val_check_interval", "3", *across)
+    assert cli.trainer.global_step == 4 and cli.trainer.val_check_batch == 3

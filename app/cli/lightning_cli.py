@@ -50,6 +50,7 @@ from app.cli.run_folder import (
 )
 from lightning_modules.backbones.base import configured_output_size
 from lightning_modules.checkpoint_file import check_checkpoint_file
+from lightning_modules.optimization import check_scheduler_interval
 
 DESCRIPTION = (
     "Language models and translation with swappable output layers (heads). A run is a setting "
@@ -226,6 +227,47 @@ def _positive_trainer_options(trainer: Namespace) -> None:
             raise CommandLineError(f"trainer.{option} must be a {kind} ({meaning}), got {value}")
 
 
+def _count(value: Any) -> int | None:
+    """An int option's value (a batch count), else None (a fraction, a bool, unset)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _check_val_interval(trainer: Namespace) -> None:
+    """An int ``val_check_interval`` over the batches an int ``limit_train_batches`` (or
+    ``overfit_batches``) leaves an epoch: Lightning refuses it when the fit's loop starts,
+    after the data is prepared (``fit_loop.py``: ``val_check_batch > max_batches`` while
+    ``check_val_every_n_epoch`` is set and validation is on). With ``check_val_every_n_epoch``
+    null the interval counts batches across epochs: legal."""
+    interval = _count(trainer.get("val_check_interval"))
+    across_epochs = trainer.get("check_val_every_n_epoch", 1) is None
+    if interval is None or trainer.get("fast_dev_run") or across_epochs:
+        return
+    overfit = trainer.get("overfit_batches") or 0
+    option, batches = ("overfit_batches", overfit) if overfit > 0 else (
+        "limit_train_batches", trainer.get("limit_train_batches"))  # fmt: skip
+    validates = trainer.get("limit_val_batches") if overfit <= 0 else overfit  # (None: all)
+    if _count(batches) is not None and interval > batches and validates != 0:
+        raise CommandLineError(
+            f"trainer.val_check_interval {interval} is more training batches than an epoch has "
+            f"(trainer.{option} {batches}): give a fraction of an epoch, e.g. "
+            f"--trainer.val_check_interval 1.0 (or --trainer.check_val_every_n_epoch null to "
+            f"count the batches across epochs)"
+        )
+
+
+def _check_scheduler_interval(model: Any) -> None:
+    """A plateau schedule per step refused before anything is built (``configure_optimizers``
+    refuses it only after the data is prepared), by the check the optimizers' own
+    (:func:`lightning_modules.optimization.check_scheduler_interval`)."""
+    init_args = getattr(model, "init_args", None)
+    if init_args is None:
+        return
+    interval = init_args.get("scheduler_interval")
+    scheduler = init_args.get("scheduler")
+    path = scheduler.get("class_path") if isinstance(scheduler, (dict, Namespace)) else None
+    check_scheduler_interval(_import_class(path) if path else None, interval)
+
+
 # A checkpoint's saved model options (its hyper-parameters) on --ckpt_path. Lightning puts them
 # over the run's: the model is built as it was trained. Where the run gives one of them another
 # value: options that only steer training or reporting (RESUME_CHANGEABLE: fine-tuning a
@@ -399,6 +441,9 @@ class AppCLI(LightningCLI):
                 )
         check_task_data(config.get("model"), config.get("data"))
         _positive_trainer_options(config.trainer)
+        if self.subcommand == "fit":  # (test of a checkpoint trained per step: its own options)
+            _check_val_interval(config.trainer)
+            _check_scheduler_interval(config.get("model"))
         if self.subcommand == "predict" and (asked := _predict_on_one_device(config.trainer)):
             warn_line(
                 f"predict runs on one device, not the setting's {asked}: its output "

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -31,6 +32,7 @@ import lightning as L
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.callbacks.progress import rich_progress
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+from lightning.pytorch.loggers.utilities import _version
 
 from app.callbacks.training.logging_steps import logs_this_batch
 
@@ -51,6 +53,10 @@ class IntervalMetrics:
         metrics = super().get_metrics(trainer, pl_module)
         if isinstance(metrics.get("v_num"), int):  # the run's folder, not "0.000" (Rich)
             metrics["v_num"] = str(metrics["v_num"])
+        elif isinstance(metrics.get("v_num"), str):  # a version given by name: a resumed run's
+            # Lightning shows its last 4 characters ("version_10" as "n_10"): its number
+            named = re.fullmatch(r"version_(\d+)", str(_version(trainer.loggers)))
+            metrics["v_num"] = named.group(1) if named else metrics["v_num"]
         for name, value in metrics.items():  # counts (`*/num_*`: ds/num_experts) as "4"
             if name.rpartition("/")[2].startswith("num_") and isinstance(value, float):
                 metrics[name] = str(round(value)) if value.is_integer() else value

@@ -183,3 +183,22 @@ def test_side_work_shows_on_the_trainer_s_bar(kind, capsys):
         assert f"scoring:   0%|          | 0/{SideWork.STEPS}" in out  # a bar, total and all
     else:
         assert "scoring" not in out
+
+
+@pytest.mark.parametrize(("version", "shown"), [("version_0", "0"), ("version_12", "12"),
+                                                 ("eval-last", "last")])  # fmt: skip
+def test_a_run_folder_given_by_name_shows_its_number(version, shown):
+    """A resumed fit logs into its run's folder by name (``version="version_0"``): Lightning
+    shows a string version's last 4 characters, ``v_num: on_0``. Others keep Lightning's."""
+    from lightning.pytorch.callbacks.progress.progress_bar import get_standard_metrics
+
+    class Standard:  # Lightning's own
+        def get_metrics(self, trainer, pl_module):
+            return get_standard_metrics(trainer)
+
+    class Bar(IntervalMetrics, Standard):
+        pass
+
+    logger = type("Logger", (), {"version": version})()
+    trainer = type("Trainer", (), {"callback_metrics": {}, "loggers": [logger, logger]})()
+    assert Bar().get_metrics(trainer, None) == {"v_num": shown}
