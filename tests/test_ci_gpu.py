@@ -236,5 +236,7 @@ def test_quick_runs_end_to_end_on_a_cpu(tmp_path):
     mos = "MoS-15 tokens in 12 GiB"
     assert not [line for line in lines if line.endswith("unmeasured")
                 and not line.startswith(mos)], lines  # fmt: skip
-    assert sum("met (bench_gpu_" in line for line in lines) >= 9
+    # measured: a verdict and its source file; met or not, and "(CI spans the target)" between
+    # them, is the toy timings' (noise on a busy CPU), not the chain's
+    assert sum("(bench_gpu_" in line and " met" in line for line in lines) >= 9, lines
     assert any(line.startswith(mos) for line in lines)
