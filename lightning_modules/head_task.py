@@ -3,7 +3,6 @@ the same way. Everything head-specific is asked of the head (``heads/base.py``).
 
 from __future__ import annotations
 
-import functools
 import logging
 import warnings
 from collections.abc import Callable
@@ -14,7 +13,6 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from heads import Head, HeadOutput, HeadSetup
@@ -45,7 +43,7 @@ from lightning_modules.epoch_resume import (
     save_epoch_state,
     set_rng_states,
 )
-from lightning_modules.errors import ModelConfigError
+from lightning_modules.errors import ModelConfigError, warn_once
 from lightning_modules.module_configs import (
     MODULE_CONFIGS_KEY,
     build_modules,
@@ -78,13 +76,6 @@ def _products(precision: str | None) -> torch.dtype:
     if precision.startswith("16"):
         return torch.float16
     return torch.float64 if precision.startswith("64") else torch.float32
-
-
-@functools.cache
-@rank_zero_only
-def warn_once(message: str) -> None:
-    """A ``warning:`` line (the shape of the CLI's), once a process, from rank 0 under DDP."""
-    log.warning(f"warning: {message}")
 
 
 # The tasks' on_before_batch_transfer (the head told the targets on the host) is meant to run

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import weakref
 from collections.abc import Iterable
@@ -11,23 +10,12 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lightning_modules.errors import ModelConfigError
-
-log = logging.getLogger(__name__)
+from lightning_modules.errors import ModelConfigError, warn_once
 
 # when a scheduler steps: Lightning's lr_scheduler "interval" (None: the scheduler's own default)
 SchedulerInterval = Literal["epoch", "step"]
 INTERVALS = ("epoch", "step")
-
-
-@functools.cache
-@rank_zero_only
-def _warn_once(message: str) -> None:
-    """A ``warning:`` line (the CLI's shape), once a process, from rank 0 under DDP (a DS
-    mitosis rebuilds the optimizers, and the schedule with them: said once)."""
-    log.warning(f"warning: {message}")
 
 
 class InverseSquareRootLR(torch.optim.lr_scheduler.LRScheduler):
@@ -98,7 +86,7 @@ class WarmupCosineLR(torch.optim.lr_scheduler.LRScheduler):
             if not 0.0 <= value <= 1.0:
                 raise ModelConfigError(f"model.scheduler.{name} must be in [0, 1], got {value}")
         if total_steps <= warmup_steps:
-            _warn_once(
+            warn_once(
                 f"WarmupCosineLR: the warm-up ({warmup_steps} optimizer steps) is not shorter "
                 f"than the schedule's {total_steps} steps: the rate never reaches the cosine "
                 f"(lower model.scheduler.warmup_steps, or train longer)"
@@ -266,7 +254,7 @@ def warn_step_sized_arguments(scheduler: Any, trainer: Any) -> None:
     name, length = max(lengths.items(), key=lambda item: item[1])
     if not math.isfinite(epochs) or length <= epochs:
         return
-    _warn_once(
+    warn_once(
         f"model.scheduler {cls.__name__} steps once an epoch, and its {name} {length} is more "
         f"than the fit's {epochs} epochs: if it counts optimizer steps, give "
         f"--model.scheduler_interval step (--model.scheduler_interval epoch: meant so)"
@@ -340,7 +328,7 @@ def check_resumed_sizes(schedules: Iterable[Any]) -> None:
                 f"trainer.max_epochs / max_steps, or train anew from its weights"
             )
         past = "its rate stays at its floor past them" if sized > kept else "it ends first"
-        _warn_once(f"{where}: {past}")
+        warn_once(f"{where}: {past}")
 
 
 def configure_optimizers(

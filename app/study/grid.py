@@ -382,3 +382,10 @@ def cli_value(value: Any) -> str:
 def override_args(overrides: Mapping[str, Any]) -> list[str]:
     """``{key: value}`` -> ``["--key", "value", ...]``."""
     return [arg for key, value in overrides.items() for arg in (f"--{key}", cli_value(value))]
+
+
+def fit_extra_args(grid: Grid, run: RunSpec) -> list[str]:
+    """A run's ``cli.py fit`` options after its base configs: its head fragment, then the
+    grid's overrides (the runner's fit, and the preflight check's parse of it)."""
+    head = [] if run.head.fragment is None else ["--model.head", run.head.fragment]
+    return head + override_args(grid.run_overrides(run))

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from unittest import mock
 
-from app.study.grid import Grid, RunSpec, override_args
+from app.study.grid import Grid, RunSpec, fit_extra_args, override_args
 
 if TYPE_CHECKING:
     from jsonargparse import Namespace
@@ -34,10 +34,8 @@ if TYPE_CHECKING:
 def fit_args(grid: Grid, run: RunSpec) -> list[str]:
     """The options of a run's ``cli.py fit`` that the grid sets (configs, head, overrides),
     as :func:`app.study.runner.execute_run` passes them."""
-    args = [a for config in grid.run_base(run) for a in ("--config", config)]
-    if run.head.fragment is not None:
-        args += ["--model.head", run.head.fragment]
-    return args + override_args(grid.run_overrides(run))
+    configs = [a for config in grid.run_base(run) for a in ("--config", config)]
+    return configs + fit_extra_args(grid, run)
 
 
 def cells(grid: Grid) -> list[tuple[str, list[str]]]:

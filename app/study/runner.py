@@ -47,7 +47,7 @@ from app.study.collect import (
     read_metrics,
     validation_curve,
 )
-from app.study.grid import REPO, Grid, RunSpec, override_args
+from app.study.grid import REPO, Grid, RunSpec, fit_extra_args, override_args
 from heads.errors import UserError
 
 RESULT = "result.json"
@@ -531,10 +531,8 @@ def execute_run(grid: Grid, run: RunSpec, run_dir: Path, env: dict[str, str]) ->
         "overrides": overrides,
         "code": code_version(),  # as the stages import it (a resumed study may differ)
     }
-    head = [] if run.head.fragment is None else ["--model.head", run.head.fragment]
     try:
-        extra = head + override_args(overrides)
-        stage = executor.fit("fit", grid.run_base(run), extra)
+        stage = executor.fit("fit", grid.run_base(run), fit_extra_args(grid, run))
         result["fit"] = stage
         final_version, best = "fit", stage["best_checkpoint"]
         if grid.finetune is not None:

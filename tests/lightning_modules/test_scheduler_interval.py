@@ -18,11 +18,10 @@ import torch
 import yaml
 
 from lightning_modules import Classifier
-from lightning_modules.errors import ModelConfigError
+from lightning_modules.errors import ModelConfigError, warn_once
 from lightning_modules.optimization import (
     InverseSquareRootLR,
     WarmupCosineLR,
-    _warn_once,
     check_resumed_sizes,
     configure_optimizers,
 )
@@ -106,7 +105,7 @@ def test_warmup_cosine_is_sized_to_the_fit_and_checks_its_arguments(caplog):
                 {"warmup_start_factor": -0.1}):  # fmt: skip
         with pytest.raises(ModelConfigError, match=next(iter(bad))):
             WarmupCosineLR(adam(params), **{"total_steps": 10, **bad})
-    _warn_once.cache_clear()
+    warn_once.cache_clear()
     with caplog.at_level(logging.WARNING, "lightning_modules"):
         WarmupCosineLR(adam(params), warmup_steps=50, total_steps=40)
     assert "the warm-up (50 optimizer steps) is not shorter than the schedule's 40" in caplog.text
@@ -182,7 +181,7 @@ def test_one_warning_line_for_a_per_epoch_schedule_of_optimizer_steps(caplog):
                           "[3, 30]")  # fmt: skip
 
     def warned(factory, trainer, interval=None) -> list[str]:
-        _warn_once.cache_clear()
+        warn_once.cache_clear()
         caplog.clear()
         with caplog.at_level(logging.WARNING, "lightning_modules"):
             configure_optimizers(params, adam, factory, trainer=trainer, interval=interval)
@@ -331,7 +330,7 @@ def test_a_schedule_sized_to_the_fit_keeps_the_checkpoints_length_when_resumed(c
 
         schedule = sized(fit_steps)
         schedule.load_state_dict(sized(saved_steps).state_dict())  # as Lightning restores it
-        _warn_once.cache_clear()
+        warn_once.cache_clear()
         caplog.clear()
         with caplog.at_level(logging.WARNING, "lightning_modules"):
             check_resumed_sizes([schedule])
