@@ -7,7 +7,11 @@ batches of one size, a DS head with every loss term on behind a linear layer, mu
 gradients of one process on the union (and every rank the union's regulariser); that one
 process runs in a world of one, where the head must make no collective call.
 
-    python -m tests.heads.ds.test_balance_ddp <rank> <folder>
+    python -m tests.heads.ds.test_balance_ddp <rank> <folder> <store port>
+
+The ranks meet at a TCP store the test hosts on a port the system chose, and the world of one
+at a store of its own process: a ``file://`` rendezvous hung now and then past the test's
+limit in CI (torch's FileStore, whose last user deletes the file, is known to hang there).
 
 Run as a module from the repository root (the test starts the processes).
 """
@@ -65,13 +69,18 @@ class Step(nn.Module):
         return output.loss + output.aux_loss, output.aux_loss
 
 
-def one_step(rank: int, world: int, store: Path) -> dict:
+def one_step(rank: int, world: int, port: int | None) -> dict:
     """One training forward and backward (DDP over ``world`` gloo processes), then evaluation
     forwards (rank 0 two, rank 1 one: evaluation batches differ in number across ranks, so
     the head must not all-reduce there): the gradients, the regulariser and the head's
-    collective calls."""
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=30))  # fmt: skip
+    collective calls. ``port``: the test's TCP store, or None in a world of one."""
+    timeout = timedelta(seconds=30)
+    if port is None:
+        store = dist.HashStore()
+    else:
+        store = dist.TCPStore("127.0.0.1", port, world_size=world, is_master=False,
+                              timeout=timeout)  # fmt: skip
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     calls = {"train": 0, "eval": 0}
     stage = "train"
     all_reduce = collectives.all_reduce
@@ -101,12 +110,12 @@ def one_step(rank: int, world: int, store: Path) -> dict:
     return {"grads": grads, "aux": aux.detach(), "calls": calls}
 
 
-def run_rank(rank: int, folder: Path) -> None:
+def run_rank(rank: int, folder: Path, port: int) -> None:
     """Rank ``rank`` of 2 saves its step; then rank 0 the step of one process on the union of
     both ranks' rows, in a world of one."""
-    torch.save(one_step(rank, 2, folder / "store"), folder / f"rank{rank}.pt")
+    torch.save(one_step(rank, 2, port), folder / f"rank{rank}.pt")
     if rank == 0:
-        torch.save(one_step(0, 1, folder / "store1"), folder / "single.pt")
+        torch.save(one_step(0, 1, None), folder / "single.pt")
 
 
 def test_outside_torch_distributed_the_sum_is_the_tensor_itself():
@@ -116,20 +125,31 @@ def test_outside_torch_distributed_the_sum_is_the_tensor_itself():
 
 def test_the_load_balance_of_two_ranks_is_the_global_batch_term(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=60))  # fmt: skip
+    logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]
+    command = [sys.executable, "-m", "tests.heads.ds.test_balance_ddp"]
     processes = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.heads.ds.test_balance_ddp", str(rank), str(tmp_path)],
+            [*command, str(rank), str(tmp_path), str(server.port)],
             cwd=REPO,
             env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
         )
-        for rank in range(2)
+        for rank, log in enumerate(logs)
     ]
     for process in processes:
-        _, stderr = process.communicate(timeout=120)
-        assert process.returncode == 0, stderr[-3000:]
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            break  # killed below: its log names where it stood
+    for process in processes:
+        process.kill()  # a no-op on an ended process
+        process.wait()
+    del server
+    for process, log in zip(processes, logs, strict=True):
+        assert process.returncode == 0, log.read_text()[-3000:]
     single = torch.load(tmp_path / "single.pt")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for rank in ranks:
@@ -144,4 +164,4 @@ def test_the_load_balance_of_two_ranks_is_the_global_batch_term(tmp_path):
 
 
 if __name__ == "__main__":
-    run_rank(int(sys.argv[1]), Path(sys.argv[2]))
+    run_rank(int(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]))
