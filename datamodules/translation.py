@@ -76,7 +76,7 @@ from datamodules.vocab import (
     vocab_from_state,
     vocab_over,
 )
-from datamodules.vocab.bpe import StreamEncoder, warn_if_other_bpe_size
+from datamodules.vocab.bpe import UNK_CHAR, StreamEncoder, warn_if_other_bpe_size, written_unk
 from datamodules.vocab.hybrid_lightrnn import codes_text
 from datamodules.vocab.word import count_words
 from heads.errors import UserError
@@ -87,6 +87,8 @@ SPLITS = ("train", "valid", "test")
 SIDES = ("source", "target")
 # Multi30k's file prefixes (task 1): train.de, val.de, test_2016_flickr.de ...
 DEFAULT_FILES = {"train": "train", "valid": "val", "test": "test_2016_flickr"}
+# Above this share of a side's tokens, the unknown-word line is a warning (as the LM's).
+UNKNOWN_WARN_SHARE = 0.01
 
 
 def _misaligned(split: str, files: Sequence[str], counts: Sequence[int], how: str = "has"):
@@ -307,6 +309,8 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         self._table_version: int | None = None
         self._lines: dict[str, list[str]] = {}
         self._splits: DatasetDict | None = None
+        # split -> side -> (tokens that became <unk> without being written so, tokens)
+        self.unknown_tokens: dict[str, dict[str, tuple[int, int]]] = {}
         self.predict_sources: list[str] = []  # what predict translates (its loader sets it)
 
     def __repr__(self) -> str:
@@ -459,11 +463,16 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         eos = tokenizer.token_to_id(EOS)
         encoder = StreamEncoder(tokenizer)
 
+        unk_char = tokenizer.token_to_id(UNK_CHAR)
+        unknown = dict.fromkeys(sides, 0)  # <unk_char> not written in the text, per side
+
         def theirs(side: str):
             desc = f"encoding train {side} (BPE)"
             for batch in self.source.line_batches(f"train.{side}", desc=desc):
                 ids = encoder.encode(batch)
                 counts[:] += np.bincount(ids, minlength=counts.size)
+                if found := int(np.count_nonzero(ids == unk_char)):
+                    unknown[side] += found - written_unk(batch, UNK_CHAR)
                 yield ids, BPEVocab.theirs_line_lengths(tokenizer, batch, ids, eos)
 
         for side in sides:
@@ -471,7 +480,13 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         vocab = BPEVocab.from_counts(tokenizer, counts)
         for side in sides:
             identity = self._identity_of(f"train.{side}")
-            cache.remap(f"train.{side}.theirs", f"train.{side}", vocab.to_ours, source=identity)
+            cache.remap(
+                f"train.{side}.theirs",
+                f"train.{side}",
+                vocab.to_ours,
+                source=identity,
+                unknown=unknown[side],
+            )
         return vocab
 
     @property
@@ -549,18 +564,27 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
             identity = self._identity_of(part)
 
             def done() -> bool:
-                return (
-                    cache.has_ids(part)
-                    and cache.has(f"{part}.offsets.npy")
-                    and cache.read_json(f"{part}.json")["source"] == identity
-                )
+                if not (cache.has_ids(part) and cache.has(f"{part}.offsets.npy")):
+                    return False
+                meta = cache.read_json(f"{part}.json")
+                # an entry of an older version has no unknown-word count: encoded again
+                return meta["source"] == identity and "unknown" in meta
+
+            unknown = [0]  # tokens that became <unk> (<unk_char>) without being written so
 
             def chunks():
                 for batch in self.source.line_batches(part, desc=f"tokenising {split} {side}"):
-                    ids = vocab.encode_batch(batch)
+                    ids, found = vocab.encode_batch_unknown(batch)
+                    unknown[0] += found
                     yield ids, vocab.line_lengths(batch, ids)
 
-            cache.ensure(done, lambda: cache.write_ids(part, chunks(), source=identity), part)
+            def write() -> None:
+                counted = lambda: {"unknown": unknown[0]}  # noqa: E731
+                cache.write_ids(part, chunks(), source=identity, counted=counted)
+
+            cache.ensure(done, write, part)
+            meta = cache.read_json(f"{part}.json")
+            self.unknown_tokens.setdefault(split, {})[side] = (meta["unknown"], meta["tokens"])
             ids, offsets = cache.ids(part), cache.offsets(part)
             if isinstance(coder, HybridLightRNNVocab):
                 self._target_words[part] = (ids, offsets)
@@ -629,7 +653,41 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
             self._encoded[split] = EncodedPairs(
                 source, source_offsets, target, target_offsets, index
             )
+            self._report_unknown(split)
         return self._encoded[split]
+
+    def _report_unknown(self, split: str) -> None:
+        """One line per split (from the cache entry's counts, so also on a cache hit): each
+        side's tokens that became ``<unk>`` without being written ``<unk>`` in the text (BPE:
+        ``<unk_char>``, characters the BPE never saw). In training the words the vocabulary's
+        limits dropped; elsewhere also the words the training pairs lack. A warning above 1%
+        on a side: BLEU and perplexity are then measured on text the model cannot write."""
+        counts = self.unknown_tokens.get(split, {})
+        if process_rank() not in (None, 0) or set(counts) != set(SIDES):
+            return
+        bpe = self._level == "bpe"
+        token = "<unk_char>" if bpe else "<unk>"
+        if bpe:
+            why = "characters the BPE never saw in training"
+        elif split == "train":
+            hp = self.hparams
+            why = " or ".join(
+                [f"words beyond data.max_vocab_size={hp.max_vocab_size}"] * bool(hp.max_vocab_size)
+                + [f"words seen fewer than data.min_freq={hp.min_freq} times"] * (hp.min_freq > 1)
+            )
+            why = why or "no limit set"
+        else:
+            why = "words not in the training vocabulary"
+        shares = {side: unknown / max(tokens, 1) for side, (unknown, tokens) in counts.items()}
+        sides = ", ".join(
+            f"{side} {counts[side][0]:,} of {counts[side][1]:,} tokens ({shares[side]:.2%})"
+            for side in SIDES
+        )
+        line = f"{split}: {token}: {sides} ({why}; {token} written in the text not counted)"
+        if max(shares.values()) > UNKNOWN_WARN_SHARE:
+            log.warning("warning: %s: over %.0f%% on a side", line, 100 * UNKNOWN_WARN_SHARE)
+        else:
+            log.info("%s", line)
 
     def _loader(
         self, split: str, max_tokens: int, shuffle: bool, resumable: bool = False
@@ -638,8 +696,8 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
         order = LengthSortedSampler(
-            pairs.source_lengths.tolist(),
-            pairs.target_lengths.tolist(),
+            pairs.source_lengths,
+            pairs.target_lengths,
             shuffle=shuffle,
             seed=self.hparams.seed,
             # Lightning turns a shuffling sampler off for overfit_batches; ours shuffles in
