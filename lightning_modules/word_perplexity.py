@@ -13,6 +13,18 @@ import torch
 from torchmetrics import SumMetric
 
 from heads import IGNORE_INDEX
+from lightning_modules.weighted_mean import FloatSums
+
+
+class WordSum(FloatSums, SumMetric):
+    """torchmetrics' ``SumMetric`` summed in float32, or float64 under ``64-true``
+    (:class:`~lightning_modules.weighted_mean.FloatSums`): under ``bf16-true`` its sum was
+    bfloat16, where an epoch's code NLLs stop adding up, and under ``64-true`` float32."""
+
+    def update(self, value: torch.Tensor | float) -> None:
+        if isinstance(value, torch.Tensor):
+            self.promote_for(value)
+        super().update(value)
 
 
 def word_sums(stages: Iterable[str]) -> torch.nn.ModuleDict:
@@ -22,7 +34,7 @@ def word_sums(stages: Iterable[str]) -> torch.nn.ModuleDict:
     means: there it drops the weights, ``lightning_modules/weighted_mean.py``.)"""
     return torch.nn.ModuleDict(
         {
-            f"{s}_{part}": SumMetric(nan_strategy="disable")
+            f"{s}_{part}": WordSum(nan_strategy="disable")
             for s in stages
             for part in ("nll", "words")
         }
