@@ -278,7 +278,7 @@ def linear_lse(
     v = weight.size(0)
     if row_bound is None:
         tile, width = plan_tiles(hidden.size(0), v, hidden.device, options)
-        saved = options.saved_bytes
+        saved = kept_bytes(options, hidden, weight, bias)
     else:
         (_, width), tile, saved = plan_tiles(row_bound, v, hidden.device, options), None, 0
     if options.plan == "checkpoint":  # plain maths per chunk: the hand-written plans' yardstick
@@ -297,6 +297,15 @@ def linear_lse(
         saved, options.fold,
     )  # fmt: skip
     return LinearLSE(lse, target_logit, total if logit_sum else None)
+
+
+def kept_bytes(options: LossOptions, *inputs: torch.Tensor | None) -> int:
+    """Bytes of chunk results the forward may keep for the backward: ``options.saved_bytes``
+    where a backward can run (gradients enabled and an input that requires them), else 0. An
+    evaluation forward (``torch.no_grad``: validation's perplexity) kept a prefix of chunks up
+    to the whole budget that nothing read: 128 MiB more at its peak, and a pass over them."""
+    wanted = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
+    return options.saved_bytes if wanted else 0
 
 
 def resolve_plan(plan: str, hidden: torch.Tensor) -> str:

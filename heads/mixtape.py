@@ -44,6 +44,7 @@ from heads.errors import HeadConfigError
 from heads.fused_cross_entropy import (
     LinearLSE,
     combine_lse,
+    kept_bytes,
     linear_lse,
     log_softmax_rows,
     mean_cross_entropy,
@@ -488,6 +489,6 @@ def mixtape_frequent_lse(
         return LinearLSE(lse, target_logit, total if logit_sum else None)
     lse, target_logit, total = MixtapeFrequentLSE.apply(
         gate_inputs, gate_weights, contexts, weight, bias, target, logit_sum, dtype, width,
-        options.saved_bytes, float(gate_noise),
+        kept_bytes(options, gate_inputs, gate_weights, contexts, weight, bias), float(gate_noise),
     )  # fmt: skip
     return LinearLSE(lse, target_logit, total if logit_sum else None)
