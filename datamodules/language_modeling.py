@@ -46,6 +46,8 @@ from heads.errors import UserError
 
 log = logging.getLogger(__name__)
 
+# Predict names at most this many prompts of unknown words alone (a file of them: thousands).
+NAMED_UNKNOWN_PROMPTS = 5
 # Above this share of a split's tokens, the unknown-word line is a warning.
 UNKNOWN_WARN_SHARE = 0.01
 
@@ -608,11 +610,17 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         items = []
         words = getattr(self.vocab, "words", self.vocab)  # (Hybrid-LightRNN: codes of words)
         unk = getattr(words, "unk_id", None)
+        named = 0  # the first few wholly unknown prompts are named (predict counts them all)
         for prompt in prompts:
             ids = self.vocab.encode_line(prompt, add_eos=False)
             word_ids = words.encode_line(prompt, add_eos=False)
             if word_ids and unk is not None and all(i == unk for i in word_ids):
-                log.warning("prompt %r: no word of it is in the vocabulary (all <unk>)", prompt)
+                named += 1
+                if named <= NAMED_UNKNOWN_PROMPTS:
+                    last = " (further ones not named)" * (named == NAMED_UNKNOWN_PROMPTS)
+                    log.warning(
+                        "prompt %r: no word of it is in the vocabulary (all <unk>)%s", prompt, last
+                    )
             items.append({"prompt": prompt, "ids": torch.tensor(ids or [self.vocab.eos_id])})
         return DataLoader(items, batch_size=None)
 

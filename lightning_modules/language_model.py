@@ -19,6 +19,7 @@ from lightning_modules.errors import ModelConfigError
 from lightning_modules.head_task import HeadTask, warn_once
 from lightning_modules.optimization import SchedulerInterval
 from lightning_modules.pretrained import Pretrained, read_pretrained
+from lightning_modules.unknown_input import UnknownInput
 from lightning_modules.weighted_mean import WeightedMean
 from lightning_modules.word_perplexity import (
     update_word_sums,
@@ -131,6 +132,7 @@ class LanguageModel(HeadTask):
         )
         self.word_metrics = word_sums(STAGES)  # over codes (lightning_modules/word_perplexity.py)
         self._word_starts: torch.Tensor | None = None
+        self._unknown = UnknownInput("prompt")  # predict's input read as <unk>, said at its end
 
     # -- steps -------------------------------------------------------------------------
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -257,8 +259,15 @@ class LanguageModel(HeadTask):
         self._log_split_perplexity("test")
 
     # -- predict: next-token top-k, optional sampling -----------------------------------
+    def on_predict_epoch_start(self) -> None:
+        self._unknown.reset()
+
+    def on_predict_epoch_end(self) -> None:
+        self._unknown.report()
+
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
         vocab = self.trainer.datamodule.vocab
+        self._unknown.add(vocab, batch["prompt"])
         ids = batch["ids"].to(self.device).unsqueeze(0)
         hidden, state = self.backbone(self._window(ids))
         last = hidden[:, -1]

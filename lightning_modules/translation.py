@@ -21,6 +21,7 @@ from lightning_modules.decoding import DecodeConfig, beam_search, greedy_decode
 from lightning_modules.errors import ModelConfigError
 from lightning_modules.head_task import HeadTask, warn_once
 from lightning_modules.optimization import SchedulerInterval
+from lightning_modules.unknown_input import UnknownInput
 from lightning_modules.weighted_mean import WeightedMean
 from lightning_modules.word_perplexity import (
     update_word_sums,
@@ -176,6 +177,8 @@ class Translation(HeadTask):
         self._word_starts: torch.Tensor | None = None
         self._translations: dict[int, list[int]] = {}
         self._decode_seconds = 0.0
+        # predict's source words read as <unk>, said at its end
+        self._unknown = UnknownInput("source")
 
     # -- loss --------------------------------------------------------------------------
     def forward(
@@ -335,15 +338,23 @@ class Translation(HeadTask):
         """Translations of ``data.predict_sentences`` or ``predict_file`` (``beam_size``); a
         blank line stays blank (a document's paragraph breaks), whatever the model says."""
         data = self.trainer.datamodule
-        sources = data.predict_sources
+        sources, indices = data.predict_sources, batch["index"].tolist()
+        for i in indices:
+            self._unknown.add(data.source_vocab, sources[i])
         hypotheses = self.translate(batch, self.decode.beam_size)
         return [
             {
                 "source": sources[i],
                 "translation": data.detokenize(ids) if sources[i].strip() else "",
             }
-            for i, ids in zip(batch["index"].tolist(), hypotheses, strict=True)
+            for i, ids in zip(indices, hypotheses, strict=True)
         ]
+
+    def on_predict_epoch_start(self) -> None:
+        self._unknown.reset()
+
+    def on_predict_epoch_end(self) -> None:
+        self._unknown.report()
 
     # -- epoch ends: perplexity, BLEU, samples, translations file ------------------------
     def _log_perplexity(self, stage: str) -> None:

@@ -8,6 +8,7 @@ keep every case to about a second.
 """
 
 import errno
+import json
 import logging
 import os
 import re
@@ -602,7 +603,29 @@ def test_a_prompt_of_unknown_words_is_a_warning(cli_run, corpus, caplog, vocab):
                    "--data.init_args.lightrnn_frequent", "3", console=True)  # fmt: skip
     assert code == 0
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warnings == ["prompt 'zebra quokka': no word of it is in the vocabulary (all <unk>)"]
+    assert warnings == [
+        "prompt 'zebra quokka': no word of it is in the vocabulary (all <unk>)",
+        "warning: predict: 2 of 4 prompt tokens (50.00%), in 1 of 2 lines, were read as <unk> "
+        "(not in the vocabulary, or written <unk>)",
+    ]
+
+
+def test_a_file_of_unknown_prompts_names_five_and_counts_them_all(cli_run, corpus, caplog):
+    """Thousands of prompts of unknown words (a PTB file of literal ``<unk>``) would flood
+    stderr with a line each: five are named, predict's closing line counts them all."""
+    caplog.set_level(logging.INFO, logger="datamodules")
+    prompts = json.dumps([f"zebra{i}" for i in range(7)])
+    code = cli_run("predict", *tiny_lm(corpus), "--data.init_args.predict_prompts", prompts,
+                   console=True)  # fmt: skip
+    assert code == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    named = [f"prompt 'zebra{i}': no word of it is in the vocabulary (all <unk>)" for i in range(5)]
+    named[-1] += " (further ones not named)"
+    assert warnings == [
+        *named,
+        "warning: predict: 7 of 7 prompt tokens (100.00%), in 7 of 7 lines, were read as <unk> "
+        "(not in the vocabulary, or written <unk>)",
+    ]
 
 
 @pytest.mark.slow

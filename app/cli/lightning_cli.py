@@ -498,6 +498,11 @@ class AppCLI(LightningCLI):
         return self._evaluate("test", **kwargs)
 
     def predict(self, **kwargs: Any) -> Any:
+        # the PredictionWriter prints each batch as it comes; Lightning would also keep every
+        # result until the end (return_predictions defaults to true on one device), so
+        # memory grew with the input file (50,000 prompts: 50,000 dicts held for nothing)
+        if kwargs.get("return_predictions") is None:
+            kwargs["return_predictions"] = False
         return self._evaluate("predict", **kwargs)
 
 
