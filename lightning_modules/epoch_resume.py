@@ -8,6 +8,13 @@ noise draw from (Lightning saves none). A checkpoint written mid-epoch keeps the
 :data:`TRAIN_STATE_KEY` (every rank's, under DDP: each has its own streams, sums and
 generators), and the resumed run gives them back before its first batch, so its epoch ends as
 the uninterrupted one would have.
+
+A checkpoint written inside a gradient-accumulation window (``accumulate_grad_batches`` k, a
+validation every n batches with n not a multiple of k) also keeps the gradient the window's
+batches so far have summed (:data:`GRADIENTS_KEY`; under DDP its mean over the ranks, each of
+which summed its own without a sync): the resumed fit gives it back before the window's next
+backward, so the window's step is the uninterrupted fit's (before, it was of the batches after
+the checkpoint alone).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -27,6 +35,8 @@ from datamodules.resumable import ResumableLoader
 log = logging.getLogger(__name__)
 
 TRAIN_STATE_KEY = "train_epoch_state"
+# the gradient of an accumulation window's batches so far, in a checkpoint written inside one
+GRADIENTS_KEY = "accumulated_gradients"
 # the same entry as the language model wrote it before translation resumed mid-epoch too
 _EARLIER_KEYS = ("language_model_train_state",)
 
@@ -76,6 +86,43 @@ def save_epoch_state(module: L.LightningModule, checkpoint: dict[str, Any],
         "metrics": {name: {k: v.cpu() for k, v in values.items()} for name, values in sums.items()},
         "rng": {name: value.cpu() for name, value in rng.items()},
     }
+    save_accumulated_gradients(module, checkpoint)
+
+
+def save_accumulated_gradients(module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+    """Inside an accumulation window (the last batch trained did not step): the gradient its
+    batches have summed, under :data:`GRADIENTS_KEY` (module docstring). Called on every rank.
+
+    Under DDP each rank summed its own batches' gradients (no sync until the window's step),
+    and the step averages the ranks' sums: given the ranks' mean of the partial sums back,
+    every rank's sum at the step averages to the same gradient. Only where the parameters are
+    whole on each rank (one device, DDP), and only there: sharded strategies keep no whole
+    gradient to save."""
+    trainer = module.trainer
+    strategy = trainer.strategy
+    if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+        return
+    if not trainer.fit_loop.epoch_loop._should_accumulate():  # (Lightning's own test)
+        return
+    params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    # a parameter no batch of the window reached has no gradient: it stays without one (an
+    # optimizer skips it), unless another rank's batches reached it
+    present = [p.grad is not None for _, p in params]
+    if trainer.world_size > 1:
+        counts = torch.tensor(present, dtype=torch.float32, device=module.device)
+        present = [n > 0 for n in strategy.reduce(counts, reduce_op="sum").tolist()]
+    gradients = {}
+    for (name, p), has in zip(params, present, strict=True):
+        if not has:
+            continue
+        grad = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+        if trainer.world_size > 1:
+            grad = strategy.reduce(grad, reduce_op="mean")
+        gradients[name] = grad.cpu()
+    checkpoint[GRADIENTS_KEY] = {
+        "accumulate_grad_batches": trainer.accumulate_grad_batches,
+        "gradients": gradients,
+    }
 
 
 def read_epoch_state(checkpoint: dict[str, Any], trainer: L.Trainer | None) -> dict | None:
@@ -92,11 +139,15 @@ def read_epoch_state(checkpoint: dict[str, Any], trainer: L.Trainer | None) -> d
         if fitting and (batch := _saved_position(checkpoint)):
             _warn_other_world_size(saved["world_size"], trainer.world_size, batch)
         return None
+    # (an entry only where the checkpoint was written inside an accumulation window)
+    gradients = _saved_gradients(checkpoint, trainer)
+    window = {} if gradients is None else {"gradients": gradients}
     if saved["world_size"] == 1:
-        return {"rng": None, **saved}
+        return {"rng": None, **saved, **window}
     rank = trainer.global_rank
     rng = saved.get("rng")
     return {
+        **window,
         "rng": None if rng is None else {name: value[rank] for name, value in rng.items()},
         "state": apply_to_collection(saved["state"], torch.Tensor, lambda t: t[rank]),
         "metrics": {
@@ -104,6 +155,46 @@ def read_epoch_state(checkpoint: dict[str, Any], trainer: L.Trainer | None) -> d
             for name, values in saved["metrics"].items()
         },
     }
+
+
+def restore_accumulated_gradients(module: L.LightningModule, saved: dict | None) -> None:
+    """Give the parameters back the gradient of the accumulation window a checkpoint was
+    written inside (``saved``: :func:`read_epoch_state`'s ``"gradients"``; None: nothing to
+    give). Call at the resumed fit's first batch, before its backward: Lightning clears the
+    gradients when the fit starts (``Trainer._run_stage``) and then only at a window's first
+    batch, so that batch and the window's others add to it."""
+    if not saved:
+        return
+    params = dict(module.named_parameters())
+    for name, grad in saved.items():
+        p = params.get(name)
+        if p is not None and p.shape == grad.shape:
+            p.grad = grad.to(p.device, p.dtype)
+
+
+def _saved_gradients(checkpoint: dict[str, Any], trainer: L.Trainer) -> dict | None:
+    """The gradient of the accumulation window a checkpoint was written inside, for a fit
+    that accumulates as many batches (another ``accumulate_grad_batches`` puts the windows
+    elsewhere: None, said in a warning line), else None."""
+    saved = checkpoint.get(GRADIENTS_KEY)
+    if saved is None:
+        return None
+    if saved["accumulate_grad_batches"] != trainer.accumulate_grad_batches:
+        fitting = getattr(getattr(trainer, "state", None), "fn", None) == TrainerFn.FITTING
+        if fitting:
+            _warn_other_accumulation(saved["accumulate_grad_batches"],
+                                     trainer.accumulate_grad_batches)  # fmt: skip
+        return None
+    return saved["gradients"]
+
+
+@rank_zero_only
+def _warn_other_accumulation(saved: int, ours: int) -> None:
+    log.warning(
+        f"warning: the checkpoint was written inside a window of accumulate_grad_batches "
+        f"{saved}, and this fit accumulates {ours}: the gradient of that window's batches so "
+        f"far is dropped, and its next step is of the batches after the checkpoint alone"
+    )
 
 
 def _saved_position(checkpoint: dict[str, Any]) -> int:

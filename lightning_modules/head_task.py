@@ -38,6 +38,7 @@ from lightning_modules.checks import (
 from lightning_modules.epoch_resume import (
     mark_position,
     read_epoch_state,
+    restore_accumulated_gradients,
     restore_metrics,
     resumable_loader,
     save_epoch_state,
@@ -210,7 +211,7 @@ class HeadTask(L.LightningModule):
         """Lightning's, with the backbone and the head rebuilt from the configs a checkpoint
         written by ``cli.py`` holds (``lightning_modules/module_configs.py``), unless given:
         ``LanguageModel.load_from_checkpoint("logs/ptb/version_0/checkpoints/last.ckpt")``."""
-        kwargs = build_modules(checkpoint_path, kwargs)
+        kwargs = build_modules(checkpoint_path, kwargs, cls)
         return super().load_from_checkpoint(
             checkpoint_path, map_location, hparams_file, strict, **kwargs
         )
@@ -502,6 +503,8 @@ class HeadTask(L.LightningModule):
         if saved is not None and 0 < loader.resumed_from == batch_idx:
             restore_metrics(self.train_metrics(), saved["metrics"], self.device)
             self.continue_epoch_state(saved["state"])
+            # a checkpoint inside an accumulation window: the window's gradient so far
+            restore_accumulated_gradients(self, saved.get("gradients"))
             if saved["rng"] is not None:  # the dropout masks the uninterrupted run drew next
                 set_rng_states(saved["rng"], self.device)
         mark_position(self.trainer, loader, batch_idx)

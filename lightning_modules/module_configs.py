@@ -20,7 +20,7 @@ from lightning.fabric.utilities.cloud_io import _load as pl_load
 from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
 from torch import nn
 
-from lightning_modules.checkpoint_file import check_checkpoint_file
+from lightning_modules.checkpoint_file import check_checkpoint_file, check_checkpoint_task
 from lightning_modules.errors import ModelConfigError
 
 MODULE_CONFIGS_KEY = "module_configs"
@@ -39,9 +39,10 @@ def cli_module_configs(hidden_size: int) -> dict[str, Any] | None:
     return configs
 
 
-def build_modules(path: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+def build_modules(path: Any, kwargs: dict[str, Any], task: type | None = None) -> dict[str, Any]:
     """``kwargs`` with the backbone and the head a ``cli.py`` checkpoint at ``path`` describes
-    (fresh modules: the checkpoint's weights are loaded into them after), unless given."""
+    (fresh modules: the checkpoint's weights are loaded into them after), unless given; a
+    checkpoint of another task than ``task`` (the class loading it) refused in one line."""
     if all(m in kwargs for m in MODULES):
         return kwargs
     if isinstance(path, (str, os.PathLike)) and "://" not in str(path):
@@ -52,6 +53,8 @@ def build_modules(path: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         checkpoint = pl_load(path, map_location="cpu", weights_only=False)
         if hasattr(path, "seek"):
             path.seek(0)  # (Lightning reads it again)
+    if task is not None:
+        check_checkpoint_task(checkpoint, task, repr(path))
     configs = checkpoint.get(MODULE_CONFIGS_KEY)
     if configs is None:
         raise ModelConfigError(
