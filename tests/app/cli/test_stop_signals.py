@@ -25,6 +25,10 @@ _SCRIPT = textwrap.dedent(
     from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
     import cli
 
+    # as in a terminal: a job started in the background inherits SIGINT ignored, and Python
+    # then installs no handler of its own (the test would measure how it was launched)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
     class Preparing(BoringDataModule):
         def prepare_data(self):
             os.kill(os.getpid(), signal.{name})
