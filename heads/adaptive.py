@@ -57,8 +57,9 @@ from heads.fused_cross_entropy import (
     plain_log_probs,
     plain_loss_fits,
     plain_nll,
+    row_tile,
 )
-from heads.kernels.adaptive_rows import adaptive_rows_loss
+from heads.kernels.adaptive_rows import TilePlan, adaptive_rows_loss
 from heads.kernels.chunks import gpu_plans
 
 log = logging.getLogger(__name__)
@@ -327,13 +328,15 @@ class AdaptiveSoftmaxHead(Head):
         if slots is not None:  # a step being captured: each tail cluster in its fixed slots
             tail_rows, valid = sort_into_slots(group, self.num_clusters + 2, 2, slots)
             loss, nll = adaptive_rows_loss(hidden, target, head_target, tail_rows, slots,
-                                           self.cutoffs, self.head, self.tail, valid)  # fmt: skip
+                                           self.cutoffs, self.head, self.tail, valid,
+                                           self._rows_tile(hidden))  # fmt: skip
             return HeadOutput(loss, nll, loss.new_zeros(()))
         order, sizes = sort_into_groups(group, self.num_clusters + 2, expected)  # ignored first
         if self._whole_rows(hidden, label_smoothing):  # the whole loss in one function
             loss, nll = adaptive_rows_loss(hidden, target, head_target,
                                            order[sizes[0] + sizes[1] :], sizes[2:],
-                                           self.cutoffs, self.head, self.tail)  # fmt: skip
+                                           self.cutoffs, self.head, self.tail, None,
+                                           self._rows_tile(hidden))  # fmt: skip
             return HeadOutput(loss, nll, loss.new_zeros(()))
         compiling = torch.compiler.is_compiling()
         # Where the rows plan may pay for some classifier (eagerly, without smoothing), each
@@ -399,6 +402,16 @@ class AdaptiveSoftmaxHead(Head):
             and not label_smoothing
             and not torch.compiler.is_compiling()
         )
+
+    def _rows_tile(self, hidden: torch.Tensor) -> TilePlan:
+        """How :func:`~heads.kernels.adaptive_rows.adaptive_rows_loss` tiles each classifier's
+        rows: as the other rows plans tile theirs (:func:`row_tile`: ``chunk_bytes`` of
+        float32 logits where given, else a share of the device's memory). Untiled, the head
+        classifier held ``[N, k_h + J]`` logits and each tail cluster ``[R_i, |C_i|]`` at
+        once, the previous classifier's ``dz`` still alive beside them: at 32k tokens and a
+        20k short list, 1.3 GB in bf16 (several times that by the torch operators)."""
+        device, options = hidden.device, self.loss_options
+        return lambda rows, columns, held: row_tile(rows, columns, device, options, held)
 
     def _dense(self, hidden: torch.Tensor) -> bool:
         """Whether a step on ``hidden`` runs every classifier on every row

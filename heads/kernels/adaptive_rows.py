@@ -12,8 +12,13 @@ reduction and replays their backwards one by one; here each classifier is one pr
 logits, one pass that turns them into their gradient in place (the Triton rows kernel on
 CUDA: ``heads/kernels/triton_rows.py``) and the products of its gradients, all queued in the
 forward (276 operators); the backward scales the stored gradients by the loss's (one
-multi-tensor launch). Memory: one classifier's logits at a time, in the products' dtype
-(PyTorch's layer keeps its log-probabilities in float32).
+multi-tensor launch). Memory: one row tile of one classifier's logits at a time, in the
+products' dtype (PyTorch's layer keeps its log-probabilities in float32), the tiles planned as
+the other rows plans' (``heads.fused_cross_entropy.row_tile``: ``chunk_bytes``, else a share of
+the device's memory); between forward and backward it keeps the gradients alone, ``dh [N, d]``
+and one per parameter in the accumulation dtype: ``4 (N d + (k_h + J)(d + 1) + sum_i d_i (d +
+|C_i|))`` bytes in float32, ``d_i = d // div^i`` (nothing that grows with a tile or a cluster's
+logits).
 
 Per classifier (head over every row; tail cluster i over its own rows, found by one sort):
 ``z = x W^T (+ b)``, ``lse``, ``z_t``, ``dz = w (softmax(z) - onehot(t))`` in the products'
@@ -26,64 +31,130 @@ plans.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.autograd.function import once_differentiable
 
-from heads.kernels.chunks import accumulation_dtype, as_dtype, as_input
-from heads.kernels.rows_ce import padded_columns, padded_weight, scaled_gradients, tile_body
+from heads.kernels.chunks import (
+    accumulate_mm,
+    accumulation_dtype,
+    as_dtype,
+    as_input,
+    span_of,
+    spans,
+)
+from heads.kernels.rows_ce import (
+    join_tiles,
+    padded_columns,
+    padded_weight,
+    scaled_gradients,
+    tile_body,
+)
 from heads.kernels.triton_rows import bias_to_width, row_statistics
 
+# Tile rows for a classifier: ``tile(rows, columns, bytes_per_logit)`` (the head passes the
+# rows plans' ``heads.fused_cross_entropy.row_tile``); None: every classifier in one tile
+TilePlan = Callable[[int, int, int], int] | None
 
-def _classifier(x, weight, bias, target, scale, columns: int, dtype, acc, triton: bool):
-    """One classifier's ``(nll, dz, W)`` over rows ``x`` (``target`` -1: no loss, ``scale``
-    0): ``dz = scale (p - onehot)`` ``[R, columns]`` in ``dtype``, 0 in the padding, and the
-    weight as the products take it (padded, in ``dtype``)."""
-    v = weight.size(0)
-    w = padded_weight(weight, columns, dtype) if triton else as_dtype(weight, dtype)
+
+def _classifier(x, w, bias, target, scale, v: int, dtype, acc, triton: bool):
+    """One classifier's ``(nll, dz)`` over rows ``x`` (``target`` -1: no loss, ``scale`` 0):
+    ``dz = scale (p - onehot)`` ``[R, columns]`` in ``dtype``, 0 in the padding; ``w`` the
+    weight as the products take it (:meth:`_Walk.prepared`), ``v`` its classes."""
     z = torch.mm(x, w.t())  # (x in dtype)
     if triton:  # lse, z_t and dz over z in place, one kernel
-        bias = None if bias is None else bias_to_width(as_dtype(bias, acc), columns)
         lse, picked, _ = row_statistics(z, bias, target, False, (scale, scale, None), acc, v)
-        return lse - picked, z, w
-    z = as_dtype(z, acc) if bias is None else z.to(acc) + bias.to(acc)
+        return lse - picked, z
+    # in place over one float32 (acc) copy of the logits: the tile holds that copy, the
+    # log-sum-exp's temporary and dz in dtype (:func:`bytes_per_logit`)
+    z = as_dtype(z, acc)
+    if bias is not None:
+        z += bias
     lse, column = torch.logsumexp(z, 1), target.clamp_min(0)[:, None]
     picked = z.gather(1, column).squeeze(1)
-    dz = torch.exp(z - lse[:, None]).mul_(scale[:, None])
+    dz = z.sub_(lse[:, None]).exp_().mul_(scale[:, None])
     dz.scatter_add_(1, column, -scale[:, None])  # (a row without a target has scale 0)
-    return lse - picked, as_dtype(dz, dtype), w
+    return lse - picked, as_dtype(dz, dtype)
+
+
+def bytes_per_logit(triton: bool, dtype: torch.dtype, acc: torch.dtype) -> int:
+    """What a tile holds per logit, for its planning: the Triton pass its logits alone (``dz``
+    written over them), the torch operators a float32 (acc) copy, the log-sum-exp's
+    temporary and ``dz`` in the products' dtype."""
+    return dtype.itemsize if triton else 2 * acc.itemsize + dtype.itemsize
+
+
+def _tiles(rows: int, columns: int, held: int, tile: TilePlan) -> list[tuple[int, int]]:
+    """The row tiles of a classifier over ``rows`` rows (at least one, empty for no rows: a
+    cluster the batch misses still gives its zero gradients)."""
+    if tile is None or rows == 0:
+        return [(0, rows)]
+    return spans(rows, max(1, tile(rows, columns, held)))
 
 
 class _Walk:
     """The step's classifiers over one set of row weights: ``run`` gives the NLL per row and
-    every gradient of ``sum_n w_n nll_n``."""
+    every gradient of ``sum_n w_n nll_n``. Each classifier walks its rows in tiles
+    (:data:`TilePlan`): a tile's logits and ``dz`` are its memory, freed before the next
+    tile's are made; the gradients accumulate in the accumulation dtype."""
 
     def __init__(self, hidden, target, head_target, tail_rows, tail_sizes, tail_valid, head,
-                 tail, cutoffs) -> None:  # fmt: skip
+                 tail, cutoffs, tile: TilePlan = None) -> None:  # fmt: skip
         self.hidden, self.target, self.head_target = hidden, target, head_target
         self.head_weight, self.head_bias = head
         self.tail, self.cutoffs = tail, cutoffs
         self.acc = accumulation_dtype(hidden, self.head_weight)
-        device = hidden.device.type
-        if torch.is_autocast_enabled(device) and self.acc != torch.float64:
-            self.dtype = torch.get_autocast_dtype(device)  # the products'
+        device = hidden.device
+        if torch.is_autocast_enabled(device.type) and self.acc != torch.float64:
+            self.dtype = torch.get_autocast_dtype(device.type)  # the products'
         else:
             self.dtype = torch.promote_types(hidden.dtype, self.head_weight.dtype)
-        self.triton = tile_body(hidden.device, self.dtype) == "triton"
+        self.triton = tile_body(device, self.dtype) == "triton"
         self.tail_rows, self.sizes, self.tail_valid = tail_rows, tail_sizes, tail_valid
+        held = bytes_per_logit(self.triton, self.dtype, self.acc)
+        classes = [self.head_weight.size(0), *(out.size(0) for _, out in tail)]
+        rows = [hidden.size(0), *tail_sizes]
+        self.tiles = [_tiles(r, self._columns(v), held, tile)
+                      for r, v in zip(rows, classes, strict=True)]  # fmt: skip
 
     def _columns(self, v: int) -> int:
         return padded_columns(v) if self.triton else v
 
+    def prepared(self, weight, bias):
+        """``(weight, bias)`` as every tile's products and pass take them: the weight in the
+        products' dtype (padded to the Triton pass's columns), the bias in ``acc`` (padded)."""
+        columns = self._columns(weight.size(0))
+        w = padded_weight(weight, columns, self.dtype)  # (no copy where it already is both)
+        if bias is not None:
+            bias = as_dtype(bias, self.acc)
+            bias = bias_to_width(bias, columns) if self.triton else bias
+        return w, bias
+
     def run(self, row_weight: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """``(nll [N], [dh, dW_head, db_head, dP_1, dW_1, ...])`` for weights ``row_weight``."""
-        acc, dtype, head_w = self.acc, self.dtype, self.head_weight
+        acc, dtype, triton = self.acc, self.dtype, self.triton
         hd = as_dtype(self.hidden, dtype)
-        columns = self._columns(head_w.size(0))
-        nll, dz, w = _classifier(hd, head_w, self.head_bias, self.head_target, row_weight,
-                                 columns, dtype, acc, self.triton)  # fmt: skip
-        v = head_w.size(0)
-        d_bias = None if self.head_bias is None else dz.sum(0, dtype=acc)[:v]
-        grads = [as_dtype(torch.mm(dz, w), acc), as_dtype(torch.mm(dz.t(), hd)[:v], acc), d_bias]
+        v = self.head_weight.size(0)
+        w, bias = self.prepared(self.head_weight, self.head_bias)
+        dh = hd.new_empty(hd.shape, dtype=acc)
+        d_w = w.new_empty(w.shape, dtype=acc)
+        d_bias = None if bias is None else w.new_empty(w.size(0), dtype=acc)
+        nll = []
+        for r0, r1 in self.tiles[0]:
+            x = span_of(hd, r0, r1)
+            part, dz = _classifier(x, w, bias, span_of(self.head_target, r0, r1),
+                                   span_of(row_weight, r0, r1), v, dtype, acc, triton)  # fmt: skip
+            nll.append(part)
+            accumulate_mm(span_of(dh, r0, r1), dz, w, False)
+            accumulate_mm(d_w, dz.t(), x, r0 > 0)
+            if d_bias is not None:
+                if r0 > 0:
+                    d_bias += dz.sum(0, dtype=acc)
+                else:
+                    torch.sum(dz, 0, dtype=acc, out=d_bias)
+            dz = None  # freed before the next tile's logits are made
+        grads = [dh, span_of(d_w, 0, v), span_of(d_bias, 0, v)]
         tail_h = hd.index_select(0, self.tail_rows)
         tail_t = self.target.index_select(0, self.tail_rows)
         tail_w = row_weight.index_select(0, self.tail_rows)
@@ -93,24 +164,30 @@ class _Walk:
         tail_dh = torch.empty_like(tail_h, dtype=acc)
         tail_nll, start = [], 0
         for i, ((project, out), size) in enumerate(zip(self.tail, self.sizes, strict=True)):
-            rows = slice(start, start + size)
-            x, project = tail_h[rows], as_dtype(project, dtype)
-            projected = torch.mm(x, project.t())  # d -> d / div^i
-            relative = tail_t[rows] - self.cutoffs[i]
-            columns = self._columns(out.size(0))
-            part, dz, out_w = _classifier(projected, out, None, relative, tail_w[rows], columns,
-                                          dtype, acc, self.triton)  # fmt: skip
-            tail_nll.append(part)
-            d_projected = torch.mm(dz, out_w)
-            grads.append(as_dtype(torch.mm(d_projected.t(), x), acc))  # dP_i
-            grads.append(as_dtype(torch.mm(dz.t(), projected)[: out.size(0)], acc))  # dW_i
-            tail_dh[rows] = torch.mm(d_projected, project)
+            project = as_dtype(project, dtype)
+            out_w, _ = self.prepared(out, None)
+            d_project = project.new_empty(project.shape, dtype=acc)
+            d_out = out_w.new_empty(out_w.shape, dtype=acc)
+            for r0, r1 in self.tiles[i + 1]:
+                rows = slice(start + r0, start + r1)
+                x = tail_h[rows]
+                projected = torch.mm(x, project.t())  # d -> d / div^i
+                relative = tail_t[rows] - self.cutoffs[i]
+                part, dz = _classifier(projected, out_w, None, relative, tail_w[rows],
+                                       out.size(0), dtype, acc, triton)  # fmt: skip
+                tail_nll.append(part)
+                d_projected = torch.mm(dz, out_w)
+                accumulate_mm(d_project, d_projected.t(), x, r0 > 0)  # dP_i
+                accumulate_mm(d_out, dz.t(), projected, r0 > 0)  # dW_i
+                dz = None  # freed before the next tile's logits are made
+                accumulate_mm(tail_dh[rows], d_projected, project, False)
+            grads += [d_project, span_of(d_out, 0, out.size(0))]
             start += size
         grads[0] = grads[0].index_add_(0, self.tail_rows, tail_dh)  # (empty slots' rows: 0)
         tail_nll = as_dtype(torch.cat(tail_nll), acc)
         if valid is not None:
             tail_nll = torch.where(valid, tail_nll, 0.0)
-        nll = as_dtype(nll, acc).index_add(0, self.tail_rows, tail_nll)
+        nll = as_dtype(join_tiles(nll), acc).index_add(0, self.tail_rows, tail_nll)
         return nll, grads
 
 
@@ -126,11 +203,11 @@ class AdaptiveRowsLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, target, head_target, tail_rows, tail_sizes, tail_valid, cutoffs,
-                head_weight, head_bias, *tail_weights):  # fmt: skip
+                tile, head_weight, head_bias, *tail_weights):  # fmt: skip
         ctx.set_materialize_grads(False)  # an undifferentiated NLL output gives None, not 0s
         tail = list(zip(tail_weights[::2], tail_weights[1::2], strict=True))
         walk = _Walk(hidden, target, head_target, tail_rows, tail_sizes, tail_valid,
-                     (head_weight, head_bias), tail, cutoffs)  # fmt: skip
+                     (head_weight, head_bias), tail, cutoffs, tile)  # fmt: skip
         keep = (target >= 0).to(walk.acc)
         unit = keep.sum().clamp_min(1).reciprocal()  # the mean's 1 / count, on the device
         with torch.autocast(hidden.device.type, enabled=False):
@@ -150,7 +227,7 @@ class AdaptiveRowsLoss(torch.autograd.Function):
             stored[2] = None
         params = [walk.hidden, walk.head_weight, walk.head_bias,
                   *[w for pair in walk.tail for w in pair]]  # fmt: skip
-        need = [ctx.needs_input_grad[0], *ctx.needs_input_grad[7:]]
+        need = [ctx.needs_input_grad[0], *ctx.needs_input_grad[8:]]
         factor = None if grad_loss is None else as_dtype(grad_loss, unit.dtype) * unit
         out = scaled_gradients(stored, need, factor)
         if grad_nll is not None:  # the NLL output is differentiated too: walk again, w = g
@@ -161,14 +238,16 @@ class AdaptiveRowsLoss(torch.autograd.Function):
                    for x, y, wanted in zip(out, extra, need, strict=True)]  # fmt: skip
         grads = [None if g is None or p is None else as_input(g, p)
                  for g, p in zip(out, params, strict=True)]  # fmt: skip
-        return grads[0], *([None] * 6), *grads[1:]
+        return grads[0], *([None] * 7), *grads[1:]
 
 
 def adaptive_rows_loss(hidden, target, head_target, tail_rows, tail_sizes, cutoffs, head, tail,
-                       tail_valid=None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                       tail_valid=None, tile: TilePlan = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(mean loss, nll)`` of :class:`AdaptiveRowsLoss` for ``head`` (``nn.Linear``) and
-    ``tail`` (an ``nn.ModuleList`` of ``Sequential(projection, output)``)."""
+    ``tail`` (an ``nn.ModuleList`` of ``Sequential(projection, output)``); ``tile`` plans
+    each classifier's row tiles (:data:`TilePlan`; None: one tile each)."""
     weights = [w for cluster in tail for w in (cluster[0].weight, cluster[1].weight)]
     return AdaptiveRowsLoss.apply(hidden, target, head_target, tail_rows, list(tail_sizes),
-                                  tail_valid, list(cutoffs), head.weight, head.bias,
+                                  tail_valid, list(cutoffs), tile, head.weight, head.bias,
                                   *weights)  # fmt: skip
