@@ -71,3 +71,199 @@ def _build(config: dict[str, Any]) -> nn.Module:
     parser = ArgumentParser(exit_on_error=False)
     parser.add_subclass_arguments(nn.Module, "module", fail_untyped=False)
     return parser.instantiate_classes(parser.parse_object({"module": config})).module
+
+
+# -- a run's backbone and head against a checkpoint's (``--ckpt_path`` with an edited config) --
+# Options filled by the CLI's links, not by the user: the vocabulary is checked as data, and
+# the head's hidden_size follows the backbone's options (named instead).
+_LINKED = frozenset({"vocab_size", "src_vocab_size"})
+_HEAD_LINKED = frozenset({"hidden_size"})
+# an adaptive head's options that cutoffs: auto decides (or the checkpoint's cut-offs give)
+_AUTO_DECIDED = frozenset({"cutoffs", "num_clusters", "cost_model", "calibration_batch"})
+# Options that act in training only (dropout, noise, regularisers, initialisation) or that
+# only steer a decision the checkpoint already holds: another value keeps the weights'
+# meaning. Any other option that differs is refused, even where the shapes agree: a
+# Transformer's num_heads or Mixtape's weight_norm_scale change what the same weights compute.
+_TRAINING_ONLY = ("dropout", "noise", "init", "lambda_", "ar_alpha", "tar_beta",
+                  "calibration_batch", "cost_model", "max_length")  # fmt: skip
+
+
+def _training_only(name: str) -> bool:
+    return any(part in name for part in _TRAINING_ONLY)
+
+
+def _init_args(config: dict[str, Any]) -> dict[str, Any]:
+    return dict(config.get("init_args") or {})
+
+
+def _plain(value: Any) -> Any:
+    """A value as a config holds it, to compare (a tuple as a list)."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    return value
+
+
+def _plain_attributes(module: nn.Module) -> dict[str, Any]:
+    """A module's public attributes of plain types (sizes, counts, flags, scales: what its
+    forward reads besides its weights, e.g. ``MultiheadAttention.num_heads``)."""
+    plain = (int, float, bool, str, type(None))
+    return {
+        key: value
+        for key, value in vars(module).items()
+        if not key.startswith("_")
+        and key != "training"
+        and (
+            isinstance(value, plain)
+            or (isinstance(value, tuple) and all(isinstance(v, plain) for v in value))
+        )
+    }
+
+
+def _fingerprint(configs: dict[str, dict[str, Any]]) -> tuple[dict, dict] | None:
+    """The two modules ``configs`` describes, built on the meta device (no memory, no
+    initialisation cost): their parameters' and buffers' shapes by name, and each
+    submodule's plain attributes; None where they do not build (a value the run will
+    report itself)."""
+    shapes: dict[str, Any] = {}
+    attributes: dict[str, Any] = {}
+    for module in MODULES:
+        try:
+            with torch.device("meta"):
+                built = _build(configs[module])
+        except Exception:  # noqa: BLE001 - any refusal of the options: not comparable
+            return None
+        for key, value in built.state_dict().items():
+            shapes[f"{module}.{key}"] = (
+                tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            )
+        for key, sub in built.named_modules():
+            attributes[f"{module}.{key}"] = _plain_attributes(sub)
+    return shapes, attributes
+
+
+def _with_option(
+    configs: dict[str, dict[str, Any]], module: str, name: str, value: Any
+) -> dict[str, dict[str, Any]]:
+    """``configs`` with ``module``'s option ``name`` set to ``value``, the head's hidden_size
+    linked from the backbone again (as the CLI links it)."""
+    from lightning_modules.backbones.base import configured_output_size
+
+    changed = copy.deepcopy(configs)
+    changed[module].setdefault("init_args", {})[name] = value
+    if module == "backbone":
+        try:
+            backbone_class = _class(changed["backbone"]["class_path"])
+            output = configured_output_size(backbone_class, changed["backbone"]["init_args"])
+        except Exception:  # noqa: BLE001 - left to the build to refuse
+            return changed
+        changed["head"].setdefault("init_args", {})["hidden_size"] = output
+    return changed
+
+
+def _class(path: str) -> type:
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _defaults(class_path: Any) -> dict[str, Any]:
+    """The default values of a class's init arguments (none where it does not import)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(_class(str(class_path))).parameters.values()
+    except Exception:  # noqa: BLE001 - compared as stated then
+        return {}
+    return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+
+
+def _yaml(value: Any) -> str:
+    import yaml
+
+    try:
+        return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
+    except yaml.YAMLError:
+        return str(value)
+
+
+def compare_module_configs(
+    saved: dict[str, dict[str, Any]], run: dict[str, dict[str, Any]], name: str
+) -> list[str]:
+    """A run's backbone and head configs (``run``: class path and init args, as the CLI
+    parsed them) against those a checkpoint (``name``, for messages) was trained with
+    (``saved``, its :data:`MODULE_CONFIGS_KEY`). Raises :class:`ModelConfigError`, one line
+    naming each option with the config's and the checkpoint's value, where the weights would
+    not fit (another class, other shapes) or would compute something else; returns the
+    options that differ harmlessly (training only: dropout, noise, initialisation), as
+    ``model.<module>.<option> <run value> (the checkpoint's <saved value>)``."""
+    refused: list[str] = []
+    harmless: list[str] = []
+    for module in MODULES:
+        saved_path, run_path = saved[module].get("class_path"), run[module].get("class_path")
+        if (
+            saved_path != run_path
+            and str(saved_path).rpartition(".")[2] != str(run_path).rpartition(".")[2]
+        ):
+            refused.append(
+                f"model.{module} is {run_path} in the config but {saved_path} in the checkpoint"
+            )
+    if refused:
+        _refuse(refused, name)
+    # the run's configs as the CLI will build them: the checkpoint's links (vocabulary sizes)
+    ours = {m: copy.deepcopy(run[m]) for m in MODULES}
+    for module in MODULES:
+        args = ours[module].setdefault("init_args", {})
+        for key in _LINKED:
+            if key in _init_args(saved[module]):
+                args[key] = saved[module]["init_args"][key]
+    base = {m: copy.deepcopy(saved[m]) for m in MODULES}
+    base_print = _fingerprint(base)
+    misfit = False  # an option that changes the weights' shapes (else: their meaning)
+    for module in MODULES:
+        theirs, mine = _init_args(saved[module]), _init_args(ours[module])
+        skip = _LINKED | (_HEAD_LINKED if module == "head" else frozenset())
+        if "auto" in (theirs.get("cutoffs"), mine.get("cutoffs")):
+            # an adaptive head with cutoffs: auto adopts the checkpoint's cut-offs on load,
+            # and a fixed one is checked against them there (AdaptiveSoftmaxHead)
+            skip |= _AUTO_DECIDED
+        # an option one side does not state has its class's default (a checkpoint from
+        # before the option existed)
+        defaults = _defaults(ours[module].get("class_path"))
+        theirs, mine = {**defaults, **theirs}, {**defaults, **mine}
+        for option in sorted(set(theirs) | set(mine)):
+            if option in skip or _plain(theirs.get(option)) == _plain(mine.get(option)):
+                continue
+            changed = _fingerprint(_with_option(base, module, option, mine.get(option)))
+            if changed is None or base_print is None:
+                continue  # not built here: the load's own checks speak (as before this check)
+            same_shapes = changed[0] == base_print[0]
+            same = same_shapes and changed[1] == base_print[1]
+            if same or (same_shapes and _training_only(option)):
+                harmless.append(
+                    f"model.{module}.{option} {_yaml(mine.get(option))} (the checkpoint's "
+                    f"{_yaml(theirs.get(option))})"
+                )
+                continue
+            misfit = misfit or not same_shapes
+            refused.append(
+                f"model.{module}.{option} is {_yaml(mine.get(option))} in the config but "
+                f"{_yaml(theirs.get(option))} in the checkpoint"
+            )
+    if refused:
+        _refuse(refused, name, misfit)
+    return harmless
+
+
+def _refuse(lines: list[str], name: str, misfit: bool = True) -> None:
+    why = (
+        "its weights do not fit this model"
+        if misfit
+        else "its weights would fit but compute something else"
+    )
+    raise ModelConfigError(
+        f"{', and '.join(lines)} {name}: {why}; give the options it was trained with (its "
+        f"run's config.yaml), or train anew without --ckpt_path"
+    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import sys
 import warnings
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ from lightning.pytorch.callbacks import (
     ProgressBar,
 )
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from app.callbacks.training.prediction_writer import PredictionWriter
 from app.callbacks.training.preemption import PreemptionCheckpoint
@@ -50,6 +52,8 @@ from app.cli.run_folder import (
 )
 from lightning_modules.backbones.base import configured_output_size
 from lightning_modules.checkpoint_file import check_checkpoint_file
+from lightning_modules.errors import ModelConfigError
+from lightning_modules.module_configs import MODULE_CONFIGS_KEY, MODULES, compare_module_configs
 from lightning_modules.optimization import check_scheduler_interval
 
 DESCRIPTION = (
@@ -58,6 +62,8 @@ DESCRIPTION = (
     "presets from configs/presets, e.g. `python cli.py fit --config configs/lm/ptb.yaml "
     "--model.head configs/heads/mixtape.yaml`; README.md lists them all."
 )
+# the app's INFO lines (app.cli.console.show_app_log prints them)
+log = logging.getLogger("lightning_modules.module_configs")
 # Lightning's own checkpoint names, not paths
 _CKPT_ALIASES = ("last", "best", "hpc")
 
@@ -279,6 +285,57 @@ def _check_scheduler_interval(model: Any) -> None:
 RESUME_CHANGEABLE = frozenset({"freeze_backbone", "label_smoothing", "top_k", "scheduler_interval"})
 
 
+def _check_module_configs(checkpoint: dict[str, Any], model: Any, ckpt: str) -> None:
+    """The run's backbone and head options against the checkpoint's (``ckpt``): one line
+    naming each option that makes its weights not fit, with both values; an info line for
+    those that differ harmlessly (dropout at evaluation: the config's value is used)."""
+    saved = checkpoint.get(MODULE_CONFIGS_KEY)
+    init_args = getattr(model, "init_args", None)
+    if not isinstance(saved, dict) or init_args is None:
+        return  # (a checkpoint of a model built in Python, or a model without these modules)
+    run = {}
+    for module in MODULES:
+        config = init_args.get(module)
+        if not isinstance(config, Namespace) or module not in saved:
+            return
+        run[module] = config.as_dict()
+    try:
+        harmless = compare_module_configs(saved, run, ckpt)
+    except ModelConfigError as error:
+        raise CommandLineError(str(error)) from None
+    if harmless:
+        _info(
+            f"{', '.join(harmless)}: the config's, which do not change the checkpoint's "
+            f"weights (--ckpt_path {ckpt})"
+        )
+
+
+def _check_vocabulary_kind(checkpoint: dict[str, Any], data: Any, ckpt: str) -> None:
+    """Another ``data.vocab`` (word, bpe, hybrid_lightrnn) than the checkpoint's, refused
+    before the data is prepared (a BPE trained for minutes, then refused at the weights). Its
+    other vocabulary options are checked on the vocabulary itself once it is built: another
+    ``max_vocab_size`` may well give the same words."""
+    saved = checkpoint.get("datamodule_hyper_parameters") or {}
+    init_args = getattr(data, "init_args", None)
+    saved_class, run_class = saved.get("_class_path"), getattr(data, "class_path", None)
+    if init_args is None or not isinstance(saved_class, str) or not isinstance(run_class, str):
+        return
+    if saved_class.rpartition(".")[2] != run_class.rpartition(".")[2]:
+        return
+    if "vocab" in saved and "vocab" in init_args and saved["vocab"] != init_args["vocab"]:
+        raise CommandLineError(
+            f"data.vocab is {_yaml(init_args['vocab'])} in the config but "
+            f"{_yaml(saved['vocab'])} in the checkpoint {ckpt}: it was trained on another "
+            f"vocabulary; give --data.vocab {_yaml(saved['vocab'])} (and its options as the "
+            f"run had them, in its config.yaml), or train anew without --ckpt_path"
+        )
+
+
+@rank_zero_only
+def _info(message: str) -> None:
+    log.info(message)
+
+
 class AppCLI(LightningCLI):
     """LightningCLI over any LightningModule and LightningDataModule of the app."""
 
@@ -326,6 +383,10 @@ class AppCLI(LightningCLI):
         model = self.config[subcommand].get("model")
         if "_class_path" in hparams:
             self._check_checkpoint_task(ckpt, hparams["_class_path"], model)
+            # the backbone and head the config builds against the checkpoint's, before any
+            # data is prepared: another size was a tie_weights error or a state_dict dump
+            _check_module_configs(saved, model, ckpt)
+            _check_vocabulary_kind(saved, self.config[subcommand].get("data"), ckpt)
             hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
             self._keep_run_options(hparams["dict_kwargs"], model)
         self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
