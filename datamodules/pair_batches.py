@@ -202,6 +202,42 @@ class TokenBucketBatchSampler(Sampler[list[int]]):
         return len(self._batches())
 
 
+class WindowedLengthBatches(Sampler[list[int]]):
+    """``predict``'s batches: the lines in windows of ``window`` consecutive lines; each
+    window sorted by length (a stable sort: equal lengths keep the file's order) and cut by
+    the token budget (``lines x longest <= max_tokens``, a longer line alone), its batches
+    in that order, then the next window's (fairseq-interactive's ``--buffer-size``).
+
+    Batching in file order padded every batch to its longest source and decoded it for as
+    many steps as its longest output, so one long line among short ones cost its whole batch;
+    sorted, a batch holds lines of about one length. Whoever writes the results puts them
+    back in file order: at most one window of them waits (``Translation.predict_step``)."""
+
+    def __init__(self, lengths: Sequence[int] | np.ndarray, max_tokens: int, window: int) -> None:
+        if not isinstance(window, int) or window < 1:
+            raise DataConfigError(f"data.predict_window must be a positive integer, got {window!r}")
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.max_tokens = max_tokens
+        self.window = window
+        self._batches: list[list[int]] | None = None
+
+    def batches(self) -> list[list[int]]:
+        if self._batches is None:
+            self._batches = []
+            for start in range(0, len(self.lengths), self.window):
+                sizes = self.lengths[start : start + self.window]
+                order = np.argsort(sizes, kind="stable") + start
+                ends = _greedy_cuts(self.lengths[order], self.max_tokens)
+                self._batches.extend(_pieces(order, ends))
+        return self._batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        yield from self.batches()
+
+    def __len__(self) -> int:
+        return len(self.batches())
+
+
 def _greedy_cuts(sizes: Sequence[int] | np.ndarray, budget: float) -> list[int]:
     """Where the token-budget cut ends each batch of ``sizes`` (in order): a batch grows while
     ``lines x longest`` stays within ``budget`` (a line over it alone).

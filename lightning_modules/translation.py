@@ -179,6 +179,8 @@ class Translation(HeadTask):
         self._decode_seconds = 0.0
         # predict's source words read as <unk>, said at its end
         self._unknown = UnknownInput("source")
+        self._held: dict[int, str] = {}  # predict: translations waiting for earlier lines
+        self._next_line = 0
 
     # -- loss --------------------------------------------------------------------------
     def forward(
@@ -334,24 +336,39 @@ class Translation(HeadTask):
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._eval_step(batch, "test", self.decode.beam_size)
 
-    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> list[dict[str, str]]:
+    def predict_step(
+        self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0
+    ) -> list[dict[str, str]]:
         """Translations of ``data.predict_sentences`` or ``predict_file`` (``beam_size``); a
-        blank line stays blank (a document's paragraph breaks), whatever the model says."""
+        blank line stays blank (a document's paragraph breaks), whatever the model says.
+
+        The data module batches the lines sorted by length within windows
+        (``WindowedLengthBatches``), so a batch's lines are scattered: each step returns the
+        translations that now continue the input's order (line 0, 1, ... as far as every
+        line is done; none, or several batches' worth), so the writer prints, and
+        ``trainer.predict`` returns once flattened, the input's order. The last batch gives
+        every line still held (all of them, unless ``limit_predict_batches`` left some
+        out), in order."""
         data = self.trainer.datamodule
         sources, indices = data.predict_sources, batch["index"].tolist()
-        for i in indices:
-            self._unknown.add(data.source_vocab, sources[i])
         hypotheses = self.translate(batch, self.decode.beam_size)
-        return [
-            {
-                "source": sources[i],
-                "translation": data.detokenize(ids) if sources[i].strip() else "",
-            }
-            for i, ids in zip(indices, hypotheses, strict=True)
-        ]
+        for i, ids in zip(indices, hypotheses, strict=True):
+            self._held[i] = data.detokenize(ids) if sources[i].strip() else ""
+        last = batch_idx + 1 >= self.trainer.num_predict_batches[dataloader_idx]
+        ready = sorted(self._held) if last else []
+        while not last and self._next_line in self._held:
+            ready.append(self._next_line)
+            self._next_line += 1
+        records = []
+        for i in ready:
+            self._unknown.add(data.source_vocab, sources[i])  # (names lines in input order)
+            records.append({"source": sources[i], "translation": self._held.pop(i)})
+        return records
 
     def on_predict_epoch_start(self) -> None:
         self._unknown.reset()
+        # translations done but not yet written: those after a line still to come
+        self._held, self._next_line = {}, 0
 
     def on_predict_epoch_end(self) -> None:
         self._unknown.report()
