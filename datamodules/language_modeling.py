@@ -12,7 +12,7 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from datamodules.bptt import StreamWindows, WindowSchedule, stream_layout
 from datamodules.cache import (
@@ -40,7 +40,7 @@ from datamodules.text_source import (
 )
 from datamodules.vocab import VOCABS, BPEVocab, Vocab, WordVocab, vocab_from_state, vocab_over
 from datamodules.vocab.bpe import StreamEncoder, warn_if_other_bpe_size, written_unk
-from datamodules.vocab.hybrid_lightrnn import codes_text
+from datamodules.vocab.hybrid_lightrnn import HybridLightRNNVocab, codes_text
 from datamodules.vocab.word import UNK, count_words
 from heads.errors import UserError
 
@@ -80,6 +80,81 @@ class _UnknownCounter:
 
     def counted(self) -> dict[str, int]:
         return {"unknown": self.unknown}
+
+
+def unknown_ids(vocab: Any) -> frozenset[int]:
+    """The ids that stand for input the vocabulary does not know: ``<unk>`` (a word outside
+    it, or written ``<unk>``), and a BPE's ``<unk_char>`` (a character it never saw). Over
+    Hybrid-LightRNN codes: its words' ``<unk>``."""
+    units = getattr(vocab, "words", vocab)
+    return frozenset(
+        i for i in (getattr(units, "unk_id", None), getattr(units, "unk_char_id", None))
+        if i is not None
+    )  # fmt: skip
+
+
+def count_unknown(vocab: Any, units: list[int]) -> int:
+    """How many of ``units`` (ids of ``vocab``'s words, or of its BPE pieces) are unknown."""
+    unknown = unknown_ids(vocab)
+    return sum(1 for i in units if i in unknown)
+
+
+class PromptBatches(Dataset):
+    """``predict``'s prompts in batches of ``batch_size``, each prompt encoded once, when its
+    batch is read (memory stays flat over a long file):
+
+    ``prompt`` (the texts), ``ids`` ``[B, T]`` long (each prompt's ids, right-padded with
+    ``<eos>``; an empty prompt is ``<eos>`` alone), ``lengths`` (each prompt's length, a list
+    that stays on the host) and ``ends`` (the same, a tensor that goes to the device with
+    ``ids``: the model reads each prompt's last real position), ``unknown`` and ``tokens``
+    (each prompt's tokens read as ``<unk>``, and its tokens: words for Hybrid-LightRNN, pieces
+    for BPE; what ``UnknownInput`` counts, so that the model encodes nothing again). The first
+    few wholly unknown prompts are named in a warning (the model counts them all)."""
+
+    def __init__(self, prompts: list[str], vocab: Vocab, batch_size: int) -> None:
+        self.prompts, self.vocab, self.batch_size = prompts, vocab, batch_size
+        self._unknown = unknown_ids(vocab)
+        self._named = 0
+
+    def __len__(self) -> int:
+        return -(-len(self.prompts) // self.batch_size)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        if index == 0:
+            self._named = 0  # a new pass over the prompts
+        prompts = self.prompts[index * self.batch_size : (index + 1) * self.batch_size]
+        rows, unknown, tokens = [], [], []
+        for prompt in prompts:
+            ids, units = self._encode(prompt)
+            rows.append(ids or [self.vocab.eos_id])
+            unknown.append(sum(1 for i in units if i in self._unknown))
+            tokens.append(len(units))
+            if units and unknown[-1] == len(units):
+                self._name_unknown(prompt)
+        lengths = [len(row) for row in rows]
+        padded = torch.full((len(rows), max(lengths)), self.vocab.eos_id, dtype=torch.long)
+        for i, row in enumerate(rows):
+            padded[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        return {"prompt": prompts, "ids": padded, "lengths": lengths,
+                "ends": torch.tensor(lengths), "unknown": unknown, "tokens": tokens}  # fmt: skip
+
+    def _encode(self, prompt: str) -> tuple[list[int], list[int]]:
+        """(the ids the model reads, the units ``<unk>`` is counted in): the text split and
+        looked up once (Hybrid-LightRNN: its words, then their codes)."""
+        vocab = self.vocab
+        if isinstance(vocab, HybridLightRNNVocab):
+            words = vocab.words.encode_line(prompt, add_eos=False)
+            return vocab.encode_word_ids(torch.tensor(words, dtype=torch.long)).tolist(), words
+        ids = vocab.encode_line(prompt, add_eos=False)
+        return ids, ids
+
+    def _name_unknown(self, prompt: str) -> None:
+        self._named += 1
+        if self._named <= NAMED_UNKNOWN_PROMPTS:
+            last = " (further ones not named)" * (self._named == NAMED_UNKNOWN_PROMPTS)
+            log.warning("prompt %r: no word of it is in the vocabulary (all <unk>)%s", prompt, last)
 
 
 class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
@@ -135,6 +210,12 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         predict_prompts: texts whose continuation ``predict`` reports.
         predict_file: a UTF-8 text file (plain or compressed; ``-``: standard input) of
             prompts, one a line, instead of ``predict_prompts``.
+        predict_batch_size: prompts ``predict`` reads at once (one backbone pass, one top-k
+            over the batch), right-padded: each prompt's top-k is the one it has alone (in
+            float32 a probability's 6th significant digit may differ by one: other shapes,
+            other rounding), output in the input's order. Sampled continuations
+            (``model.generate_tokens``) draw the batch's rows together, so a seed's draws
+            depend on this size (the same seed and size: the same draws).
         vocab: ``word`` (one id per word), ``bpe`` (HuggingFace ``tokenizers`` BPE trained on
             the training split) or ``hybrid_lightrnn`` (K frequent words with a code each, the
             others two codes: a cell of a rows x cols table). The model sees the codes; the
@@ -173,6 +254,7 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         min_freq: int = 1,
         predict_prompts: list[str] | None = None,
         predict_file: str | None = None,
+        predict_batch_size: int = 64,
         vocab: str = "word",
         bpe_vocab_size: int = 4000,
         lightrnn_frequent: int = 1000,
@@ -187,6 +269,7 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
             ("batch_size", batch_size),
             ("eval_batch_size", eval_batch_size),
             ("bptt", bptt),
+            ("predict_batch_size", predict_batch_size),
         ):
             if not isinstance(value, int) or value <= 0:
                 raise DataConfigError(f"data.{option} must be a positive integer, got {value!r}")
@@ -607,22 +690,9 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
     def predict_dataloader(self) -> DataLoader:
         hp = self.hparams
         prompts = predict_texts(hp.predict_prompts, hp.predict_file, "prompts", "the company said")
-        items = []
-        words = getattr(self.vocab, "words", self.vocab)  # (Hybrid-LightRNN: codes of words)
-        unk = getattr(words, "unk_id", None)
-        named = 0  # the first few wholly unknown prompts are named (predict counts them all)
-        for prompt in prompts:
-            ids = self.vocab.encode_line(prompt, add_eos=False)
-            word_ids = words.encode_line(prompt, add_eos=False)
-            if word_ids and unk is not None and all(i == unk for i in word_ids):
-                named += 1
-                if named <= NAMED_UNKNOWN_PROMPTS:
-                    last = " (further ones not named)" * (named == NAMED_UNKNOWN_PROMPTS)
-                    log.warning(
-                        "prompt %r: no word of it is in the vocabulary (all <unk>)%s", prompt, last
-                    )
-            items.append({"prompt": prompt, "ids": torch.tensor(ids or [self.vocab.eos_id])})
-        return DataLoader(items, batch_size=None)
+        # batches encoded as they are read (memory flat over a long file), in the input's order
+        return DataLoader(PromptBatches(prompts, self.vocab, hp.predict_batch_size),
+                          batch_size=None)  # fmt: skip
 
     # -- checkpoint --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

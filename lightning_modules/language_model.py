@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from lightning_modules.word_perplexity import (
     word_starts,
     word_sums,
 )
-from lightning_modules.word_topk import top_words
+from lightning_modules.word_topk import top_words_batch
 
 STAGES = ("train", "val", "test")
 NOT_HPARAMS = [
@@ -265,68 +266,197 @@ class LanguageModel(HeadTask):
     def on_predict_epoch_end(self) -> None:
         self._unknown.report()
 
-    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[dict[str, Any]]:
+        """A batch of prompts (``PromptBatches``: right-padded ids and each prompt's length),
+        one result each, in their order. The backbones are causal, so each prompt's context
+        vector is read at its last real position, untouched by the padding after it; the
+        top-k of the whole batch is one ``head.topk`` and one read-back. Over Hybrid-LightRNN
+        codes, and for sampling after a backbone that carries a state (whose state after the
+        padding is not the prompt's), each prompt's own state is read (:meth:`_read_prompts`).
+        """
         vocab = self.trainer.datamodule.vocab
-        self._unknown.add(vocab, batch["prompt"])
-        ids = batch["ids"].to(self.device).unsqueeze(0)
-        hidden, state = self.backbone(self._window(ids))
-        last = hidden[:, -1]
-        k, grammar = self.predict_top_k, None
-        if isinstance(vocab, HybridLightRNNVocab):  # words, not codes (<row3> says nothing)
-            grammar = vocab.grammar(self.device)
-
-            def after(code: int) -> torch.Tensor:
-                return self.head.log_prob(self._read(ids, state, ids.new_tensor([[code]]))[0])[0]
-
-            top = top_words(self.head.log_prob(last)[0], after, vocab, k)
-            names = [(lp, vocab.words.itos[word]) for lp, word in top]
+        self._unknown.add_counts(batch["unknown"], batch["tokens"])  # counted as encoded
+        # each prompt's length: on the host (the loops' decisions) and on the device (indices)
+        ids, lengths, ends = batch["ids"], list(batch["lengths"]), batch["ends"]
+        grammar = vocab.grammar(self.device) if isinstance(vocab, HybridLightRNNVocab) else None
+        needs_state = grammar is not None or self.generate_tokens > 0
+        last, state = self._read_prompts(ids, lengths, ends, needs_state)
+        k = self.predict_top_k
+        if grammar is not None:  # words, not codes (<row3> says nothing)
+            after = self._after_codes(ids, lengths, ends, state)
+            rows = top_words_batch(self.head.log_prob(last), after, vocab, k)
+            names = [[(lp, vocab.words.itos[word]) for lp, word in top] for top in rows]
         else:
             log_probs, indices = self.head.topk(last, k)
-            pairs = zip(log_probs[0].tolist(), indices[0].tolist(), strict=True)
+            # one read-back for the whole batch (float64 holds every id exactly)
+            both = torch.stack((log_probs.double(), indices.double())).cpu()
             # a DS-Softmax expert of fewer than k classes pads its answer with classes outside
             # it at -inf (Head.topk): no candidates, so they are left out
-            names = [(lp, vocab.itos[i]) for lp, i in pairs if lp > -math.inf]
-        result: dict[str, Any] = {
-            "prompt": batch["prompt"],
-            # 6 significant digits: rounded to 6 decimals, a deep top-k's tail read 0.0
-            "top_k": [{"token": name, "prob": float(f"{math.exp(lp):.6g}")} for lp, name in names],
-        }
+            names = [
+                [(lp, vocab.itos[int(i)]) for lp, i in zip(lps, row, strict=True) if lp > -math.inf]
+                for lps, row in zip(both[0].tolist(), both[1].tolist(), strict=True)
+            ]
+        results: list[dict[str, Any]] = [
+            {
+                "prompt": prompt,
+                # 6 significant digits: rounded to 6 decimals, a deep top-k's tail read 0.0
+                "top_k": [{"token": n, "prob": float(f"{math.exp(lp):.6g}")} for lp, n in row],
+            }
+            for prompt, row in zip(batch["prompt"], names, strict=True)
+        ]
         if self.generate_tokens > 0:
-            result["sample"] = " ".join(vocab.decode_words(self._sample(ids, last, state, grammar)))
-        return result
+            samples = self._sample_batch(ids, lengths, ends, last, state, grammar)
+            for result, sample in zip(results, samples, strict=True):
+                result["sample"] = " ".join(vocab.decode_words(sample))
+        return results
 
-    def _read(self, ids: torch.Tensor, state: Any, token: torch.Tensor) -> tuple[Any, ...]:
-        """``(last hidden [1, d], ids, state)`` once ``token`` ``[1, 1]`` follows ``ids``."""
-        if self.backbone.carries_state:
-            hidden, state = self.backbone(token, state)
-        else:  # re-read the context
-            ids = torch.cat((ids, token), dim=1)
-            hidden, _ = self.backbone(self._window(ids))
-        return hidden[:, -1], ids, state
+    # -- predict's reading of prompts --------------------------------------------------------
+    # ``lengths`` (host) and ``ends`` (the same on the device) are each row's real tokens in
+    # a right-padded ``ids``: the host decides the loops and slices, the device indexes.
+    def _read_prompts(
+        self, ids: torch.Tensor, lengths: list[int], ends: torch.Tensor, needs_state: bool
+    ) -> tuple[torch.Tensor, Any]:
+        """``(last [B, d], state)``: each prompt's context vector at its last real token, and,
+        where ``needs_state`` and the backbone carries one, the state after that token (rows
+        of the batch; else None).
 
-    def _window(self, ids: torch.Tensor) -> torch.Tensor:
-        """The context a backbone without state reads: the last ``max_length`` tokens where it
-        has a position table of that size (a longer prompt, a long sample)."""
+        A backbone without state reads each prompt's last ``max_length`` tokens. One with a
+        state reads the padded batch in one pass when its state is not needed; else the rows
+        sorted by length, longest first, in one pass per distinct length, each pass only the
+        rows not yet ended (so no padding is read, and a row's state is taken where it ends).
+        """
+        rows = torch.arange(len(lengths), device=ids.device)
+        if not self.backbone.carries_state:
+            window, positions = self._window_rows(ids, lengths, ends)
+            return self.backbone(window)[0][rows, positions], None
+        if not needs_state:
+            return self.backbone(ids[:, : max(lengths)])[0][rows, ends - 1], None
+        order = sorted(range(len(lengths)), key=lambda b: -lengths[b])  # longest first
+        perm = ends.argsort(descending=True, stable=True)  # the same order, on the device
+        ordered = ids.index_select(0, perm)
+        dims = self._state_batch_dims()
+        lasts, states, state, start, active = [], [], None, 0, len(order)
+        for end in sorted(set(lengths)):
+            hidden, state = self.backbone(ordered[:active, start:end], state)
+            still = sum(1 for b in order if lengths[b] > end)  # rows going on past `end`
+            lasts.append(hidden[still:active, -1])
+            states.append(_state_rows(state, dims, still, active))
+            state, start, active = _state_rows(state, dims, 0, still), end, still
+        # the pieces ended shortest first, from the back of the order: back to the input's order
+        back = perm.argsort()
+        last = torch.cat(lasts[::-1]).index_select(0, back)
+        return last, _state_select(_state_cat(states[::-1], dims), dims, back)
+
+    def _state_batch_dims(self) -> Any:
+        """The batch dimension of each tensor of the backbone's state (a structure like the
+        state's; None for a part without one), found once by reading a one-token batch of
+        one row and of two rows (backbones keep it in different places: an LSTM's ``h`` is
+        ``[layers, B, d]``, an n-gram's history ``[B, k - 1]``)."""
+        if getattr(self, "_state_dims", None) is None:
+            token = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+            one = self.backbone(token)[1]
+            two = self.backbone(token.expand(2, 1))[1]
+            self._state_dims = _batch_dims(one, two)
+        return self._state_dims
+
+    def _after_codes(
+        self, ids: torch.Tensor, lengths: list[int], ends: torch.Tensor, state: Any
+    ) -> Callable[[list[int], list[int]], torch.Tensor]:
+        """``after(rows, codes) -> [n, num_codes]``: the next code's log-probabilities once
+        prompt ``rows[i]`` is followed by ``codes[i]``, all in one backbone pass."""
+
+        def after(rows: list[int], codes: list[int]) -> torch.Tensor:
+            index = torch.tensor(rows, device=ids.device)
+            token = torch.tensor(codes, device=ids.device).unsqueeze(1)
+            if self.backbone.carries_state:
+                dims = self._state_batch_dims()
+                last = self.backbone(token, _state_select(state, dims, index))[0][:, -1]
+            else:
+                chosen = [lengths[r] for r in rows]
+                context = ids.index_select(0, index)
+                last, _ = self._extend(context, chosen, ends.index_select(0, index), token)
+            return self.head.log_prob(last)
+
+        return after
+
+    def _extend(
+        self, ids: torch.Tensor, lengths: list[int], ends: torch.Tensor, token: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(last [n, d], context)`` for a backbone without state: the context vector once
+        ``token`` ``[n, 1]`` follows each row's tokens of ``ids``, and those contexts
+        (right-padded, each row one longer)."""
+        context = torch.cat((ids[:, : max(lengths)], token), dim=1)
+        context = context.scatter(1, ends.unsqueeze(1), token)
+        window, positions = self._window_rows(context, [n + 1 for n in lengths], ends + 1)
+        rows = torch.arange(len(lengths), device=ids.device)
+        return self.backbone(window)[0][rows, positions], context
+
+    def _window_rows(
+        self, ids: torch.Tensor, lengths: list[int], ends: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(window [B, W], positions [B])``: the tokens a backbone without state reads (each
+        row's last ``max_length`` where it has a position table of that size: a long prompt, a
+        long sample), moved to start at position 0, and where each row's last token now is."""
         limit = getattr(self.backbone, "max_length", None)
-        return ids if limit is None or self.backbone.carries_state else ids[:, -limit:]
+        longest = max(lengths)
+        if limit is None or longest <= limit:
+            return ids[:, :longest], ends - 1
+        start = (ends - limit).clamp(min=0)
+        index = start.unsqueeze(1) + torch.arange(limit, device=ids.device)
+        return ids.gather(1, index.clamp(max=ids.size(1) - 1)), ends.clamp(max=limit) - 1
 
     def _sample(
         self, ids: torch.Tensor, last: torch.Tensor, state: Any, grammar: CodeGrammar | None
     ) -> list[int]:
-        """``generate_tokens`` tokens sampled after ``ids``; over Hybrid-LightRNN codes (a
-        ``grammar``), that many words, each code drawn among those that may follow the last."""
-        sampled: list[int] = []
-        words, previous = 0, ids[:, -1]
-        while words < self.generate_tokens:
+        """``generate_tokens`` tokens sampled after one prompt ``ids`` ``[1, T]``."""
+        ends = torch.full((1,), ids.size(1), device=ids.device)
+        return self._sample_batch(ids, [ids.size(1)], ends, last, state, grammar)[0]
+
+    def _sample_batch(
+        self,
+        ids: torch.Tensor,
+        lengths: list[int],
+        ends: torch.Tensor,
+        last: torch.Tensor,
+        state: Any,
+        grammar: CodeGrammar | None,
+    ) -> list[list[int]]:
+        """``generate_tokens`` tokens sampled after each prompt (its ``last`` context vector,
+        its ``state``), all rows drawn together: one ``multinomial`` over ``[B, V]`` a step, so
+        a seed's draws depend on the batch (``data.predict_batch_size``), and are the same
+        again for the same batches. Over Hybrid-LightRNN codes (a ``grammar``), that many
+        words, each code drawn among those that may follow the last; every row goes on until
+        each has its words, then each is cut at its own. The draws stay on the device until
+        the end (one read-back), but, over codes, a check a step past ``generate_tokens``."""
+        n, rows = self.generate_tokens, torch.arange(len(lengths), device=ids.device)
+        previous = ids[rows, ends - 1]
+        words = torch.zeros(len(lengths), dtype=torch.long, device=ids.device)
+        sampled: list[torch.Tensor] = []
+        while True:
             log_probs = self.head.log_prob(last)
             if grammar is not None:
                 log_probs = grammar.restrict(log_probs, previous)
-            token = torch.multinomial((log_probs / self.temperature).softmax(-1), 1)  # [1, 1]
-            sampled.append(int(token))
-            words += grammar is None or not bool(grammar.is_row[token[0, 0]])
-            last, ids, state = self._read(ids, state, token)
+            token = torch.multinomial((log_probs / self.temperature).softmax(-1), 1)  # [B, 1]
+            sampled.append(token[:, 0])
+            if grammar is None:
+                if len(sampled) == n:
+                    break
+            else:
+                words = words + ~grammar.is_row[token[:, 0]]
+                if len(sampled) >= n and not bool((words < n).any()):
+                    break
+            if self.backbone.carries_state:
+                hidden, state = self.backbone(token, state)
+                last = hidden[:, -1]
+            else:  # re-read each context, one token longer
+                last, ids = self._extend(ids, lengths, ends, token)
+                lengths, ends = [length + 1 for length in lengths], ends + 1
             previous = token[:, 0]
-        return sampled
+        drawn = torch.stack(sampled, dim=1).tolist()
+        if grammar is None:
+            return drawn
+        is_row = grammar.is_row.tolist()
+        return [_first_words(codes, is_row, n) for codes in drawn]
 
     # -- checkpoints -------------------------------------------------------------------
     def load_pretrained(self, path: str) -> None:
@@ -364,3 +494,50 @@ class LanguageModel(HeadTask):
         # the next windows see the same context as without the stop
         if state is not None:
             self._state["train"] = move_data_to_device(state, self.device)
+
+
+def _first_words(codes: list[int], is_row: list[bool], words: int) -> list[int]:
+    """The codes of the first ``words`` words (a word ends at a code that is not a row)."""
+    for i, code in enumerate(codes):
+        words -= not is_row[code]
+        if words == 0:
+            return codes[: i + 1]
+    return codes
+
+
+def _batch_dims(one: Any, two: Any) -> Any:
+    """Where a state read for one row and for two differ: each tensor's batch dimension."""
+    if one is None:
+        return None
+    if isinstance(one, torch.Tensor):
+        differ = [d for d, (a, b) in enumerate(zip(one.shape, two.shape, strict=True)) if a != b]
+        return differ[0] if differ else None
+    return type(one)(_batch_dims(a, b) for a, b in zip(one, two, strict=True))
+
+
+def _state_rows(state: Any, dims: Any, start: int, stop: int) -> Any:
+    """Rows ``start:stop`` of a state's batch."""
+    if state is None or dims is None:
+        return state
+    if isinstance(state, torch.Tensor):
+        return state.narrow(dims, start, stop - start).contiguous()
+    return type(state)(_state_rows(s, d, start, stop) for s, d in zip(state, dims, strict=True))
+
+
+def _state_cat(states: list[Any], dims: Any) -> Any:
+    """States of consecutive row blocks, as one."""
+    first = states[0]
+    if first is None or dims is None:
+        return first
+    if isinstance(first, torch.Tensor):
+        return torch.cat(states, dim=dims)
+    return type(first)(_state_cat([s[i] for s in states], d) for i, d in enumerate(dims))
+
+
+def _state_select(state: Any, dims: Any, index: torch.Tensor) -> Any:
+    """The state's rows ``index`` (in that order, repeats allowed)."""
+    if state is None or dims is None:
+        return state
+    if isinstance(state, torch.Tensor):
+        return state.index_select(dims, index).contiguous()
+    return type(state)(_state_select(s, d, index) for s, d in zip(state, dims, strict=True))

@@ -2,17 +2,20 @@
 
 A word the vocabulary lacks is read as ``<unk>``: its prediction (a prompt's next words, a
 sentence's translation) then rests on less than the user wrote, and nothing in the output says
-so. ``predict`` counts those words (Hybrid-LightRNN: words, not codes; BPE: the pieces, an
-unknown character among them) and prints one warning line at its end, on stderr, apart from
-the JSON lines on stdout.
+so. ``predict`` counts those words (Hybrid-LightRNN: words, not codes; BPE: the pieces, each
+``<unk_char>`` of a character it never saw among them) and prints one warning line at its end,
+on stderr, apart from the JSON lines on stdout.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from datamodules.language_modeling import count_unknown
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +33,17 @@ class UnknownInput:
     def add(self, vocab: Any, text: str) -> None:
         """Count one input line's tokens under ``vocab`` (the one the model reads)."""
         units = getattr(vocab, "words", vocab)  # Hybrid-LightRNN codes stand for words
-        unk = getattr(units, "unk_id", None)
         ids = units.encode_line(text, add_eos=False)
-        unknown = sum(1 for i in ids if i == unk) if unk is not None else 0
-        self.unknown += unknown
-        self.tokens += len(ids)
-        self.lines += unknown > 0
-        self.total_lines += 1
+        self.add_counts([count_unknown(vocab, ids)], [len(ids)])
+
+    def add_counts(self, unknown: Sequence[int], tokens: Sequence[int]) -> None:
+        """Count lines whose tokens the data module has counted as it encoded them (each
+        line's tokens read as ``<unk>``, and its tokens): nothing is encoded again."""
+        for line_unknown, line_tokens in zip(unknown, tokens, strict=True):
+            self.unknown += line_unknown
+            self.tokens += line_tokens
+            self.lines += line_unknown > 0
+            self.total_lines += 1
 
     def message(self) -> str | None:
         """The warning line's text, None when every token was known."""

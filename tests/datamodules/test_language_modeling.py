@@ -121,7 +121,7 @@ def test_one_training_file_with_held_out_splits(tmp_path, caplog):
 
 
 def test_prompts_from_a_file_are_the_given_prompts(tmp_path, monkeypatch):
-    """``data.predict_file`` (compressed, a CRLF line, a blank one): the same items as
+    """``data.predict_file`` (compressed, a CRLF line, a blank one): the same batches as
     ``data.predict_prompts`` of its lines; one or the other; a missing file is named."""
     for split in ("train", "valid", "test"):
         (tmp_path / f"c.{split}.txt").write_text("x y z\n" * 30)
@@ -131,10 +131,11 @@ def test_prompts_from_a_file_are_the_given_prompts(tmp_path, monkeypatch):
     given = LanguageModelingDataModule(predict_prompts=prompts, **options)
     from_file = LanguageModelingDataModule(predict_file=str(tmp_path / "prompts.txt"), **options)
     expected = list(given.predict_dataloader())
-    items = list(from_file.predict_dataloader())
-    assert [i["prompt"] for i in items] == prompts
-    for item, reference in zip(items, expected, strict=True):
-        assert torch.equal(item["ids"], reference["ids"])
+    batches = list(from_file.predict_dataloader())
+    assert [p for b in batches for p in b["prompt"]] == prompts
+    for batch, reference in zip(batches, expected, strict=True):
+        assert torch.equal(batch["ids"], reference["ids"])
+        assert batch["lengths"] == reference["lengths"]
     with pytest.raises(DataConfigError, match="predict_prompts and data.predict_file are both"):
         LanguageModelingDataModule(
             predict_prompts=prompts, predict_file="p.txt", **options
@@ -150,7 +151,7 @@ def test_prompts_from_a_file_are_the_given_prompts(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"x y\nz\n\ny x z\n")))
     from_stdin = LanguageModelingDataModule(predict_file="-", **options)
     for _ in range(2):
-        assert [i["prompt"] for i in from_stdin.predict_dataloader()] == prompts
+        assert [p for b in from_stdin.predict_dataloader() for p in b["prompt"]] == prompts
     text_source._stdin_lines.cache_clear()
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\xff\xfe")))
     with pytest.raises(DataFormatError, match="standard input is not UTF-8 text"):

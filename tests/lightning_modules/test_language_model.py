@@ -138,7 +138,7 @@ def test_predict_over_lightrnn_codes_reports_the_top_words(coded):
     its row's times its column's after the row, checked by a plain enumeration."""
     data, model = coded
     trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
-    rows = trainer.predict(model, data)
+    rows = [row for batch in trainer.predict(model, data) for row in batch]
     vocab = data.vocab
     for row in rows:
         ids = torch.tensor([vocab.encode_line(row["prompt"], add_eos=False)])
@@ -214,7 +214,7 @@ def test_a_sample_over_bpe_pieces_reads_as_words(tmp_path):
             stretch.append(i)
     assert vocab.decode_words([*pieces, vocab.eos_id]) == expected
     trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
-    (row,) = trainer.predict(model, data)
+    ((row,),) = trainer.predict(model, data)
     assert "\u2581" not in row["sample"] and len(row["sample"].split()) <= 60
 
 
@@ -242,6 +242,6 @@ def test_predict_with_a_transformer_reads_the_last_max_length_tokens(tmp_path):
     model = LanguageModel(backbone, SoftmaxHead(8, data.vocab_size), predict_top_k=3,
                           generate_tokens=20).eval()  # fmt: skip
     trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
-    long_row, window_row = trainer.predict(model, data)
+    ((long_row, window_row),) = trainer.predict(model, data)
     assert long_row["top_k"] == window_row["top_k"]
     assert len(long_row["sample"].split()) == 20

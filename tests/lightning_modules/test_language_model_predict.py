@@ -26,7 +26,7 @@ def data(tmp_path):
 
 def _predict(model: LanguageModel, data: LanguageModelingDataModule) -> list[dict]:
     trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
-    return trainer.predict(model.eval(), data)
+    return [row for batch in trainer.predict(model.eval(), data) for row in batch]
 
 
 def _last_hidden(model: LanguageModel, data, prompt: str) -> torch.Tensor:

@@ -95,7 +95,7 @@ def test_language_model_says_how_many_prompt_words_were_read_as_unk(tmp_path, ca
     them all: 3 of 6 prompt words in 2 of 3 prompts."""
     model, data = _language_model(tmp_path, ["w1 xyz w2", "w3", "abc def"])
     with caplog.at_level(logging.WARNING):
-        rows = _trainer().predict(model.eval(), data)
+        rows = [r for batch in _trainer().predict(model.eval(), data) for r in batch]
     assert [r["prompt"] for r in rows] == ["w1 xyz w2", "w3", "abc def"]
     said = [r.getMessage() for r in caplog.records if "read as <unk>" in r.getMessage()]
     assert said == [
