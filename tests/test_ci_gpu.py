@@ -222,8 +222,12 @@ def test_quick_runs_end_to_end_on_a_cpu(tmp_path):
     for name in reports:  # the names the benches write, for the targets line recorded here
         (out / name).write_text("{}")
     printed = {}
+    # one thread: this checks the chain, not speed, and on a busy 2-core machine two OpenMP
+    # threads made each of the LSTM's tiny steps wait on the other (a toy step took 1.1 s
+    # against 5 ms on one thread: the whole-LM bench ran past 600 s)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for command in [c for c in _recorded(tmp_path, "quick") if c[:1] == ["-m"]]:
-        done = subprocess.run([sys.executable, *_toy(_on_cpu(command))], cwd=ROOT,
+        done = subprocess.run([sys.executable, *_toy(_on_cpu(command))], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=600)  # fmt: skip
         assert done.returncode == 0, (command, done.stderr[-3000:])
         printed[command[1]] = done.stdout
