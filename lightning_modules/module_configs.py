@@ -96,12 +96,12 @@ def _init_args(config: dict[str, Any]) -> dict[str, Any]:
     return dict(config.get("init_args") or {})
 
 
-def _plain(value: Any) -> Any:
-    """A value as a config holds it, to compare (a tuple as a list)."""
+def plain_value(value: Any) -> Any:
+    """A value as a config holds it, to compare (a checkpoint's tuple, a config's list)."""
     if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
+        return [plain_value(item) for item in value]
     if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
+        return {key: plain_value(item) for key, item in value.items()}
     return value
 
 
@@ -180,12 +180,13 @@ def _defaults(class_path: Any) -> dict[str, Any]:
     return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
 
 
-def _yaml(value: Any) -> str:
+def command_line_text(value: Any) -> str:
+    """A value as the command line writes it (``true``, not ``True``)."""
     import yaml
 
     try:
         return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
-    except yaml.YAMLError:
+    except yaml.YAMLError:  # not a plain value
         return str(value)
 
 
@@ -234,7 +235,7 @@ def compare_module_configs(
         defaults = _defaults(ours[module].get("class_path"))
         theirs, mine = {**defaults, **theirs}, {**defaults, **mine}
         for option in sorted(set(theirs) | set(mine)):
-            if option in skip or _plain(theirs.get(option)) == _plain(mine.get(option)):
+            if option in skip or plain_value(theirs.get(option)) == plain_value(mine.get(option)):
                 continue
             changed = _fingerprint(_with_option(base, module, option, mine.get(option)))
             if changed is None or base_print is None:
@@ -242,15 +243,17 @@ def compare_module_configs(
             same_shapes = changed[0] == base_print[0]
             same = same_shapes and changed[1] == base_print[1]
             if same or (same_shapes and _training_only(option)):
+                given, saved_value = command_line_text(mine.get(option)), theirs.get(option)
                 harmless.append(
-                    f"model.{module}.{option} {_yaml(mine.get(option))} (the checkpoint's "
-                    f"{_yaml(theirs.get(option))})"
+                    f"model.{module}.{option} {given} (the checkpoint's "
+                    f"{command_line_text(saved_value)})"
                 )
                 continue
             misfit = misfit or not same_shapes
+            given = command_line_text(mine.get(option))
             refused.append(
-                f"model.{module}.{option} is {_yaml(mine.get(option))} in the config but "
-                f"{_yaml(theirs.get(option))} in the checkpoint"
+                f"model.{module}.{option} is {given} in the config but "
+                f"{command_line_text(theirs.get(option))} in the checkpoint"
             )
     if refused:
         _refuse(refused, name, misfit)

@@ -53,7 +53,17 @@ from app.cli.run_folder import (
 from lightning_modules.backbones.base import configured_output_size
 from lightning_modules.checkpoint_file import check_checkpoint_file
 from lightning_modules.errors import ModelConfigError
-from lightning_modules.module_configs import MODULE_CONFIGS_KEY, MODULES, compare_module_configs
+from lightning_modules.module_configs import (
+    MODULE_CONFIGS_KEY,
+    MODULES,
+    compare_module_configs,
+)
+from lightning_modules.module_configs import (
+    command_line_text as _yaml,
+)
+from lightning_modules.module_configs import (
+    plain_value as _plain,
+)
 from lightning_modules.optimization import check_scheduler_interval
 
 DESCRIPTION = (
@@ -202,21 +212,6 @@ def _option_names(args: Sequence[str]) -> set[str]:
             key = arg[2:].split("=", 1)[0]
             names.add(".".join(part for part in key.split(".") if part != "init_args"))
     return names
-
-
-def _plain(value: Any) -> Any:
-    """A value as a config holds it, to compare (a checkpoint's tuple, a config's list)."""
-    if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
-    return value
-
-
-def _yaml(value: Any) -> str:
-    """A value as the command line writes it (``true``, not ``True``)."""
-    try:
-        return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
-    except yaml.YAMLError:  # not a plain value
-        return str(value)
 
 
 def _positive_trainer_options(trainer: Namespace) -> None:
