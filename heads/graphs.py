@@ -49,7 +49,9 @@ What a user sees:
   inside the graph from the generator, one per sequence, as any dropout's.
 - The outputs are copies: a graph's own outputs are overwritten by its next replay. A step is
   one forward then its backward, as the tasks run it: a second loss of the same shape before
-  the first one's backward would overwrite what that backward reads, and is refused.
+  the first one's backward would overwrite what that backward reads, and is refused; so is a
+  step's second backward (``retain_graph``) or one after a later step's forward: the backward
+  graph consumes what its forward left (the rows plans scale their stored gradients in place).
 """
 
 from __future__ import annotations
@@ -180,8 +182,10 @@ class _Replay(torch.autograd.Function):
             if given.data_ptr() != static.data_ptr():
                 static.copy_(given)
         step.replay_forward()
+        graph.replays += 1
         loss, nll, aux = (o.clone() for o in step.outputs)
         ctx.graph, ctx.hidden_keeps_grad = graph, hidden.is_leaf or hidden.retains_grad
+        ctx.replay = graph.replays
         ctx.mark_non_differentiable(nll, *(() if graph.aux_requires_grad else (aux,)))
         return loss, nll, aux
 
@@ -190,6 +194,15 @@ class _Replay(torch.autograd.Function):
     def backward(ctx, d_loss: torch.Tensor, d_nll: torch.Tensor, d_aux: torch.Tensor):
         graph = ctx.graph
         step = graph.step
+        if ctx.replay != graph.replays or not graph.pending:
+            # the backward graph reads what the last forward replay left and consumes it (the
+            # rows plans scale their stored gradients in place: rows_ce.scaled_gradients):
+            # a second backward (retain_graph) or one after a later step would be wrong
+            raise RuntimeError(
+                "cuda_graphs: a graphed step's backward runs once, right after its forward; "
+                "this one ran again (retain_graph) or after a later step's forward: set "
+                "cuda_graphs false to differentiate a step's loss more than once"
+            )
         for static, grad in zip(step.grad_outputs, (d_loss, d_nll, d_aux), strict=True):
             if static is not None:
                 static.copy_(grad)
@@ -211,6 +224,7 @@ class _Graph:
         self.step = step
         self.aux_requires_grad = aux_requires_grad
         self.pending = False
+        self.replays = 0  # forward replays so far: which step a backward belongs to
 
     def replay(self, hidden: torch.Tensor, target: torch.Tensor, head: Head,
                parameters: tuple[torch.Tensor, ...]) -> HeadOutput:  # fmt: skip

@@ -45,6 +45,8 @@ from heads.kernels.chunks import (
     spans,
 )
 from heads.kernels.rows_ce import (
+    added_gradients,
+    graph_kept,
     join_tiles,
     padded_columns,
     padded_weight,
@@ -229,13 +231,13 @@ class AdaptiveRowsLoss(torch.autograd.Function):
                   *[w for pair in walk.tail for w in pair]]  # fmt: skip
         need = [ctx.needs_input_grad[0], *ctx.needs_input_grad[8:]]
         factor = None if grad_loss is None else as_dtype(grad_loss, unit.dtype) * unit
-        out = scaled_gradients(stored, need, factor)
+        in_place = not graph_kept()  # the stored gradients handed over, not copied
+        out = scaled_gradients(stored, need, factor, in_place)
         if grad_nll is not None:  # the NLL output is differentiated too: walk again, w = g
             g = torch.where(ctx.keep > 0, as_dtype(grad_nll, walk.acc), 0.0)
             with torch.autocast(walk.hidden.device.type, enabled=False):
                 _, extra = walk.run(g)
-            out = [x if y is None or not wanted else (y if x is None else x + y)
-                   for x, y, wanted in zip(out, extra, need, strict=True)]  # fmt: skip
+            out = added_gradients(out, extra, need, in_place)
         grads = [None if g is None or p is None else as_input(g, p)
                  for g, p in zip(out, params, strict=True)]  # fmt: skip
         return grads[0], *([None] * 7), *grads[1:]

@@ -53,7 +53,9 @@ from heads.kernels.rows_ce import (
     Mixing,
     Terms,
     TileGradients,
+    added_gradients,
     eager_gradient_,
+    graph_kept,
     join_tiles,
     padded_columns,
     padded_weight,
@@ -386,7 +388,8 @@ class MixtapeRowsCrossEntropy(torch.autograd.Function):
         kept, stored = list(saved[13 : 13 + num_kept]), saved[13 + num_kept :]
         need = ctx.needs_input_grad[:8]
         factor = None if grad_loss is None else as_dtype(grad_loss, unit.dtype) * unit
-        out = scaled_gradients(stored, need, factor)
+        in_place = not graph_kept()  # the stored gradients handed over, not copied
+        out = scaled_gradients(stored, need, factor, in_place)
         if grad_nll is not None:  # the NLL output is differentiated too: walk again, w = g
             if noise_std > 0 and seed is None and state is None and not kept:
                 raise RuntimeError(
@@ -402,8 +405,7 @@ class MixtapeRowsCrossEntropy(torch.autograd.Function):
             with replay, torch.autocast(device.type, enabled=False):
                 walk.replay = replay if kept else None  # (a state: the generator's draws)
                 walk.run(g, 0.0, extra)
-            out = [x if y is None or not wanted else (y if x is None else x + y)
-                   for x, y, wanted in zip(out, _grads_of(extra), need, strict=True)]  # fmt: skip
+            out = added_gradients(out, _grads_of(extra), need, in_place)
         grads = [None if g is None or x is None else as_input(g, x)
                  for g, x in zip(out, inputs, strict=True)]  # fmt: skip
         return (*grads, *([None] * 10))

@@ -25,7 +25,9 @@ class MixtureLogProbSum(torch.autograd.Function):
         total = contexts.new_zeros(n, dtype=acc)
         for c0, c1 in spans(weight.size(0), width):
             z = column_chunk(flat, weight, bias, c0, c1, acc).view(n, k, c1 - c0)
-            total += torch.logsumexp(z + a, dim=1).sum(1)
+            # in place: the chunk's logits are its own (the backward does the same), and a
+            # z + a beside them would be one more [N, K, C] at the peak
+            total += torch.logsumexp(z.add_(a), dim=1).sum(1)
         ctx.save_for_backward(contexts, weight, bias, shift)
         ctx.layout = dtype, width
         return total
@@ -58,6 +60,8 @@ class MixtureLogProbSum(torch.autograd.Function):
             accumulate_mm(grad_weight[c0:c1], r_c.t(), flat, False)
             if grad_bias is not None:
                 torch.sum(r_flat, 0, out=grad_bias[c0:c1])
+            # freed before the next chunk's logits are allocated: one chunk's [N, K, C] alive
+            z = r = r_flat = r_c = None
         return (
             grad_flat.view(contexts.shape).to(contexts.dtype),
             grad_weight.to(weight.dtype),
