@@ -34,8 +34,11 @@ A word's probability is its code's, or ``P(row r | context) * P(column c | conte
 code sequences that spell no word (a column first, a row then a non-column or an empty cell),
 so these probabilities sum to less than 1 over the words (brute-forced over PTB's 10k words:
 0.80 to 0.92 after 120 training steps, 0.91 to 0.98 on a trained toy table). ``word_ppl`` and
-``predict`` report them as they are, not renormalised: the word perplexity is an upper bound
-of the renormalised model's.
+``predict`` report them as they are, not renormalised (the paper's figure): the word perplexity
+is an upper bound. Evaluation also logs ``word_ppl_renorm``, the model restricted to valid code
+sequences by :meth:`grammar`, each code renormalised over the codes allowed after the previous
+one: a distribution over the words (``lightning_modules/word_perplexity.py``), the one the
+grammar-masked sampler draws from, comparable with a word-level head's perplexity.
 """
 
 from __future__ import annotations
@@ -341,7 +344,9 @@ class HybridLightRNNVocab:
             row_of[rows] = torch.arange(self.rows)
             word_start = torch.zeros(size, dtype=torch.bool)
             word_start[self.frequent_codes] = True
-            word_start[rows[occupied.any(1)]] = True
+            # by value, not by a boolean mask: built in an evaluation step when the table
+            # changes, where a mask's data-dependent size would read back (test_host_sync)
+            word_start[rows] = occupied.any(1)
             columns = torch.zeros(self.rows, size, dtype=torch.bool)
             columns[:, self.col_codes] = occupied
             self._grammar = key, CodeGrammar(is_row, row_of, word_start, columns).to(device)
