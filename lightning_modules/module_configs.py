@@ -80,12 +80,13 @@ _LINKED = frozenset({"vocab_size", "src_vocab_size"})
 _HEAD_LINKED = frozenset({"hidden_size"})
 # an adaptive head's options that cutoffs: auto decides (or the checkpoint's cut-offs give)
 _AUTO_DECIDED = frozenset({"cutoffs", "num_clusters", "cost_model", "calibration_batch"})
-# Options that act in training only (dropout, noise, regularisers, initialisation) or that
-# only steer a decision the checkpoint already holds: another value keeps the weights'
-# meaning. Any other option that differs is refused, even where the shapes agree: a
+# Options that act in training only (dropout, noise, regularisers, initialisation), that
+# only steer a decision the checkpoint already holds, or that choose an approximation at
+# inference (DS-Softmax's SVD-softmax top-k, svd_*: section 4.6): another value keeps the
+# weights' meaning. Any other option that differs is refused, even where the shapes agree: a
 # Transformer's num_heads or Mixtape's weight_norm_scale change what the same weights compute.
 _TRAINING_ONLY = ("dropout", "noise", "init", "lambda_", "ar_alpha", "tar_beta",
-                  "calibration_batch", "cost_model", "max_length")  # fmt: skip
+                  "calibration_batch", "cost_model", "max_length", "svd_")  # fmt: skip
 
 
 def _training_only(name: str) -> bool:
@@ -169,6 +170,17 @@ def _class(path: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
+def _structure_options(class_path: Any) -> frozenset[str]:
+    """A module's options that only size the structure a fresh one starts from, which a
+    checkpoint's replaces on load (DS-Softmax's ``num_experts``: pruning and mitosis change
+    the experts), declared by its class as ``structure_options``."""
+    try:
+        declared = getattr(_class(str(class_path)), "structure_options", frozenset())
+    except Exception:  # noqa: BLE001 - compared as stated then
+        return frozenset()
+    return frozenset(declared)
+
+
 def _defaults(class_path: Any) -> dict[str, Any]:
     """The default values of a class's init arguments (none where it does not import)."""
     import inspect
@@ -234,8 +246,15 @@ def compare_module_configs(
         # before the option existed)
         defaults = _defaults(ours[module].get("class_path"))
         theirs, mine = {**defaults, **theirs}, {**defaults, **mine}
+        structure = _structure_options(ours[module].get("class_path"))
         for option in sorted(set(theirs) | set(mine)):
             if option in skip or plain_value(theirs.get(option)) == plain_value(mine.get(option)):
+                continue
+            if option in structure:  # the checkpoint's structure is loaded whatever its value
+                harmless.append(
+                    f"model.{module}.{option} {command_line_text(mine.get(option))} (the "
+                    f"checkpoint's {command_line_text(theirs.get(option))}, its structure loaded)"
+                )
                 continue
             changed = _fingerprint(_with_option(base, module, option, mine.get(option)))
             if changed is None or base_print is None:

@@ -60,8 +60,12 @@ def corpus(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def softmax_checkpoint(tmp_path_factory, cli_run, corpus) -> str:
     """A SoftmaxHead LM trained for one step on the tiny corpus."""
-    out = tmp_path_factory.mktemp("ckpt")
-    assert cli_run("fit", *tiny_lm(corpus), "--trainer.max_steps", "1",
+    return fit_checkpoint(cli_run, tmp_path_factory.mktemp("ckpt"), *tiny_lm(corpus))
+
+
+def fit_checkpoint(cli_run, out: Path, *options: str, steps: str = "1") -> str:
+    """The checkpoint ``cli.py fit OPTIONS`` leaves in ``out`` after ``steps`` steps."""
+    assert cli_run("fit", *options, "--trainer.max_steps", steps,
                    "--trainer.enable_checkpointing", "true",
                    "--trainer.callbacks", "lightning.pytorch.callbacks.ModelCheckpoint",
                    "--trainer.callbacks.dirpath", str(out), console=True) == 0  # fmt: skip

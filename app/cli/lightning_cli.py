@@ -275,8 +275,8 @@ def _check_scheduler_interval(model: Any) -> None:
 # checkpoint with its backbone frozen) take the run's value when it is given on the command
 # line or set in a config (not the class default), with a warning line; the others shape the
 # parameters (tie_weights) and are refused in one line when the command line gives another
-# value (set only in a config, the checkpoint's wins, as Lightning has it: a test of an untied
-# checkpoint with a setting that ties).
+# value (set only in a config, the checkpoint's wins, as Lightning has it, said in an info
+# line: a test of an untied checkpoint with a setting that ties).
 RESUME_CHANGEABLE = frozenset({"freeze_backbone", "label_smoothing", "top_k", "scheduler_interval"})
 
 
@@ -323,6 +323,45 @@ def _check_vocabulary_kind(checkpoint: dict[str, Any], data: Any, ckpt: str) -> 
             f"{_yaml(saved['vocab'])} in the checkpoint {ckpt}: it was trained on another "
             f"vocabulary; give --data.vocab {_yaml(saved['vocab'])} (and its options as the "
             f"run had them, in its config.yaml), or train anew without --ckpt_path"
+        )
+
+
+# The dtype a run's --trainer.precision gives the weights (Lightning's HalfPrecision and
+# DoublePrecision convert the module; 32-true and the mixed precisions keep float32)
+_WEIGHT_DTYPES = {
+    "bf16-true": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "16-true": torch.float16,
+    "64-true": torch.float64,
+    "64": torch.float64,
+}
+
+
+def _check_precision(checkpoint: dict[str, Any], trainer: Any, subcommand: str, ckpt: str) -> None:
+    """Weights saved in another dtype than the run's ``trainer.precision`` gives them: a
+    resumed fit goes on from them converted (the optimizer's moments too, as PyTorch loads
+    them), not exactly where it stopped; an evaluation in a narrower dtype rounds them. One
+    warning line saying so; nothing where the dtypes agree."""
+    state = checkpoint.get("state_dict") or {}
+    saved = next((v.dtype for v in state.values()
+                  if isinstance(v, torch.Tensor) and v.is_floating_point()), None)  # fmt: skip
+    precision = trainer.get("precision") if trainer is not None else None
+    ours = _WEIGHT_DTYPES.get(str(precision), torch.float32)
+    if saved is None or saved == ours:
+        return
+    name = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16",
+            torch.float16: "float16"}  # fmt: skip
+    given = f"trainer.precision {precision or '32-true'}"
+    if subcommand == "fit":
+        warn_line(
+            f"{given}: the checkpoint's weights are {name.get(saved, saved)}, and this fit "
+            f"goes on in {name.get(ours, ours)} (its optimizer's state too): it does not resume "
+            f"exactly where the run stopped (--ckpt_path {ckpt})"
+        )
+    elif torch.finfo(ours).eps > torch.finfo(saved).eps:
+        warn_line(
+            f"{given}: the checkpoint's {name.get(saved, saved)} weights are rounded to "
+            f"{name.get(ours, ours)} for this {subcommand} (--ckpt_path {ckpt})"
         )
 
 
@@ -382,8 +421,9 @@ class AppCLI(LightningCLI):
             # data is prepared: another size was a tie_weights error or a state_dict dump
             _check_module_configs(saved, model, ckpt)
             _check_vocabulary_kind(saved, self.config[subcommand].get("data"), ckpt)
+            _check_precision(saved, self.config[subcommand].get("trainer"), subcommand, ckpt)
             hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
-            self._keep_run_options(hparams["dict_kwargs"], model)
+            self._keep_run_options(hparams["dict_kwargs"], model, ckpt)
         self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
@@ -408,7 +448,7 @@ class AppCLI(LightningCLI):
                 f"config the checkpoint was trained with"
             )
 
-    def _keep_run_options(self, hparams: dict[str, Any], model: Any) -> None:
+    def _keep_run_options(self, hparams: dict[str, Any], model: Any, ckpt: str = "") -> None:
         """The checkpoint's ``hparams`` less the options the run gives another value that it
         may change (RESUME_CHANGEABLE, said in a warning line); a command line's other value
         of another option refused. See RESUME_CHANGEABLE."""
@@ -434,6 +474,13 @@ class AppCLI(LightningCLI):
                     f"model.{name}: the checkpoint was trained with {name} {_yaml(saved)}, and "
                     f"it shapes the model's parameters: leave --model.{name} {_yaml(ours)} out, "
                     f"or train anew without --ckpt_path"
+                )
+            elif name not in RESUME_CHANGEABLE:
+                # set in a config file: the checkpoint's value builds the model, said (an
+                # edited config's tie_weights was dropped without a word)
+                _info(
+                    f"model.{name} {_yaml(saved)}: the checkpoint's, not the config's "
+                    f"{_yaml(ours)} (it shapes the model's parameters; --ckpt_path {ckpt})"
                 )
 
     def _warn_if_untrained(self, subcommand: str) -> None:

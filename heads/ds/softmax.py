@@ -122,6 +122,10 @@ class DSSoftmaxHead(Head):
     expert_offsets: torch.Tensor
 
     capture_blocker = "its experts' sizes are counted from each batch (heads/graphs.py)"
+    # Options that only size the structure a fresh head starts from: loading a checkpoint
+    # resizes the head to its pruned, split structure, so another value here still loads it
+    # and computes the same (lightning_modules/module_configs.py compares the rest)
+    structure_options: frozenset[str] = frozenset({"num_experts"})
 
     def __init__(
         self,
@@ -185,7 +189,10 @@ class DSSoftmaxHead(Head):
         that ``split`` and the slices take, without a sync) and the ``[R]`` expert of every
         row (a non-persistent buffer: it moves with the module, and the expert lasso reads
         it in every step)."""
-        self._offsets: list[int] = self.expert_offsets.tolist()
+        # (a head built on the meta device, as a checkpoint's config is compared with a run's
+        # before anything is built, has no offsets to read: its Python-side ones stay empty)
+        meta = self.expert_offsets.is_meta
+        self._offsets: list[int] = [] if meta else self.expert_offsets.tolist()
         self._cache: DSInference | None = None
         device = self.row_class.device
         row_expert = torch.repeat_interleave(

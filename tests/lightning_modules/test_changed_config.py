@@ -18,7 +18,7 @@ import pytest
 
 from lightning_modules.errors import ModelConfigError
 from lightning_modules.module_configs import compare_module_configs
-from tests.test_bad_input import error_line, tiny_lm, write_lm_corpus
+from tests.test_bad_input import error_line, fit_checkpoint, tiny_lm, write_lm_corpus
 
 pytestmark = pytest.mark.usefixtures("cli_argv")
 
@@ -37,12 +37,7 @@ def corpus(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, cli_run, corpus) -> str:
     """A tied SoftmaxHead LM (LSTM, 2 x 16) trained for one step on the tiny corpus."""
-    out = tmp_path_factory.mktemp("changed-ckpt")
-    assert cli_run("fit", *tiny_lm(corpus), "--trainer.max_steps", "1",
-                   "--trainer.enable_checkpointing", "true",
-                   "--trainer.callbacks", "lightning.pytorch.callbacks.ModelCheckpoint",
-                   "--trainer.callbacks.dirpath", str(out), console=True) == 0  # fmt: skip
-    return str(next(out.glob("*.ckpt")))
+    return fit_checkpoint(cli_run, tmp_path_factory.mktemp("changed-ckpt"), *tiny_lm(corpus))
 
 
 # -- through cli.py: one line per class of mismatch ------------------------------------------
