@@ -6,13 +6,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from datamodules.bptt import StreamWindows, WindowSchedule, stream_layout
 from datamodules.cache import (
@@ -26,15 +26,17 @@ from datamodules.cache import (
     vocab_options,
 )
 from datamodules.errors import DataConfigError, VocabularyMismatchError
+from datamodules.pair_batches import StreamedWindows, check_window
 from datamodules.resumable import ResumableLoader
 from datamodules.text_source import (
     CORPORA,
     HeldOutSplits,
+    PredictInput,
     TextSource,
     check_held_out,
     data_location,
     local_or_hub,
-    predict_texts,
+    predict_input,
     text_source,
     tokenizers_progress,
 )
@@ -99,46 +101,59 @@ def count_unknown(vocab: Any, units: list[int]) -> int:
     return sum(1 for i in units if i in unknown)
 
 
-class PromptBatches(Dataset):
-    """``predict``'s prompts in batches of ``batch_size``, each prompt encoded once, when its
-    batch is read (memory stays flat over a long file):
+class PromptBatches(StreamedWindows):
+    """``predict``'s prompts in batches of at most ``batch_size``, read from ``prompts`` a
+    window of ``window`` lines at a time, each window's prompts encoded once (in the input's
+    order), sorted by length and cut into batches (:class:`StreamedWindows`): a batch holds
+    prompts of about one length, so little of it is padding (in the input's order, one long
+    prompt padded its whole batch: 3.8 padded tokens a real one on mixed PTB prompts). The
+    model gives the results back in the input's order (:class:`InputOrder`); memory holds
+    one window (a long file is never read whole).
 
-    ``prompt`` (the texts), ``ids`` ``[B, T]`` long (each prompt's ids, right-padded with
-    ``<eos>``; an empty prompt is ``<eos>`` alone), ``lengths`` (each prompt's length, a list
-    that stays on the host) and ``ends`` (the same, a tensor that goes to the device with
+    A batch: ``prompt`` (the texts), ``ids`` ``[B, T]`` long (each prompt's ids, right-padded
+    with ``<eos>``; an empty prompt is ``<eos>`` alone), ``lengths`` (each prompt's length, a
+    list that stays on the host) and ``ends`` (the same, a tensor that goes to the device with
     ``ids``: the model reads each prompt's last real position), ``unknown`` and ``tokens``
     (each prompt's tokens read as ``<unk>``, and its tokens: words for Hybrid-LightRNN, pieces
-    for BPE; what ``UnknownInput`` counts, so that the model encodes nothing again). The first
-    few wholly unknown prompts are named in a warning (the model counts them all)."""
+    for BPE; what ``UnknownInput`` counts, so that the model encodes nothing again),
+    ``input_lines`` (each prompt's line in the input) and ``last``. The first few wholly
+    unknown prompts are named in a warning, in the input's order (the model counts them all)."""
 
-    def __init__(self, prompts: list[str], vocab: Vocab, batch_size: int) -> None:
-        self.prompts, self.vocab, self.batch_size = prompts, vocab, batch_size
+    def __init__(
+        self, prompts: PredictInput | list[str], vocab: Vocab, batch_size: int, window: int = 4096
+    ) -> None:
+        if not isinstance(prompts, PredictInput):
+            prompts = PredictInput(given=tuple(prompts))
+        super().__init__(prompts.line_batches, self._encode_window, self._collate, window,
+                         max_lines=batch_size, name=prompts.name)  # fmt: skip
+        self.vocab, self.batch_size = vocab, batch_size
         self._unknown = unknown_ids(vocab)
         self._named = 0
 
-    def __len__(self) -> int:
-        return -(-len(self.prompts) // self.batch_size)
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        self._named = 0  # a new pass over the prompts
+        return super().__iter__()
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        if not 0 <= index < len(self):
-            raise IndexError(index)
-        if index == 0:
-            self._named = 0  # a new pass over the prompts
-        prompts = self.prompts[index * self.batch_size : (index + 1) * self.batch_size]
-        rows, unknown, tokens = [], [], []
+    def _encode_window(self, prompts: list[str]) -> tuple[list[tuple], list[int]]:
+        """Each prompt's ``(ids, unknown, tokens)`` and its length (the ids the model reads)."""
+        items = []
         for prompt in prompts:
             ids, units = self._encode(prompt)
-            rows.append(ids or [self.vocab.eos_id])
-            unknown.append(sum(1 for i in units if i in self._unknown))
-            tokens.append(len(units))
-            if units and unknown[-1] == len(units):
+            unknown = sum(1 for i in units if i in self._unknown)
+            if units and unknown == len(units):
                 self._name_unknown(prompt)
+            items.append((ids or [self.vocab.eos_id], unknown, len(units)))
+        return items, [len(item[0]) for item in items]
+
+    def _collate(self, items: list[tuple], prompts: list[str], _: list[int]) -> dict[str, Any]:
+        rows = [item[0] for item in items]
         lengths = [len(row) for row in rows]
         padded = torch.full((len(rows), max(lengths)), self.vocab.eos_id, dtype=torch.long)
         for i, row in enumerate(rows):
             padded[i, : len(row)] = torch.tensor(row, dtype=torch.long)
         return {"prompt": prompts, "ids": padded, "lengths": lengths,
-                "ends": torch.tensor(lengths), "unknown": unknown, "tokens": tokens}  # fmt: skip
+                "ends": torch.tensor(lengths), "unknown": [item[1] for item in items],
+                "tokens": [item[2] for item in items]}  # fmt: skip
 
     def _encode(self, prompt: str) -> tuple[list[int], list[int]]:
         """(the ids the model reads, the units ``<unk>`` is counted in): the text split and
@@ -215,7 +230,14 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
             float32 a probability's 6th significant digit may differ by one: other shapes,
             other rounding), output in the input's order. Sampled continuations
             (``model.generate_tokens``) draw the batch's rows together, so a seed's draws
-            depend on this size (the same seed and size: the same draws).
+            depend on this size and ``predict_window`` (the same seed and sizes: the same
+            draws).
+        predict_window: ``predict`` reads this many prompts at a time (the input is never
+            held whole), sorts them by length and cuts them into batches of
+            ``predict_batch_size``, so a batch holds prompts of about one length (little
+            padding); the output keeps the input's order (at most one window of results
+            waits). Equal to ``predict_batch_size``: each batch holds the prompts it held in
+            the input's order.
         vocab: ``word`` (one id per word), ``bpe`` (HuggingFace ``tokenizers`` BPE trained on
             the training split) or ``hybrid_lightrnn`` (K frequent words with a code each, the
             others two codes: a cell of a rows x cols table). The model sees the codes; the
@@ -255,6 +277,7 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
         predict_prompts: list[str] | None = None,
         predict_file: str | None = None,
         predict_batch_size: int = 64,
+        predict_window: int = 4096,
         vocab: str = "word",
         bpe_vocab_size: int = 4000,
         lightrnn_frequent: int = 1000,
@@ -274,6 +297,7 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
             if not isinstance(value, int) or value <= 0:
                 raise DataConfigError(f"data.{option} must be a positive integer, got {value!r}")
         check_window_law(bptt_std, bptt_half_prob, min_bptt, max_bptt)
+        check_window(predict_window)
         if vocab not in VOCABS:
             raise DataConfigError(f"data.vocab must be one of {', '.join(VOCABS)}, got {vocab!r}")
         check_min_freq(min_freq, vocab)
@@ -689,10 +713,11 @@ class LanguageModelingDataModule(SourceIdentities, L.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         hp = self.hparams
-        prompts = predict_texts(hp.predict_prompts, hp.predict_file, "prompts", "the company said")
-        # batches encoded as they are read (memory flat over a long file), in the input's order
-        return DataLoader(PromptBatches(prompts, self.vocab, hp.predict_batch_size),
-                          batch_size=None)  # fmt: skip
+        prompts = predict_input(hp.predict_prompts, hp.predict_file, "prompts", "the company said")
+        # read and encoded a window at a time (memory flat over a long file), sorted by length
+        # in the window (LanguageModel.predict_step writes the results in the input's order)
+        batches = PromptBatches(prompts, self.vocab, hp.predict_batch_size, hp.predict_window)
+        return DataLoader(batches, batch_size=None)
 
     # -- checkpoint --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -4,16 +4,19 @@ cut to a token budget (shared out over DDP ranks), and their padding into tensor
 from __future__ import annotations
 
 import itertools
+import logging
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import IterableDataset, Sampler
 
 from datamodules.errors import DataConfigError
 from heads import IGNORE_INDEX
+
+log = logging.getLogger(__name__)
 
 
 class EncodedPairs(torch.utils.data.Dataset):
@@ -202,40 +205,133 @@ class TokenBucketBatchSampler(Sampler[list[int]]):
         return len(self._batches())
 
 
-class WindowedLengthBatches(Sampler[list[int]]):
-    """``predict``'s batches: the lines in windows of ``window`` consecutive lines; each
-    window sorted by length (a stable sort: equal lengths keep the file's order) and cut by
-    the token budget (``lines x longest <= max_tokens``, a longer line alone), its batches
-    in that order, then the next window's (fairseq-interactive's ``--buffer-size``).
+def check_window(window: Any) -> None:
+    """``data.predict_window``: a positive number of lines."""
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise DataConfigError(f"data.predict_window must be a positive integer, got {window!r}")
 
-    Batching in file order padded every batch to its longest source and decoded it for as
-    many steps as its longest output, so one long line among short ones cost its whole batch;
-    sorted, a batch holds lines of about one length. Whoever writes the results puts them
-    back in file order: at most one window of them waits (``Translation.predict_step``)."""
 
-    def __init__(self, lengths: Sequence[int] | np.ndarray, max_tokens: int, window: int) -> None:
-        if not isinstance(window, int) or window < 1:
-            raise DataConfigError(f"data.predict_window must be a positive integer, got {window!r}")
-        self.lengths = np.asarray(lengths, dtype=np.int64)
-        self.max_tokens = max_tokens
-        self.window = window
-        self._batches: list[list[int]] | None = None
+def window_batches(
+    lengths: Sequence[int] | np.ndarray, max_tokens: float | None, max_lines: int | None = None
+) -> list[list[int]]:
+    """One window's batches (positions in it): sorted by length (a stable sort: equal lengths
+    keep the input's order), cut by the token budget (``lines x longest <= max_tokens``, a
+    longer line alone) and into at most ``max_lines`` lines."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    order = np.argsort(lengths, kind="stable")
+    ends = _greedy_cuts(lengths[order], max_tokens) if max_tokens is not None else [len(order)]
+    batches = _pieces(order, ends) if len(order) else []
+    if max_lines is not None:
+        batches = [b[a : a + max_lines] for b in batches for a in range(0, len(b), max_lines)]
+    return batches
 
-    def batches(self) -> list[list[int]]:
-        if self._batches is None:
-            self._batches = []
-            for start in range(0, len(self.lengths), self.window):
-                sizes = self.lengths[start : start + self.window]
-                order = np.argsort(sizes, kind="stable") + start
-                ends = _greedy_cuts(self.lengths[order], self.max_tokens)
-                self._batches.extend(_pieces(order, ends))
-        return self._batches
 
-    def __iter__(self) -> Iterator[list[int]]:
-        yield from self.batches()
+class StreamedWindows(IterableDataset):
+    """``predict``'s batches over a stream of lines, one window in memory at a time: the
+    lines (``line_batches()``: lists of lines in input order, e.g. a file's blocks) are taken
+    ``window`` at a time; ``encode(lines)`` gives the window's items and their lengths
+    (encoded in input order), :func:`window_batches` sorts and cuts them, and
+    ``collate(items, lines, numbers)`` makes each batch (``numbers``: each line's number in
+    the input), to which ``input_lines`` (those numbers, a list that stays on the host) and
+    ``last`` (whether it is the input's last batch: :class:`InputOrder` then gives every
+    result it holds) are added.
 
-    def __len__(self) -> int:
-        return len(self.batches())
+    A window sorted by length (fairseq-interactive's buffer): batching in file order padded
+    every batch to its longest line and decoded it for as many steps as its longest output, so
+    one long line among short ones cost its whole batch; sorted, a batch holds lines of about
+    one length. Reading the whole input first held every line as a Python string and every line's
+    encoding at once (a 2M-line file of prompts: 750 MB); here memory holds one window and
+    one block of the file. Its length is not known before the input is read (a progress bar
+    counts batches, without a total; ``limit_predict_batches`` takes a count, not a share).
+    """
+
+    def __init__(
+        self,
+        line_batches: Callable[[], Iterable[list[str]]],
+        encode: Callable[[list[str]], tuple[list[Any], Sequence[int]]],
+        collate: Callable[[list[Any], list[str], list[int]], dict[str, Any]],
+        window: int,
+        max_tokens: float | None = None,
+        max_lines: int | None = None,
+        name: str = "the input",
+    ) -> None:
+        check_window(window)
+        self.line_batches, self.encode, self.collate = line_batches, encode, collate
+        self.window, self.max_tokens, self.max_lines = window, max_tokens, max_lines
+        self.name = name  # what the input is, for the line said when it has no line
+
+    def windows(self) -> Iterator[list[str]]:
+        """The input's lines, ``window`` at a time (the last window may be shorter)."""
+        pending: list[str] = []
+        for lines in self.line_batches():
+            start = 0
+            while len(pending) + len(lines) - start >= self.window:
+                take = self.window - len(pending)
+                yield pending + lines[start : start + take]
+                pending, start = [], start + take
+            pending += lines[start:]
+        if pending:
+            yield pending
+
+    def _batches(self) -> Iterator[dict[str, Any]]:
+        first = 0  # the window's first line in the input
+        for lines in self.windows():
+            items, lengths = self.encode(lines)
+            for piece in window_batches(lengths, self.max_tokens, self.max_lines):
+                numbers = [first + j for j in piece]
+                batch = self.collate([items[j] for j in piece], [lines[j] for j in piece], numbers)
+                yield {**batch, "input_lines": numbers}
+            first += len(lines)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        # one batch read ahead, to tell the last one
+        previous = None
+        for batch in self._batches():
+            if previous is not None:
+                yield {**previous, "last": False}
+            previous = batch
+        if previous is not None:
+            yield {**previous, "last": True}
+        else:  # (an empty file ended the run without a word)
+            log.warning("warning: predict: %s has no line: nothing to predict", self.name)
+
+
+class InputOrder:
+    """Results of batches whose lines are scattered (sorted within windows), given back in
+    the input's order: :meth:`put` keeps a batch's results and returns those that now
+    continue the order (line 0, 1, ... as far as every line is done; none, or several
+    batches' worth); at the ``last`` batch, every result still held, in order (all of them,
+    unless ``limit_predict_batches`` left lines out). At most one window of results waits."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._held: dict[int, Any] = {}
+        self._next = 0
+
+    @property
+    def written(self) -> int:
+        """How many of the input's first lines have been given back."""
+        return self._next
+
+    @property
+    def held(self) -> int:
+        """How many results wait for an earlier line."""
+        return len(self._held)
+
+    def put(self, indices: Sequence[int], results: Sequence[Any], last: bool) -> list[Any]:
+        for i, result in zip(indices, results, strict=True):
+            self._held[int(i)] = result
+        if last:
+            ready = [self._held[i] for i in sorted(self._held)]
+            self._held, self._next = {}, max(self._held, default=self._next - 1) + 1
+            return ready
+        ready = []
+        while self._next in self._held:
+            ready.append(self._held.pop(self._next))
+            self._next += 1
+        return ready
 
 
 def _greedy_cuts(sizes: Sequence[int] | np.ndarray, budget: float) -> list[int]:

@@ -26,7 +26,7 @@ import socket
 import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
@@ -161,39 +161,86 @@ def find_split_files(
 
 
 @functools.cache
-def _stdin_lines() -> tuple[str, ...]:
-    """Standard input's lines, read once (a second read of a pipe finds it empty)."""
+def _stdin_lines() -> bytes:
+    """Standard input's text, read once (a second read of a pipe finds it empty) and checked
+    to be UTF-8: kept as its bytes, its lines made a block at a time as predict reads them
+    (a tuple of every line as a Python string took several times the text's size)."""
     text = sys.stdin.buffer.read()
-    try:
-        return tuple(split_text_lines(text.decode("utf-8-sig")))
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:  # checked in pieces: no string of the whole text
+        for start in range(0, len(text), BATCH_BYTES):
+            decoder.decode(text[start : start + BATCH_BYTES])
+        decoder.decode(b"", final=True)
     except UnicodeDecodeError as exc:
         raise DataFormatError(
             f"data.predict_file -: standard input is not UTF-8 text ({exc.reason})"
         ) from exc
+    return text
 
 
-def predict_texts(given: list[str] | None, file: str | None, what: str, example: str) -> list[str]:
+def _stdin_line_batches() -> Iterator[list[str]]:
+    """Standard input's lines (:func:`_stdin_lines`), a block of about ``BATCH_BYTES`` at a
+    time, cut as the corpora's lines are."""
+    first = True
+    for block in _blocks(io.BytesIO(_stdin_lines())):
+        yield split_text_lines(block.decode("utf-8-sig" if first else "utf-8"))
+        first = False
+
+
+@dataclass(frozen=True)
+class PredictInput:
+    """What ``predict`` reads, as batches of lines in the input's order, read as they are
+    needed (a file a block of about ``BATCH_BYTES`` at a time): ``given`` lines, or those
+    of the file ``path``, or of standard input (``stdin``). A second pass reads again."""
+
+    given: tuple[str, ...] = ()
+    path: Path | None = None
+    stdin: bool = False
+
+    @property
+    def name(self) -> str:
+        """What the input is, for messages."""
+        if self.path is not None:
+            return f"data.predict_file {str(self.path)!r}"
+        return "standard input" if self.stdin else "the given list"
+
+    def line_batches(self) -> Iterator[list[str]]:
+        if self.path is not None:
+            yield from TextFiles({"predict": self.path}, label=self.path.name).line_batches(
+                "predict"
+            )
+        elif self.stdin:
+            yield from _stdin_line_batches()
+        else:
+            for start in range(0, len(self.given), BATCH_ROWS):
+                yield list(self.given[start : start + BATCH_ROWS])
+
+
+def predict_input(
+    given: list[str] | None, file: str | None, what: str, example: str
+) -> PredictInput:
     """What ``predict`` reads: ``data.predict_<what>`` or the lines of ``data.predict_file``
     (UTF-8, plain or compressed, read as the corpora are; ``-``: standard input), one or the
-    other."""
+    other; checked now, read as it is used."""
     if given and file:
         raise DataConfigError(
             f"data.predict_{what} and data.predict_file are both set; set one of them"
         )
     if file == "-":  # a pipe: ``cat sentences.de | python cli.py predict ...``
-        return list(_stdin_lines())
+        _stdin_lines()  # (read and checked now: a mistake is said before the model runs)
+        return PredictInput(stdin=True)
     if file:
         path = resolve_file(Path(file).expanduser())
         if not path.is_file():
             problem = "is not a file" if path.exists() else "does not exist"
             raise DataPathError(f"data.predict_file {str(path)!r} {problem}")
-        return TextFiles({"predict": path}, label=path.name).lines("predict")
+        return PredictInput(path=path)
     if not given:
         raise DataConfigError(
             f"predict needs {what}: set data.predict_{what}, e.g. --data.predict_{what} "
             f"'[\"{example}\"]', or data.predict_file, a text file of one a line"
         )
-    return list(given)
+    return PredictInput(given=tuple(given))
 
 
 # byte-order marks of the encodings editors save "Unicode" text in, longest first
@@ -421,6 +468,10 @@ class HeldOutSplits(_LineBatches):
     source: TextFiles | HubColumns
     missing: tuple[str, ...]  # the splits cut from the training text, in SPLITS order
     share: float
+    # side ("" or ".source") -> the training text's lines, where the caller has counted them
+    # already (translation checks its sides align): counted again here, a large corpus's
+    # first launch read its training files twice
+    counts: dict[str, int] = field(default_factory=dict, compare=False)
 
     @property
     def label(self) -> str:  # (the cache folders of another cut are other entries anyway)
@@ -463,7 +514,7 @@ class HeldOutSplits(_LineBatches):
 
     @property
     def _line_counts(self) -> dict[str, int]:  # (a frozen dataclass: counted once, kept here)
-        return self.__dict__.setdefault("_counts", {})
+        return self.counts
 
     def identity(self, part: str) -> dict[str, Any]:
         # the training text and the cut; no line count (that would read the file every run)
@@ -619,10 +670,15 @@ def _first_line(exc: Exception) -> str:
 
 
 def with_held_out(
-    source: TextFiles | HubColumns, present: Iterable[str], held_out: float | None, where: str
+    source: TextFiles | HubColumns,
+    present: Iterable[str],
+    held_out: float | None,
+    where: str,
+    counts: dict[str, int] | None = None,
 ) -> TextFiles | HubColumns | HeldOutSplits:
     """``source``, with the splits it lacks cut from its training text where ``held_out`` is
-    set (``present``: the splits it has)."""
+    set (``present``: the splits it has; ``counts``: the training text's lines by side, ``""``
+    or ``".source"``/``".target"``, where the caller has counted them)."""
     missing = tuple(split for split in SPLITS if split not in set(present))
     if held_out is None:
         if missing:  # (a hub_splits mapping that leaves a split out)
@@ -636,7 +692,7 @@ def with_held_out(
             f"data.held_out is set, but the data at {where} has every split: unset it, or "
             f"leave a split out of data.files / data.hub_splits to cut it from train"
         )
-    return HeldOutSplits(source, missing, float(held_out))
+    return HeldOutSplits(source, missing, float(held_out), dict(counts or {}))
 
 
 def text_source(

@@ -49,8 +49,8 @@ from datamodules.errors import (
 from datamodules.pair_batches import (
     EncodedPairs,
     LengthSortedSampler,
+    StreamedWindows,
     TokenBucketBatchSampler,
-    WindowedLengthBatches,
     collate_pairs,
 )
 from datamodules.resumable import ResumableLoader
@@ -67,7 +67,7 @@ from datamodules.text_source import (
     file_identity,
     has_text,
     local_or_hub,
-    predict_texts,
+    predict_input,
     require_folder,
     resolve_file,
     split_files_option,
@@ -158,6 +158,7 @@ def parallel_text_source(
         prefixes = {**DEFAULT_FILES, **named}
         found: dict[str, Path] = {}
         present: list[str] = []
+        train_counts: dict[str, int] = {}  # the training sides' lines, for the held-out cut
         for split in SPLITS:
             side_files = [
                 resolve_file(folder / f"{prefixes[split]}.{lang}")
@@ -182,13 +183,16 @@ def parallel_text_source(
                 counts = [cached_line_count(f, counts_dir) for f in side_files]
                 if counts[0] != counts[1]:
                     raise _misaligned(split, [str(f) for f in side_files], counts)
+                if split == "train":  # (HeldOutSplits cuts by them: not counted again)
+                    train_counts = {f".{side}": n for side, n in zip(SIDES, counts, strict=True)}
             if not has_text(side_files[0]):
                 raise DataPathError(f"{split} file {str(side_files[0])!r} is empty")
             found[f"{split}.source"], found[f"{split}.target"] = side_files
             present.append(split)
         label = f"{folder.resolve().name}-{source_lang}-{target_lang}"
         source = TextFiles(found, label=label)
-        return with_held_out(source, present, held_out, data_location(folder, None))
+        where = data_location(folder, None)
+        return with_held_out(source, present, held_out, where, counts=train_counts)
 
     splits = hub.load(held_out)
     parts: dict[str, Any] = {}
@@ -275,7 +279,8 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
             many lines and cuts each window into batches of at most ``eval_max_tokens`` (else
             ``max_tokens``) padded source tokens, so a batch holds sentences of about one
             length (fairseq-interactive's ``--buffer-size``); the translations are written
-            in the input's order, at most one window of them held back.
+            in the input's order, at most one window of them held back. The input is read
+            a window at a time, never held whole.
         lightrnn_frequent, lightrnn_rows, lightrnn_cols, lightrnn_init, lightrnn_seed: the
             target's Hybrid-LightRNN codes, as in ``LanguageModelingDataModule``.
         cache_dir: folder of prepared corpora (default ``data/`` below
@@ -354,7 +359,6 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
         self._splits: DatasetDict | None = None
         # split -> side -> (tokens that became <unk> without being written so, tokens)
         self.unknown_tokens: dict[str, dict[str, tuple[int, int]]] = {}
-        self.predict_sources: list[str] = []  # what predict translates (its loader sets it)
 
     def __repr__(self) -> str:
         # Lightning's own __str__ builds every data loader: this one reads nothing.
@@ -780,25 +784,28 @@ class TranslationDataModule(SourceIdentities, L.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         hp = self.hparams
-        self.predict_sources = sentences = predict_texts(
+        sentences = predict_input(
             hp.predict_sentences, hp.predict_file, "sentences", "Ein Hund rennt durch den Schnee."
         )
         vocab, eos = self.source_vocab, self.bos_id
-        items = [
-            {"source_ids": vocab.encode_line(s), "target_ids": [eos], "index": i}
-            for i, s in enumerate(sentences)
-        ]
-        # sorted by length within windows, batched by the evaluation's token budget: in file
-        # order, 64 a batch, every batch was padded to its longest source and decoded until
-        # its longest output (Translation.predict_step writes the results in file order)
-        lengths = [len(item["source_ids"]) for item in items]
+
+        def encode(lines: list[str]) -> tuple[list[list[int]], list[int]]:
+            ids = [vocab.encode_line(s) for s in lines]
+            return ids, [len(source) for source in ids]
+
+        def collate(ids: list[list[int]], lines: list[str], numbers: list[int]) -> dict[str, Any]:
+            items = [{"source_ids": source, "target_ids": [eos], "index": i}
+                     for source, i in zip(ids, numbers, strict=True)]  # fmt: skip
+            return {**collate_pairs(items, pad_id=eos, bos_id=eos), "text": lines}
+
+        # read a window at a time (a long file is never held whole), sorted by length in the
+        # window, batched by the evaluation's token budget: in file order, 64 a batch, every
+        # batch was padded to its longest source and decoded until its longest output
+        # (Translation.predict_step writes the results in the input's order)
         budget = hp.eval_max_tokens or hp.max_tokens
-        batches = WindowedLengthBatches(lengths, budget, hp.predict_window)
-        return DataLoader(
-            items,
-            batch_sampler=batches,
-            collate_fn=lambda batch: collate_pairs(batch, pad_id=eos, bos_id=eos),
-        )
+        batches = StreamedWindows(sentences.line_batches, encode, collate, hp.predict_window,
+                                  max_tokens=budget, name=sentences.name)  # fmt: skip
+        return DataLoader(batches, batch_size=None)
 
     # -- checkpoint ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -7,10 +7,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.fabric.utilities import move_data_to_device
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
+from lightning_utilities.core.apply_func import apply_to_collection
 
+from datamodules.pair_batches import InputOrder
 from datamodules.vocab.code_grammar import CodeGrammar
 from datamodules.vocab.hybrid_lightrnn import HybridLightRNNVocab
 from heads import Head
@@ -19,12 +20,16 @@ from lightning_modules.checks import HEAD_KEY, tie_head
 from lightning_modules.errors import ModelConfigError
 from lightning_modules.head_task import HeadTask, warn_once
 from lightning_modules.optimization import SchedulerInterval
+from lightning_modules.predict_stop import stop_if_terminated
 from lightning_modules.pretrained import Pretrained, read_pretrained
 from lightning_modules.unknown_input import UnknownInput
 from lightning_modules.weighted_mean import WeightedMean
 from lightning_modules.word_perplexity import (
+    RENORMALISED_STAGES,
+    code_grammar,
+    update_renormalised_sums,
     update_word_sums,
-    word_perplexity,
+    word_perplexities,
     word_starts,
     word_sums,
 )
@@ -55,7 +60,9 @@ class LanguageModel(HeadTask):
     (:class:`~lightning_modules.weighted_mean.WeightedMean`, reduced over DDP ranks), not a
     mean of batch perplexities. When the data module's ids are codes of words (BPE pieces,
     Hybrid-LightRNN codes: it has a ``word_start_mask``), ``{stage}/word_ppl`` is also logged:
-    ``exp(sum of code NLLs / number of words)``, comparable across vocabularies.
+    ``exp(sum of code NLLs / number of words)``, comparable across vocabularies; over
+    Hybrid-LightRNN codes validation and test add ``{stage}/word_ppl_renorm``, the code model
+    renormalised over valid code sequences (``lightning_modules/word_perplexity.py``).
 
     Args:
         backbone: maps ``[B, T]`` ids to ``[B, T, d]`` context vectors.
@@ -134,6 +141,7 @@ class LanguageModel(HeadTask):
         self.word_metrics = word_sums(STAGES)  # over codes (lightning_modules/word_perplexity.py)
         self._word_starts: torch.Tensor | None = None
         self._unknown = UnknownInput("prompt")  # predict's input read as <unk>, said at its end
+        self._order = InputOrder()  # predict's results held back until the earlier lines' are out
 
     # -- steps -------------------------------------------------------------------------
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -193,6 +201,7 @@ class LanguageModel(HeadTask):
         metric = self.metrics[f"{stage}_nll"]
         metric.update(output.loss.detach(), weight=tokens)
         self._update_word_nll(stage, output.nll.detach(), targets.reshape(-1))
+        self._update_renormalised_nll(stage, hidden, inputs, targets)
         loss = output.loss + output.aux_loss
         extra = self.backbone.extra_loss()  # e.g. AWD-LSTM's AR/TAR (training only)
         if extra is not None:
@@ -225,10 +234,28 @@ class LanguageModel(HeadTask):
                 return
         update_word_sums(self.word_metrics, stage, self._word_starts, nll, targets)
 
+    def _update_renormalised_nll(
+        self, stage: str, hidden: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> None:
+        """Over Hybrid-LightRNN codes, evaluation also sums the word NLL renormalised over the
+        valid code sequences (``{stage}/word_ppl_renorm``, lightning_modules/word_perplexity.py):
+        the head's distribution once more over this window's rows, each input code being the
+        one before its target."""
+        if self._word_starts is None or stage not in RENORMALISED_STAGES:
+            return
+        grammar = code_grammar(self._trainer, self.device)
+        if grammar is not None:
+            update_renormalised_sums(
+                self.word_metrics, stage, self.head.training_log_prob,
+                hidden.reshape(-1, hidden.size(-1)), inputs.reshape(-1), targets.reshape(-1),
+                grammar,
+            )  # fmt: skip
+
     def _log_split_perplexity(self, stage: str) -> None:
         if self._word_starts is not None:
-            ppl = word_perplexity(self.word_metrics, stage)
-            self.log(f"{stage}/word_ppl", ppl, prog_bar=True, sync_dist=False)
+            renormalised = code_grammar(self._trainer, self.device) is not None
+            for name, value in word_perplexities(self.word_metrics, stage, renormalised).items():
+                self.log(f"{stage}/{name}", value, prog_bar=name == "word_ppl", sync_dist=False)
         metric = self.metrics[f"{stage}_nll"]
         mean_nll = metric.compute()
         metric.reset()
@@ -260,20 +287,29 @@ class LanguageModel(HeadTask):
         self._log_split_perplexity("test")
 
     # -- predict: next-token top-k, optional sampling -----------------------------------
+    def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        stop_if_terminated(self._trainer, self._order)  # (Lightning's predict loop does not)
+
     def on_predict_epoch_start(self) -> None:
         self._unknown.reset()
+        self._order.reset()
 
     def on_predict_epoch_end(self) -> None:
         self._unknown.report()
 
-    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[dict[str, Any]]:
+    def predict_step(
+        self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0
+    ) -> list[dict[str, Any]]:
         """A batch of prompts (``PromptBatches``: right-padded ids and each prompt's length),
-        one result each, in their order. The backbones are causal, so each prompt's context
-        vector is read at its last real position, untouched by the padding after it; the
-        top-k of the whole batch is one ``head.topk`` and one read-back. Over Hybrid-LightRNN
-        codes, and for sampling after a backbone that carries a state (whose state after the
-        padding is not the prompt's), each prompt's own state is read (:meth:`_read_prompts`).
-        """
+        one result each. The backbones are causal, so each prompt's context vector is read at
+        its last real position, untouched by the padding after it; the top-k of the whole
+        batch is one ``head.topk`` and one read-back. Over Hybrid-LightRNN codes, and for
+        sampling after a backbone that carries a state (whose state after the padding is not
+        the prompt's), each prompt's own state is read (:meth:`_read_prompts`).
+
+        The loader sorts each window's prompts by length, so a batch's prompts are scattered:
+        the step returns the results that now continue the input's order (:class:`InputOrder`;
+        none, or several batches' worth), so the writer prints the input's order."""
         vocab = self.trainer.datamodule.vocab
         self._unknown.add_counts(batch["unknown"], batch["tokens"])  # counted as encoded
         # each prompt's length: on the host (the loops' decisions) and on the device (indices)
@@ -308,7 +344,11 @@ class LanguageModel(HeadTask):
             samples = self._sample_batch(ids, lengths, ends, last, state, grammar)
             for result, sample in zip(results, samples, strict=True):
                 result["sample"] = " ".join(vocab.decode_words(sample))
-        return results
+        if "input_lines" not in batch:  # a batch built by hand, in its own order
+            return results
+        # the last batch gives every result held (limit_predict_batches may end it early)
+        last = batch["last"] or batch_idx + 1 >= self.trainer.num_predict_batches[dataloader_idx]
+        return self._order.put(batch["input_lines"], results, last)
 
     # -- predict's reading of prompts --------------------------------------------------------
     # ``lengths`` (host) and ``ends`` (the same on the device) are each row's real tokens in
@@ -491,9 +531,20 @@ class LanguageModel(HeadTask):
         return self._state.get("train")
 
     def continue_epoch_state(self, state: Any) -> None:
-        # the next windows see the same context as without the stop
+        # the next windows see the same context as without the stop, in the backbone's dtype:
+        # a fit stopped under bf16-true and resumed under 32-true (or the reverse) gave the
+        # LSTM the checkpoint's bfloat16 state beside float32 weights, and it stopped with
+        # "could not create a primitive descriptor" (CUDA: "Input and hidden tensors are not
+        # the same dtype"); under a mixed precision the weights' float32, cast by autocast
         if state is not None:
-            self._state["train"] = move_data_to_device(state, self.device)
+            dtype = next(
+                (p.dtype for p in self.backbone.parameters() if p.is_floating_point()), None
+            )
+            self._state["train"] = apply_to_collection(
+                state,
+                torch.Tensor,
+                lambda t: t.to(self.device, dtype if t.is_floating_point() else t.dtype),
+            )
 
 
 def _first_words(codes: list[int], is_row: list[bool], words: int) -> list[int]:

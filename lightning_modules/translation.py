@@ -14,6 +14,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from sacrebleu.metrics import BLEU
 
+from datamodules.pair_batches import InputOrder
 from heads import IGNORE_INDEX, Head, HeadOutput
 from lightning_modules.backbones.seq2seq import Seq2SeqTransformer
 from lightning_modules.checks import tie_head
@@ -21,11 +22,14 @@ from lightning_modules.decoding import DecodeConfig, beam_search, greedy_decode
 from lightning_modules.errors import ModelConfigError
 from lightning_modules.head_task import HeadTask, warn_once
 from lightning_modules.optimization import SchedulerInterval
+from lightning_modules.predict_stop import stop_if_terminated
 from lightning_modules.unknown_input import UnknownInput
 from lightning_modules.weighted_mean import WeightedMean
 from lightning_modules.word_perplexity import (
+    code_grammar,
+    update_renormalised_sums,
     update_word_sums,
-    word_perplexity,
+    word_perplexities,
     word_starts,
     word_sums,
 )
@@ -179,8 +183,7 @@ class Translation(HeadTask):
         self._decode_seconds = 0.0
         # predict's source words read as <unk>, said at its end
         self._unknown = UnknownInput("source")
-        self._held: dict[int, str] = {}  # predict: translations waiting for earlier lines
-        self._next_line = 0
+        self._order = InputOrder()  # predict: translations waiting for earlier lines
 
     # -- loss --------------------------------------------------------------------------
     def forward(
@@ -233,11 +236,13 @@ class Translation(HeadTask):
         self, batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`loss`'s pair and the NLL of each target token ``[N]``."""
-        mean_nll, output = self._head_output(batch)
+        mean_nll, output, _ = self._head_output(batch)
         return mean_nll, output.loss + output.aux_loss, output.nll
 
-    def _head_output(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, HeadOutput]:
-        """The mean NLL of the reference tokens and the head's output."""
+    def _head_output(
+        self, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, HeadOutput, torch.Tensor]:
+        """The mean NLL of the reference tokens, the head's output and its input ``[N, d]``."""
         hidden = self.backbone(batch["source"], batch["source_padding"], batch["target_input"])
         hidden = hidden.reshape(-1, hidden.size(-1))
         target = batch["target_output"].reshape(-1)
@@ -247,10 +252,10 @@ class Translation(HeadTask):
             mean_nll = output.loss
         else:
             mean_nll = output.nll.sum() / (target != IGNORE_INDEX).sum().clamp_min(1)
-        return mean_nll, output
+        return mean_nll, output, hidden
 
     def _step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
-        nll, output = self._head_output(batch)
+        nll, output, hidden = self._head_output(batch)
         loss, token_nll = output.loss + output.aux_loss, output.nll
         tokens = (batch["target_output"] != IGNORE_INDEX).sum()
         logged_loss, logged_nll = loss, nll
@@ -270,6 +275,12 @@ class Translation(HeadTask):
         if self._word_starts is not None:  # targets are codes: the words' sums too
             targets, token_nll = batch["target_output"].reshape(-1), token_nll.detach()
             update_word_sums(self.word_metrics, stage, self._word_starts, token_nll, targets)
+            # and renormalised over valid code sequences (lightning_modules/word_perplexity.py)
+            grammar = code_grammar(self._trainer, self.device)
+            if grammar is not None:
+                previous = batch["target_input"].reshape(-1)  # <bos> (= <eos>) starts a word
+                update_renormalised_sums(self.word_metrics, stage, self.head.training_log_prob,
+                                         hidden.detach(), previous, targets, grammar)  # fmt: skip
         return loss
 
     def train_metrics(self) -> dict[str, Any]:
@@ -337,38 +348,35 @@ class Translation(HeadTask):
         self._eval_step(batch, "test", self.decode.beam_size)
 
     def predict_step(
-        self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0
+        self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0
     ) -> list[dict[str, str]]:
         """Translations of ``data.predict_sentences`` or ``predict_file`` (``beam_size``); a
         blank line stays blank (a document's paragraph breaks), whatever the model says.
 
         The data module batches the lines sorted by length within windows
-        (``WindowedLengthBatches``), so a batch's lines are scattered: each step returns the
-        translations that now continue the input's order (line 0, 1, ... as far as every
-        line is done; none, or several batches' worth), so the writer prints, and
-        ``trainer.predict`` returns once flattened, the input's order. The last batch gives
-        every line still held (all of them, unless ``limit_predict_batches`` left some
-        out), in order."""
+        (``StreamedWindows``), so a batch's lines are scattered: each step returns the
+        translations that now continue the input's order (:class:`InputOrder`: line 0, 1,
+        ... as far as every line is done; none, or several batches' worth), so the writer
+        prints, and ``trainer.predict`` returns once flattened, the input's order. The last
+        batch gives every line still held (all of them, unless ``limit_predict_batches`` left
+        some out), in order."""
         data = self.trainer.datamodule
-        sources, indices = data.predict_sources, batch["index"].tolist()
+        sources, indices = batch["text"], batch["input_lines"]
         hypotheses = self.translate(batch, self.decode.beam_size)
-        for i, ids in zip(indices, hypotheses, strict=True):
-            self._held[i] = data.detokenize(ids) if sources[i].strip() else ""
-        last = batch_idx + 1 >= self.trainer.num_predict_batches[dataloader_idx]
-        ready = sorted(self._held) if last else []
-        while not last and self._next_line in self._held:
-            ready.append(self._next_line)
-            self._next_line += 1
         records = []
-        for i in ready:
-            self._unknown.add(data.source_vocab, sources[i])  # (names lines in input order)
-            records.append({"source": sources[i], "translation": self._held.pop(i)})
-        return records
+        for text, ids in zip(sources, hypotheses, strict=True):
+            self._unknown.add(data.source_vocab, text)  # (counts only: the order is no matter)
+            translation = data.detokenize(ids) if text.strip() else ""
+            records.append({"source": text, "translation": translation})
+        last = batch["last"] or batch_idx + 1 >= self.trainer.num_predict_batches[dataloader_idx]
+        return self._order.put(indices, records, last)
+
+    def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        stop_if_terminated(self._trainer, self._order)  # (Lightning's predict loop does not)
 
     def on_predict_epoch_start(self) -> None:
         self._unknown.reset()
-        # translations done but not yet written: those after a line still to come
-        self._held, self._next_line = {}, 0
+        self._order.reset()  # translations done but not yet written: those after a line to come
 
     def on_predict_epoch_end(self) -> None:
         self._unknown.report()
@@ -384,7 +392,9 @@ class Translation(HeadTask):
         self.log(loss_tag, mean_nll, prog_bar=stage != "train")
         self.log(f"{stage}/ppl", mean_nll.exp(), prog_bar=stage != "train")
         if stage != "train" and self._word_starts is not None:  # codes: per word too
-            self.log(f"{stage}/word_ppl", word_perplexity(self.word_metrics, stage))
+            renormalised = code_grammar(self._trainer, self.device) is not None
+            for name, value in word_perplexities(self.word_metrics, stage, renormalised).items():
+                self.log(f"{stage}/{name}", value)
 
     def _gathered_translations(self) -> dict[int, list[int]]:
         translations, self._translations = self._translations, {}

@@ -168,9 +168,6 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*IterableDataset.*has `__len__` defined.*")
     warnings.filterwarnings("ignore", ".*infer the batch indices.*")
-    # translation's predict batches sorted by length within windows: every line is in one
-    # batch (WindowedLengthBatches), which Lightning cannot tell from a custom batch sampler
-    warnings.filterwarnings("ignore", ".*custom batch sampler .* for prediction.*")
     # overfit_batches: Lightning cannot tell that the BPTT windows (an IterableDataset) come
     # in order; translation keeps its training batches alike itself (LengthSortedSampler)
     warnings.filterwarnings("ignore", ".*requested to overfit but enabled .* shuffling.*")

@@ -120,6 +120,14 @@ def test_one_training_file_with_held_out_splits(tmp_path, caplog):
     assert data.split_tokens("train").numel() == 95 * 3
 
 
+def _in_input_order(batches) -> list[str]:
+    """The prompts of predict's batches (sorted by length within windows) in the input's
+    order, by each one's ``input_lines``."""
+    numbered = [(i, p) for b in batches for i, p in zip(b["input_lines"], b["prompt"], strict=True)]
+    assert sorted(i for i, _ in numbered) == list(range(len(numbered)))
+    return [p for _, p in sorted(numbered)]
+
+
 def test_prompts_from_a_file_are_the_given_prompts(tmp_path, monkeypatch):
     """``data.predict_file`` (compressed, a CRLF line, a blank one): the same batches as
     ``data.predict_prompts`` of its lines; one or the other; a missing file is named."""
@@ -132,7 +140,7 @@ def test_prompts_from_a_file_are_the_given_prompts(tmp_path, monkeypatch):
     from_file = LanguageModelingDataModule(predict_file=str(tmp_path / "prompts.txt"), **options)
     expected = list(given.predict_dataloader())
     batches = list(from_file.predict_dataloader())
-    assert [p for b in batches for p in b["prompt"]] == prompts
+    assert _in_input_order(batches) == prompts
     for batch, reference in zip(batches, expected, strict=True):
         assert torch.equal(batch["ids"], reference["ids"])
         assert batch["lengths"] == reference["lengths"]
@@ -151,7 +159,7 @@ def test_prompts_from_a_file_are_the_given_prompts(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"x y\nz\n\ny x z\n")))
     from_stdin = LanguageModelingDataModule(predict_file="-", **options)
     for _ in range(2):
-        assert [p for b in from_stdin.predict_dataloader() for p in b["prompt"]] == prompts
+        assert _in_input_order(from_stdin.predict_dataloader()) == prompts
     text_source._stdin_lines.cache_clear()
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\xff\xfe")))
     with pytest.raises(DataFormatError, match="standard input is not UTF-8 text"):

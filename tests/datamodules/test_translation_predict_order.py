@@ -1,5 +1,5 @@
 """``predict`` on a file of mixed lengths: the lines batched sorted by length within windows
-(``WindowedLengthBatches``), the translations identical, line for line, to those of the
+(``StreamedWindows``), the translations identical, line for line, to those of the
 file-order batching (64 lines a batch) that it replaced, written in the file's order, with
 far fewer padded tokens."""
 
@@ -120,11 +120,11 @@ def test_predict_batches_pad_less_than_file_order(tmp_path):
 def test_windowed_batches_plainly():
     """Each window stably sorted by length, cut where ``lines x longest`` passes the budget;
     a line over the budget alone."""
-    from datamodules.pair_batches import WindowedLengthBatches
+    from datamodules.pair_batches import check_window, window_batches
 
-    lengths = [5, 2, 9, 2, 30, 3, 1, 1]
-    batches = list(WindowedLengthBatches(lengths, max_tokens=10, window=4))
-    # window [5, 2, 9, 2] sorted: 1, 3 (2, 2), 0 (5), 2 (9); then [30, 3, 1, 1]: 6, 7, 5, 4
-    assert batches == [[1, 3], [0], [2], [6, 7, 5], [4]]
+    # window [5, 2, 9, 2] sorted: 1, 3 (2, 2), 0 (5), 2 (9); then [30, 3, 1, 1]: 2, 3, 1, 0
+    assert window_batches([5, 2, 9, 2], max_tokens=10) == [[1, 3], [0], [2]]
+    assert window_batches([30, 3, 1, 1], max_tokens=10) == [[2, 3, 1], [0]]
+    assert window_batches([1, 1, 1], max_tokens=None, max_lines=2) == [[0, 1], [2]]
     with pytest.raises(DataConfigError, match="predict_window"):
-        WindowedLengthBatches(lengths, max_tokens=10, window=0)
+        check_window(0)

@@ -187,22 +187,29 @@ def test_each_prompt_is_encoded_once_and_unk_is_counted_as_before(tmp_path, monk
 
 def test_a_batch_is_right_padded_with_each_prompts_length(tmp_path, monkeypatch):
     """Batches of prompts, right-padded with <eos>, each prompt's length and counts beside;
-    nothing encoded before its batch is read (a long file's memory stays flat)."""
+    nothing encoded before its window is read (a long file's memory stays flat). The window
+    (every prompt here) is sorted by length (a stable sort), each batch's prompts carry
+    their line in the input."""
     data = _data(tmp_path, "word", batch_size=4)
     calls = _count_encoding(monkeypatch)
     loader = data.predict_dataloader()
-    assert calls == [] and len(loader) == 2
+    assert calls == []
     first, second = list(loader)
-    assert calls == PROMPTS
+    assert calls == PROMPTS  # encoded in the input's order
     vocab = data.vocab
-    assert first["prompt"] == PROMPTS[:4] and second["prompt"] == PROMPTS[4:]
-    assert first["lengths"] == [5, 1, 2, 1]
-    assert first["ids"].shape == (4, 5)
-    for row, prompt, length in zip(first["ids"], first["prompt"], first["lengths"], strict=True):
-        ids = vocab.encode_line(prompt, add_eos=False) or [vocab.eos_id]
-        assert row[:length].tolist() == ids
-        assert (row[length:] == vocab.eos_id).all()
-    assert first["unknown"] == [0, 0, 2, 0] and first["tokens"] == [5, 1, 2, 0]
+    # lengths 5, 1, 2, 1 (empty: <eos>), 11, 3, 2: sorted 1, 1, 2, 2 | 3, 5, 11
+    assert first["input_lines"] == [1, 3, 2, 6] and second["input_lines"] == [5, 0, 4]
+    assert first["prompt"] == [PROMPTS[i] for i in (1, 3, 2, 6)]
+    assert (first["last"], second["last"]) == (False, True)
+    assert first["lengths"] == [1, 1, 2, 2]
+    assert first["ids"].shape == (4, 2) and second["ids"].shape == (3, 11)
+    for batch in (first, second):
+        for row, prompt, length in zip(batch["ids"], batch["prompt"], batch["lengths"],
+                                       strict=True):  # fmt: skip
+            ids = vocab.encode_line(prompt, add_eos=False) or [vocab.eos_id]
+            assert row[:length].tolist() == ids
+            assert (row[length:] == vocab.eos_id).all()
+    assert first["unknown"] == [0, 0, 2, 0] and first["tokens"] == [1, 0, 2, 2]
 
 
 def test_a_bpe_prompts_unseen_character_counts_as_unknown(tmp_path):
@@ -225,3 +232,57 @@ def test_a_bpe_prompts_unseen_character_counts_as_unknown(tmp_path):
     assert (counted.unknown, counted.tokens) == (2, 4)
     (batch,) = list(data.predict_dataloader())
     assert batch["unknown"] == [0, 2] and batch["tokens"] == [2, 4]
+
+
+# -- windows sorted by length (data.predict_window) ------------------------------------------
+MIXED = [
+    " ".join(f"w{(i * 5 + j) % 12}" for j in range(n))
+    for i, n in enumerate([1, 9, 2, 0, 12, 3, 1, 7, 2, 4, 1, 10, 5, 2, 3])
+]
+
+
+@pytest.mark.parametrize("kind", ["lstm", "transformer", "ngram"])
+def test_sorted_windows_keep_the_input_order_and_each_prompts_top_k(tmp_path, kind):
+    """Windows of 6 prompts sorted by length, batches of 4: the output is the input's order
+    (a window's results held back until the earlier lines are out), each prompt's top-k the
+    one it has alone (float64, computed plainly), and greedy continuations each prompt's own;
+    the padding is a fraction of the input-order batching's."""
+    data = _data(tmp_path, "word", batch_size=4, prompts=MIXED)
+    data.hparams.predict_window = 6
+    options = {"generate_tokens": 3, "temperature": 1e-4}
+    model = _model(kind, data.vocab_size, **options)
+    rows = _predict(model, data)
+    assert [row["prompt"] for row in rows] == MIXED
+    for row in rows:
+        assert row["top_k"] == _plain_top_k(model, data, row["prompt"]), row["prompt"]
+    alone = _data(tmp_path, "word", batch_size=1, prompts=MIXED)
+    assert [r["sample"] for r in rows] == [r["sample"] for r in _predict(model, alone)]
+    lengths = [max(len(p.split()), 1) for p in MIXED]
+    padded = sum(b["ids"].numel() for b in data.predict_dataloader())
+    in_order = sum(len(lengths[a : a + 4]) * max(lengths[a : a + 4]) for a in range(0, 15, 4))
+    assert sum(len(b["prompt"]) for b in data.predict_dataloader()) == len(MIXED)
+    # windows [1 9 2 1 12 3] [1 7 2 4 1 10] [5 2 3]: 4x3 + 2x12, 4x4 + 2x10, 3x5 against
+    # 4x9 + 4x12 + 4x10 + 3x5 in the input's order
+    assert (padded, in_order) == (87, 139)
+
+
+@pytest.mark.parametrize("task", ["top_k", "sample"])
+def test_a_limited_predict_writes_every_prompt_it_read_in_order(tmp_path, task):
+    """``limit_predict_batches`` ends the run inside a window: the last batch run gives
+    every result still held back, in the input's order (prompts of later batches of the
+    window are not read)."""
+    data = _data(tmp_path, "word", batch_size=2, prompts=MIXED)
+    data.hparams.predict_window = 8
+    model = _model("lstm", data.vocab_size, generate_tokens=2 if task == "sample" else 0)
+    trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_predict_batches=2)  # fmt: skip
+    rows = [row for batch in trainer.predict(model, data) for row in batch]
+    # window 1 lengths 1 9 2 1 12 3 1 7: sorted batches [0 3] [6 2] ...
+    assert [row["prompt"] for row in rows] == [MIXED[i] for i in (0, 2, 3, 6)]
+
+
+def test_a_bad_window_is_named():
+    from datamodules.errors import DataConfigError
+
+    with pytest.raises(DataConfigError, match="data.predict_window must be a positive integer"):
+        LanguageModelingDataModule(predict_window=0)
