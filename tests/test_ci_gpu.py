@@ -196,7 +196,8 @@ def test_quick_measures_every_target(tmp_path):
 def _toy(argv: list[str]) -> list[str]:
     """A recorded command at a toy size a CPU runs in seconds (d = 16, 64 tokens; the whole
     LM's 70 = 2 x 35; the memory search in 64 MiB up to 256 tokens), its vocabularies,
-    subjects and repeats kept; the sweep on the CPU at one repeat."""
+    subjects and repeats kept, one step a repeat, memory measured only where a target reads
+    it; the sweep on the CPU at one repeat."""
     sizes = {"--hidden-sizes": "16", "--hidden": "16", "--tokens": "64",
              "--memory-budget-mb": "64", "--max-batch": "256"}  # fmt: skip
     argv = [sizes.get(before, a) for before, a in zip(["", *argv], argv, strict=False)]
@@ -205,6 +206,14 @@ def _toy(argv: list[str]) -> list[str]:
     if argv[:2] == ["-m", "app.bench.sweep"]:
         argv = [*argv, "--device", "cpu", "--tokens", "64", "--hidden", "16"]
         argv[argv.index("--repeats") + 1] = "1"
+    if argv[:2] == ["-m", "app.bench"] and "--time" not in argv:
+        # one step a repeat and one warm-up; the repeats kept (the targets' intervals want 6)
+        argv = [{"--steps-per-repeat": "1", "--warmup": "1"}.get(before, a)
+                for before, a in zip(["", *argv], argv, strict=False)]  # fmt: skip
+        if "bench_gpu_heads_100k" not in argv:
+            # a CPU measures memory in a fresh process per subject (~10 s of imports each);
+            # only the softmax's memory at 100k feeds a target
+            argv = [*argv, "--memory", "skip"]
     return argv
 
 
