@@ -521,15 +521,19 @@ def join_tiles(parts):
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+# the engine's flag for the running backward (private, read by AOTAutograd for the same purpose)
+_KEEP_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
 def graph_kept() -> bool:
     """Whether the backward running now keeps its graph for another (``retain_graph``, or
     ``create_graph``'s default), as autograd's engine knows it; True outside a backward and
     under ``torch.compile`` (AOTAutograd plans a traced backward's memory itself). Where it
     is False each saved tensor is read this once: AOTAutograd's own backward asks the same
     (``saved_tensors_use_once``) to hand its saved buffers over."""
-    if torch.compiler.is_compiling():
-        return True
-    return torch._C._autograd._get_current_graph_task_keep_graph()
+    if torch.compiler.is_compiling() or _KEEP_GRAPH is None:
+        return True  # (a torch without the engine's flag: the copy, as before)
+    return _KEEP_GRAPH()
 
 
 def scaled_gradients(stored, need, factor: torch.Tensor | None,

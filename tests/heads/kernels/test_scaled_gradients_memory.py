@@ -284,3 +284,15 @@ def test_views_of_one_buffer_are_each_scaled_once():
 def test_outside_a_backward_the_graph_counts_as_kept():
     """Nothing is scaled in place where autograd's engine is not running a backward."""
     assert rows_ce.graph_kept()
+
+
+def test_a_torch_without_the_engines_flag_keeps_the_copy(monkeypatch):
+    """Where torch lacks the engine's private keep-graph flag, every backward scales out of
+    place (as before the hand-over), and the gradients stay right."""
+    monkeypatch.setattr(rows_ce, "_KEEP_GRAPH", None)
+    assert rows_ce.graph_kept()
+    stored = [torch.ones(3, dtype=torch.float64)]
+    factor = torch.tensor(2.0, dtype=torch.float64)
+    scaled = rows_ce.scaled_gradients(stored, [True], factor)
+    assert scaled[0] is not stored[0] and torch.equal(stored[0], torch.ones(3, dtype=torch.float64))
+    assert torch.equal(scaled[0], torch.full((3,), 2.0, dtype=torch.float64))
