@@ -15,6 +15,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
+from datamodules.pair_batches import InputOrder
 from heads import Head, HeadOutput, HeadSetup
 from heads.fused_cross_entropy import (
     EXTERNAL_PACKAGES,
@@ -58,7 +59,9 @@ from lightning_modules.optimization import (
     plateau_monitors,
     step_plateau_schedulers,
 )
+from lightning_modules.predict_stop import stop_if_terminated
 from lightning_modules.static_rows import pad_rows, pad_target, padded_rows
+from lightning_modules.unknown_input import UnknownInput
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +168,8 @@ class HeadTask(L.LightningModule):
     scheduler_interval: SchedulerInterval | None = None
     compile_options: dict[str, Any] | None = None
 
+    predict_input = "line"  # what a line of predict's input is called (its <unk> count)
+
     def __init__(
         self,
         backbone: torch.nn.Module,
@@ -198,6 +203,10 @@ class HeadTask(L.LightningModule):
         self.head_inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # head_loss's
         # what load_from_checkpoint rebuilds the two modules from (built by the CLI only)
         self._module_configs = cli_module_configs(head.hidden_size)
+        # predict: its input read as <unk> (said at its end), and its results held back until
+        # every earlier line's are out (the loader sorts each window by length)
+        self._unknown = UnknownInput(self.predict_input)
+        self._order = InputOrder()
 
     @classmethod
     def load_from_checkpoint(  # type: ignore[override]
@@ -508,6 +517,26 @@ class HeadTask(L.LightningModule):
             if saved["rng"] is not None:  # the dropout masks the uninterrupted run drew next
                 set_rng_states(saved["rng"], self.device)
         mark_position(self.trainer, loader, batch_idx)
+
+    # -- predict: the input's order, its <unk> count, SIGTERM --------------------------------
+    def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        stop_if_terminated(self._trainer, self._order)  # (Lightning's predict loop does not)
+
+    def on_predict_epoch_start(self) -> None:
+        self._unknown.reset()
+        self._order.reset()
+
+    def on_predict_epoch_end(self) -> None:
+        self._unknown.report()
+
+    def in_input_order(
+        self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int, results: list[Any]
+    ) -> list[Any]:
+        """A predict batch's ``results`` (one per line of ``batch["input_lines"]``) given back
+        with those held before as the input's order allows (:class:`InputOrder`); the last
+        batch gives every result held (``limit_predict_batches`` may end the input early)."""
+        last = batch["last"] or batch_idx + 1 >= self.trainer.num_predict_batches[dataloader_idx]
+        return self._order.put(batch["input_lines"], results, last)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[HEAD_KEY] = head_class_name(self.head)

@@ -11,7 +11,6 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from datamodules.pair_batches import InputOrder
 from datamodules.vocab.code_grammar import CodeGrammar
 from datamodules.vocab.hybrid_lightrnn import HybridLightRNNVocab
 from heads import Head
@@ -20,9 +19,7 @@ from lightning_modules.checks import HEAD_KEY, tie_head
 from lightning_modules.errors import ModelConfigError
 from lightning_modules.head_task import HeadTask, warn_once
 from lightning_modules.optimization import SchedulerInterval
-from lightning_modules.predict_stop import stop_if_terminated
 from lightning_modules.pretrained import Pretrained, read_pretrained
-from lightning_modules.unknown_input import UnknownInput
 from lightning_modules.weighted_mean import WeightedMean
 from lightning_modules.word_perplexity import (
     RENORMALISED_STAGES,
@@ -98,6 +95,8 @@ class LanguageModel(HeadTask):
     # the run's quality in TensorBoard's HPARAMS tab (hp_metric): its best validation perplexity
     HP_METRIC = ("val/ppl", "min")
 
+    predict_input = "prompt"
+
     def __init__(
         self,
         backbone: LMBackbone,
@@ -140,8 +139,6 @@ class LanguageModel(HeadTask):
         )
         self.word_metrics = word_sums(STAGES)  # over codes (lightning_modules/word_perplexity.py)
         self._word_starts: torch.Tensor | None = None
-        self._unknown = UnknownInput("prompt")  # predict's input read as <unk>, said at its end
-        self._order = InputOrder()  # predict's results held back until the earlier lines' are out
 
     # -- steps -------------------------------------------------------------------------
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -287,16 +284,6 @@ class LanguageModel(HeadTask):
         self._log_split_perplexity("test")
 
     # -- predict: next-token top-k, optional sampling -----------------------------------
-    def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        stop_if_terminated(self._trainer, self._order)  # (Lightning's predict loop does not)
-
-    def on_predict_epoch_start(self) -> None:
-        self._unknown.reset()
-        self._order.reset()
-
-    def on_predict_epoch_end(self) -> None:
-        self._unknown.report()
-
     def predict_step(
         self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0
     ) -> list[dict[str, Any]]:
@@ -346,9 +333,7 @@ class LanguageModel(HeadTask):
                 result["sample"] = " ".join(vocab.decode_words(sample))
         if "input_lines" not in batch:  # a batch built by hand, in its own order
             return results
-        # the last batch gives every result held (limit_predict_batches may end it early)
-        last = batch["last"] or batch_idx + 1 >= self.trainer.num_predict_batches[dataloader_idx]
-        return self._order.put(batch["input_lines"], results, last)
+        return self.in_input_order(batch, batch_idx, dataloader_idx, results)
 
     # -- predict's reading of prompts --------------------------------------------------------
     # ``lengths`` (host) and ``ends`` (the same on the device) are each row's real tokens in

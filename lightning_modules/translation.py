@@ -14,7 +14,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from sacrebleu.metrics import BLEU
 
-from datamodules.pair_batches import InputOrder
 from heads import IGNORE_INDEX, Head, HeadOutput
 from lightning_modules.backbones.seq2seq import Seq2SeqTransformer
 from lightning_modules.checks import tie_head
@@ -22,8 +21,6 @@ from lightning_modules.decoding import DecodeConfig, beam_search, greedy_decode
 from lightning_modules.errors import ModelConfigError
 from lightning_modules.head_task import HeadTask, warn_once
 from lightning_modules.optimization import SchedulerInterval
-from lightning_modules.predict_stop import stop_if_terminated
-from lightning_modules.unknown_input import UnknownInput
 from lightning_modules.weighted_mean import WeightedMean
 from lightning_modules.word_perplexity import (
     code_grammar,
@@ -123,6 +120,8 @@ class Translation(HeadTask):
     # the run's quality in TensorBoard's HPARAMS tab (hp_metric): its best validation BLEU
     HP_METRIC = ("val/bleu", "max")
 
+    predict_input = "source"
+
     def __init__(
         self,
         backbone: Seq2SeqTransformer,
@@ -182,8 +181,6 @@ class Translation(HeadTask):
         self._translations: dict[int, list[int]] = {}
         self._decode_seconds = 0.0
         # predict's source words read as <unk>, said at its end
-        self._unknown = UnknownInput("source")
-        self._order = InputOrder()  # predict: translations waiting for earlier lines
 
     # -- loss --------------------------------------------------------------------------
     def forward(
@@ -361,25 +358,14 @@ class Translation(HeadTask):
         batch gives every line still held (all of them, unless ``limit_predict_batches`` left
         some out), in order."""
         data = self.trainer.datamodule
-        sources, indices = batch["text"], batch["input_lines"]
+        sources = batch["text"]
         hypotheses = self.translate(batch, self.decode.beam_size)
         records = []
         for text, ids in zip(sources, hypotheses, strict=True):
             self._unknown.add(data.source_vocab, text)  # (counts only: the order is no matter)
             translation = data.detokenize(ids) if text.strip() else ""
             records.append({"source": text, "translation": translation})
-        last = batch["last"] or batch_idx + 1 >= self.trainer.num_predict_batches[dataloader_idx]
-        return self._order.put(indices, records, last)
-
-    def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        stop_if_terminated(self._trainer, self._order)  # (Lightning's predict loop does not)
-
-    def on_predict_epoch_start(self) -> None:
-        self._unknown.reset()
-        self._order.reset()  # translations done but not yet written: those after a line to come
-
-    def on_predict_epoch_end(self) -> None:
-        self._unknown.report()
+        return self.in_input_order(batch, batch_idx, dataloader_idx, records)
 
     # -- epoch ends: perplexity, BLEU, samples, translations file ------------------------
     def _log_perplexity(self, stage: str) -> None:
